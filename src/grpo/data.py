@@ -1,0 +1,191 @@
+"""Datasets: the built-in arithmetic task, JSONL rows, and prompt rendering.
+
+A row is a dict with a prompt (a string, or a list of chat messages) and any
+other columns; reward functions receive the other columns as keyword lists.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any, Iterator
+
+from grpo.config import ArithmeticConfig, ConfigError, DataConfig
+
+Row = dict[str, Any]
+
+
+# --------------------------------------------------------------------------
+# The built-in arithmetic task (the seed's experiment)
+# --------------------------------------------------------------------------
+
+
+def evaluate_expression(operands: list[int], operators: list[str]) -> int:
+    """Integer value of `a op b op c ...` with * before + and -."""
+    terms = [operands[0]]
+    signs = [1]
+    for op, value in zip(operators, operands[1:]):
+        if op == "*":
+            terms[-1] *= value
+        else:
+            terms.append(value)
+            signs.append(1 if op == "+" else -1)
+    return sum(s * t for s, t in zip(signs, terms))
+
+
+def _draw_problem(rng: random.Random, cfg: ArithmeticConfig) -> tuple[str, int]:
+    operands = [rng.randint(low, high) for low, high in cfg.operands]
+    pieces = [str(operands[0])]
+    for op, value in zip(cfg.operators, operands[1:]):
+        pieces += [op, str(value)]
+    return " ".join(pieces), evaluate_expression(operands, cfg.operators)
+
+
+def _space_size(cfg: ArithmeticConfig) -> int:
+    size = 1
+    for low, high in cfg.operands:
+        size *= high - low + 1
+    return size
+
+
+def _row(expression: str, answer: int, cfg: ArithmeticConfig) -> Row:
+    content = cfg.instruction.format(expression=expression)
+    return {"prompt": [{"role": "user", "content": content}], "answer": answer, "expression": expression}
+
+
+def arithmetic_splits(cfg: ArithmeticConfig, seed: int) -> tuple[list[Row], list[Row]]:
+    """(train, held_out) rows of the seed's task, deterministic in `seed`.
+
+    The held-out problems are distinct and never appear among training
+    problems; training problems are drawn with replacement (as the seed's
+    `make_problems`) from what is left.
+    """
+    space = _space_size(cfg)
+    if cfg.num_eval >= space:
+        raise ConfigError(
+            f"data.arithmetic.num_eval={cfg.num_eval} leaves no training problems: the operand ranges "
+            f"{cfg.operands} allow only {space} distinct problems; lower num_eval or widen the ranges"
+        )
+    eval_rng = random.Random(f"arithmetic-eval-{seed}")
+    held_out: dict[str, int] = {}
+    while len(held_out) < cfg.num_eval:
+        expression, answer = _draw_problem(eval_rng, cfg)
+        held_out.setdefault(expression, answer)
+    train_rng = random.Random(f"arithmetic-train-{seed}")
+    train: list[Row] = []
+    while len(train) < cfg.num_train:
+        expression, answer = _draw_problem(train_rng, cfg)
+        if expression not in held_out:
+            train.append(_row(expression, answer, cfg))
+    return train, [_row(e, a, cfg) for e, a in held_out.items()]
+
+
+# --------------------------------------------------------------------------
+# JSONL rows
+# --------------------------------------------------------------------------
+
+
+def _check_prompt(prompt: Any, where: str, column: str) -> None:
+    if isinstance(prompt, str):
+        return
+    if isinstance(prompt, list) and prompt and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt
+    ):
+        return
+    raise ConfigError(
+        f"{where}: column '{column}' must be a string or a list of messages "
+        f'like [{{"role": "user", "content": "..."}}], got {str(prompt)[:80]!r}'
+    )
+
+
+def read_jsonl(path: str | Path, prompt_column: str) -> list[Row]:
+    """Read and check every row before any training starts."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"data file {path} does not exist; check data.train_file / data.eval_file")
+    rows = []
+    with path.open() as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{where}: not valid JSON ({e.msg}); each line must be one JSON object") from None
+            if not isinstance(row, dict):
+                raise ConfigError(f"{where}: expected a JSON object per line, got {type(row).__name__}")
+            if prompt_column not in row:
+                raise ConfigError(
+                    f"{where}: no '{prompt_column}' column (has {sorted(row)}); add it or set data.prompt_column"
+                )
+            _check_prompt(row[prompt_column], where, prompt_column)
+            if prompt_column != "prompt":
+                row["prompt"] = row.pop(prompt_column)
+            rows.append(row)
+    if not rows:
+        raise ConfigError(f"{path}: no rows")
+    return rows
+
+
+def load_rows(cfg: DataConfig) -> tuple[list[Row], list[Row]]:
+    """(train, held_out) rows for the configured task."""
+    if cfg.task == "arithmetic":
+        return arithmetic_splits(cfg.arithmetic, cfg.seed)
+    train = read_jsonl(cfg.train_file, cfg.prompt_column)
+    held_out = read_jsonl(cfg.eval_file, cfg.prompt_column) if cfg.eval_file else []
+    return train, held_out
+
+
+def prompt_stream(rows: list[Row], seed: int) -> Iterator[Row]:
+    """Rows in a fresh shuffled order each epoch, forever, deterministic in seed."""
+    rng = random.Random(f"prompt-order-{seed}")
+    epoch = 0
+    while True:
+        order = list(range(len(rows)))
+        rng.shuffle(order)
+        for i in order:
+            yield rows[i]
+        epoch += 1
+
+
+# --------------------------------------------------------------------------
+# Prompt rendering
+# --------------------------------------------------------------------------
+
+
+def is_conversational(row: Row) -> bool:
+    return isinstance(row["prompt"], list)
+
+
+def render_prompt(
+    prompt: str | list[dict[str, str]], tokenizer, use_chat_template: bool, few_shot: str | None
+) -> tuple[str, bool]:
+    """The exact text the model continues, and whether a chat template wrote it.
+
+    Chat messages go through the tokenizer's chat template when it has one and
+    `use_chat_template` is on; otherwise their contents are joined as plain
+    text. `few_shot` is put before plain-text prompts (for base models).
+    """
+    if isinstance(prompt, list):
+        if use_chat_template and getattr(tokenizer, "chat_template", None):
+            return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True), True
+        prompt = "\n".join(m["content"] for m in prompt) + "\n"
+    return (few_shot or "") + prompt, False
+
+
+def encode_prompts(
+    rows: list[Row], tokenizer, use_chat_template: bool, few_shot: str | None, max_prompt_length: int | None
+) -> tuple[list[str], list[list[int]]]:
+    """Prompt texts and their token ids (cut from the left to max_prompt_length)."""
+    texts, ids = [], []
+    for row in rows:
+        text, templated = render_prompt(row["prompt"], tokenizer, use_chat_template, few_shot)
+        # a chat template writes its own BOS; plain text gets the tokenizer's
+        tokens = tokenizer(text, add_special_tokens=not templated)["input_ids"]
+        if max_prompt_length is not None and len(tokens) > max_prompt_length:
+            tokens = tokens[-max_prompt_length:]
+        texts.append(text)
+        ids.append(tokens)
+    return texts, ids
