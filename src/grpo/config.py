@@ -99,6 +99,9 @@ class RolloutConfig:
     """0 disables top-k."""
     ignore_eos: bool = False
     """Always generate `max_completion_length` tokens (for benchmarks)."""
+    stop_strings: list[str] = field(default_factory=list)
+    """End a completion once it contains one of these strings (e.g. ["\\n\\n"] after
+    few-shot examples, so a base model does not write the next example)."""
 
 
 @dataclass

@@ -7,6 +7,6 @@ same `Rollout`.
 """
 
 from grpo.rollout.types import Rollout, SamplingParams
-from grpo.rollout.hf import generate
+from grpo.rollout.hf import StopStrings, generate
 
-__all__ = ["Rollout", "SamplingParams", "generate"]
+__all__ = ["Rollout", "SamplingParams", "StopStrings", "generate"]

@@ -70,6 +70,22 @@ def _forward(model, input_ids, attention_mask, position_ids, cache, cache_argume
     return out.logits[:, -1, :], new_cache
 
 
+class StopStrings:
+    """Ends a completion once its text contains one of `strings` (e.g. "\\n\\n" for
+    few-shot prompts, where a base model would go on to invent the next example).
+    Only the last `window` tokens are decoded at each step."""
+
+    def __init__(self, tokenizer, strings: list[str], window: int = 8):
+        self.tokenizer, self.strings = tokenizer, [s for s in strings if s]
+        longest = max((len(s) for s in self.strings), default=1)
+        self.window = max(window, longest + 2)
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [n, t] generated so far -> [n] bool."""
+        tails = self.tokenizer.batch_decode(tokens[:, -self.window :].tolist(), skip_special_tokens=True)
+        return torch.tensor([any(s in tail for s in self.strings) for tail in tails], device=tokens.device)
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -82,6 +98,7 @@ def generate(
     generator: torch.Generator | None = None,
     share_prefix: bool = True,
     compact: bool = True,
+    stop: StopStrings | None = None,
 ) -> Rollout:
     """Sample `num_generations` completions for each tokenised prompt.
 
@@ -121,6 +138,9 @@ def generate(
         lengths[rows] += 1
         if not params.ignore_eos:
             finished = alive & torch.isin(new, eos)
+            if stop is not None:
+                live = alive.nonzero().squeeze(-1)
+                finished[live] |= stop(tokens[active[live], : t + 1])
             done[active[finished]] = True
             alive = alive & ~finished
         if t == params.max_new_tokens - 1 or not bool(alive.any()):

@@ -1,0 +1,181 @@
+"""Per-token log-probabilities (and entropy) of completion tokens.
+
+The output layer is most of a small model's FLOPs and memory: Gemma-3-270M
+has a 262,144-token vocabulary, so batch x tokens x vocabulary logits would be
+gigabytes. Here the logits exist only one chunk of completion tokens at a
+time, in the forward pass and again in the backward pass (recomputed rather
+than stored), and only at completion positions. The result equals the plain
+`log_softmax(model(...).logits)` computation to float tolerance, gradients
+included (tests/test_logprobs.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _logits(h: torch.Tensor, weight: torch.Tensor, bias, softcap, temperature, dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Tempered logits in float32, and tanh(u / softcap) when soft-capping (for the backward)."""
+    u = h.to(dtype) @ weight.to(dtype).t()
+    if bias is not None:
+        u = u + bias.to(dtype)
+    u = u.float()
+    tanh = None
+    if softcap:
+        tanh = torch.tanh(u / softcap)
+        u = softcap * tanh
+    return u / temperature, tanh
+
+
+class _ChunkedTokenLogprobs(torch.autograd.Function):
+    """log p(target) and entropy for rows of hidden states, chunk by chunk.
+
+    hidden [n, H], weight [V, H], bias [V] or None, targets [n] -> logp [n], entropy [n].
+    Entropy is returned for logging and carries no gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, softcap, chunk_size, compute_dtype):
+        n = hidden.shape[0]
+        logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, n, chunk_size):
+                end = min(start + chunk_size, n)
+                z, _ = _logits(hidden[start:end], weight, bias, softcap, temperature, compute_dtype)
+                lse = torch.logsumexp(z, dim=-1)
+                logp[start:end] = z.gather(-1, targets[start:end, None]).squeeze(-1) - lse
+                p = torch.exp(z - lse[:, None])
+                entropy[start:end] = lse - (p * z).sum(-1)
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.settings = (temperature, softcap, chunk_size, compute_dtype)
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, bias, targets = ctx.saved_tensors
+        temperature, softcap, chunk_size, compute_dtype = ctx.settings
+        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        grad_h = torch.zeros_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, hidden.shape[0], chunk_size):
+                end = min(start + chunk_size, hidden.shape[0])
+                h = hidden[start:end]
+                z, tanh = _logits(h, weight, bias, softcap, temperature, compute_dtype)
+                g = grad_logp[start:end].float()
+                # d logp / dz = onehot(target) - softmax(z)
+                gz = -torch.softmax(z, dim=-1) * g[:, None]
+                gz.scatter_add_(-1, targets[start:end, None], g[:, None])
+                gz = gz / temperature
+                if softcap:
+                    gz = gz * (1.0 - tanh * tanh)
+                if need_h:
+                    grad_h[start:end] = (gz.to(compute_dtype) @ weight.to(compute_dtype)).to(hidden.dtype)
+                if need_w:
+                    grad_w += (gz.t().to(compute_dtype) @ h.to(compute_dtype)).float()
+                if need_b:
+                    grad_b += gz.sum(0)
+        return (
+            grad_h,
+            grad_w.to(weight.dtype) if need_w else None,
+            grad_b.to(bias.dtype) if need_b else None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def token_logprobs_from_hidden(
+    hidden: torch.Tensor,
+    output_layer: torch.nn.Linear,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    softcap: float | None = None,
+    chunk_size: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logp [n] of `targets` and entropy [n] from final hidden states [n, H]."""
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        compute_dtype = torch.get_autocast_dtype(device_type)
+    else:
+        compute_dtype = torch.promote_types(hidden.dtype, output_layer.weight.dtype)
+    return _ChunkedTokenLogprobs.apply(
+        hidden, output_layer.weight, output_layer.bias, targets, float(temperature), softcap, int(chunk_size), compute_dtype
+    )
+
+
+def _decoder(model) -> torch.nn.Module:
+    """The transformer body of a *ForCausalLM model (everything but the output layer)."""
+    body = getattr(model, model.base_model_prefix, None)
+    if body is None or body is model:
+        raise TypeError(f"cannot find the decoder of {type(model).__name__}; expected attribute {model.base_model_prefix!r}")
+    return body
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding, the same as used during generation."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def completion_logprobs(
+    model,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log pi(o_t | q, o_<t) and entropy for every completion token.
+
+    prompt_ids/mask [N, Lp] (left-padded), completion_ids/mask [N, T]
+    (right-padded) -> logp [N, T], entropy [N, T], zero where the mask is 0.
+    Logits are divided by the sampling temperature, as TRL does, so that the
+    ratio compares the distribution the tokens were drawn from.
+    """
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    hidden = _decoder(model)(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    ).last_hidden_state
+    Lp, T = prompt_ids.shape[1], completion_ids.shape[1]
+    # the hidden state at position j predicts token j + 1
+    hidden = hidden[:, Lp - 1 : Lp + T - 1]
+    keep = completion_mask.bool()
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    logp_flat, entropy_flat = token_logprobs_from_hidden(
+        hidden[keep],
+        model.get_output_embeddings(),
+        completion_ids[keep],
+        temperature=temperature,
+        softcap=softcap,
+        chunk_size=chunk_size,
+    )
+    logp = torch.zeros(completion_ids.shape, dtype=torch.float32, device=hidden.device)
+    entropy = torch.zeros(completion_ids.shape, dtype=torch.float32, device=hidden.device)
+    logp = logp.masked_scatter(keep, logp_flat)
+    entropy = entropy.masked_scatter(keep, entropy_flat)
+    return logp, entropy
+
+
+def reference_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *, temperature=1.0) -> torch.Tensor:
+    """Plain full-logits computation: the definition the chunked path must match (tests, small models)."""
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)
+    ).logits
+    Lp, T = prompt_ids.shape[1], completion_ids.shape[1]
+    logits = logits[:, Lp - 1 : Lp + T - 1].float() / temperature
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+    return logp * completion_mask

