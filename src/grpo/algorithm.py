@@ -19,10 +19,7 @@ import torch
 
 ADVANTAGE_EPS = 1e-4  # added to the group std, as in the seed and TRL
 
-SCALE_REWARDS = ("group", "batch", "none")
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-IMPORTANCE_LEVELS = ("token", "sequence")
+from grpo.choices import IMPORTANCE_LEVELS, KL_ESTIMATORS, LOSS_TYPES, SCALE_REWARDS  # noqa: F401 (re-exported)
 
 
 # --------------------------------------------------------------------------

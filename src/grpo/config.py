@@ -7,6 +7,7 @@ a config is reported here, at start-up, naming the key and the fix.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import types
@@ -17,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from grpo import algorithm
+from grpo import choices
 
 
 class ConfigError(ValueError):
@@ -289,7 +290,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 
 def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix or 'config'}: expected a mapping of keys, got {data!r}")
+        where = prefix.rstrip(".") or "config"
+        raise ConfigError(f"{where}: expected a mapping of keys (e.g. {where}:\n  key: value), got {data!r}")
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
@@ -334,7 +336,7 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 
 def from_dict(data: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    data = dict(data or {})
+    data = copy.deepcopy(data or {})  # overrides must not change the caller's nested dicts
     for text in overrides:
         key, value = parse_override(text)
         _set_dotted(data, key, value)
@@ -384,11 +386,11 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _choice("model.dtype", m.dtype, ("float32", "bfloat16", "float16"))
     _choice("data.task", d.task, ("arithmetic", "jsonl"))
     _choice("data.chat_template", d.chat_template, ("auto", "never"))
-    _choice("algorithm.loss_type", a.loss_type, algorithm.LOSS_TYPES)
-    _choice("algorithm.scale_rewards", a.scale_rewards, algorithm.SCALE_REWARDS)
-    _choice("algorithm.kl_estimator", a.kl_estimator, algorithm.KL_ESTIMATORS)
-    _choice("algorithm.importance_sampling_level", a.importance_sampling_level, algorithm.IMPORTANCE_LEVELS)
-    _choice("training.lr_scheduler_type", t.lr_scheduler_type, ("constant", "linear", "cosine"))
+    _choice("algorithm.loss_type", a.loss_type, choices.LOSS_TYPES)
+    _choice("algorithm.scale_rewards", a.scale_rewards, choices.SCALE_REWARDS)
+    _choice("algorithm.kl_estimator", a.kl_estimator, choices.KL_ESTIMATORS)
+    _choice("algorithm.importance_sampling_level", a.importance_sampling_level, choices.IMPORTANCE_LEVELS)
+    _choice("training.lr_scheduler_type", t.lr_scheduler_type, choices.LR_SCHEDULES)
     _choice("training.device", t.device, ("auto", "cpu", "cuda"))
 
     if r.num_generations < 2:

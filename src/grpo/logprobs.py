@@ -176,6 +176,7 @@ def reference_logprobs(model, prompt_ids, prompt_mask, completion_ids, completio
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)
     ).logits
     Lp, T = prompt_ids.shape[1], completion_ids.shape[1]
-    logits = logits[:, Lp - 1 : Lp + T - 1].float() / temperature
+    logits = logits[:, Lp - 1 : Lp + T - 1]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     logp = torch.log_softmax(logits, dim=-1).gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
     return logp * completion_mask

@@ -22,7 +22,7 @@ def char_tokenizer():
 
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARACTERS)}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     backend.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,

@@ -26,6 +26,7 @@ from grpo.checkpoint import save_checkpoint
 from grpo.config import Config, ConfigError
 from grpo.data import Row, encode_prompts, is_conversational, load_rows, prompt_stream
 from grpo.logprobs import completion_logprobs
+from grpo.models import eos_token_ids, load_model_and_tokenizer
 from grpo.progress import ConsoleProgress
 from grpo.rewards import RewardSet
 from grpo.rollout import Rollout, SamplingParams, StopStrings, generate
@@ -104,15 +105,15 @@ class Trainer:
             )
 
         if model is None:
-            from grpo.models import load_model_and_tokenizer
-
             model, tokenizer = load_model_and_tokenizer(cfg.model, self.device)
         self.model, self.tokenizer = model.to(self.device), tokenizer
         if cfg.training.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.config.use_cache = True
         self.reference = self._frozen_copy(self.model) if cfg.algorithm.beta > 0 else None
-        self.eos_token_ids = self._eos_token_ids()
+        self.eos_token_ids = eos_token_ids(self.model, tokenizer)
+        if not self.eos_token_ids:
+            raise ConfigError("the tokenizer has no eos token; set tokenizer.eos_token before training")
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
         self.stop = StopStrings(tokenizer, cfg.rollout.stop_strings) if cfg.rollout.stop_strings else None
         self.use_chat_template = cfg.data.chat_template == "auto"
@@ -145,19 +146,6 @@ class Trainer:
         for p in ref.parameters():
             p.requires_grad_(False)
         return ref
-
-    def _eos_token_ids(self) -> list[int]:
-        ids = set()
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
-        if isinstance(gen_eos, int):
-            ids.add(gen_eos)
-        elif gen_eos:
-            ids.update(gen_eos)
-        if not ids:
-            raise ConfigError("the tokenizer has no eos token; set one on the tokenizer before training")
-        return sorted(ids)
 
     def autocast(self):
         if self.cfg.training.bf16:

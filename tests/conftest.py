@@ -1,0 +1,15 @@
+import pytest
+import torch
+
+from grpo.tiny import char_tokenizer, tiny_model
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return char_tokenizer()
+
+
+@pytest.fixture
+def model(tokenizer):
+    torch.manual_seed(0)
+    return tiny_model(tokenizer, hidden_size=32, num_layers=2, seed=3)

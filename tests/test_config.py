@@ -1,0 +1,82 @@
+import subprocess
+import sys
+
+import pytest
+
+from grpo import config
+from grpo.config import ConfigError
+
+
+def test_defaults_follow_trl():
+    cfg = config.from_dict({})
+    assert cfg.algorithm.beta == 0.0 and cfg.algorithm.epsilon == 0.2 and cfg.algorithm.loss_type == "dapo"
+    assert cfg.rollout.num_generations == 8 and cfg.rollout.temperature == 1.0
+    assert cfg.epsilon_high == 0.2
+    assert config.from_dict({"algorithm": {"epsilon_high": 0.28}}).epsilon_high == 0.28
+
+
+def test_overrides_are_typed_yaml():
+    cfg = config.from_dict({}, ["algorithm.beta=0.04", "training.max_steps=50", "training.bf16=true",
+                                "rewards.funcs=[arithmetic_correct, arithmetic_format]", "algorithm.delta=null"])
+    assert cfg.algorithm.beta == 0.04 and cfg.training.max_steps == 50 and cfg.training.bf16 is True
+    assert cfg.rewards.funcs == ["arithmetic_correct", "arithmetic_format"]
+    assert cfg.algorithm.delta is None
+
+
+def test_overrides_do_not_mutate_input():
+    data = {"training": {"max_steps": 5}}
+    config.from_dict(data, ["training.max_steps=7"])
+    assert data == {"training": {"max_steps": 5}}
+
+
+@pytest.mark.parametrize(
+    "data, overrides, expected",
+    [
+        ({"trainig": {}}, [], "unknown config key 'trainig'; did you mean 'training'"),
+        ({}, ["algorithm.betta=0.1"], "unknown config key 'algorithm.betta'; did you mean 'algorithm.beta'"),
+        ({}, ["training.max_steps=ten"], "training.max_steps: expected an integer"),
+        ({}, ["training.bf16=yes please"], "training.bf16: expected true or false"),
+        ({}, ["rollout.num_generations=1"], "rollout.num_generations: must be >= 2"),
+        ({}, ["training.per_device_train_batch_size=12"], "not a multiple of rollout.num_generations=8"),
+        ({}, ["algorithm.loss_type=grpoo"], "algorithm.loss_type: 'grpoo' is not one of grpo, bnpo, dr_grpo, dapo (did you mean 'grpo'?)"),
+        ({}, ["algorithm.delta=1.1"], "algorithm.delta: must be > 1 + epsilon_high"),
+        ({}, ["rewards.weights=[1.0, 2.0]"], "rewards.weights: 2 weights for 1 functions"),
+        ({}, ["algorithm.ref_sync_steps=10"], "algorithm.ref_sync_steps: set with beta = 0"),
+        ({}, ["data.arithmetic.operators=[+]"], "data.arithmetic.operators: need 2 operators"),
+        ({}, ["data.task=jsonl"], "data.train_file: task 'jsonl' needs a JSONL file"),
+        ({}, ["training.max_steps"], "expected key=value"),
+        ({"model": "gpt2"}, [], "model: expected a mapping"),
+    ],
+)
+def test_bad_config_names_the_key(data, overrides, expected):
+    with pytest.raises(ConfigError) as err:
+        config.from_dict(data, overrides)
+    assert expected in str(err.value)
+
+
+def test_indivisible_batch_suggests_a_fix():
+    with pytest.raises(ConfigError) as err:
+        config.from_dict({}, ["training.per_device_train_batch_size=12"])
+    assert "use a batch of 8 or 16" in str(err.value)
+
+
+def test_yaml_round_trip(tmp_path):
+    cfg = config.from_dict({"algorithm": {"beta": 0.04}, "output_dir": str(tmp_path)})
+    config.save(cfg, tmp_path / "c.yaml")
+    again = config.load(tmp_path / "c.yaml")
+    assert again == cfg
+
+
+def test_cli_bad_config_fails_before_loading_anything(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("training:\n  per_device_train_batch_size: 7\n")
+    code = (
+        "import sys; from grpo.cli import main; rc = main(['train', sys.argv[1]]); "
+        "assert 'transformers' not in sys.modules and 'torch' not in sys.modules, 'loaded before the config check'; "
+        "sys.exit(rc)"
+    )
+    result = subprocess.run([sys.executable, "-c", code, str(bad)], capture_output=True, text=True)
+    assert result.returncode == 2, result.stderr
+    assert "training.per_device_train_batch_size" in result.stderr
+    result = subprocess.run([sys.executable, "-m", "grpo.cli", "train", str(tmp_path / "missing.yaml")], capture_output=True, text=True)
+    assert result.returncode == 2 and "does not exist" in result.stderr

@@ -1,0 +1,98 @@
+import json
+
+import pytest
+
+from grpo.config import ArithmeticConfig, ConfigError, DataConfig
+from grpo.data import arithmetic_splits, encode_prompts, evaluate_expression, load_rows, prompt_stream, read_jsonl, render_prompt
+
+SEED_INSTRUCTION = 'Calculate {expression}. Show your work briefly, then write the last line as "Answer: <number>".'
+
+
+def test_seed_task_by_default():
+    cfg = ArithmeticConfig()
+    assert cfg.instruction == SEED_INSTRUCTION
+    train, held_out = arithmetic_splits(cfg, seed=0)
+    assert len(train) == 4000 and len(held_out) == 200
+    for row in train[:50] + held_out:
+        a, star, b, plus, c = row["expression"].split()
+        a, b, c = int(a), int(b), int(c)
+        assert (star, plus) == ("*", "+")
+        assert 11 <= a <= 99 and 2 <= b <= 9 and 11 <= c <= 99
+        assert row["answer"] == a * b + c
+        assert row["prompt"] == [{"role": "user", "content": SEED_INSTRUCTION.format(expression=row["expression"])}]
+
+
+def test_held_out_is_distinct_and_disjoint_from_training():
+    cfg = ArithmeticConfig(operands=[[1, 9], [1, 9], [1, 9]], operators=["+", "+"], num_train=3000, num_eval=200)
+    train, held_out = arithmetic_splits(cfg, seed=3)
+    held = [r["expression"] for r in held_out]
+    assert len(set(held)) == 200
+    assert not set(held) & {r["expression"] for r in train}
+
+
+def test_splits_are_deterministic_in_seed():
+    cfg = ArithmeticConfig(num_train=50, num_eval=20)
+    assert arithmetic_splits(cfg, 1) == arithmetic_splits(cfg, 1)
+    assert arithmetic_splits(cfg, 1) != arithmetic_splits(cfg, 2)
+
+
+def test_too_small_space_is_a_config_error():
+    cfg = ArithmeticConfig(operands=[[1, 3], [1, 3]], operators=["+"], num_eval=9)
+    with pytest.raises(ConfigError, match="only 9 distinct problems"):
+        arithmetic_splits(cfg, 0)
+
+
+@pytest.mark.parametrize(
+    "operands, operators, expected",
+    [([2, 3, 4], ["+", "*"], 14), ([2, 3, 4], ["*", "+"], 10), ([10, 3, 4], ["-", "-"], 3), ([5, 2, 3], ["-", "*"], -1)],
+)
+def test_expression_precedence(operands, operators, expected):
+    assert evaluate_expression(operands, operators) == expected
+
+
+def test_jsonl_rows_and_errors(tmp_path):
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps({"question": "2+2?", "answer": 4}) + "\n\n" + json.dumps({"question": [{"role": "user", "content": "hi"}], "answer": 1}) + "\n")
+    rows = read_jsonl(good, "question")
+    assert rows[0] == {"prompt": "2+2?", "answer": 4}
+    train, held = load_rows(DataConfig(task="jsonl", train_file=str(good), prompt_column="question"))
+    assert len(train) == 2 and held == []
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"text": "no prompt"}) + "\n")
+    with pytest.raises(ConfigError, match=r"bad.jsonl:2: no 'prompt' column"):
+        read_jsonl(bad, "prompt")
+    bad.write_text("{not json\n")
+    with pytest.raises(ConfigError, match=r"bad.jsonl:1: not valid JSON"):
+        read_jsonl(bad, "prompt")
+    bad.write_text(json.dumps({"prompt": [{"role": "user"}]}) + "\n")
+    with pytest.raises(ConfigError, match="must be a string or a list of messages"):
+        read_jsonl(bad, "prompt")
+    with pytest.raises(ConfigError, match="does not exist"):
+        read_jsonl(tmp_path / "missing.jsonl", "prompt")
+
+
+def test_prompt_stream_covers_every_row_each_epoch():
+    rows = [{"prompt": str(i)} for i in range(5)]
+    stream = prompt_stream(rows, seed=0)
+    first, second = [next(stream)["prompt"] for _ in range(5)], [next(stream)["prompt"] for _ in range(5)]
+    assert sorted(first) == sorted(second) == [str(i) for i in range(5)]
+    assert first != second or first != [str(i) for i in range(5)]
+
+
+def test_render_plain_and_few_shot(tokenizer):
+    messages = [{"role": "user", "content": "1 + 2 ="}]
+    text, templated = render_prompt(messages, tokenizer, use_chat_template=True, few_shot="3 + 4 = 7\n")
+    # the tiny tokenizer has no chat template: messages become plain text after the few-shot preamble
+    assert (text, templated) == ("3 + 4 = 7\n1 + 2 =\n", False)
+    texts, ids = encode_prompts([{"prompt": "abcdef"}], tokenizer, True, None, max_prompt_length=3)
+    assert texts == ["abcdef"] and tokenizer.decode(ids[0]) == "def"
+
+
+def test_chat_template_applied_when_present(tokenizer):
+    tokenizer = tokenizer.__class__(tokenizer_object=tokenizer.backend_tokenizer, eos_token="<eos>", bos_token="<bos>", pad_token="<pad>")
+    tokenizer.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    text, templated = render_prompt([{"role": "user", "content": "hi"}], tokenizer, True, "IGNORED")
+    assert (text, templated) == ("<user>hi<assistant>", True)
+    text, templated = render_prompt([{"role": "user", "content": "hi"}], tokenizer, False, None)
+    assert (text, templated) == ("hi\n", False)

@@ -1,0 +1,82 @@
+import pytest
+import torch
+
+from grpo.logprobs import completion_logprobs, reference_logprobs, token_logprobs_from_hidden
+
+
+def _batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    N, Lp, T = 4, 6, 7
+    prompt_ids = torch.randint(5, 95, (N, Lp), generator=g)
+    prompt_mask = torch.ones(N, Lp, dtype=torch.long)
+    prompt_mask[0, :3] = 0  # left padding
+    prompt_mask[2, :1] = 0
+    completion_ids = torch.randint(5, 95, (N, T), generator=g)
+    completion_mask = torch.ones(N, T, dtype=torch.long)
+    completion_mask[1, 4:] = 0  # right padding
+    completion_mask[3, 1:] = 0  # a one-token completion
+    return prompt_ids, prompt_mask, completion_ids, completion_mask
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 16, 4096])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_equals_full_logits_values_and_gradients(model, chunk_size, temperature):
+    model = model.double()
+    pi, pm, ci, cm = _batch()
+    weights = torch.randn(ci.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+    model.zero_grad()
+    logp, entropy = completion_logprobs(model, pi, pm, ci, cm, temperature=temperature, chunk_size=chunk_size)
+    (logp * weights).sum().backward()
+    chunked_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    model.zero_grad()
+    ref = reference_logprobs(model, pi, pm, ci, cm, temperature=temperature)
+    (ref * weights).sum().backward()
+
+    torch.testing.assert_close(logp.double(), ref, atol=1e-5, rtol=1e-5)  # logp is float32 by design
+    assert (logp[cm == 0] == 0).all() and (entropy[cm == 0] == 0).all()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(chunked_grads[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_entropy_matches_definition(model):
+    pi, pm, ci, cm = _batch()
+    _, entropy = completion_logprobs(model, pi, pm, ci, cm, chunk_size=5)
+    logits = model(input_ids=torch.cat([pi, ci], 1), attention_mask=torch.cat([pm, cm], 1),
+                   position_ids=(torch.cat([pm, cm], 1).cumsum(-1) - 1).clamp(min=0)).logits
+    logits = logits[:, pi.shape[1] - 1 : -1]
+    logp = torch.log_softmax(logits.float(), -1)
+    expected = -(logp.exp() * logp).sum(-1) * cm
+    torch.testing.assert_close(entropy, expected.detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_softcap_and_bias_gradients_match_autograd():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 11, bias=True).double()
+    hidden = torch.randn(9, 8, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 11, (9,))
+    softcap, temperature = 3.0, 0.8
+
+    logp, _ = token_logprobs_from_hidden(hidden, layer, targets, temperature=temperature, softcap=softcap, chunk_size=4)
+    logp.sum().backward()
+    ours = (hidden.grad.clone(), layer.weight.grad.clone(), layer.bias.grad.clone())
+
+    hidden.grad = None
+    layer.zero_grad()
+    z = layer(hidden)
+    z = softcap * torch.tanh(z / softcap) / temperature
+    expected = torch.log_softmax(z, -1).gather(-1, targets[:, None]).squeeze(-1)
+    expected.sum().backward()
+    torch.testing.assert_close(logp.double(), expected, atol=1e-6, rtol=1e-6)
+    for a, b in zip(ours, (hidden.grad, layer.weight.grad, layer.bias.grad)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_bf16_autocast_close_to_fp32(model):
+    pi, pm, ci, cm = _batch()
+    full, _ = completion_logprobs(model, pi, pm, ci, cm)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low, _ = completion_logprobs(model, pi, pm, ci, cm)
+    assert low.dtype == torch.float32
+    assert (low - full).abs().max() < 0.1

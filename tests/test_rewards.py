@@ -1,0 +1,95 @@
+import math
+
+import pytest
+import torch
+
+from grpo.config import ConfigError
+from grpo.rewards import RewardSet, check_signature, resolve
+from grpo.rewards.arithmetic import arithmetic_correct, arithmetic_format, extract_answer
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("Answer: 127", 127),
+        ("Answer:127", 127),
+        ("84 + 43 = 127\nAnswer: 1,270", 1270),
+        ("Answer: 5\nwait\nAnswer: -3", -3),
+        ("the answer is 127", None),
+        ("\\boxed{127}", None),
+        ("answer: 127", None),
+    ],
+)
+def test_extract_answer_follows_the_seed(text, expected):
+    assert extract_answer(text) == expected
+
+
+def test_arithmetic_rewards_on_text_and_messages():
+    completions = ["Answer: 127", [{"role": "assistant", "content": "so\nAnswer: 12"}], "127"]
+    assert arithmetic_correct(completions, answer=[127, 127, 127]) == [1.0, 0.0, 0.0]
+    assert arithmetic_format(completions) == [1.0, 1.0, 0.0]
+
+
+def test_resolve_builtin_module_and_file(tmp_path):
+    assert resolve("arithmetic_correct")[1] is arithmetic_correct
+    assert resolve("grpo.rewards.arithmetic:arithmetic_format")[1] is arithmetic_format
+    f = tmp_path / "my_reward.py"
+    f.write_text("def length(completions, **kw):\n    return [float(len(c)) for c in completions]\n")
+    name, fn = resolve(f"{f}:length")
+    assert name == "length" and fn(["ab", "c"]) == [2.0, 1.0]
+    with pytest.raises(ConfigError, match="unknown reward 'nope'"):
+        resolve("nope")
+    with pytest.raises(ConfigError, match="has no function 'missing'"):
+        resolve(f"{f}:missing")
+    with pytest.raises(ConfigError, match="cannot import"):
+        resolve("no_such_module_xyz:fn")
+
+
+def test_signature_checked_against_columns():
+    def needs_solution(completions, solution, **kwargs):
+        return [0.0] * len(completions)
+
+    def no_kwargs(completions):
+        return []
+
+    check_signature("ok", needs_solution, {"solution"})
+    with pytest.raises(ConfigError, match="needs argument 'solution'"):
+        check_signature("needs_solution", needs_solution, {"answer"})
+    with pytest.raises(ConfigError, match="must accept \\*\\*kwargs"):
+        check_signature("no_kwargs", no_kwargs, set())
+
+
+def test_score_weights_missing_and_failures():
+    def half_none(completions, **kw):
+        return [None if i % 2 else 1.0 for i in range(len(completions))]
+
+    def broken(completions, **kw):
+        raise ValueError("boom")
+
+    def wrong_length(completions, **kw):
+        return [1.0]
+
+    rs = RewardSet([], [], torch.zeros(0))
+    rs.add("half", half_none, 2.0)
+    rs.add("broken", broken, 1.0)
+    rs.add("short", wrong_length, 1.0)
+    rows = [{"prompt": "p", "answer": 1}] * 4
+    out = rs.score(["p"] * 4, ["a", "b", "c", "d"], [[1], [2], [3], [4]], rows)
+    assert out.shape == (4, 3)
+    assert out[:, 0].tolist()[0] == 1.0 and math.isnan(out[1, 0].item())
+    assert torch.isnan(out[:, 1:]).all()
+    assert rs.failures == {"half": 0, "broken": 1, "short": 1}
+
+
+def test_columns_are_passed_per_completion():
+    seen = {}
+
+    def spy(prompts, completions, completion_ids, answer, **kw):
+        seen.update(prompts=prompts, answer=answer, ids=completion_ids, extra=kw)
+        return [0.0] * len(completions)
+
+    rs = RewardSet([], [], torch.zeros(0))
+    rs.add("spy", spy, 1.0)
+    rows = [{"prompt": "p1", "answer": 1, "tag": "x"}, {"prompt": "p2", "answer": 2, "tag": "y"}]
+    rs.score(["p1", "p2"], ["a", "b"], [[7], [8]], rows)
+    assert seen["answer"] == [1, 2] and seen["extra"] == {"tag": ["x", "y"]} and seen["ids"] == [[7], [8]]

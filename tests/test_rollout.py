@@ -1,0 +1,125 @@
+import pytest
+import torch
+
+from grpo.rollout import Rollout, SamplingParams, StopStrings, generate
+from grpo.rollout.hf import sample_next_token
+
+
+def _prompts(tokenizer):
+    return [tokenizer(t)["input_ids"] for t in ["abc", "hello world", "1+2="]]
+
+
+def _gen(model, tokenizer, prompts, G, params, **kw):
+    return generate(
+        model, prompts, G, params, eos_token_ids=[tokenizer.eos_token_id, kw.pop("extra_eos", tokenizer.eos_token_id)],
+        pad_token_id=tokenizer.pad_token_id, **kw,
+    )
+
+
+def _early_stop_token(model, tokenizer, prompts, max_new_tokens):
+    """A token that greedy decoding emits early in some rows and never in others."""
+    free = generate(model, prompts, 1, SamplingParams(max_new_tokens, temperature=0),
+                    eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
+    early = [set(r[: max_new_tokens // 2].tolist()) for r in free.completion_ids]
+    anywhere = [set(r.tolist()) for r in free.completion_ids]
+    for token in sorted(set().union(*early)):
+        if any(token in r for r in early) and not all(token in r for r in anywhere):
+            return token
+    pytest.skip("no token separates the rows for this random model")
+
+
+def test_prefix_sharing_and_compaction_match_plain_greedy(model, tokenizer):
+    """Sharing the prompt's KV cache and dropping finished rows change nothing under greedy decoding."""
+    prompts = _prompts(tokenizer)
+    stop_token = _early_stop_token(model, tokenizer, prompts, 24)
+    params = SamplingParams(max_new_tokens=24, temperature=0)
+    results = {
+        (share, compact): _gen(model, tokenizer, prompts, 3, params, share_prefix=share, compact=compact, extra_eos=stop_token)
+        for share in (True, False)
+        for compact in (True, False)
+    }
+    plain = results[(False, False)]
+    # some rows stop early and some run to the end, so compaction really happens
+    assert plain.truncated.any() and not plain.truncated.all()
+    for key, r in results.items():
+        assert torch.equal(r.completion_ids, plain.completion_ids), key
+        assert torch.equal(r.completion_mask, plain.completion_mask), key
+        assert torch.equal(r.truncated, plain.truncated), key
+
+
+def test_greedy_matches_transformers_generate(model, tokenizer):
+    prompts = ["abc", "hello world", "1+2="]
+    eos = [tokenizer.eos_token_id, 30]
+    ours = generate(model, [tokenizer(p)["input_ids"] for p in prompts], 1, SamplingParams(20, temperature=0),
+                    eos_token_ids=eos, pad_token_id=tokenizer.pad_token_id)
+    enc = tokenizer(prompts, padding=True, return_tensors="pt")
+    ref = model.generate(**enc, max_new_tokens=20, do_sample=False, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
+    ref = ref[:, enc["input_ids"].shape[1]:]
+    for i in range(len(prompts)):
+        n = int(ours.completion_mask[i].sum())
+        assert ours.completion_ids[i, :n].tolist() == ref[i, :n].tolist()
+        # transformers pads after EOS; we stop at EOS
+        if n < 20:
+            assert ours.completion_ids[i, n - 1].item() in eos
+            assert not ours.truncated[i]
+
+
+def test_rollout_shapes_mask_and_truncation(model, tokenizer):
+    prompts = _prompts(tokenizer)
+    gen = torch.Generator().manual_seed(0)
+    r = _gen(model, tokenizer, prompts, 4, SamplingParams(10, temperature=1.0), generator=gen)
+    assert r.completion_ids.shape[0] == 12 and r.prompt_ids.shape[0] == 12
+    # rows i*G..i*G+G-1 share prompt i
+    for i in range(3):
+        assert (r.prompt_ids[i * 4 : (i + 1) * 4] == r.prompt_ids[i * 4]).all()
+    lengths = r.completion_mask.sum(-1)
+    # mask is a prefix of ones; padding after it
+    for row, n in zip(r.completion_mask, lengths):
+        assert row[:n].all() and not row[n:].any()
+    assert (r.truncated == (lengths == 10)).all() or (r.truncated <= (lengths == 10)).all()
+    assert (r.completion_ids[r.completion_mask == 0] == tokenizer.pad_token_id).all()
+
+
+def test_ignore_eos_generates_exact_length(model, tokenizer):
+    r = _gen(model, tokenizer, _prompts(tokenizer), 2, SamplingParams(7, temperature=0, ignore_eos=True), extra_eos=30)
+    assert (r.completion_mask.sum(-1) == 7).all() and r.truncated.all()
+
+
+def test_sampling_is_deterministic_given_generator(model, tokenizer):
+    params = SamplingParams(12, temperature=1.0, top_p=0.9, top_k=20)
+    a = _gen(model, tokenizer, _prompts(tokenizer), 3, params, generator=torch.Generator().manual_seed(5))
+    b = _gen(model, tokenizer, _prompts(tokenizer), 3, params, generator=torch.Generator().manual_seed(5))
+    c = _gen(model, tokenizer, _prompts(tokenizer), 3, params, generator=torch.Generator().manual_seed(6))
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    assert not torch.equal(a.completion_ids, c.completion_ids)
+
+
+def test_top_k_and_top_p_restrict_support():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(2000, 1)
+    g = torch.Generator().manual_seed(0)
+    top1 = sample_next_token(logits, SamplingParams(1, temperature=1.0, top_k=1), g)
+    assert (top1 == 0).all()
+    top2 = sample_next_token(logits, SamplingParams(1, temperature=1.0, top_k=2), g)
+    assert set(top2.tolist()) == {0, 1}
+    # top_p=0.7: tokens 0 (0.5) and 1 (0.3) are needed to reach 0.7; 2 and 3 never appear
+    nucleus = sample_next_token(logits, SamplingParams(1, temperature=1.0, top_p=0.7), g)
+    assert set(nucleus.tolist()) == {0, 1}
+    counts = torch.bincount(nucleus, minlength=4).float() / len(nucleus)
+    assert abs(counts[0].item() - 0.5 / 0.8) < 0.05
+
+
+def test_stop_strings_end_completion(tokenizer):
+    stop = StopStrings(tokenizer, ["\n\n"])
+    ids = torch.tensor([tokenizer("ab\n\n")["input_ids"], tokenizer("abcd")["input_ids"]])
+    assert stop(ids).tolist() == [True, False]
+
+
+def test_concat_pads_widths(tokenizer):
+    a = Rollout(torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long), torch.ones(2, 2, dtype=torch.long),
+                torch.ones(2, 2, dtype=torch.long), torch.tensor([True, False]))
+    b = Rollout(torch.ones(1, 5, dtype=torch.long), torch.ones(1, 5, dtype=torch.long), torch.ones(1, 4, dtype=torch.long),
+                torch.ones(1, 4, dtype=torch.long), torch.tensor([False]))
+    c = Rollout.concat([a, b], pad_token_id=0)
+    assert c.prompt_ids.shape == (3, 5) and c.completion_ids.shape == (3, 4)
+    assert c.prompt_mask[0].tolist() == [0, 0, 1, 1, 1]
+    assert c.completion_mask[0].tolist() == [1, 1, 0, 0]

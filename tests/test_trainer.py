@@ -1,0 +1,211 @@
+import copy
+import json
+import math
+
+import pytest
+import torch
+
+from grpo import config
+from grpo.rewards.arithmetic import completion_text
+from grpo.rollout import Rollout
+from grpo.tiny import tiny_model
+from grpo.trainer import GenerationBatch, Trainer
+
+TOY = {
+    "output_dir": "UNSET",
+    "model": {"name": "tiny"},
+    "data": {
+        "chat_template": "never",
+        "arithmetic": {"operands": [[1, 4], [1, 4]], "operators": ["+"], "instruction": "{expression}=", "num_eval": 4},
+    },
+    "rollout": {"num_generations": 16, "max_completion_length": 1},
+    "training": {"max_steps": 200, "per_device_train_batch_size": 128, "learning_rate": 1e-3, "lr_scheduler_type": "constant"},
+    "logging": {"log_every": 1000, "sample_every": 0},
+}
+
+
+def first_char_correct(completions, answer, **kwargs):
+    # arithmetic rows are chat messages, so completions come as [{"role": "assistant", "content": ...}]
+    return [float(completion_text(c)[:1] == str(a)) for c, a in zip(completions, answer)]
+
+
+def make_trainer(tokenizer, tmp_path, overrides=(), reward_funcs=None, hidden=64, **data):
+    cfg = config.from_dict({**TOY, "output_dir": str(tmp_path / "run")}, list(overrides))
+    model = tiny_model(tokenizer, hidden_size=hidden, num_layers=2, seed=0)
+    return Trainer(cfg, model=model, tokenizer=tokenizer, reward_funcs=reward_funcs or {"correct": first_char_correct}, **data)
+
+
+def test_learns_toy_task(tokenizer, tmp_path):
+    """A random-initialised model learns to answer a+b= with the right digit."""
+    trainer = make_trainer(tokenizer, tmp_path)
+    history = trainer.train()
+    first = sum(h["reward"] for h in history[:10]) / 10
+    last = sum(h["reward"] for h in history[-10:]) / 10
+    assert first < 0.3, first
+    assert last > 0.8, last
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 200
+    assert (tmp_path / "run" / "final" / "model.safetensors").exists()
+    assert (tmp_path / "run" / "config.yaml").exists()
+
+
+def test_metrics_have_trl_names(tokenizer, tmp_path):
+    trainer = make_trainer(
+        tokenizer, tmp_path, ["training.max_steps=2", "algorithm.beta=0.04", "training.per_device_train_batch_size=32"]
+    )
+    history = trainer.train()
+    m = history[-1]
+    for key in [
+        "reward", "reward_std", "rewards/correct/mean", "frac_reward_zero_std", "kl", "entropy",
+        "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "completions/mean_length",
+        "completions/clipped_ratio", "time/step", "tokens_per_second", "learning_rate", "grad_norm",
+    ]:
+        assert key in m, key
+        assert isinstance(m[key], (int, float)) and not math.isnan(m[key]), key
+    assert m["entropy"] > 0
+    assert m["kl"] >= 0
+    saved = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert saved["step"] == 2
+
+
+def _hand_batch(trainer, seed=0):
+    """A generation batch with varied completion lengths and non-zero advantages."""
+    g = torch.Generator().manual_seed(seed)
+    N, Lp, T = 16, 5, 6
+    prompt_ids = torch.randint(5, 95, (N, Lp), generator=g)
+    prompt_mask = torch.ones(N, Lp, dtype=torch.long)
+    prompt_mask[::3, :2] = 0
+    lengths = torch.randint(1, T + 1, (N,), generator=g)
+    completion_mask = (torch.arange(T)[None] < lengths[:, None]).long()
+    completion_ids = torch.randint(5, 95, (N, T), generator=g) * completion_mask
+    rollout = Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, lengths == T)
+    advantages = torch.randn(N, generator=g)
+    return GenerationBatch(
+        rows=[{}] * N, prompts=[""] * N, completions=[""] * N, completion_texts=[""] * N, rollout=rollout,
+        rewards_per_func=torch.zeros(N, 1), rewards=torch.zeros(N), advantages=advantages, loss_mask=completion_mask.clone(),
+    )
+
+
+def _gradient(tokenizer, tmp_path, loss_type, minibatch, model_state, batch, extra=()):
+    trainer = make_trainer(
+        tokenizer,
+        tmp_path,
+        [f"algorithm.loss_type={loss_type}", f"training.per_device_train_batch_size={minibatch}",
+         f"training.gradient_accumulation_steps={16 // minibatch}", "training.learning_rate=0.0",
+         "training.max_grad_norm=0", "rollout.num_generations=4", "rollout.max_completion_length=6", *extra],
+    )
+    trainer.model.load_state_dict(model_state)
+    if trainer.reference is not None:
+        trainer.reference.load_state_dict(model_state)
+    trainer.update(batch)
+    return {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+@pytest.mark.parametrize("extra", [(), ("algorithm.beta=0.04",), ("training.bf16=true",)])
+def test_gradient_independent_of_minibatch_split(tokenizer, tmp_path, loss_type, extra):
+    """One optimizer step's gradient is the same for 1 minibatch of 16 or 4 of 4 with accumulation."""
+    state = copy.deepcopy(tiny_model(tokenizer, hidden_size=64, num_layers=2, seed=7).state_dict())
+    trainer = make_trainer(tokenizer, tmp_path)
+    batch = _hand_batch(trainer)
+    whole = _gradient(tokenizer, tmp_path, loss_type, 16, state, batch, extra)
+    split = _gradient(tokenizer, tmp_path, loss_type, 4, state, batch, extra)
+    assert whole.keys() == split.keys() and whole
+    tol = 2e-2 if extra == ("training.bf16=true",) else 1e-5
+    for name in whole:
+        torch.testing.assert_close(split[name], whole[name], atol=tol * whole[name].abs().max().item() + 1e-8, rtol=tol, msg=name)
+    # the gradient is not trivially zero
+    assert max(g.abs().max().item() for g in whole.values()) > 1e-4
+
+
+def test_same_seed_same_run(tokenizer, tmp_path):
+    a = make_trainer(tokenizer, tmp_path / "a", ["training.max_steps=3"]).train()
+    b = make_trainer(tokenizer, tmp_path / "b", ["training.max_steps=3"]).train()
+    keys = ["reward", "loss", "grad_norm", "entropy", "completions/mean_length"]
+    assert [[h[k] for k in keys] for h in a] == [[h[k] for k in keys] for h in b]
+
+
+def test_num_iterations_and_clipping(tokenizer, tmp_path):
+    """With several passes per batch the ratio moves away from 1 and clipping engages."""
+    trainer = make_trainer(
+        tokenizer, tmp_path,
+        ["training.max_steps=2", "algorithm.num_iterations=4", "training.learning_rate=0.01", "algorithm.epsilon=0.05",
+         "training.per_device_train_batch_size=32", "rollout.max_completion_length=3"],
+    )
+    history = trainer.train()
+    assert any(h["clip_ratio/region_mean"] > 0 for h in history)
+
+
+def test_reference_sync_replaces_reference(tokenizer, tmp_path):
+    trainer = make_trainer(
+        tokenizer, tmp_path,
+        ["training.max_steps=2", "algorithm.beta=0.04", "algorithm.ref_sync_steps=2", "training.per_device_train_batch_size=32"],
+    )
+    before = {n: p.clone() for n, p in trainer.reference.named_parameters()}
+    trainer.train()
+    ref = dict(trainer.reference.named_parameters())
+    for n, p in trainer.model.named_parameters():
+        assert torch.equal(ref[n], p), n
+    assert any(not torch.equal(before[n], ref[n]) for n in before)
+
+
+def test_failing_reward_is_missing_not_fatal(tokenizer, tmp_path, caplog):
+    calls = {"n": 0}
+
+    def flaky(completions, **kw):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("sandbox crashed")
+        return [None] * (len(completions) // 2) + [1.0] * (len(completions) - len(completions) // 2)
+
+    trainer = make_trainer(
+        tokenizer, tmp_path, ["training.max_steps=2", "training.per_device_train_batch_size=32"],
+        reward_funcs={"correct": first_char_correct, "flaky": flaky},
+    )
+    history = trainer.train()
+    assert history[0]["rewards/flaky/failures"] == 1
+    assert math.isnan(history[0]["rewards/flaky/mean"])
+    assert history[1]["rewards/flaky/mean"] == 1.0
+    assert "sandbox crashed" in caplog.text
+
+
+def test_dynamic_sampling_keeps_groups_with_spread(tokenizer, tmp_path):
+    def half_right(completions, **kw):
+        # the first group of every batch has spread, the others are all zero
+        return [float(i < 8 and i % 2 == 0) for i in range(len(completions))]
+
+    trainer = make_trainer(
+        tokenizer, tmp_path,
+        ["training.max_steps=1", "algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=3",
+         "training.per_device_train_batch_size=32", "rollout.num_generations=8"],
+        reward_funcs={"half": half_right},
+    )
+    batch = trainer.collect_batch()
+    assert len(batch) == 32 and batch.sampling_rounds == 3
+    # 3 rounds gave 3 groups with spread; the 4th slot is filled with a zero-spread group
+    assert batch.zero_std_groups_kept == 1
+    spread = batch.rewards.view(4, 8).std(1)
+    assert (spread[:3] > 0).all() and spread[3] == 0
+
+
+def test_mask_truncated_completions(tokenizer, tmp_path):
+    trainer = make_trainer(
+        tokenizer, tmp_path, ["algorithm.mask_truncated_completions=true", "training.per_device_train_batch_size=32"]
+    )
+    batch = trainer.collect_batch()
+    # the tiny model never emits EOS in one token: every completion is truncated and masked out
+    assert batch.rollout.truncated.all()
+    assert batch.loss_mask.sum() == 0
+
+
+def test_overlong_penalty_is_added_as_a_reward(tokenizer, tmp_path):
+    trainer = make_trainer(
+        tokenizer, tmp_path,
+        ["rewards.overlong_buffer=1", "training.per_device_train_batch_size=32", "rollout.max_completion_length=2"],
+    )
+    batch = trainer.collect_batch()
+    assert trainer.rewards.names == ["correct", "overlong"]
+    lengths = batch.rollout.lengths
+    # length 2 = max: penalty (1 - 2) / 1 = -1; length 1: 0
+    expected = torch.where(lengths == 2, -1.0, 0.0)
+    torch.testing.assert_close(batch.rewards_per_func[:, 1], expected)
