@@ -80,3 +80,50 @@ def test_bf16_autocast_close_to_fp32(model):
         low, _ = completion_logprobs(model, pi, pm, ci, cm)
     assert low.dtype == torch.float32
     assert (low - full).abs().max() < 0.1
+
+
+def _grouped_batch(G=3, seed=0):
+    """Two prompts of different lengths, each repeated G times (a group), varied completion lengths."""
+    pi, pm, ci, cm = _batch(seed)
+    pi, pm = pi[:2].repeat_interleave(G, 0), pm[:2].repeat_interleave(G, 0)
+    ci, cm = ci[: 1].repeat(2 * G, 1), cm[:1].repeat(2 * G, 1)
+    g = torch.Generator().manual_seed(seed + 1)
+    ci = torch.randint(5, 95, ci.shape, generator=g)
+    lengths = torch.randint(1, ci.shape[1] + 1, (2 * G,), generator=g)
+    cm = (torch.arange(ci.shape[1])[None] < lengths[:, None]).long()
+    return pi, pm, ci, cm
+
+
+def _gemma3_tiny(tokenizer):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+        pad_token_id=tokenizer.pad_token_id, max_position_embeddings=256,
+    )
+    torch.manual_seed(0)
+    return Gemma3ForCausalLM(config)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_shared_prompt_pass_equals_plain(model, tokenizer, arch):
+    """Prefilling each group's prompt once (keys/values reused by its G completions) changes
+    neither the log-probabilities nor their gradients."""
+    if arch == "gemma3":
+        model = _gemma3_tiny(tokenizer)
+    model = model.double()
+    pi, pm, ci, cm = _grouped_batch()
+    weights = torch.randn(ci.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    results = {}
+    for share in (True, False):
+        model.zero_grad()
+        logp, _ = completion_logprobs(model, pi, pm, ci, cm, chunk_size=7, share_prompts=share)
+        (logp * weights).sum().backward()
+        results[share] = (logp, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    model.zero_grad()
+    ref = reference_logprobs(model, pi, pm, ci, cm)
+    torch.testing.assert_close(results[True][0].double(), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(results[True][0], results[False][0], atol=1e-6, rtol=1e-6)
+    for name, grad in results[False][1].items():
+        torch.testing.assert_close(results[True][1][name], grad, atol=1e-6, rtol=1e-5, msg=name)

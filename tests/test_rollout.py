@@ -123,3 +123,12 @@ def test_concat_pads_widths(tokenizer):
     assert c.prompt_ids.shape == (3, 5) and c.completion_ids.shape == (3, 4)
     assert c.prompt_mask[0].tolist() == [0, 0, 1, 1, 1]
     assert c.completion_mask[0].tolist() == [1, 1, 0, 0]
+
+
+def test_sampling_frequencies_match_probabilities():
+    probs = torch.tensor([0.1, 0.0, 0.6, 0.3])
+    logits = torch.log(probs).repeat(20000, 1)
+    draws = sample_next_token(logits, SamplingParams(1, temperature=1.0), torch.Generator().manual_seed(1))
+    freq = torch.bincount(draws, minlength=4).float() / len(draws)
+    assert freq[1] == 0  # a zero-probability token is never drawn
+    torch.testing.assert_close(freq, probs, atol=0.015, rtol=0)

@@ -20,6 +20,73 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    from grpo import config
+    from grpo.data import load_rows
+    from grpo.evaluate import Evaluator, format_table, reward_set_from_config
+    from grpo.models import eos_token_ids, load_model_and_tokenizer
+
+    cfg = config.load(args.config, args.overrides)
+    checkpoint = Path(args.checkpoint).expanduser() if args.checkpoint else None
+    if checkpoint is not None and not (checkpoint / "config.json").is_file():
+        raise ConfigError(
+            f"--checkpoint {checkpoint}: not a checkpoint directory (no config.json); pass a directory written "
+            f"by the trainer, e.g. {Path(cfg.output_dir) / 'final'}"
+        )
+    _, rows = load_rows(cfg.data)
+    reward_set = reward_set_from_config(cfg, rows) if rows else None
+    device = _eval_device(cfg.training.device)
+    model, tokenizer = load_model_and_tokenizer(cfg.model, device)
+    eos = eos_token_ids(model, tokenizer)
+    if not eos:
+        raise ConfigError("the tokenizer has no eos token; evaluation cannot tell where an answer ends")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    evaluator = Evaluator(cfg, tokenizer, eos, pad, rows, reward_set)
+    print(f"evaluating {cfg.model.name} on {len(evaluator.rows)} held-out problems", flush=True)
+    before = evaluator(model, "before", 0)
+    after = None
+    if checkpoint is not None:
+        del model
+        state = checkpoint / "trainer_state.json"
+        step = json.loads(state.read_text()).get("step", 0) if state.is_file() else 0
+        trained, _ = load_model_and_tokenizer(dataclasses.replace(cfg.model, name=str(checkpoint)), device)
+        print(f"evaluating {checkpoint} (step {step})", flush=True)
+        after = evaluator(trained, "after", step)
+    table = format_table(before, after)
+    print(table)
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "eval_table.md").write_text(table + "\n")
+    print(f"wrote {out / 'eval.jsonl'} and {out / 'eval_table.md'}")
+    return 0
+
+
+def _eval_device(name: str):
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("training.device: cuda requested but no CUDA device is available; use training.device=cpu")
+    return torch.device(name)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from grpo.report import ReportError, build_report
+
+    try:
+        path = build_report(args.run_dir)
+    except (ReportError, ImportError) as e:
+        print(f"grpo: report: {e}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="grpo", description="GRPO training from verifiable rewards")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -27,6 +94,14 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("config", help="YAML config file (see examples/)")
     train.add_argument("overrides", nargs="*", help="section.key=value, e.g. training.max_steps=50")
     train.set_defaults(run=_train)
+    ev = sub.add_parser("eval", help="evaluate a model (and a trained checkpoint) on the held-out problems")
+    ev.add_argument("config", help="YAML config file (the run's config.yaml or one from examples/)")
+    ev.add_argument("overrides", nargs="*", help="section.key=value, e.g. eval.num_problems=50")
+    ev.add_argument("--checkpoint", metavar="DIR", help="a checkpoint directory written by the trainer, evaluated as 'after'")
+    ev.set_defaults(run=_eval)
+    report = sub.add_parser("report", help="plots and a markdown report of a run directory")
+    report.add_argument("run_dir", help="the run's output_dir (holds metrics.jsonl)")
+    report.set_defaults(run=_report)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

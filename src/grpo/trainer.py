@@ -26,6 +26,7 @@ from grpo.checkpoint import save_checkpoint
 from grpo.config import Config, ConfigError
 from grpo.data import Row, encode_prompts, is_conversational, load_rows, prompt_stream
 from grpo.logprobs import completion_logprobs
+from grpo.memory import keep_freed_memory
 from grpo.models import eos_token_ids, load_model_and_tokenizer
 from grpo.progress import ConsoleProgress
 from grpo.rewards import RewardSet
@@ -78,6 +79,8 @@ class Trainer:
         """
         self.cfg = cfg
         self.device = _device(cfg.training.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         if train_rows is None:
             train_rows, loaded_eval = load_rows(cfg.data)
             eval_rows = loaded_eval if eval_rows is None else eval_rows
@@ -125,6 +128,8 @@ class Trainer:
             betas=(t.adam_beta1, t.adam_beta2),
             eps=t.adam_epsilon,
             weight_decay=t.weight_decay,
+            # one kernel per tensor, no temporaries the size of the model
+            fused=self.device.type in ("cpu", "cuda"),
         )
         total_updates = t.max_steps * cfg.algorithm.num_iterations
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -261,7 +266,8 @@ class Trainer:
         grad_norms = []
         self.model.train()
         for _ in range(a.num_iterations):
-            self.optimizer.zero_grad(set_to_none=True)
+            # zeroing in place keeps the gradient buffers (no re-allocation each step)
+            self.optimizer.zero_grad(set_to_none=False)
             for rows in minibatches:
                 logp, entropy = self._logprobs(self.model, batch, rows, grad=True)
                 width = logp.shape[1]

@@ -1,0 +1,43 @@
+# make demo   train the embedded model on the built-in arithmetic task
+# make test   run the test suite (default: fast tests, under 10 minutes on 2 cores)
+# Each target creates .venv and installs what it needs on a fresh machine.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+# The CPU build of PyTorch; an unpinned `torch` would pull a multi-GB CUDA build.
+TORCH  ?= torch==2.13.0
+
+export HF_HUB_OFFLINE ?= 1
+export TRANSFORMERS_VERBOSITY ?= error
+
+.PHONY: demo test test-slow bench-tiny bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+# torch first (only when absent), so that nothing below can pull a CUDA build
+$(VENV)/.torch: | $(BIN)/python
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --quiet "$(TORCH)"
+	touch $@
+
+$(VENV)/.runtime: pyproject.toml $(VENV)/.torch
+	$(BIN)/pip install --quiet -e ".[gguf,report]"
+	touch $@
+
+$(VENV)/.dev: pyproject.toml $(VENV)/.torch
+	$(BIN)/pip install --quiet -e ".[dev,gguf,report]"
+	touch $@
+
+demo: $(VENV)/.runtime
+	$(BIN)/grpo train examples/demo.yaml
+
+test: $(VENV)/.dev
+	$(BIN)/python -m pytest -q
+
+test-slow: $(VENV)/.dev
+	$(BIN)/python -m pytest -q -m slow
+
+clean:
+	rm -rf $(VENV) runs

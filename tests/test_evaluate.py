@@ -1,0 +1,260 @@
+"""Held-out evaluation: exact counts on scripted completions, determinism on the tiny model, the table."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from grpo import evaluate as ev
+from grpo.config import Config, ConfigError, ModelConfig
+from grpo.evaluate import EvalResult, Evaluator, evaluate, format_table, score_completions
+from grpo.rewards import RewardSet
+from grpo.rollout import Rollout
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models run far faster on one thread when the cores are shared (no spinning workers)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _rows(answers):
+    return [{"prompt": f"Q{i}=", "answer": a} for i, a in enumerate(answers)]
+
+
+# --------------------------------------------------------------------------
+# Pure scoring
+# --------------------------------------------------------------------------
+
+
+def test_score_completions_counts_exactly():
+    rows = _rows([127, -5, 1000, 3, 42, 7, 12, 8])
+    texts = [
+        "28 * 3 = 84\n84 + 43 = 127\nAnswer: 127",  # correct
+        "Answer: 2\nno wait\nAnswer: -5",  # several lines: the last wins -> correct
+        "Answer: 1,000",  # commas removed -> correct
+        "the answer is 3",  # no Answer: line -> unformatted, wrong
+        "Answer: 41",  # formatted, wrong
+        "Answer: 7\nAnswer: 8",  # last wins -> formatted, wrong
+        "Answer:12 apples",  # no space -> correct
+        "",  # nothing
+    ]
+    counts = score_completions(texts, rows)
+    assert (counts.n, counts.correct, counts.formatted, counts.correct_among_formatted) == (8, 4, 6, 4)
+    assert counts.predicted == [127, -5, 1000, None, 41, 8, 12, None]
+
+
+def test_score_completions_answer_column_forms():
+    rows = [{"prompt": "a", "answer": "127"}, {"prompt": "b", "answer": "-3"}, {"prompt": "c", "answer": 5.0}]
+    counts = score_completions(["Answer: 127", "Answer: -3", "Answer: 6"], rows)
+    assert (counts.correct, counts.formatted) == (2, 3)
+    # chat-style completions are read as their text
+    chat = [[{"role": "assistant", "content": "Answer: 127"}], "x", "Answer: 5"]
+    assert score_completions(chat, rows).correct == 2
+
+
+def test_missing_or_bad_answer_column_is_a_clear_error():
+    with pytest.raises(ConfigError, match="no 'answer' column"):
+        score_completions(["Answer: 1"], [{"prompt": "p", "solution": 1}])
+    with pytest.raises(ConfigError, match="'answer' must be an integer"):
+        score_completions(["Answer: 1"], [{"prompt": "p", "answer": "one"}])
+    with pytest.raises(ValueError, match="2 completions for 1 rows"):
+        score_completions(["a", "b"], _rows([1]))
+
+
+# --------------------------------------------------------------------------
+# evaluate(): scripted generation (exact wiring) and the tiny model (determinism)
+# --------------------------------------------------------------------------
+
+
+def _kwargs(tokenizer, **over):
+    kw = dict(
+        temperatures=[0.0, 1.0],
+        max_new_tokens=6,
+        batch_size=3,
+        seed=7,
+        use_chat_template=False,
+        few_shot=None,
+        max_prompt_length=None,
+        stop_strings=None,
+        eos_token_ids=[tokenizer.eos_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    kw.update(over)
+    return kw
+
+
+def test_evaluate_scores_scripted_completions(model, tokenizer, monkeypatch):
+    """generate() replaced by a script: the counts, mean reward and samples follow from the texts."""
+    rows = _rows([127, -5, 1000, 3, 42])
+    script = {"Q0=": "Answer: 127", "Q1=": "Answer: 1\nAnswer: -5", "Q2=": "Answer: 1,000",
+              "Q3=": "three", "Q4=": "Answer: 41"}
+
+    def fake_generate(model, prompts, G, params, *, eos_token_ids, pad_token_id, generator=None, stop=None):
+        assert G == 1
+        texts = [script[tokenizer.decode(p, skip_special_tokens=True)] for p in prompts]
+        ids = [tokenizer(t)["input_ids"] + [eos_token_ids[0]] for t in texts]
+        width = max(len(i) for i in ids)
+        comp = torch.full((len(ids), width), pad_token_id)
+        mask = torch.zeros((len(ids), width), dtype=torch.long)
+        for r, i in enumerate(ids):
+            comp[r, : len(i)] = torch.tensor(i)
+            mask[r, : len(i)] = 1
+        n = len(prompts)
+        return Rollout(torch.zeros(n, 1, dtype=torch.long), torch.ones(n, 1, dtype=torch.long), comp, mask,
+                       torch.zeros(n, dtype=torch.bool))
+
+    monkeypatch.setattr(ev, "generate", fake_generate)
+    results = evaluate(model, tokenizer, rows, label="before", step=0, **_kwargs(tokenizer, temperatures=[0.0]))
+    (r,) = results
+    assert (r.label, r.step, r.temperature, r.n) == ("before", 0, 0.0, 5)
+    assert (r.correct, r.formatted, r.correct_among_formatted) == (3, 4, 3)
+    assert r.mean_reward == pytest.approx(3 / 5)
+    assert r.clipped_ratio == 0.0
+    assert r.samples[0] == {"prompt": "Q0=", "completion": "Answer: 127", "answer": 127, "predicted": 127, "correct": True}
+
+    # with a reward set, mean_reward is the weighted total of the configured rewards
+    rewards = RewardSet.from_config(["arithmetic_correct", "arithmetic_format"], [1.0, 0.5], {"answer"})
+    (r,) = evaluate(model, tokenizer, rows, reward_set=rewards, **_kwargs(tokenizer, temperatures=[0.0]))
+    assert r.mean_reward == pytest.approx((3 * 1.0 + 4 * 0.5) / 5)
+    assert json.loads(json.dumps(r.to_dict()))["correct"] == 3
+
+
+def test_evaluate_tiny_model_is_deterministic(model, tokenizer):
+    rows = _rows([1, 2, 3, 4, 5])
+    model.train()
+    first = evaluate(model, tokenizer, rows, **_kwargs(tokenizer))
+    second = evaluate(model, tokenizer, rows, **_kwargs(tokenizer, batch_size=3))
+    assert model.training  # mode restored
+    assert [r.temperature for r in first] == [0.0, 1.0]
+    for a, b in zip(first, second):
+        assert a.n == len(rows)
+        assert a.to_dict() == b.to_dict()
+        assert 0 <= a.correct <= a.formatted <= a.n
+        assert 0 < a.mean_length <= 6
+    # sampled completions are drawn, not greedy: with a random model they differ from greedy somewhere
+    greedy = [s["completion"] for s in first[0].samples]
+    sampled = [s["completion"] for s in first[1].samples]
+    assert greedy != sampled
+
+
+def test_evaluate_rejects_rows_without_answer_before_generating(model, tokenizer):
+    with pytest.raises(ConfigError, match="no 'answer' column"):
+        evaluate(model, tokenizer, [{"prompt": "1+1="}], **_kwargs(tokenizer))
+
+
+def test_evaluator_uses_config_and_appends_eval_jsonl(model, tokenizer, tmp_path):
+    cfg = Config(output_dir=str(tmp_path / "run"))
+    cfg.eval.num_problems = 3
+    cfg.eval.temperatures = [0.0]
+    cfg.eval.max_completion_length = 4
+    cfg.data.chat_template = "never"
+    evaluator = Evaluator(cfg, tokenizer, [tokenizer.eos_token_id], tokenizer.pad_token_id, _rows([1, 2, 3, 4, 5]))
+    assert evaluator.max_new_tokens == 4 and len(evaluator.rows) == 3
+    before = evaluator(model, "before", 0)
+    after = evaluator(model, "after", 10)
+    lines = [json.loads(x) for x in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    assert [(x["label"], x["step"], x["n"]) for x in lines] == [("before", 0, 3), ("after", 10, 3)]
+    assert before[0].correct == lines[0]["correct"] and after[0].n == 3
+    assert ev.latest(ev.read_results(tmp_path / "run" / "eval.jsonl"), "after")[0].step == 10
+
+
+# --------------------------------------------------------------------------
+# The table
+# --------------------------------------------------------------------------
+
+
+def _result(label, step, temperature, correct, formatted, n=200, reward=None):
+    return EvalResult(label, step, temperature, n, correct, formatted, correct,
+                      correct / n if reward is None else reward)
+
+
+def _row_cells(table: str, decoding: str) -> list[str]:
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells[0] == decoding:
+            return cells
+    raise AssertionError(f"no row {decoding!r} in\n{table}")
+
+
+def test_format_table_before_after_like_the_seed():
+    before = [_result("before", 0, 0.0, 8, 8), _result("before", 0, 1.0, 91, 106)]
+    after = [_result("after", 300, 0.0, 194, 200), _result("after", 300, 1.0, 191, 199)]
+    table = format_table(before, after)
+    header = [c.strip() for c in table.splitlines()[0].strip("|").split("|")]
+    assert header == [
+        "decoding",
+        "correct (before)", "correct (after)",
+        "formatted (before)", "formatted (after)",
+        "correct among formatted (before)", "correct among formatted (after)",
+        "mean reward (before)", "mean reward (after)",
+    ]
+    greedy = _row_cells(table, "greedy")
+    assert greedy[1].startswith("8/200") and greedy[2].startswith("194/200")
+    assert greedy[3].startswith("8/200") and greedy[4].startswith("200/200")
+    sampled = _row_cells(table, "temperature 1")
+    assert sampled[1:3] == ["91/200 (45.5%)", "191/200 (95.5%)"]
+    assert sampled[5].startswith("91/106") and sampled[6].startswith("191/199")
+    assert sampled[7:9] == ["0.455", "0.955"]
+
+
+def test_format_table_before_only():
+    table = format_table([_result("before", 0, 0.0, 8, 8), _result("before", 0, 0.7, 0, 0)])
+    assert "after" not in table
+    assert _row_cells(table, "greedy")[1:] == ["8/200 (4.0%)", "8/200 (4.0%)", "8/8 (100.0%)", "0.040"]
+    assert _row_cells(table, "temperature 0.7")[3] == "0/0"
+
+
+# --------------------------------------------------------------------------
+# grpo eval / grpo report
+# --------------------------------------------------------------------------
+
+
+def test_cli_eval_before_and_after_checkpoint(tmp_path, capsys):
+    import yaml
+
+    from grpo import cli
+    from grpo.checkpoint import save_checkpoint
+    from grpo.models import load_model_and_tokenizer
+
+    run = tmp_path / "run"
+    config = {
+        "output_dir": str(run),
+        "model": {"name": "tiny", "tiny_hidden_size": 32, "tiny_num_layers": 1},
+        "data": {"chat_template": "never", "arithmetic": {
+            "operands": [[1, 9], [1, 9]], "operators": ["+"], "instruction": "{expression}=",
+            "num_train": 10, "num_eval": 4}},
+        "rollout": {"num_generations": 2, "max_completion_length": 3},
+        "training": {"per_device_train_batch_size": 2},
+        "eval": {"temperatures": [0.0, 1.0]},
+    }
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(config))
+    model, tok = load_model_and_tokenizer(ModelConfig(name="tiny", tiny_hidden_size=32, tiny_num_layers=1))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5 * torch.randn_like(p))  # a different model than the base
+    save_checkpoint(tmp_path / "ckpt", model, tok, state={"step": 17})
+
+    assert cli.main(["eval", str(path), "eval.num_problems=3", "--checkpoint", str(tmp_path / "ckpt")]) == 0
+    out = capsys.readouterr().out
+    assert "| decoding | correct (before) | correct (after) |" in out
+    lines = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
+    assert [(x["label"], x["step"], x["temperature"], x["n"]) for x in lines] == [
+        ("before", 0, 0.0, 3), ("before", 0, 1.0, 3), ("after", 17, 0.0, 3), ("after", 17, 1.0, 3)]
+    assert (run / "eval_table.md").read_text().startswith("| decoding |")
+
+    assert cli.main(["eval", str(path), "--checkpoint", str(tmp_path / "nope")]) == 2
+    assert "not a checkpoint directory" in capsys.readouterr().err
+
+
+def test_cli_report_errors_clearly(tmp_path, capsys):
+    from grpo import cli
+
+    assert cli.main(["report", str(tmp_path)]) == 2
+    assert "metrics.jsonl does not exist" in capsys.readouterr().err

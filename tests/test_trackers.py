@@ -1,0 +1,129 @@
+"""Optional trackers: nothing imported unless listed, clear errors, the calls each backend gets."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+
+import pytest
+
+from grpo.config import Config, ConfigError
+from grpo.trackers import Trackers
+
+
+def test_empty_report_to_imports_nothing_and_log_is_a_no_op(tmp_path):
+    # in a fresh interpreter, so modules imported by other tests do not hide an import
+    code = (
+        "import sys\n"
+        "from grpo.config import Config\n"
+        "from grpo.trackers import Trackers\n"
+        "before = set(sys.modules)\n"
+        f"cfg = Config(output_dir={str(tmp_path / 'run')!r})\n"
+        "t = Trackers.from_config(cfg)\n"
+        "t.log({'reward': 1.0, 'text': 'x'}, step=1)\n"
+        "t.close()\n"
+        "new = set(sys.modules) - before\n"
+        "bad = sorted(m for m in new if m.split('.')[0] in ('wandb', 'trackio', 'tensorboard', 'tensorboardX')\n"
+        "             or m.startswith('torch.utils.tensorboard'))\n"
+        "print('NEW', bad, bool(t))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "NEW [] False" in out
+    assert not (tmp_path / "run").exists()  # nothing written either
+
+
+def test_unknown_backend_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="unknown tracker 'mlflow'.*tensorboard, wandb, trackio"):
+        Trackers(["mlflow"], tmp_path)
+
+
+def test_missing_backend_names_the_pip_package(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # importing it raises ImportError
+    with pytest.raises(ConfigError, match=r"pip install wandb"):
+        Trackers(["wandb"], tmp_path)
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    with pytest.raises(ConfigError, match=r"pip install tensorboard"):
+        Trackers(["tensorboard"], tmp_path)
+
+
+class _FakeRunModule(types.ModuleType):
+    """Records wandb/trackio calls."""
+
+    def __init__(self, name):
+        super().__init__(name)
+        self.calls = []
+
+    def init(self, **kwargs):
+        self.calls.append(("init", kwargs))
+        return object()
+
+    def log(self, metrics, step=None):
+        self.calls.append(("log", dict(metrics), step))
+
+    def finish(self):
+        self.calls.append(("finish",))
+
+
+@pytest.mark.parametrize("name", ["wandb", "trackio"])
+def test_wandb_and_trackio_get_init_log_finish(tmp_path, monkeypatch, name):
+    fake = _FakeRunModule(name)
+    monkeypatch.setitem(sys.modules, name, fake)
+    cfg = Config(output_dir=str(tmp_path / "my-run"))
+    cfg.logging.report_to = [name]
+    with Trackers.from_config(cfg) as trackers:
+        trackers.log({"step": 3, "reward": 0.5, "kl": float("nan"), "note": "text", "num_tokens": 12}, step=3)
+    init, log, finish = fake.calls
+    assert init[0] == "init" and init[1]["project"] == "grpo" and init[1]["name"] == "my-run"
+    assert init[1]["config"]["logging"]["report_to"] == [name]
+    assert log == ("log", {"reward": 0.5, "num_tokens": 12.0}, 3)  # numbers only, NaN dropped
+    assert finish == ("finish",)
+
+
+def test_run_name_is_passed(tmp_path, monkeypatch):
+    fake = _FakeRunModule("wandb")
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    Trackers(["wandb"], tmp_path, run_name="exp-1").close()
+    assert fake.calls[0][1]["name"] == "exp-1"
+
+
+def test_tensorboard_calls_summary_writer(tmp_path, monkeypatch):
+    """Without tensorboard installed: a stand-in SummaryWriter records the calls."""
+    written = []
+
+    class Writer:
+        def __init__(self, log_dir):
+            written.append(("dir", log_dir))
+
+        def add_scalar(self, key, value, global_step):
+            written.append((key, value, global_step))
+
+        def flush(self):
+            pass
+
+        def close(self):
+            written.append(("close",))
+
+    fake_tb = types.ModuleType("torch.utils.tensorboard")
+    fake_tb.SummaryWriter = Writer
+    monkeypatch.setitem(sys.modules, "tensorboard", types.ModuleType("tensorboard"))
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake_tb)
+    trackers = Trackers(["tensorboard"], tmp_path / "run")
+    trackers.log({"reward": 0.25, "rewards/arithmetic_correct/mean": 0.5}, step=7)
+    trackers.close()
+    assert written == [
+        ("dir", str(tmp_path / "run" / "tensorboard")),
+        ("reward", 0.25, 7),
+        ("rewards/arithmetic_correct/mean", 0.5, 7),
+        ("close",),
+    ]
+
+
+def test_tensorboard_writes_an_event_file(tmp_path):
+    pytest.importorskip("tensorboard")
+    trackers = Trackers(["tensorboard"], tmp_path)
+    for step in range(1, 4):
+        trackers.log({"reward": step / 4, "loss": 0.1}, step=step)
+    trackers.close()
+    events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0
