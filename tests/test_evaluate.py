@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from grpo import evaluate as ev
-from grpo.config import Config, ConfigError, ModelConfig
+from grpo.config import Config, ConfigError, ModelConfig, RewardsConfig
 from grpo.evaluate import EvalResult, Evaluator, evaluate, format_table, score_completions
 from grpo.rewards import RewardSet
 from grpo.rollout import Rollout
@@ -119,7 +119,9 @@ def test_evaluate_scores_scripted_completions(model, tokenizer, monkeypatch):
     assert r.samples[0] == {"prompt": "Q0=", "completion": "Answer: 127", "answer": 127, "predicted": 127, "correct": True}
 
     # with a reward set, mean_reward is the weighted total of the configured rewards
-    rewards = RewardSet.from_config(["arithmetic_correct", "arithmetic_format"], [1.0, 0.5], {"answer"})
+    rewards = RewardSet.from_config(
+        RewardsConfig(funcs=["arithmetic_correct", "arithmetic_format"], weights=[1.0, 0.5]), 16, {"answer"}
+    )
     (r,) = evaluate(model, tokenizer, rows, reward_set=rewards, **_kwargs(tokenizer, temperatures=[0.0]))
     assert r.mean_reward == pytest.approx((3 * 1.0 + 4 * 0.5) / 5)
     assert json.loads(json.dumps(r.to_dict()))["correct"] == 3

@@ -27,8 +27,9 @@ def _eval(args: argparse.Namespace) -> int:
 
     from grpo import config
     from grpo.data import load_rows
-    from grpo.evaluate import Evaluator, format_table, reward_set_from_config
-    from grpo.models import eos_token_ids, load_model_and_tokenizer
+    from grpo.evaluate import Evaluator, format_table
+    from grpo.rewards import RewardSet
+    from grpo.models import generation_token_ids, load_model_and_tokenizer, resolve_device
 
     cfg = config.load(args.config, args.overrides)
     checkpoint = Path(args.checkpoint).expanduser() if args.checkpoint else None
@@ -38,13 +39,12 @@ def _eval(args: argparse.Namespace) -> int:
             f"by the trainer, e.g. {Path(cfg.output_dir) / 'final'}"
         )
     _, rows = load_rows(cfg.data)
-    reward_set = reward_set_from_config(cfg, rows) if rows else None
-    device = _eval_device(cfg.training.device)
+    reward_set = (
+        RewardSet.from_config(cfg.rewards, cfg.rollout.max_completion_length, set(rows[0]) - {"prompt"}) if rows else None
+    )
+    device = resolve_device(cfg.training.device)
     model, tokenizer = load_model_and_tokenizer(cfg.model, device)
-    eos = eos_token_ids(model, tokenizer)
-    if not eos:
-        raise ConfigError("the tokenizer has no eos token; evaluation cannot tell where an answer ends")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    eos, pad = generation_token_ids(model, tokenizer)
     evaluator = Evaluator(cfg, tokenizer, eos, pad, rows, reward_set)
     print(f"evaluating {cfg.model.name} on {len(evaluator.rows)} held-out problems", flush=True)
     before = evaluator(model, "before", 0)
@@ -63,16 +63,6 @@ def _eval(args: argparse.Namespace) -> int:
     (out / "eval_table.md").write_text(table + "\n")
     print(f"wrote {out / 'eval.jsonl'} and {out / 'eval_table.md'}")
     return 0
-
-
-def _eval_device(name: str):
-    import torch
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("training.device: cuda requested but no CUDA device is available; use training.device=cpu")
-    return torch.device(name)
 
 
 def _report(args: argparse.Namespace) -> int:

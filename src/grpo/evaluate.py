@@ -276,30 +276,6 @@ def _result(label, step, temperature, rows, texts, ids, truncated, reward_set) -
     )
 
 
-# --------------------------------------------------------------------------
-# From a config
-# --------------------------------------------------------------------------
-
-
-def reward_set_from_config(cfg: Config, rows: list[Row]):
-    """The training reward functions (and overlong penalty) for `mean_reward`."""
-    from grpo import algorithm
-    from grpo.rewards import RewardSet
-
-    columns = set(rows[0]) - {"prompt"} if rows else set()
-    rewards = RewardSet.from_config(cfg.rewards.funcs, cfg.rewards.weights, columns)
-    if cfg.rewards.overlong_buffer is not None:
-        buffer, max_len = cfg.rewards.overlong_buffer, cfg.rollout.max_completion_length
-        rewards.add(
-            "overlong",
-            lambda completion_ids, **_: algorithm.overlong_penalty(
-                torch.tensor([len(c) for c in completion_ids]), max_len, buffer
-            ).tolist(),
-            cfg.rewards.overlong_weight,
-        )
-    return rewards
-
-
 class Evaluator:
     """Evaluation as configured by `cfg.eval`; each call appends to <output_dir>/eval.jsonl.
 

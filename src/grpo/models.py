@@ -130,6 +130,24 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
+def generation_token_ids(model, tokenizer) -> tuple[list[int], int]:
+    """(eos ids, pad id) for generation; a model without any eos token cannot end an answer."""
+    eos = eos_token_ids(model, tokenizer)
+    if not eos:
+        raise ConfigError("the tokenizer has no eos token; set tokenizer.eos_token (and save it with the model)")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    return eos, pad
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` -> cuda when available, else cpu; `cuda` without a GPU is a config error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("training.device: cuda requested but no CUDA device is available; use training.device=cpu")
+    return torch.device(name)
+
+
 def count_parameters(model) -> int:
     """Number of trainable parameters (shared tensors, like tied embeddings, counted once)."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -25,12 +25,14 @@ from grpo import algorithm, config as config_module
 from grpo.checkpoint import save_checkpoint
 from grpo.config import Config, ConfigError
 from grpo.data import Row, encode_prompts, is_conversational, load_rows, prompt_stream
+from grpo.evaluate import Evaluator, format_table
 from grpo.logprobs import completion_logprobs
 from grpo.memory import keep_freed_memory
-from grpo.models import eos_token_ids, load_model_and_tokenizer
+from grpo.models import generation_token_ids, load_model_and_tokenizer, resolve_device
 from grpo.progress import ConsoleProgress
 from grpo.rewards import RewardSet
 from grpo.rollout import Rollout, SamplingParams, StopStrings, generate
+from grpo.trackers import Trackers
 
 
 @dataclass
@@ -53,14 +55,6 @@ class GenerationBatch:
         return len(self.rows)
 
 
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("training.device: cuda requested but no CUDA device is available; use training.device=cpu")
-    return torch.device(name)
-
-
 class Trainer:
     def __init__(
         self,
@@ -78,7 +72,7 @@ class Trainer:
         (Python API, tests); otherwise they come from the config.
         """
         self.cfg = cfg
-        self.device = _device(cfg.training.device)
+        self.device = resolve_device(cfg.training.device)
         if self.device.type == "cpu":
             keep_freed_memory()
         if train_rows is None:
@@ -88,24 +82,7 @@ class Trainer:
             raise ConfigError("no training rows")
         self.train_rows, self.eval_rows = train_rows, eval_rows or []
         columns = set(train_rows[0]) - {"prompt"}
-        if reward_funcs is not None:
-            self.rewards = RewardSet([], [], torch.zeros(0))
-            weights = cfg.rewards.weights or [1.0] * len(reward_funcs)
-            if len(weights) != len(reward_funcs):
-                raise ConfigError(f"rewards.weights: {len(weights)} weights for {len(reward_funcs)} reward functions")
-            for (name, fn), w in zip(reward_funcs.items(), weights):
-                self.rewards.add(name, fn, w)
-        else:
-            self.rewards = RewardSet.from_config(cfg.rewards.funcs, cfg.rewards.weights, columns)
-        if cfg.rewards.overlong_buffer is not None:
-            buffer, max_len = cfg.rewards.overlong_buffer, cfg.rollout.max_completion_length
-            self.rewards.add(
-                "overlong",
-                lambda completion_ids, **_: algorithm.overlong_penalty(
-                    torch.tensor([len(c) for c in completion_ids]), max_len, buffer
-                ).tolist(),
-                cfg.rewards.overlong_weight,
-            )
+        self.rewards = RewardSet.from_config(cfg.rewards, cfg.rollout.max_completion_length, columns, reward_funcs)
 
         if model is None:
             model, tokenizer = load_model_and_tokenizer(cfg.model, self.device)
@@ -114,10 +91,7 @@ class Trainer:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.config.use_cache = True
         self.reference = self._frozen_copy(self.model) if cfg.algorithm.beta > 0 else None
-        self.eos_token_ids = eos_token_ids(self.model, tokenizer)
-        if not self.eos_token_ids:
-            raise ConfigError("the tokenizer has no eos token; set tokenizer.eos_token before training")
-        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
+        self.eos_token_ids, self.pad_token_id = generation_token_ids(self.model, tokenizer)
         self.stop = StopStrings(tokenizer, cfg.rollout.stop_strings) if cfg.rollout.stop_strings else None
         self.use_chat_template = cfg.data.chat_template == "auto"
 
@@ -140,7 +114,15 @@ class Trainer:
         self.generator = torch.Generator(device=self.device).manual_seed(t.seed)
         self.prompts = prompt_stream(self.train_rows, cfg.data.seed)
         self.step = 0
+        self.tokens_seen = 0
         self.output_dir = Path(cfg.output_dir)
+        e = cfg.eval
+        wants_eval = e.before or e.after or e.every > 0
+        self.evaluator = (
+            Evaluator(cfg, tokenizer, self.eos_token_ids, self.pad_token_id, self.eval_rows, self.rewards)
+            if wants_eval
+            else None
+        )
 
     # ------------------------------------------------------------------ setup helpers
 
@@ -325,13 +307,14 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
 
     def train(self) -> list[dict[str, float]]:
-        cfg = self.cfg
+        cfg, e = self.cfg, self.cfg.eval
         self.output_dir.mkdir(parents=True, exist_ok=True)
         config_module.save(cfg, self.output_dir / "config.yaml")
-        history = []
         progress = ConsoleProgress(cfg.training.max_steps, every=cfg.logging.log_every)
-        tokens_seen = 0
-        with open(self.output_dir / "metrics.jsonl", "a") as metrics_file:
+        trackers = Trackers.from_config(cfg)
+        history: list[dict[str, float]] = []
+        before = self.evaluate("before", trackers) if e.before else None
+        with trackers, open(self.output_dir / "metrics.jsonl", "a") as metrics_file:
             while self.step < cfg.training.max_steps:
                 t0 = time.perf_counter()
                 batch = self.collect_batch()
@@ -341,33 +324,76 @@ class Trainer:
                 self.step += 1
                 if cfg.algorithm.ref_sync_steps and self.step % cfg.algorithm.ref_sync_steps == 0:
                     self.sync_reference()
-                tokens = int(batch.rollout.completion_mask.sum() + batch.rollout.prompt_mask.sum())
-                tokens_seen += tokens
-                metrics = {"step": self.step, **self.batch_metrics(batch), **update_stats}
-                metrics.update(
-                    {
-                        "learning_rate": self.scheduler.get_last_lr()[0],
-                        "num_tokens": tokens_seen,
-                        "time/step": t2 - t0,
-                        "time/generate": t1 - t0,
-                        "time/update": t2 - t1,
-                        "tokens_per_second": tokens / max(t2 - t0, 1e-9),
-                    }
-                )
+
+                metrics = self.step_metrics(batch, update_stats, generate_s=t1 - t0, update_s=t2 - t1)
                 metrics_file.write(json.dumps(metrics) + "\n")
                 metrics_file.flush()
+                trackers.log(metrics, self.step)
                 history.append(metrics)
                 progress.update(self.step, metrics)
-                if cfg.logging.sample_every and self.step % cfg.logging.sample_every == 0:
-                    progress.sample(batch.completion_texts[0], float(batch.rewards[0]))
+                if cfg.logging.sample_every and (self.step == 1 or self.step % cfg.logging.sample_every == 0):
+                    self.write_samples(batch, progress)
                 if cfg.training.save_steps and self.step % cfg.training.save_steps == 0:
                     self.save(self.output_dir / f"checkpoint-{self.step}")
-        self.save(self.output_dir / "final")
+                if e.every and self.step % e.every == 0 and self.step < cfg.training.max_steps:
+                    self.evaluate(f"step {self.step}", trackers)
+            self.save(self.output_dir / "final")
+            if e.after:
+                after = self.evaluate("after", trackers)
+                if before is not None:
+                    print("\nheld-out evaluation, before and after training:\n" + format_table(before, after), flush=True)
+        self.write_report()
         return history
+
+    def evaluate(self, label: str, trackers: Trackers | None = None):
+        """Held-out evaluation (greedy and sampled, as configured); results go to eval.jsonl."""
+        if self.evaluator is None:
+            raise ConfigError("evaluation needs held-out rows (data.arithmetic.num_eval > 0 or data.eval_file)")
+        print(f"evaluating ({label}) on {len(self.evaluator.rows)} held-out problems...", flush=True)
+        results = self.evaluator(self.model, label, self.step)
+        print(format_table(results), flush=True)
+        if trackers is not None:
+            trackers.log({f"eval/{r.decoding}/accuracy": r.accuracy for r in results}, self.step)
+        return results
+
+    def write_report(self) -> None:
+        try:
+            from grpo.report import build_report
+
+            path = build_report(self.output_dir)
+            print(f"report: {path}", flush=True)
+        except ImportError as err:  # matplotlib is optional
+            print(f"no report written ({err})", flush=True)
+
+    def write_samples(self, batch: GenerationBatch, progress: ConsoleProgress, per_step: int = 4) -> None:
+        """A few (prompt, completion, reward) examples, one per group, to samples.jsonl and the console."""
+        G = self.cfg.rollout.num_generations
+        with open(self.output_dir / "samples.jsonl", "a") as f:
+            for i in range(0, min(len(batch), per_step * G), G):
+                prompt = batch.prompts[i]
+                prompt = prompt[-1]["content"] if isinstance(prompt, list) else prompt
+                record = {"step": self.step, "prompt": prompt, "completion": batch.completion_texts[i], "reward": _float(batch.rewards[i])}
+                f.write(json.dumps(record) + "\n")
+        progress.sample(batch.completion_texts[0], _float(batch.rewards[0]))
 
     def save(self, directory: Path) -> None:
         state = {"step": self.step, "generator": self.generator.get_state().tolist()}
         save_checkpoint(directory, self.model, self.tokenizer, self.optimizer, self.scheduler, state)
+
+    def step_metrics(self, batch: GenerationBatch, update_stats: dict, generate_s: float, update_s: float) -> dict:
+        tokens = int(batch.rollout.completion_mask.sum() + batch.rollout.prompt_mask.sum())
+        self.tokens_seen += tokens
+        return {
+            "step": self.step,
+            **self.batch_metrics(batch),
+            **update_stats,
+            "learning_rate": self.scheduler.get_last_lr()[0],
+            "num_tokens": self.tokens_seen,
+            "time/step": generate_s + update_s,
+            "time/generate": generate_s,
+            "time/update": update_s,
+            "tokens_per_second": tokens / max(generate_s + update_s, 1e-9),
+        }
 
     def batch_metrics(self, batch: GenerationBatch) -> dict[str, float]:
         G = self.cfg.rollout.num_generations
@@ -393,6 +419,12 @@ class Trainer:
             m["sampling/rounds"] = batch.sampling_rounds
             m["sampling/zero_std_groups_kept"] = batch.zero_std_groups_kept
         return m
+
+
+def _float(x: torch.Tensor) -> float | None:
+    """JSON-friendly float: NaN (missing) becomes None."""
+    value = float(x)
+    return None if math.isnan(value) else value
 
 
 def _nanmean(x: torch.Tensor) -> float:

@@ -20,7 +20,8 @@ from typing import Any, Callable
 
 import torch
 
-from grpo.config import ConfigError
+from grpo.algorithm import overlong_penalty
+from grpo.config import ConfigError, RewardsConfig
 from grpo.rewards.arithmetic import arithmetic_correct, arithmetic_format
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,16 @@ BUILTIN: dict[str, RewardFn] = {
 }
 
 CALL_ARGUMENTS = {"prompts", "completions", "completion_ids"}
+
+
+def overlong_reward(max_length: int, buffer: int) -> RewardFn:
+    """DAPO's soft overlong penalty as a reward function of the completion length."""
+
+    def overlong(completion_ids, **kwargs) -> list[float]:
+        lengths = torch.tensor([len(ids) for ids in completion_ids])
+        return overlong_penalty(lengths, max_length, buffer).tolist()
+
+    return overlong
 
 
 def resolve(spec: str) -> tuple[str, RewardFn]:
@@ -94,15 +105,29 @@ class RewardSet:
     failures: dict[str, int] = field(default_factory=dict)
 
     @classmethod
-    def from_config(cls, specs: list[str], weights: list[float] | None, columns: set[str]) -> "RewardSet":
-        names, funcs = [], []
-        for spec in specs:
-            name, fn = resolve(spec)
+    def from_config(
+        cls,
+        cfg: "RewardsConfig",
+        max_completion_length: int,
+        columns: set[str],
+        funcs: dict[str, RewardFn] | None = None,
+    ) -> "RewardSet":
+        """The configured reward functions (or `funcs`, given directly from Python),
+        with their weights, plus DAPO's overlong penalty when configured."""
+        if funcs is None:
+            resolved = [resolve(spec) for spec in cfg.funcs]
+        else:
+            resolved = list(funcs.items())
+        weights = cfg.weights if cfg.weights is not None else [1.0] * len(resolved)
+        if len(weights) != len(resolved):
+            raise ConfigError(f"rewards.weights: {len(weights)} weights for {len(resolved)} reward functions; give one weight each")
+        rewards = cls([], [], torch.zeros(0))
+        for (name, fn), weight in zip(resolved, weights):
             check_signature(name, fn, columns)
-            names.append(name)
-            funcs.append(fn)
-        w = torch.tensor(weights if weights is not None else [1.0] * len(funcs), dtype=torch.float32)
-        return cls(names, funcs, w, {n: 0 for n in names})
+            rewards.add(name, fn, weight)
+        if cfg.overlong_buffer is not None:
+            rewards.add("overlong", overlong_reward(max_completion_length, cfg.overlong_buffer), cfg.overlong_weight)
+        return rewards
 
     def add(self, name: str, fn: RewardFn, weight: float) -> None:
         self.names.append(name)
