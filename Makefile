@@ -39,5 +39,12 @@ test: $(VENV)/.dev
 test-slow: $(VENV)/.dev
 	$(BIN)/python -m pytest -q -m slow
 
+# grpo vs TRL side by side in one run (TRL is a dev extra)
+bench-tiny: $(VENV)/.dev
+	$(BIN)/python benchmarks/vs_trl.py --model tiny --precision both
+
+bench: $(VENV)/.dev
+	$(BIN)/python benchmarks/vs_trl.py --model gemma-3-270m --precision both
+
 clean:
 	rm -rf $(VENV) runs

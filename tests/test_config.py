@@ -16,9 +16,10 @@ def test_defaults_follow_trl():
 
 
 def test_overrides_are_typed_yaml():
-    cfg = config.from_dict({}, ["algorithm.beta=0.04", "training.max_steps=50", "training.bf16=true",
+    cfg = config.from_dict({}, ["algorithm.beta=0.04", "training.max_steps=50", "training.bf16=true", "training.learning_rate=1e-5",
                                 "rewards.funcs=[arithmetic_correct, arithmetic_format]", "algorithm.delta=null"])
     assert cfg.algorithm.beta == 0.04 and cfg.training.max_steps == 50 and cfg.training.bf16 is True
+    assert cfg.training.learning_rate == 1e-5  # YAML 1.1 reads 1e-5 as a string
     assert cfg.rewards.funcs == ["arithmetic_correct", "arithmetic_format"]
     assert cfg.algorithm.delta is None
 

@@ -8,10 +8,18 @@ import sys
 from grpo.config import ConfigError
 
 
+def _quiet_transformers() -> None:
+    """Our own progress line is the one to read; drop transformers' per-shard bars."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def _train(args: argparse.Namespace) -> int:
     from grpo import config
 
     cfg = config.load(args.config, args.overrides)
+    _quiet_transformers()
     from grpo.trainer import Trainer
 
     trainer = Trainer(cfg)
@@ -32,6 +40,7 @@ def _eval(args: argparse.Namespace) -> int:
     from grpo.models import generation_token_ids, load_model_and_tokenizer, resolve_device
 
     cfg = config.load(args.config, args.overrides)
+    _quiet_transformers()
     checkpoint = Path(args.checkpoint).expanduser() if args.checkpoint else None
     if checkpoint is not None and not (checkpoint / "config.json").is_file():
         raise ConfigError(

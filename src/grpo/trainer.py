@@ -316,16 +316,7 @@ class Trainer:
         before = self.evaluate("before", trackers) if e.before else None
         with trackers, open(self.output_dir / "metrics.jsonl", "a") as metrics_file:
             while self.step < cfg.training.max_steps:
-                t0 = time.perf_counter()
-                batch = self.collect_batch()
-                t1 = time.perf_counter()
-                update_stats = self.update(batch)
-                t2 = time.perf_counter()
-                self.step += 1
-                if cfg.algorithm.ref_sync_steps and self.step % cfg.algorithm.ref_sync_steps == 0:
-                    self.sync_reference()
-
-                metrics = self.step_metrics(batch, update_stats, generate_s=t1 - t0, update_s=t2 - t1)
+                metrics, batch = self.train_step()
                 metrics_file.write(json.dumps(metrics) + "\n")
                 metrics_file.flush()
                 trackers.log(metrics, self.step)
@@ -344,6 +335,18 @@ class Trainer:
                     print("\nheld-out evaluation, before and after training:\n" + format_table(before, after), flush=True)
         self.write_report()
         return history
+
+    def train_step(self) -> tuple[dict[str, float], GenerationBatch]:
+        """One GRPO step: generate and score a batch, update the policy, maybe refresh the reference."""
+        t0 = time.perf_counter()
+        batch = self.collect_batch()
+        t1 = time.perf_counter()
+        update_stats = self.update(batch)
+        t2 = time.perf_counter()
+        self.step += 1
+        if self.cfg.algorithm.ref_sync_steps and self.step % self.cfg.algorithm.ref_sync_steps == 0:
+            self.sync_reference()
+        return self.step_metrics(batch, update_stats, generate_s=t1 - t0, update_s=t2 - t1), batch
 
     def evaluate(self, label: str, trackers: Trackers | None = None):
         """Held-out evaluation (greedy and sampled, as configured); results go to eval.jsonl."""

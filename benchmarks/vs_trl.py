@@ -1,0 +1,861 @@
+"""grpo's Trainer against TRL's GRPOTrainer, same model, prompts and work, in one run.
+
+    python benchmarks/vs_trl.py                                # Gemma-3-270M, fp32
+    python benchmarks/vs_trl.py --precision both               # fp32, then bf16 autocast
+    python benchmarks/vs_trl.py --model tiny --precision both  # CI-sized, about a minute
+
+Each side runs in its own child process (this script again, with `--side trl`
+or `--side grpo`), so that its peak memory is its own. A child builds its
+trainer, runs `--warmup` steps, then `--steps` measured steps, and writes a
+JSON record; the parent runs the two sides' processes in alternation (TRL,
+grpo, then grpo, TRL, ... `--repeats` pairs), so slow drifts of a shared
+machine fall on both sides alike, and takes medians over all measured steps.
+
+One step = one generation batch (4 prompts x 4 completions, each exactly
+max_completion_length tokens, EOS ignored) + one optimizer step on it. See
+benchmarks/README.md for what each column measures and how to read it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+GB = 1024**3
+SIDES = ("trl", "grpo")
+PRECISIONS = ("fp32", "bf16")
+DEV_HINT = 'pip install -e ".[dev]"'
+
+# Work per step; both sides get exactly these values.
+NUM_PROMPTS = 4
+NUM_GENERATIONS = 4
+DEFAULT_COMPLETION_LENGTH = {"gemma-3-270m": 64, "tiny": 16}
+
+
+class BenchmarkError(RuntimeError):
+    """A problem the user can fix; printed without a traceback."""
+
+
+# ----------------------------------------------------------------------------
+# Small helpers shared by parent and children
+# ----------------------------------------------------------------------------
+
+
+def _status_kb(key: str) -> int | None:
+    """A `Vm...` line of /proc/self/status, in kB (None where /proc is missing)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _gb_from_kb(kb: int | None) -> float | None:
+    return None if kb is None else kb * 1024 / GB
+
+
+def _reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0: write 5 to clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else math.nan
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _resolve_device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise BenchmarkError("--device cuda: no CUDA device is available; use --device cpu")
+    return name
+
+
+# ----------------------------------------------------------------------------
+# FLOP model (the same count for both sides)
+# ----------------------------------------------------------------------------
+
+
+def model_shape(model) -> dict:
+    """What the FLOP count needs from the model; shared (tied) weights counted once."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    params = list(model.parameters())  # deduplicated: a tied embedding appears once
+    total = sum(p.numel() for p in params)
+    emb = model.get_input_embeddings().weight
+    out = model.get_output_embeddings().weight
+    tied = out is emb  # tie_weights() shares the Parameter object
+    non_embedding = total - emb.numel() - (0 if tied else out.numel())
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    layers = cfg.num_hidden_layers
+    window = getattr(cfg, "sliding_window", None)
+    layer_types = getattr(cfg, "layer_types", None) or ["full_attention"] * layers
+    windows = [window if (t == "sliding_attention" and window) else None for t in layer_types]
+    return {
+        "model_type": cfg.model_type,
+        "total_params": total,
+        "non_embedding_params": non_embedding,
+        "hidden_size": cfg.hidden_size,
+        "vocab_size": out.shape[0],
+        "num_layers": layers,
+        "attention_width": heads * head_dim,  # query heads x head dim
+        "layer_windows": windows,
+        "tied_embeddings": tied,
+        "param_bytes": sum(p.numel() * p.element_size() for p in params),
+    }
+
+
+def sequence_forward_flops(shape: dict, prompt_len: int, completion_len: int) -> float:
+    """FLOPs of one forward pass that yields the logits for every completion token.
+
+    Positions 1 .. p+T-1 go through the decoder (the hidden state at position j
+    predicts token j+1; the last completion token is never an input), and the
+    output layer runs at the T positions that predict a completion token:
+
+        (p + T - 1) * 2 * N_non_embedding          matmuls of the layers
+      + sum_j sum_layers 4 * attention_width * ctx_j   QK^T and AV, ctx_j = keys seen
+      + T * 2 * hidden * vocab                      output layer (logits)
+
+    Generation does exactly this work (prefill of p positions + T-1 decode steps,
+    one logit row per generated token); the update does it forward + backward
+    (x3). Norms, activations, softmax and the embedding lookup are not counted.
+    """
+    n = prompt_len + completion_len - 1
+    linear = 2.0 * shape["non_embedding_params"] * n
+    attention = 0.0
+    for window in shape["layer_windows"]:
+        if window is None or window >= n:
+            keys = n * (n + 1) / 2  # causal: position j sees j keys
+        else:
+            keys = window * (window + 1) / 2 + (n - window) * window
+        attention += 4.0 * shape["attention_width"] * keys
+    logits = 2.0 * shape["hidden_size"] * shape["vocab_size"] * completion_len
+    return linear + attention + logits
+
+
+def step_flops(shape: dict, prompt_lengths: list[int], completion_lengths: list[int]) -> tuple[float, float]:
+    """(generation FLOPs, update FLOPs) of one step: every sequence prefilled and trained on in full."""
+    forward = sum(sequence_forward_flops(shape, p, c) for p, c in zip(prompt_lengths, completion_lengths))
+    return forward, 3.0 * forward
+
+
+def measure_peak_flops(dtype_name: str, device: str, size: int, repeats: int) -> float:
+    """Best-of-`repeats` FLOP/s of a size x size matmul in `dtype_name` (the machine's practical peak)."""
+    import torch
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    inner = 10 if device == "cuda" else 1
+    a @ b  # warm-up (thread pool, kernels)
+    _sync(device)
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            a @ b
+        _sync(device)
+        best = min(best, (time.perf_counter() - t0) / inner)
+    return 2.0 * size**3 / best
+
+
+# ----------------------------------------------------------------------------
+# Child process: one side, W + S steps
+# ----------------------------------------------------------------------------
+
+
+class _DtypeProbe:
+    """Records the output dtype of one decoder Linear per phase: shows whether
+    bf16 autocast is really in effect in generation and in the update."""
+
+    def __init__(self, model):
+        import torch
+
+        self.phase = "setup"
+        self.seen: dict[str, set[str]] = {}
+        target = next(
+            (m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in name),
+            None,
+        )
+        if target is not None:
+            target.register_forward_hook(self._hook)
+
+    def _hook(self, module, args, output):
+        self.seen.setdefault(self.phase, set()).add(str(output.dtype).replace("torch.", ""))
+
+    def report(self) -> dict[str, list[str]]:
+        return {k: sorted(v) for k, v in self.seen.items()}
+
+
+class _Recorder:
+    """Per-step timings and memory in a child, identical for both sides."""
+
+    def __init__(self, spec: dict):
+        self.spec = spec
+        self.device = spec["device"]
+        self.steps: list[dict] = []
+        self.memory: dict = {}
+        self.generate_s = 0.0
+        self.lengths: tuple[list[int], list[int]] = ([], [])
+        self._t0 = 0.0
+
+    def after_load(self):
+        self.memory["after_load_rss_gb"] = _gb_from_kb(_status_kb("VmRSS"))
+
+    def begin(self):
+        _sync(self.device)
+        self.generate_s = 0.0
+        self._t0 = time.perf_counter()
+
+    def end(self, index: int):
+        """Call after the optimizer step (and zero_grad): the state held between steps."""
+        import torch
+
+        _sync(self.device)
+        step_s = time.perf_counter() - self._t0
+        warmup = index < self.spec["warmup"]
+        prompt_lengths, completion_lengths = self.lengths
+        self.steps.append(
+            {
+                "index": index,
+                "warmup": warmup,
+                "step_s": step_s,
+                "generate_s": self.generate_s,
+                "update_s": step_s - self.generate_s,
+                "prompt_lengths": prompt_lengths,
+                "completion_lengths": completion_lengths,
+                "rss_gb": _gb_from_kb(_status_kb("VmRSS")),
+            }
+        )
+        if index == self.spec["warmup"] - 1:  # end of the warm-up: steady state, then measure peaks from here
+            m = self.memory
+            m["steady_rss_gb"] = _gb_from_kb(_status_kb("VmRSS"))
+            m["peak_rss_through_warmup_gb"] = _gb_from_kb(_status_kb("VmHWM"))
+            m["hwm_reset"] = _reset_peak_rss()
+            if self.device == "cuda":
+                m["steady_cuda_gb"] = torch.cuda.memory_allocated() / GB
+                torch.cuda.reset_peak_memory_stats()
+        if index == self.spec["warmup"] + self.spec["steps"] - 1:  # last measured step
+            m = self.memory
+            m["train_peak_rss_gb"] = _gb_from_kb(_status_kb("VmHWM"))
+            m["process_peak_rss_gb"] = max(m["train_peak_rss_gb"] or 0, m["peak_rss_through_warmup_gb"] or 0)
+            if self.device == "cuda":
+                m["train_peak_cuda_gb"] = torch.cuda.max_memory_allocated() / GB
+
+
+def _rows(spec: dict) -> list[dict]:
+    """The seed's arithmetic training problems as plain-text prompts (no chat template)."""
+    from grpo.config import ArithmeticConfig
+    from grpo.data import arithmetic_splits, render_prompt
+
+    train, _ = arithmetic_splits(ArithmeticConfig(), seed=spec["data_seed"])
+    # render_prompt without a template joins the message contents: "<instruction>\n"
+    return [{"prompt": render_prompt(r["prompt"], None, False, None)[0], "answer": r["answer"]} for r in train]
+
+
+def _optimizer_name(optimizer) -> str:
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps it
+    fused = inner.param_groups[0].get("fused")
+    return type(inner).__name__ + (" (fused)" if fused else "")
+
+
+def _set_threads(spec: dict) -> None:
+    import torch
+
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+
+
+def run_trl(spec: dict, out_dir: Path) -> dict:
+    rec = _Recorder(spec)
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from grpo.rewards.arithmetic import arithmetic_correct
+
+    _set_threads(spec)
+    rec.memory["baseline_rss_gb"] = _gb_from_kb(_status_kb("VmRSS"))
+    t_setup = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
+    shape = model_shape(model)
+    probe = _DtypeProbe(model)
+    dataset = Dataset.from_list(_rows(spec))
+    T = spec["max_completion_length"]
+    W, S = spec["warmup"], spec["steps"]
+    args = GRPOConfig(
+        output_dir=str(out_dir),
+        # the work: 4 prompts x 4 completions, one optimizer step per generation batch
+        per_device_train_batch_size=NUM_PROMPTS * NUM_GENERATIONS,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_generations=NUM_GENERATIONS,
+        num_iterations=1,
+        max_steps=W + S,
+        max_completion_length=T,
+        # exactly T tokens: EOS may not be sampled before T tokens (MinNewTokensLengthLogitsProcessor)
+        generation_kwargs={"min_new_tokens": T},
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        # the algorithm, as in grpo's defaults
+        beta=0.0,
+        loss_type=spec["loss_type"],
+        scale_rewards="group",
+        epsilon=0.2,
+        mask_truncated_completions=False,
+        learning_rate=spec["learning_rate"],
+        lr_scheduler_type="linear",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        optim="adamw_torch_fused",
+        seed=spec["seed"],
+        # precision: fp32 weights, bf16 autocast (accelerate) when bf16
+        bf16=spec["precision"] == "bf16",
+        fp16=False,
+        use_cpu=spec["device"] == "cpu",
+        gradient_checkpointing=False,  # GRPOConfig defaults to True; grpo to False
+        # no logging, saving or evaluation work inside the steps
+        use_vllm=False,
+        logging_strategy="no",
+        save_strategy="no",
+        eval_strategy="no",
+        report_to="none",
+        log_completions=False,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        dataloader_pin_memory=False,
+    )
+
+    class StepTimer(TrainerCallback):
+        # on_step_begin: before the step's training_step (which generates, via _prepare_inputs);
+        # on_step_end: after clipping, optimizer.step(), scheduler.step() and model.zero_grad().
+        def on_step_begin(self, args, state, control, **kwargs):
+            probe.phase = "update"
+            rec.begin()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            rec.end(state.global_step - 1)
+
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[arithmetic_correct],
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[StepTimer()],
+    )
+    generate_and_score = trainer._generate_and_score_completions
+
+    def timed_generate_and_score(inputs):
+        # generation + decoding + rewards + advantages: the same scope as grpo's collect_batch()
+        _sync(spec["device"])
+        probe.phase = "generate"
+        t0 = time.perf_counter()
+        output = generate_and_score(inputs)
+        _sync(spec["device"])
+        rec.generate_s += time.perf_counter() - t0
+        probe.phase = "update"
+        rec.lengths = (
+            output["prompt_mask"].sum(-1).tolist(),
+            output["completion_mask"].sum(-1).tolist(),
+        )
+        return output
+
+    trainer._generate_and_score_completions = timed_generate_and_score
+    rec.after_load()
+    setup_s = time.perf_counter() - t_setup
+    trainer.train()
+    return {
+        "shape": shape,
+        "steps": rec.steps,
+        "memory": rec.memory,
+        "compute_dtypes": probe.report(),
+        "setup_s": setup_s,
+        "optimizer": _optimizer_name(trainer.optimizer),
+        "autocast": str(getattr(trainer.accelerator, "mixed_precision", None)),
+    }
+
+
+def run_grpo(spec: dict, out_dir: Path) -> dict:
+    rec = _Recorder(spec)
+    import torch  # noqa: F401
+
+    from grpo import config as grpo_config
+    from grpo.trainer import Trainer
+
+    _set_threads(spec)
+    rec.memory["baseline_rss_gb"] = _gb_from_kb(_status_kb("VmRSS"))
+    t_setup = time.perf_counter()
+    T = spec["max_completion_length"]
+    W, S = spec["warmup"], spec["steps"]
+    cfg = grpo_config.from_dict(
+        {
+            "output_dir": str(out_dir),
+            "model": {"name": spec["model_dir"], "dtype": "float32"},
+            "data": {"chat_template": "never", "seed": spec["data_seed"]},
+            "rollout": {
+                "num_generations": NUM_GENERATIONS,
+                "max_completion_length": T,
+                "temperature": 1.0,
+                "top_p": 1.0,
+                "top_k": 0,
+                "ignore_eos": True,
+            },
+            "rewards": {"funcs": ["arithmetic_correct"]},
+            "algorithm": {
+                "beta": 0.0,
+                "loss_type": spec["loss_type"],
+                "scale_rewards": "group",
+                "epsilon": 0.2,
+                "num_iterations": 1,
+                "mask_truncated_completions": False,
+            },
+            "training": {
+                "max_steps": W + S,
+                "per_device_train_batch_size": NUM_PROMPTS * NUM_GENERATIONS,
+                "gradient_accumulation_steps": 1,
+                "learning_rate": spec["learning_rate"],
+                "lr_scheduler_type": "linear",
+                "warmup_steps": 0,
+                "weight_decay": 0.0,
+                "max_grad_norm": 1.0,
+                "bf16": spec["precision"] == "bf16",
+                "gradient_checkpointing": False,
+                "seed": spec["seed"],
+                "device": spec["device"],
+            },
+            "logging": {"sample_every": 0},
+        }
+    )
+    trainer = Trainer(cfg, train_rows=_rows(spec))
+    shape = model_shape(trainer.model)
+    probe = _DtypeProbe(trainer.model)
+    rec.after_load()
+    setup_s = time.perf_counter() - t_setup
+    for index in range(W + S):
+        rec.begin()
+        probe.phase = "generate"
+        _sync(spec["device"])
+        t0 = time.perf_counter()
+        batch = trainer.collect_batch()  # generation + decoding + rewards + advantages
+        _sync(spec["device"])
+        rec.generate_s = time.perf_counter() - t0
+        probe.phase = "update"
+        trainer.update(batch)  # logprobs, loss, backward, clipping, optimizer.step(), scheduler.step()
+        trainer.step += 1
+        ro = batch.rollout
+        rec.lengths = (ro.prompt_mask.sum(-1).tolist(), ro.completion_mask.sum(-1).tolist())
+        rec.end(index)
+    return {
+        "shape": shape,
+        "steps": rec.steps,
+        "memory": rec.memory,
+        "compute_dtypes": probe.report(),
+        "setup_s": setup_s,
+        "optimizer": _optimizer_name(trainer.optimizer),
+        "autocast": "bf16" if cfg.training.bf16 else "no",
+    }
+
+
+def child_main(args) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    spec = json.loads(Path(args.spec).read_text())
+    run = run_trl if args.side == "trl" else run_grpo
+    with tempfile.TemporaryDirectory(prefix=f"vs_trl-{args.side}-") as tmp:
+        result = run(spec, Path(tmp))
+    result["side"] = args.side
+    result["pid"] = os.getpid()
+    Path(args.result).write_text(json.dumps(result))
+    return 0
+
+
+# ----------------------------------------------------------------------------
+# Parent: prepare the model, run the sides in alternation, print the table
+# ----------------------------------------------------------------------------
+
+
+def check_dependencies() -> None:
+    missing = [m for m in ("trl", "datasets", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise BenchmarkError(
+            f"the benchmark runs TRL's GRPOTrainer as the peer and needs {', '.join(missing)}, "
+            f"which {'is' if len(missing) == 1 else 'are'} not installed: {DEV_HINT}"
+        )
+    if importlib.util.find_spec("grpo") is None:
+        raise BenchmarkError(f"the grpo package is not importable: run from the repository's venv ({DEV_HINT})")
+
+
+def prepare_model(name: str, workdir: Path) -> tuple[Path, str]:
+    """A save_pretrained directory that both sides load (and a short label for file names)."""
+    from grpo.config import ConfigError, ModelConfig
+
+    if name == "tiny":
+        from transformers.utils import logging as hf_logging
+
+        from grpo import tiny
+
+        hf_logging.disable_progress_bar()
+        cfg = ModelConfig(name="tiny")
+        tokenizer = tiny.char_tokenizer()
+        model = tiny.tiny_model(tokenizer, cfg.tiny_hidden_size, cfg.tiny_num_layers, seed=0)
+        directory = workdir / "tiny-model"
+        model.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+        return directory, "tiny"
+    if name == "gemma-3-270m":
+        from grpo.models import convert_gguf, embedded_gguf_path
+
+        try:
+            return convert_gguf(embedded_gguf_path()), "gemma-3-270m"
+        except ConfigError as e:
+            raise BenchmarkError(f"--model gemma-3-270m: the embedded model is not available ({e}); or use --model tiny") from None
+    path = Path(name).expanduser()
+    if (path / "config.json").is_file():
+        return path.resolve(), path.name
+    raise BenchmarkError(
+        f"--model {name}: expected tiny, gemma-3-270m or a directory written by save_pretrained (with config.json)"
+    )
+
+
+def run_child(side: str, spec: dict, workdir: Path, label: str, verbose: bool) -> dict:
+    spec_path = workdir / f"spec-{label}.json"
+    result_path = workdir / f"result-{label}.json"
+    spec_path.write_text(json.dumps(spec))
+    result_path.unlink(missing_ok=True)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--side", side, "--spec", str(spec_path), "--result", str(result_path)]
+    env = dict(os.environ, HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"))
+    env.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, cwd=str(REPO), capture_output=not verbose, text=True)
+    if proc.returncode != 0 or not result_path.is_file():
+        tail = "" if verbose else "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-40:])
+        raise BenchmarkError(f"the {side} side failed (exit code {proc.returncode}):\n{tail}")
+    result = json.loads(result_path.read_text())
+    result["wall_s"] = time.perf_counter() - t0
+    return result
+
+
+def summarize_side(results: list[dict], shape: dict, peak_flops: float, device: str) -> dict:
+    measured = [s for r in results for s in r["steps"] if not s["warmup"]]
+    gen_flops, upd_flops, rates = [], [], []
+    for s in measured:
+        g, u = step_flops(shape, s["prompt_lengths"], s["completion_lengths"])
+        gen_flops.append(g)
+        upd_flops.append(u)
+        rates.append((g + u) / s["step_s"])
+    mems = [r["memory"] for r in results]
+    if device == "cuda":
+        peak = max(m.get("train_peak_cuda_gb", math.nan) for m in mems)
+        transient = max(m["train_peak_cuda_gb"] - m["steady_cuda_gb"] for m in mems)
+        over_state = max(m["train_peak_cuda_gb"] - 4 * shape["param_bytes"] / GB for m in mems)
+    else:
+        peak = max(m["process_peak_rss_gb"] for m in mems)
+        transient = max(m["train_peak_rss_gb"] - m["steady_rss_gb"] for m in mems)
+        # on top of the trainer as built (libraries + weights): grads + Adam's two moments (fp32, like the weights)
+        over_state = max(m["train_peak_rss_gb"] - m["after_load_rss_gb"] - 3 * shape["param_bytes"] / GB for m in mems)
+    step_s = _median([s["step_s"] for s in measured])
+    generate_s = _median([s["generate_s"] for s in measured])
+    update_s = _median([s["update_s"] for s in measured])
+    gflops = _median(rates) / 1e9
+    return {
+        "step_s": step_s,
+        "generate_s": generate_s,
+        "update_s": update_s,
+        "peak_gb": peak,
+        "transient_gb": transient,
+        "peak_over_state_gb": over_state,
+        "gflops": gflops,
+        "pct_of_peak": 100.0 * gflops * 1e9 / peak_flops,
+        "generate_gflops": _median([f / s["generate_s"] for f, s in zip(gen_flops, measured)]) / 1e9,
+        "update_gflops": _median([f / s["update_s"] for f, s in zip(upd_flops, measured)]) / 1e9,
+        "step_gflop": _median([g + u for g, u in zip(gen_flops, upd_flops)]) / 1e9,
+        "measured_steps": len(measured),
+        "step_s_all": [s["step_s"] for s in measured],
+        "generate_s_all": [s["generate_s"] for s in measured],
+        "update_s_all": [s["update_s"] for s in measured],
+        "tokens_per_step": sorted({sum(s["prompt_lengths"]) + sum(s["completion_lengths"]) for s in measured}),
+        "completion_lengths": sorted({c for s in measured for c in s["completion_lengths"]}),
+        "compute_dtypes": results[0]["compute_dtypes"],
+        "optimizer": results[0].get("optimizer"),
+        "autocast": results[0].get("autocast"),
+        "hwm_reset": all(m.get("hwm_reset") for m in mems),
+        "memory_per_process": mems,
+        "setup_s": [r["setup_s"] for r in results],
+    }
+
+
+def _fmt(x: float, digits: int = 2) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return f"{x:.{digits}f}"
+
+
+def format_table(summary: dict, device: str) -> str:
+    mem = "peak GPU GB" if device == "cuda" else "peak RSS GB"
+    cols = ["", "step s", "generate s", "update s", mem, "transient GB", "peak-state GB", "GFLOP/s", "% of peak"]
+    keys = ["step_s", "generate_s", "update_s", "peak_gb", "transient_gb", "peak_over_state_gb", "gflops", "pct_of_peak"]
+    digits = [3, 3, 3, 2, 2, 2, 1, 2]
+    rows = []
+    for side, label in (("trl", "TRL"), ("grpo", "grpo")):
+        rows.append([label] + [_fmt(summary[side][k], d) for k, d in zip(keys, digits)])
+    rows.append(["grpo/TRL"] + [_fmt(summary["ratio"].get(k), 2) for k in keys])
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    line = lambda cells: "| " + " | ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+    sep = "|" + "|".join(("-" * (w + 1) + ":") if i else "-" * (w + 2) for i, w in enumerate(widths)) + "|"
+    return "\n".join([line(cols), sep] + [line(r) for r in rows])
+
+
+def _ratio(a, b):
+    if a is None or b is None or b == 0 or any(isinstance(x, float) and math.isnan(x) for x in (a, b)):
+        return None
+    return a / b
+
+
+def run_precision(precision: str, base_spec: dict, args, workdir: Path, peak_flops: float) -> dict:
+    spec = dict(base_spec, precision=precision)
+    results = {side: [] for side in SIDES}
+    for r in range(args.repeats):
+        order = SIDES if r % 2 == 0 else SIDES[::-1]  # TRL, grpo, then grpo, TRL (ABBA)
+        for side in order:
+            print(f"[{precision}] repeat {r + 1}/{args.repeats}: {side} ...", end="", file=sys.stderr, flush=True)
+            res = run_child(side, spec, workdir, f"{precision}-{side}-{r}", args.verbose)
+            print(f" {res['wall_s']:.1f} s", file=sys.stderr, flush=True)
+            results[side].append(res)
+    shape = results["grpo"][0]["shape"]
+    summary = {side: summarize_side(results[side], shape, peak_flops, spec["device"]) for side in SIDES}
+    summary["ratio"] = {
+        k: _ratio(summary["grpo"][k], summary["trl"][k])
+        for k in ("step_s", "generate_s", "update_s", "peak_gb", "transient_gb", "peak_over_state_gb", "gflops", "pct_of_peak")
+    }
+    same_work = summary["trl"]["tokens_per_step"] == summary["grpo"]["tokens_per_step"]
+    return {
+        "precision": precision,
+        "spec": spec,
+        "peak_flops": peak_flops,
+        "shape": shape,
+        "same_tokens_per_step": same_work,
+        "summary": summary,
+        "raw": results,
+    }
+
+
+def machine_info(device: str, threads: int) -> dict:
+    import torch
+
+    info = {
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "torch_threads": threads,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": device,
+        "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
+    for module in ("transformers", "trl", "accelerate"):
+        try:
+            info[module] = __import__(module).__version__
+        except Exception:  # noqa: BLE001 - version is informational only
+            info[module] = None
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def print_report(run: dict, machine: dict, command: str) -> None:
+    spec, summary, shape = run["spec"], run["summary"], run["shape"]
+    p = run["precision"]
+    precision_text = "fp32 weights and compute" if p == "fp32" else "fp32 master weights, bf16 autocast"
+    print()
+    print(f"## grpo vs TRL GRPOTrainer: {spec['model_label']}, {p} ({precision_text})")
+    print()
+    print(format_table(summary, spec["device"]))
+    print()
+    print(
+        f"machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']} ({machine['torch_threads']} thread{'s' if machine['torch_threads'] != 1 else ''}), "
+        f"transformers {machine['transformers']}, trl {machine['trl']}, device {spec['device']}"
+        + (f" ({machine['gpu']})" if machine.get("gpu") else "")
+        + (f", load average {machine['load_average']:.1f} at start" if machine.get("load_average") is not None else "")
+    )
+    print(
+        f"settings: {NUM_PROMPTS} prompts x {NUM_GENERATIONS} completions, exactly {spec['max_completion_length']} "
+        f"completion tokens each (EOS ignored), loss_type={spec['loss_type']}, beta=0, lr={spec['learning_rate']}, "
+        f"temperature=1.0, seed={spec['seed']}, 1 optimizer step per generation batch; "
+        f"{spec['warmup']} warm-up + {spec['steps']} measured steps per process, {spec['repeats']} process pairs "
+        f"(ABBA order) -> medians over {summary['grpo']['measured_steps']} steps per side"
+    )
+    print(
+        f"model: {shape['model_type']}, {shape['total_params'] / 1e6:.1f}M params "
+        f"({shape['non_embedding_params'] / 1e6:.1f}M non-embedding, vocab {shape['vocab_size']}), "
+        + ("grpo.tiny's model, saved once with save_pretrained" if spec["model_label"] == "tiny" else f"from {spec['model_dir']}")
+        + ", loaded by both sides with AutoModelForCausalLM.from_pretrained (float32)"
+    )
+    gflop = summary["grpo"]["step_gflop"]
+    tokens = ", ".join(f"{s}: {summary[s]['tokens_per_step']}" for s in SIDES)
+    print(
+        f"work: {gflop:.2f} GFLOP per step (1x forward generation + 3x forward update, attention included); "
+        f"tokens per step {tokens}" + ("" if run["same_tokens_per_step"] else "  <-- DIFFERENT WORK")
+    )
+    print(f"peak: {run['peak_flops'] / 1e9:.1f} GFLOP/s (best {p} matmul, measured in this run)")
+    dt = "; ".join(
+        f"{s}: " + ", ".join(f"{ph} {'/'.join(d)}" for ph, d in summary[s]["compute_dtypes"].items() if ph != "setup")
+        for s in SIDES
+    )
+    print(f"compute dtype of a decoder Linear: {dt}")
+    print("optimizer: " + ", ".join(f"{s}: {summary[s]['optimizer']}" for s in SIDES))
+    if not all(summary[s]["hwm_reset"] for s in SIDES) and spec["device"] == "cpu":
+        print("note: VmHWM could not be reset, so peak RSS includes model loading")
+    print(f"command: {command}")
+
+
+def parent_main(args) -> int:
+    check_dependencies()
+    import torch
+
+    device = _resolve_device(args.device)
+    # tiny matrices: one thread (thread hand-offs cost more than the arithmetic); otherwise torch's default
+    threads = args.threads or (1 if args.model == "tiny" else torch.get_num_threads())
+    torch.set_num_threads(threads)
+    precisions = PRECISIONS if args.precision == "both" else (args.precision,)
+    command = " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv])
+    with tempfile.TemporaryDirectory(prefix="vs_trl-") as tmp:
+        workdir = Path(tmp)
+        model_dir, label = prepare_model(args.model, workdir)
+        T = args.max_completion_length or DEFAULT_COMPLETION_LENGTH.get(label, 64)
+        base_spec = {
+            "model_dir": str(model_dir),
+            "model_label": label,
+            "max_completion_length": T,
+            "learning_rate": args.learning_rate,
+            "loss_type": args.loss_type,
+            "seed": args.seed,
+            "data_seed": 0,
+            "warmup": args.warmup,
+            "steps": args.steps,
+            "repeats": args.repeats,
+            "threads": threads,
+            "device": device,
+        }
+        machine = machine_info(device, threads)
+        size = args.peak_size or (8192 if device == "cuda" else 2048)
+        peaks = {p: measure_peak_flops(p, device, size, 5) for p in precisions}
+        runs = {}
+        for p in precisions:
+            runs[p] = run_precision(p, base_spec, args, workdir, peaks[p])
+        # the peak again after the runs (a shared machine can be faster at either end); keep the best
+        for p in precisions:
+            peak = max(peaks[p], measure_peak_flops(p, device, size, 3))
+            if peak > runs[p]["peak_flops"]:
+                runs[p]["peak_flops"] = peak
+                for side in SIDES:
+                    s = runs[p]["summary"][side]
+                    s["pct_of_peak"] = 100.0 * s["gflops"] * 1e9 / peak
+        for p in precisions:
+            print_report(runs[p], machine, command)
+    out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"vs_trl-{args.precision}-{label}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "command": command,
+        "machine": machine,
+        "matmul_size": size,
+        "runs": {
+            p: {
+                "settings": {k: v for k, v in r["spec"].items()},
+                "peak_flops": r["peak_flops"],
+                "shape": r["shape"],
+                "same_tokens_per_step": r["same_tokens_per_step"],
+                "summary": r["summary"],
+                "raw": r["raw"],
+            }
+            for p, r in runs.items()
+        },
+    }
+    out.write_text(json.dumps(payload, indent=1) + "\n")
+    print(f"\nresults: {out}")
+    return 0
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="gemma-3-270m", help="gemma-3-270m (embedded), tiny, or a save_pretrained directory")
+    ap.add_argument("--precision", choices=(*PRECISIONS, "both"), default="fp32")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ap.add_argument("--warmup", type=int, default=1, help="warm-up steps per process (not measured; >= 1)")
+    ap.add_argument("--steps", type=int, default=3, help="measured steps per process")
+    ap.add_argument("--repeats", type=int, default=2, help="process pairs per side and precision (alternating order)")
+    ap.add_argument("--max-completion-length", type=int, default=None, help="default: 64 (gemma), 16 (tiny)")
+    ap.add_argument("--learning-rate", type=float, default=1e-6)
+    ap.add_argument("--loss-type", default="dapo", choices=("dapo", "grpo", "bnpo", "dr_grpo"))
+    ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads in both children (default: torch's default)")
+    ap.add_argument("--peak-size", type=int, default=None, help="matmul size for the peak (default 2048 CPU, 8192 CUDA)")
+    ap.add_argument("--out", default=None, help="JSON results (default benchmarks/results/vs_trl-<precision>-<model>.json)")
+    ap.add_argument("--verbose", action="store_true", help="show the children's output")
+    # internal: one side in a child process
+    ap.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
+    ap.add_argument("--spec", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.warmup < 1:
+        ap.error("--warmup must be >= 1 (the state held between steps is read after the warm-up)")
+    if args.steps < 1 or args.repeats < 1:
+        ap.error("--steps and --repeats must be >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        return child_main(args) if args.side else parent_main(args)
+    except BenchmarkError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
