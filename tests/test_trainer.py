@@ -209,3 +209,54 @@ def test_overlong_penalty_is_added_as_a_reward(tokenizer, tmp_path):
     # length 2 = max: penalty (1 - 2) / 1 = -1; length 1: 0
     expected = torch.where(lengths == 2, -1.0, 0.0)
     torch.testing.assert_close(batch.rewards_per_func[:, 1], expected)
+
+
+def test_gradient_checkpointing_same_gradient(tokenizer, tmp_path):
+    state = copy.deepcopy(tiny_model(tokenizer, hidden_size=64, num_layers=2, seed=7).state_dict())
+    batch = _hand_batch(make_trainer(tokenizer, tmp_path))
+    plain = _gradient(tokenizer, tmp_path, "dapo", 8, state, batch)
+    checkpointed = _gradient(tokenizer, tmp_path, "dapo", 8, state, batch, ("training.gradient_checkpointing=true",))
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_minibatches_group_similar_lengths(tokenizer, tmp_path):
+    trainer = make_trainer(tokenizer, tmp_path, ["rollout.num_generations=4", "training.per_device_train_batch_size=4",
+                                                 "training.gradient_accumulation_steps=4"])
+    batch = _hand_batch(trainer)
+    minibatches = trainer._minibatches(batch)
+    rows = torch.cat(minibatches)
+    assert sorted(rows.tolist()) == list(range(16))  # every row exactly once
+    lengths = batch.rollout.lengths
+    # whole groups, ordered by their longest completion
+    assert all(len(set((mb // 4).tolist())) == 1 for mb in minibatches)
+    longest = [int(lengths[mb].max()) for mb in minibatches]
+    assert longest == sorted(longest)
+
+
+def test_tied_embedding_sparse_gradient_equals_dense(tokenizer, tmp_path):
+    """A tied embedding's lookup sends a sparse gradient; the weight's total gradient is unchanged."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    llama = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    tied = LlamaForCausalLM(llama)
+    grads = {}
+    for sparse in (True, False):
+        model = copy.deepcopy(tied)
+        cfg = config.from_dict(
+            {**TOY, "output_dir": str(tmp_path / "run")},
+            ["training.learning_rate=0.0", "training.max_grad_norm=0", "rollout.num_generations=4",
+             "rollout.max_completion_length=6", "training.per_device_train_batch_size=16"],
+        )
+        trainer = Trainer(cfg, model=model, tokenizer=tokenizer, reward_funcs={"correct": first_char_correct})
+        assert trainer.model.get_input_embeddings().sparse is True
+        trainer.model.get_input_embeddings().sparse = sparse
+        trainer.update(_hand_batch(trainer))
+        weight = trainer.model.get_input_embeddings().weight
+        assert not weight.grad.is_sparse
+        grads[sparse] = weight.grad.clone()
+    torch.testing.assert_close(grads[True], grads[False], atol=1e-6, rtol=1e-5)
+    assert grads[True].abs().max() > 0

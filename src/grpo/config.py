@@ -175,7 +175,7 @@ class TrainingConfig:
     """bf16 autocast for generation and the update, with fp32 master weights."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
-    logprob_chunk_size: int = 512
+    logprob_chunk_size: int = 128
     """Completion tokens per chunk when computing logprobs from hidden states."""
     seed: int = 42
     save_steps: int = 0

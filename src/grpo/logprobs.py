@@ -67,8 +67,8 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         hidden, weight, w, bias, targets, lse = ctx.saved_tensors
         temperature, softcap, chunk_size, compute_dtype = ctx.settings
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        grad_h = torch.zeros_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = None  # float32 [V, H]; allocated by the first chunk's product, not zero-filled
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
         with torch.autocast(hidden.device.type, enabled=False):
             b = bias.float() if bias is not None else None
@@ -90,10 +90,15 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 if need_h:
                     grad_h[start:end] = (gz @ w).to(hidden.dtype)
                 if need_w:
-                    grad_w += gz.t() @ h
+                    if grad_w is None:
+                        grad_w = (gz.t() @ h).float()
+                    elif compute_dtype == torch.float32:
+                        grad_w.addmm_(gz.t(), h)  # in place: no second vocabulary-sized buffer
+                    else:
+                        grad_w += gz.t() @ h
         return (
             grad_h,
-            grad_w.to(weight.dtype) if need_w else None,
+            grad_w.to(weight.dtype) if grad_w is not None else None,
             grad_b.to(bias.dtype) if need_b else None,
             None,
             None,
@@ -110,7 +115,7 @@ def token_logprobs_from_hidden(
     *,
     temperature: float = 1.0,
     softcap: float | None = None,
-    chunk_size: int = 512,
+    chunk_size: int = 128,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logp [n] of `targets` and entropy [n] from final hidden states [n, H]."""
     device_type = hidden.device.type
@@ -197,7 +202,7 @@ def completion_logprobs(
     completion_mask: torch.Tensor,
     *,
     temperature: float = 1.0,
-    chunk_size: int = 512,
+    chunk_size: int = 128,
     share_prompts: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log pi(o_t | q, o_<t) and entropy for every completion token.

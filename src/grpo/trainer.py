@@ -25,9 +25,8 @@ from grpo import algorithm, config as config_module
 from grpo.checkpoint import save_checkpoint
 from grpo.config import Config, ConfigError
 from grpo.data import Row, encode_prompts, is_conversational, load_rows, prompt_stream
-from grpo.evaluate import Evaluator, format_table
+from grpo.evaluate import Evaluator, check_answers, format_table
 from grpo.logprobs import completion_logprobs
-from grpo.memory import keep_freed_memory
 from grpo.models import generation_token_ids, load_model_and_tokenizer, resolve_device
 from grpo.progress import ConsoleProgress
 from grpo.rewards import RewardSet
@@ -73,8 +72,6 @@ class Trainer:
         """
         self.cfg = cfg
         self.device = resolve_device(cfg.training.device)
-        if self.device.type == "cpu":
-            keep_freed_memory()
         if train_rows is None:
             train_rows, loaded_eval = load_rows(cfg.data)
             eval_rows = loaded_eval if eval_rows is None else eval_rows
@@ -83,13 +80,26 @@ class Trainer:
         self.train_rows, self.eval_rows = train_rows, eval_rows or []
         columns = set(train_rows[0]) - {"prompt"}
         self.rewards = RewardSet.from_config(cfg.rewards, cfg.rollout.max_completion_length, columns, reward_funcs)
+        e = cfg.eval
+        wants_eval = e.before or e.after or e.every > 0
+        if wants_eval:
+            if not self.eval_rows:
+                raise ConfigError(
+                    "eval.before/after/every need held-out rows: set data.arithmetic.num_eval > 0 (task arithmetic) "
+                    "or data.eval_file (task jsonl), or turn evaluation off"
+                )
+            check_answers(self.eval_rows[: e.num_problems] if e.num_problems else self.eval_rows)
 
         if model is None:
             model, tokenizer = load_model_and_tokenizer(cfg.model, self.device)
         self.model, self.tokenizer = model.to(self.device), tokenizer
         if cfg.training.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.config.use_cache = True
+        _sparse_tied_embedding_gradient(self.model)
         self.reference = self._frozen_copy(self.model) if cfg.algorithm.beta > 0 else None
         self.eos_token_ids, self.pad_token_id = generation_token_ids(self.model, tokenizer)
         self.stop = StopStrings(tokenizer, cfg.rollout.stop_strings) if cfg.rollout.stop_strings else None
@@ -105,6 +115,10 @@ class Trainer:
             # one kernel per tensor, no temporaries the size of the model
             fused=self.device.type in ("cpu", "cuda"),
         )
+        # gradients live for the whole run and are zeroed in place (no re-allocation each step)
+        for p in self.model.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
         total_updates = t.max_steps * cfg.algorithm.num_iterations
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
@@ -116,8 +130,6 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.output_dir = Path(cfg.output_dir)
-        e = cfg.eval
-        wants_eval = e.before or e.after or e.every > 0
         self.evaluator = (
             Evaluator(cfg, tokenizer, self.eos_token_ids, self.pad_token_id, self.eval_rows, self.rewards)
             if wants_eval
@@ -208,9 +220,20 @@ class Trainer:
         merged.sampling_rounds, merged.zero_std_groups_kept = rounds, zero_std_kept
         return merged
 
-    def _minibatches(self, n: int) -> list[torch.Tensor]:
-        size = self.cfg.training.per_device_train_batch_size
-        return [torch.arange(i, min(i + size, n)) for i in range(0, n, size)]
+    def _minibatches(self, batch: GenerationBatch) -> list[torch.Tensor]:
+        """Row indices of each minibatch, similar lengths together.
+
+        Each minibatch is padded to its longest completion, so groups are
+        ordered by their longest completion (and rows within a group by
+        length); groups stay together so that their shared prompt is computed
+        once. grpo, dr_grpo and dapo losses do not depend on the split.
+        """
+        size, G = self.cfg.training.per_device_train_batch_size, self.cfg.rollout.num_generations
+        lengths = batch.rollout.lengths.tolist()
+        group_max = [max(lengths[g : g + G]) for g in range(0, len(lengths), G)]
+        order = sorted(range(len(lengths)), key=lambda i: (group_max[i // G], i // G, lengths[i]))
+        order = torch.tensor(order, dtype=torch.long)
+        return [order[i : i + size] for i in range(0, len(order), size)]
 
     def _logprobs(self, model, batch: GenerationBatch, rows: torch.Tensor, grad: bool):
         ro = batch.rollout
@@ -231,7 +254,7 @@ class Trainer:
     def _logprobs_all(self, model, batch: GenerationBatch) -> torch.Tensor:
         T = batch.rollout.completion_ids.shape[1]
         out = torch.zeros(len(batch), T, device=self.device)
-        for rows in self._minibatches(len(batch)):
+        for rows in self._minibatches(batch):
             logp, _ = self._logprobs(model, batch, rows, grad=False)
             out[rows, : logp.shape[1]] = logp
         return out
@@ -240,7 +263,7 @@ class Trainer:
         """num_iterations optimizer steps over the generation batch."""
         cfg, a = self.cfg, self.cfg.algorithm
         N = len(batch)
-        minibatches = self._minibatches(N)
+        minibatches = self._minibatches(batch)
         num_tokens = batch.loss_mask.sum().item()
         old_logp = self._logprobs_all(self.model, batch) if a.num_iterations > 1 else None
         ref_logp = self._logprobs_all(self.reference, batch) if self.reference is not None else None
@@ -422,6 +445,21 @@ class Trainer:
             m["sampling/rounds"] = batch.sampling_rounds
             m["sampling/zero_std_groups_kept"] = batch.zero_std_groups_kept
         return m
+
+
+def _sparse_tied_embedding_gradient(model) -> None:
+    """Let the input embedding send a sparse gradient when it shares its weight with the output layer.
+
+    The lookup's dense gradient is vocabulary x hidden (670 MB for Gemma-3-270M)
+    and almost all zeros: only the rows of tokens in the batch are non-zero. With
+    a tied output layer the weight's gradient is dense anyway, so the sparse rows
+    are simply added to it; an untied embedding keeps its dense gradient, which
+    AdamW needs.
+    """
+    embedding = model.get_input_embeddings()
+    output = model.get_output_embeddings()
+    if isinstance(embedding, torch.nn.Embedding) and output is not None and embedding.weight is output.weight:
+        embedding.sparse = True
 
 
 def _float(x: torch.Tensor) -> float | None:

@@ -112,7 +112,7 @@ def generate(
     N, Lp = full_ids.shape
     eos = torch.tensor(sorted(set(eos_token_ids)), device=device, dtype=torch.long)
 
-    positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+    positions = logprobs.position_ids_from_mask(prompt_mask)  # skip left padding, as in the loss pass
     cache_argument = logprobs.cache_argument(model)
     if share_prefix:
         logits, cache = _forward(model, prompt_ids, prompt_mask, positions, None, cache_argument)
