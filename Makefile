@@ -30,8 +30,9 @@ $(VENV)/.dev: pyproject.toml $(VENV)/.torch
 	$(BIN)/pip install --quiet -e ".[dev,gguf,report]"
 	touch $@
 
+# each demo run gets its own directory, so an earlier run is never overwritten
 demo: $(VENV)/.runtime
-	$(BIN)/grpo train examples/demo.yaml
+	$(BIN)/grpo train examples/demo.yaml output_dir=runs/demo-$$(date +%Y%m%d-%H%M%S)
 
 test: $(VENV)/.dev
 	$(BIN)/python -m pytest -q

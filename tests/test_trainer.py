@@ -260,3 +260,15 @@ def test_tied_embedding_sparse_gradient_equals_dense(tokenizer, tmp_path):
         grads[sparse] = weight.grad.clone()
     torch.testing.assert_close(grads[True], grads[False], atol=1e-6, rtol=1e-5)
     assert grads[True].abs().max() > 0
+
+
+def test_refuses_to_overwrite_a_run(tokenizer, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(config.ConfigError, match="already holds a run"):
+        make_trainer(tokenizer, tmp_path, ["training.max_steps=1"])
+    trainer = make_trainer(tokenizer, tmp_path, ["training.max_steps=1", "overwrite_output_dir=true",
+                                                  "training.per_device_train_batch_size=32"])
+    trainer.train()
+    assert [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()] == [1]

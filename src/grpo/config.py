@@ -217,6 +217,8 @@ class LoggingConfig:
 class Config:
     output_dir: str = "runs/grpo"
     """Run directory: resolved config, metrics.jsonl, checkpoints, report."""
+    overwrite_output_dir: bool = False
+    """Allow training into a directory that already holds a run (its logs are replaced)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

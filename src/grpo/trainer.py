@@ -71,6 +71,8 @@ class Trainer:
         (Python API, tests); otherwise they come from the config.
         """
         self.cfg = cfg
+        self.output_dir = Path(cfg.output_dir)
+        _check_output_dir(self.output_dir, cfg.overwrite_output_dir)
         self.device = resolve_device(cfg.training.device)
         if train_rows is None:
             train_rows, loaded_eval = load_rows(cfg.data)
@@ -129,7 +131,6 @@ class Trainer:
         self.prompts = prompt_stream(self.train_rows, cfg.data.seed)
         self.step = 0
         self.tokens_seen = 0
-        self.output_dir = Path(cfg.output_dir)
         self.evaluator = (
             Evaluator(cfg, tokenizer, self.eos_token_ids, self.pad_token_id, self.eval_rows, self.rewards)
             if wants_eval
@@ -332,6 +333,8 @@ class Trainer:
     def train(self) -> list[dict[str, float]]:
         cfg, e = self.cfg, self.cfg.eval
         self.output_dir.mkdir(parents=True, exist_ok=True)
+        for name in RUN_LOGS:  # a fresh run (overwrite_output_dir was checked at start-up)
+            (self.output_dir / name).unlink(missing_ok=True)
         config_module.save(cfg, self.output_dir / "config.yaml")
         progress = ConsoleProgress(cfg.training.max_steps, every=cfg.logging.log_every)
         trackers = Trackers.from_config(cfg)
@@ -445,6 +448,18 @@ class Trainer:
             m["sampling/rounds"] = batch.sampling_rounds
             m["sampling/zero_std_groups_kept"] = batch.zero_std_groups_kept
         return m
+
+
+RUN_LOGS = ("metrics.jsonl", "samples.jsonl", "eval.jsonl")
+
+
+def _check_output_dir(output_dir: Path, overwrite: bool) -> None:
+    """Never write over another run's logs unless asked to."""
+    if (output_dir / "metrics.jsonl").exists() and not overwrite:
+        raise ConfigError(
+            f"output_dir: {output_dir} already holds a run (metrics.jsonl); choose another output_dir "
+            "or set overwrite_output_dir=true to replace its logs"
+        )
 
 
 def _sparse_tied_embedding_gradient(model) -> None:
