@@ -272,3 +272,15 @@ def test_refuses_to_overwrite_a_run(tokenizer, tmp_path):
                                                   "training.per_device_train_batch_size=32"])
     trainer.train()
     assert [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+def test_evaluates_before_every_n_and_after(tokenizer, tmp_path):
+    trainer = make_trainer(tokenizer, tmp_path, ["training.max_steps=3", "training.per_device_train_batch_size=32",
+                                                 "eval.before=true", "eval.after=true", "eval.every=2"])
+    trainer.train()
+    results = [json.loads(l) for l in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    # two decodings (greedy, temperature 1) per evaluation, on the 4 held-out problems
+    assert [(r["label"], r["step"]) for r in results] == [
+        ("before", 0), ("before", 0), ("step 2", 2), ("step 2", 2), ("after", 3), ("after", 3)]
+    assert all(r["n"] == 4 for r in results)
+    assert (tmp_path / "run" / "report.md").exists()

@@ -47,7 +47,7 @@ def combine_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> to
     return torch.where(present.any(dim=1), total, torch.full_like(total, float("nan")))
 
 
-def _nan_std(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
+def nan_std(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
     """Sample standard deviation (divide by n-1) along `dim`, ignoring NaN; 0 when n < 2."""
     present = ~torch.isnan(x)
     n = present.sum(dim=dim, keepdim=True)
@@ -88,16 +88,16 @@ def group_advantages(
     mean = torch.nansum(grouped, dim=1, keepdim=True) / n
     centered = grouped - mean
     if scale_rewards == "group":
-        centered = centered / (_nan_std(grouped, dim=1, keepdim=True) + eps)
+        centered = centered / (nan_std(grouped, dim=1, keepdim=True) + eps)
     elif scale_rewards == "batch":
-        centered = centered / (_nan_std(rewards, dim=0) + eps)
+        centered = centered / (nan_std(rewards, dim=0) + eps)
     advantages = torch.where(present, centered, torch.zeros_like(centered))
     return advantages.reshape(-1)
 
 
 def group_reward_std(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """Per-group sample std of the total rewards, [N // group_size]."""
-    return _nan_std(rewards.view(-1, group_size), dim=1)
+    return nan_std(rewards.view(-1, group_size), dim=1)
 
 
 def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int) -> torch.Tensor:

@@ -19,7 +19,6 @@ and "before" and "after" see the same random stream.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
@@ -31,6 +30,7 @@ import torch
 
 from grpo.config import Config, ConfigError
 from grpo.data import Row, encode_prompts, is_conversational
+from grpo.models import bf16_autocast
 from grpo.rewards.arithmetic import completion_text, extract_answer
 from grpo.rollout import SamplingParams, StopStrings, generate
 
@@ -198,9 +198,6 @@ def evaluate(
     device = next(model.parameters()).device
     stop = StopStrings(tokenizer, list(stop_strings)) if stop_strings else None
 
-    def autocast():
-        return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-
     was_training = model.training
     model.eval()
     results = []
@@ -212,7 +209,7 @@ def evaluate(
             ids: list[list[int]] = []
             truncated: list[bool] = []
             for start in range(0, len(rows), batch_size):
-                with torch.no_grad(), autocast():
+                with torch.no_grad(), bf16_autocast(device, bf16):
                     rollout = generate(
                         model,
                         prompt_ids[start : start + batch_size],

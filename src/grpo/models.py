@@ -139,6 +139,13 @@ def generation_token_ids(model, tokenizer) -> tuple[list[int], int]:
     return eos, pad
 
 
+def bf16_autocast(device: torch.device, enabled: bool):
+    """bf16 autocast on `device` when enabled (fp32 master weights stay as they are)."""
+    import contextlib
+
+    return torch.autocast(device.type, dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
+
+
 def resolve_device(name: str) -> torch.device:
     """`auto` -> cuda when available, else cpu; `cuda` without a GPU is a config error."""
     if name == "auto":

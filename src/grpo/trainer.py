@@ -27,7 +27,7 @@ from grpo.config import Config, ConfigError
 from grpo.data import Row, encode_prompts, is_conversational, load_rows, prompt_stream
 from grpo.evaluate import Evaluator, check_answers, format_table
 from grpo.logprobs import completion_logprobs
-from grpo.models import generation_token_ids, load_model_and_tokenizer, resolve_device
+from grpo.models import bf16_autocast, generation_token_ids, load_model_and_tokenizer, resolve_device
 from grpo.progress import ConsoleProgress
 from grpo.rewards import RewardSet
 from grpo.rollout import Rollout, SamplingParams, StopStrings, generate
@@ -148,9 +148,7 @@ class Trainer:
         return ref
 
     def autocast(self):
-        if self.cfg.training.bf16:
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        return bf16_autocast(self.device, self.cfg.training.bf16)
 
     @property
     def sampling(self) -> SamplingParams:
@@ -442,7 +440,7 @@ class Trainer:
         for k, name in enumerate(self.rewards.names):
             column = batch.rewards_per_func[:, k]
             m[f"rewards/{name}/mean"] = _nanmean(column)
-            m[f"rewards/{name}/std"] = float(algorithm._nan_std(column, dim=0))
+            m[f"rewards/{name}/std"] = float(algorithm.nan_std(column, dim=0))
             m[f"rewards/{name}/failures"] = self.rewards.failures[name]
         if self.cfg.algorithm.dynamic_sampling:
             m["sampling/rounds"] = batch.sampling_rounds
