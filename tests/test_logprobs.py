@@ -18,15 +18,21 @@ def _batch(seed=0):
     return prompt_ids, prompt_mask, completion_ids, completion_mask
 
 
-@pytest.mark.parametrize("chunk_size", [1, 3, 16, 4096])
+@pytest.mark.parametrize(
+    "chunk_size, vocab_block",
+    # one tile; token chunks only; vocabulary blocks only (one that does not divide V); both
+    [(4096, None), (1, None), (3, None), (16, None), (4096, 7), (4096, 32), (3, 7), (16, 41)],
+)
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_chunked_equals_full_logits_values_and_gradients(model, chunk_size, temperature):
+def test_tiled_equals_full_logits_values_and_gradients(model, chunk_size, vocab_block, temperature):
     model = model.double()
     pi, pm, ci, cm = _batch()
     weights = torch.randn(ci.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
 
     model.zero_grad()
-    logp, entropy = completion_logprobs(model, pi, pm, ci, cm, temperature=temperature, chunk_size=chunk_size)
+    logp, entropy = completion_logprobs(
+        model, pi, pm, ci, cm, temperature=temperature, chunk_size=chunk_size, vocab_block=vocab_block
+    )
     (logp * weights).sum().backward()
     chunked_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -40,9 +46,11 @@ def test_chunked_equals_full_logits_values_and_gradients(model, chunk_size, temp
         torch.testing.assert_close(chunked_grads[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
-def test_entropy_matches_definition(model):
+@pytest.mark.parametrize("vocab_block", [None, 5, 30])
+def test_entropy_matches_definition(model, vocab_block):
+    """Entropy accumulated across vocabulary blocks (online log-sum-exp) equals the definition."""
     pi, pm, ci, cm = _batch()
-    _, entropy = completion_logprobs(model, pi, pm, ci, cm, chunk_size=5)
+    _, entropy = completion_logprobs(model, pi, pm, ci, cm, chunk_size=5, vocab_block=vocab_block)
     logits = model(input_ids=torch.cat([pi, ci], 1), attention_mask=torch.cat([pm, cm], 1),
                    position_ids=(torch.cat([pm, cm], 1).cumsum(-1) - 1).clamp(min=0)).logits
     logits = logits[:, pi.shape[1] - 1 : -1]
@@ -51,14 +59,17 @@ def test_entropy_matches_definition(model):
     torch.testing.assert_close(entropy, expected.detach(), atol=1e-5, rtol=1e-5)
 
 
-def test_softcap_and_bias_gradients_match_autograd():
+@pytest.mark.parametrize("vocab_block", [None, 4])
+def test_softcap_and_bias_gradients_match_autograd(vocab_block):
     torch.manual_seed(0)
     layer = torch.nn.Linear(8, 11, bias=True).double()
     hidden = torch.randn(9, 8, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, 11, (9,))
     softcap, temperature = 3.0, 0.8
 
-    logp, _ = token_logprobs_from_hidden(hidden, layer, targets, temperature=temperature, softcap=softcap, chunk_size=4)
+    logp, _ = token_logprobs_from_hidden(
+        hidden, layer, targets, temperature=temperature, softcap=softcap, chunk_size=4, vocab_block=vocab_block
+    )
     logp.sum().backward()
     ours = (hidden.grad.clone(), layer.weight.grad.clone(), layer.bias.grad.clone())
 
@@ -127,3 +138,32 @@ def test_shared_prompt_pass_equals_plain(model, tokenizer, arch):
     torch.testing.assert_close(results[True][0], results[False][0], atol=1e-6, rtol=1e-6)
     for name, grad in results[False][1].items():
         torch.testing.assert_close(results[True][1][name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("vocab_block", [None, 13])
+def test_weight_grad_sink_accumulates_the_autograd_gradient(vocab_block):
+    """With a sink, the output weight's gradient is added into the given buffer (on top of what
+    it holds) instead of being returned to autograd; hidden-state gradients are unchanged."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 50, bias=False)
+    hidden = torch.randn(12, 8, requires_grad=True)
+    targets = torch.randint(0, 50, (12,))
+    upstream = torch.randn(12)
+
+    logp, _ = token_logprobs_from_hidden(hidden, layer, targets, chunk_size=5, vocab_block=vocab_block)
+    (logp * upstream).sum().backward()
+    expected_w, expected_h = layer.weight.grad.clone(), hidden.grad.clone()
+
+    hidden.grad = None
+    layer.weight.grad = None
+    sink = torch.full_like(layer.weight, 0.5)
+    logp2, _ = token_logprobs_from_hidden(
+        hidden, layer, targets, chunk_size=5, vocab_block=vocab_block, weight_grad_sink=sink
+    )
+    (logp2 * upstream).sum().backward()
+    torch.testing.assert_close(logp2, logp)
+    assert layer.weight.grad is None  # autograd got nothing for the weight
+    torch.testing.assert_close(sink, expected_w + 0.5, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(hidden.grad, expected_h, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="weight_grad_sink"):
+        token_logprobs_from_hidden(hidden, layer, targets, weight_grad_sink=torch.zeros(3, 3))

@@ -118,6 +118,38 @@ def test_gradient_independent_of_minibatch_split(tokenizer, tmp_path, loss_type,
     assert max(g.abs().max().item() for g in whole.values()) > 1e-4
 
 
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo", "bnpo"])
+@pytest.mark.parametrize("extra", [(), ("algorithm.beta=0.04",), ("training.bf16=true",)])
+def test_gradient_independent_of_microbatches(tokenizer, tmp_path, loss_type, extra):
+    """Splitting each minibatch into token-bounded micro-batches leaves the gradient unchanged,
+    bnpo included (it normalises by the whole minibatch's tokens)."""
+    state = copy.deepcopy(tiny_model(tokenizer, hidden_size=64, num_layers=2, seed=7).state_dict())
+    batch = _hand_batch(make_trainer(tokenizer, tmp_path))
+    whole = _gradient(tokenizer, tmp_path, loss_type, 8, state, batch, extra)
+    split = _gradient(tokenizer, tmp_path, loss_type, 8, state, batch, (*extra, "training.microbatch_tokens=20"))
+    tol = 2e-2 if extra == ("training.bf16=true",) else 1e-5
+    for name in whole:
+        torch.testing.assert_close(split[name], whole[name], atol=tol * whole[name].abs().max().item() + 1e-8, rtol=tol, msg=name)
+    assert max(g.abs().max().item() for g in whole.values()) > 1e-4
+
+
+def test_microbatches_respect_the_token_budget(tokenizer, tmp_path):
+    trainer = make_trainer(tokenizer, tmp_path, ["rollout.num_generations=4", "training.per_device_train_batch_size=8",
+                                                 "training.gradient_accumulation_steps=2", "training.microbatch_tokens=24"])
+    batch = _hand_batch(trainer)
+    ro = batch.rollout
+    for minibatch in trainer._minibatches(batch):
+        pieces = trainer._microbatches(batch, minibatch)
+        assert torch.equal(torch.cat(pieces), minibatch)  # every row once, order kept
+        assert len(pieces) > 1
+        for piece in pieces:
+            prompts = {tuple(ro.prompt_ids[r][ro.prompt_mask[r].bool()].tolist()) for r in piece.tolist()}
+            cost = sum(len(p) for p in prompts) + len(piece) * int(ro.lengths[piece].max())
+            assert cost <= 24 or len(piece) == 1
+    trainer.cfg.training.microbatch_tokens = 0
+    assert all(len(trainer._microbatches(batch, mb)) == 1 for mb in trainer._minibatches(batch))
+
+
 def test_same_seed_same_run(tokenizer, tmp_path):
     a = make_trainer(tokenizer, tmp_path / "a", ["training.max_steps=3"]).train()
     b = make_trainer(tokenizer, tmp_path / "b", ["training.max_steps=3"]).train()

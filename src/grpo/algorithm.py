@@ -205,6 +205,7 @@ def aggregate_loss(
     num_sequences: int | None = None,
     num_tokens: float | None = None,
     num_minibatches: int = 1,
+    minibatch_tokens: float | None = None,
 ) -> torch.Tensor:
     """Reduce per-token losses of one minibatch to the scalar to backpropagate.
 
@@ -213,13 +214,16 @@ def aggregate_loss(
     ranks). Summing the results over the pieces gives the batch's loss:
 
     grpo:    (1/num_sequences) sum_i (sum_t L M / sum_t M)   per-sequence mean
-    bnpo:    (sum L M / sum M over this minibatch) / num_minibatches
+    bnpo:    (sum L M / minibatch_tokens) / num_minibatches
     dr_grpo: sum L M / (num_sequences * max_completion_length)
     dapo:    sum L M / num_tokens
 
     For grpo, dr_grpo and dapo the sum over minibatches does not depend on how
-    the batch is split; bnpo normalises per minibatch, as TRL does. Defaults
-    (None) take the totals from this minibatch, i.e. a single-piece batch.
+    the batch is split; bnpo normalises per minibatch, as TRL does. A minibatch
+    may itself be computed in micro-batches (to bound activation memory): each
+    passes its minibatch's `minibatch_tokens`, and the micro-batches' results
+    sum to the minibatch's. Defaults (None) take the totals from the tensors
+    given, i.e. a single-piece batch.
 
     Example: L = [[1, 3], [2, x]], M = [[1, 1], [1, 0]], one piece, T_max=4:
     grpo (2 + 2)/2 = 2;  bnpo 6/3 = 2;  dr_grpo 6/(2*4) = 0.75;  dapo 6/3 = 2.
@@ -234,7 +238,10 @@ def aggregate_loss(
         per_sequence = masked.sum(-1) / mask.sum(-1).clamp(min=1.0)
         return per_sequence.sum() / num_sequences
     if loss_type == "bnpo":
-        return masked.sum() / mask.sum().clamp(min=1.0) / num_minibatches
+        if minibatch_tokens is None:
+            minibatch_tokens = mask.sum()
+        total = torch.as_tensor(minibatch_tokens, dtype=masked.dtype, device=masked.device)
+        return masked.sum() / total.clamp(min=1.0) / num_minibatches
     if loss_type == "dr_grpo":
         if max_completion_length is None:
             raise ValueError("dr_grpo needs max_completion_length")
@@ -265,6 +272,7 @@ def policy_loss(
     num_sequences: int | None = None,
     num_tokens: float | None = None,
     num_minibatches: int = 1,
+    minibatch_tokens: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO objective for one minibatch: clipped surrogate + beta * KL, aggregated.
 
@@ -298,6 +306,7 @@ def policy_loss(
         num_sequences=num_sequences,
         num_tokens=num_tokens,
         num_minibatches=num_minibatches,
+        minibatch_tokens=minibatch_tokens,
     )
     with torch.no_grad():
         adv = advantages.unsqueeze(-1)

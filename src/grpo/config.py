@@ -46,6 +46,10 @@ class ModelConfig:
     """Allow model code from the hub (only for models that need it)."""
     cache_dir: str | None = None
     """Where converted GGUF checkpoints are cached (default ~/.cache/grpo)."""
+    onednn_linear: bool = True
+    """On the CPU, run float32 Linear layers (and the output layer) through oneDNN
+    instead of torch's default BLAS: the same float32 arithmetic, about twice the
+    rate on AMD CPUs, where MKL is slow (grpo.kernels). false: torch's default."""
     tiny_hidden_size: int = 64
     """Hidden size of the `tiny` model."""
     tiny_num_layers: int = 2
@@ -157,7 +161,12 @@ class TrainingConfig:
     max_steps: int = 100
     """Generation batches to train on (each gives num_iterations optimizer steps)."""
     per_device_train_batch_size: int = 8
-    """Completions per minibatch (forward/backward at once)."""
+    """Completions per minibatch (the unit the bnpo loss normalises over)."""
+    microbatch_tokens: int = 0
+    """Most token positions (prompt + completion, a shared prompt counted once) in one
+    forward/backward: a minibatch is computed in micro-batches of whole groups (or rows)
+    under this budget, so activation memory stays bounded. The gradient is the same.
+    0: one forward/backward per minibatch."""
     gradient_accumulation_steps: int = 1
     """Minibatches per optimizer step. Generation batch = per_device_train_batch_size x
     gradient_accumulation_steps x world size completions; a multiple of num_generations."""
@@ -175,8 +184,9 @@ class TrainingConfig:
     """bf16 autocast for generation and the update, with fp32 master weights."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
-    logprob_chunk_size: int = 128
-    """Completion tokens per chunk when computing logprobs from hidden states."""
+    logprob_chunk_size: int = 4096
+    """Completion tokens per chunk when computing logprobs from hidden states (each chunk
+    is processed in vocabulary blocks sized to the device, so this rarely needs changing)."""
     seed: int = 42
     save_steps: int = 0
     """Write a checkpoint every N steps (0: only at the end)."""
@@ -429,6 +439,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _positive("training.warmup_steps", t.warmup_steps, allow_zero=True)
     _positive("training.max_grad_norm", t.max_grad_norm, allow_zero=True)
     _positive("training.logprob_chunk_size", t.logprob_chunk_size)
+    if t.microbatch_tokens < 0:
+        raise ConfigError(f"training.microbatch_tokens must be >= 0 (0: no limit), got {t.microbatch_tokens}")
     _positive("training.save_steps", t.save_steps, allow_zero=True)
 
     _positive("algorithm.beta", a.beta, allow_zero=True)

@@ -2,9 +2,10 @@
 
 The output layer is most of a small model's FLOPs and memory: Gemma-3-270M
 has a 262,144-token vocabulary, so batch x tokens x vocabulary logits would be
-gigabytes. Here the logits exist only one chunk of completion tokens at a
-time, in the forward pass and again in the backward pass (recomputed rather
-than stored), and only at completion positions. The result equals the plain
+gigabytes. Here the logits exist only one tile (a chunk of completion tokens
+x a block of the vocabulary) at a time, in the forward pass and again in the
+backward pass (recomputed rather than stored), and only at completion
+positions. The result equals the plain
 `log_softmax(model(...).logits)` computation to float tolerance, gradients
 included (tests/test_logprobs.py).
 """
@@ -13,11 +14,26 @@ from __future__ import annotations
 
 import torch
 
+from grpo.kernels import linear_nt
+
+
+# Logit elements per (token chunk x vocabulary block) tile. On the CPU a tile of
+# 4M float32 (16 MB) stays mostly in cache across the passes made over it (max,
+# exp, sums); a GPU prefers fewer, larger tiles.
+TILE_ELEMENTS = {"cpu": 1 << 22}
+DEFAULT_TILE_ELEMENTS = 1 << 26
+
+
+def vocab_block_size(rows: int, vocab: int, device_type: str) -> int:
+    """Vocabulary entries per tile for `rows` tokens: the tile budget, at least 256 wide."""
+    budget = TILE_ELEMENTS.get(device_type, DEFAULT_TILE_ELEMENTS)
+    return min(vocab, max(256, budget // max(rows, 1)))
+
 
 def _logits(h: torch.Tensor, weight: torch.Tensor, bias, softcap, temperature) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Tempered float32 logits of one chunk, and tanh(u / softcap) when soft-capping
+    """Tempered float32 logits of one tile, and tanh(u / softcap) when soft-capping
     (the backward needs it). `weight` and `h` are already in the compute dtype."""
-    z = (h @ weight.t()).float()
+    z = linear_nt(h, weight).float()
     if bias is not None:
         z += bias
     tanh = None
@@ -29,77 +45,120 @@ def _logits(h: torch.Tensor, weight: torch.Tensor, bias, softcap, temperature) -
     return z, tanh
 
 
-class _ChunkedTokenLogprobs(torch.autograd.Function):
-    """log p(target) and entropy for rows of hidden states, chunk by chunk.
+def _tiles(n: int, vocab: int, chunk_size: int, block: int | None, device_type: str):
+    """(token slice, vocabulary slice) pairs covering n x vocab, vocabulary innermost."""
+    for t0 in range(0, n, chunk_size):
+        t1 = min(t0 + chunk_size, n)
+        width = block or vocab_block_size(t1 - t0, vocab, device_type)
+        for v0 in range(0, vocab, width):
+            yield slice(t0, t1), slice(v0, min(v0 + width, vocab))
+
+
+def _targets_in(targets: torch.Tensor, vs: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows whose target lies in the vocabulary slice, and the target's column in it."""
+    rows = ((targets >= vs.start) & (targets < vs.stop)).nonzero().squeeze(1)
+    return rows, targets[rows] - vs.start
+
+
+class _TiledTokenLogprobs(torch.autograd.Function):
+    """log p(target) and entropy for rows of hidden states, one tile of logits at a time.
 
     hidden [n, H], weight [V, H], bias [V] or None, targets [n] -> logp [n], entropy [n].
-    Entropy is returned for logging and carries no gradient. The [chunk, V]
-    logits are the only large temporaries; ops are in place where possible
-    because on CPU each pass over them costs as much as a small matmul.
+    The logits exist one (token chunk x vocabulary block) tile at a time; the
+    log-sum-exp is accumulated across vocabulary blocks online (running max), and
+    the backward recomputes each tile. Each vocabulary block's weight gradient
+    is one product over all the chunk's tokens, written into its rows of the
+    gradient. Entropy is returned for logging and carries no gradient.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, softcap, chunk_size, compute_dtype):
-        n = hidden.shape[0]
-        logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        entropy = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        with torch.autocast(hidden.device.type, enabled=False):
+    def forward(ctx, hidden, weight, bias, targets, temperature, softcap, chunk_size, block, compute_dtype, weight_grad_sink):
+        n, V = hidden.shape[0], weight.shape[0]
+        dev = hidden.device
+        # running max m, S = sum exp(z - m), U = sum exp(z - m) (z - m), per token
+        m = torch.full((n,), float("-inf"), device=dev)
+        S = torch.zeros(n, device=dev)
+        U = torch.zeros(n, device=dev)
+        target_z = torch.empty(n, device=dev)
+        with torch.autocast(dev.type, enabled=False):
             w = weight.to(compute_dtype)
             b = bias.float() if bias is not None else None
-            for start in range(0, n, chunk_size):
-                end = min(start + chunk_size, n)
-                z, _ = _logits(hidden[start:end].to(compute_dtype), w, b, softcap, temperature)
-                chunk_lse = torch.logsumexp(z, dim=-1)
-                lse[start:end] = chunk_lse
-                logp[start:end] = z.gather(-1, targets[start:end, None]).squeeze(-1) - chunk_lse
-                # H = lse - sum_v p_v z_v
-                p = torch.sub(z, chunk_lse[:, None]).exp_()
-                entropy[start:end] = chunk_lse - p.mul_(z).sum(-1)
-        # the cast weight is kept for the backward rather than cast again (it is vocabulary-sized)
+            h_all = hidden.to(compute_dtype)
+            for ts, vs in _tiles(n, V, chunk_size, block, dev.type):
+                z, _ = _logits(h_all[ts], w[vs], b[vs] if b is not None else None, softcap, temperature)
+                rows, cols = _targets_in(targets[ts], vs)
+                target_z[ts][rows] = z[rows, cols]
+                m_old = m[ts]
+                m_new = torch.maximum(m_old, z.amax(-1))
+                z -= m_new[:, None]  # z - m_new
+                e = z.exp()
+                # rescale the running sums from m_old to m_new
+                c = torch.exp(m_old - m_new)
+                shift = m_old - m_new
+                U[ts] = c * (U[ts] + torch.nan_to_num(shift) * S[ts]) + (e.unsqueeze(1) @ z.unsqueeze(2)).view(-1)
+                S[ts] = c * S[ts] + e.sum(-1)
+                m[ts] = m_new
+        lse = m + S.log()
+        logp = target_z - lse
+        # entropy = lse - sum p z = log S - U / S
+        entropy = S.log() - U / S
         ctx.save_for_backward(hidden, weight, w, bias, targets, lse)
-        ctx.settings = (temperature, softcap, chunk_size, compute_dtype)
+        ctx.settings = (temperature, softcap, chunk_size, block, compute_dtype)
+        ctx.weight_grad_sink = weight_grad_sink
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, w, bias, targets, lse = ctx.saved_tensors
-        temperature, softcap, chunk_size, compute_dtype = ctx.settings
+        temperature, softcap, chunk_size, block, compute_dtype = ctx.settings
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = None  # float32 [V, H]; allocated by the first chunk's product, not zero-filled
-        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
-        with torch.autocast(hidden.device.type, enabled=False):
+        sink = ctx.weight_grad_sink
+        n, V = hidden.shape[0], weight.shape[0]
+        dev = hidden.device
+        grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=dev) if need_h else None
+        if sink is not None:
+            grad_w = sink  # accumulate into the caller's buffer, tile by tile
+        elif need_w:
+            # every row of the weight gradient is written by exactly one vocabulary block
+            # per token chunk: the first chunk assigns, later ones add
+            grad_w = torch.empty(weight.shape, dtype=torch.float32, device=dev)
+        else:
+            grad_w = None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=dev) if need_b else None
+        g_all = grad_logp.float()
+        with torch.autocast(dev.type, enabled=False):
             b = bias.float() if bias is not None else None
-            for start in range(0, hidden.shape[0], chunk_size):
-                end = min(start + chunk_size, hidden.shape[0])
-                h = hidden[start:end].to(compute_dtype)
-                z, tanh = _logits(h, w, b, softcap, temperature)
-                g = grad_logp[start:end].float()
+            h_all = hidden.to(compute_dtype)
+            for ts, vs in _tiles(n, V, chunk_size, block, dev.type):
+                h = h_all[ts]
+                z, tanh = _logits(h, w[vs], b[vs] if b is not None else None, softcap, temperature)
+                g = g_all[ts]
                 # d logp / dz = onehot(target) - softmax(z), softmax from the saved lse
-                gz = z.sub_(lse[start:end, None]).exp_().mul_(-g[:, None])
-                gz.scatter_add_(-1, targets[start:end, None], g[:, None])
+                gz = z.sub_(lse[ts, None]).exp_().mul_(-g[:, None])
+                rows, cols = _targets_in(targets[ts], vs)
+                gz[rows, cols] += g[rows]
                 if temperature != 1.0:
                     gz /= temperature
                 if softcap:
                     gz.mul_(1.0 - tanh * tanh)
                 if need_b:
-                    grad_b += gz.sum(0)
+                    grad_b[vs] += gz.sum(0)
                 gz = gz.to(compute_dtype)
                 if need_h:
-                    grad_h[start:end] = (gz @ w).to(hidden.dtype)
-                if need_w:
-                    if grad_w is None:
-                        grad_w = (gz.t() @ h).float()
-                    elif compute_dtype == torch.float32:
-                        grad_w.addmm_(gz.t(), h)  # in place: no second vocabulary-sized buffer
+                    grad_h[ts] += linear_nt(gz, w[vs].t())
+                if grad_w is not None:
+                    part = linear_nt(gz.t(), h.t())
+                    if ts.start == 0 and sink is None:
+                        grad_w[vs] = part
                     else:
-                        grad_w += gz.t() @ h
+                        grad_w[vs] += part
         return (
-            grad_h,
-            grad_w.to(weight.dtype) if grad_w is not None else None,
+            grad_h.to(hidden.dtype) if need_h else None,
+            grad_w.to(weight.dtype) if need_w and sink is None else None,
             grad_b.to(bias.dtype) if need_b else None,
+            None,
+            None,
             None,
             None,
             None,
@@ -115,16 +174,35 @@ def token_logprobs_from_hidden(
     *,
     temperature: float = 1.0,
     softcap: float | None = None,
-    chunk_size: int = 128,
+    chunk_size: int = 4096,
+    vocab_block: int | None = None,
+    weight_grad_sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logp [n] of `targets` and entropy [n] from final hidden states [n, H]."""
+    """logp [n] of `targets` and entropy [n] from final hidden states [n, H].
+
+    `chunk_size` tokens and `vocab_block` vocabulary entries per tile (None:
+    sized to the device's tile budget).
+
+    `weight_grad_sink`: a float32 buffer shaped like the output weight (normally
+    its `.grad`). The backward then adds the output weight's gradient into it
+    tile by tile, in place, and autograd receives no gradient for the weight.
+    This saves a vocabulary x hidden buffer per backward, and, for a weight
+    tied to the input embedding, the out-of-place sum autograd makes of the two
+    gradients of one tensor. Only for callers that own the backward (the
+    trainer): `torch.autograd.grad` would not see this part of the gradient."""
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
         compute_dtype = torch.get_autocast_dtype(device_type)
     else:
         compute_dtype = torch.promote_types(hidden.dtype, output_layer.weight.dtype)
-    return _ChunkedTokenLogprobs.apply(
-        hidden, output_layer.weight, output_layer.bias, targets, float(temperature), softcap, int(chunk_size), compute_dtype
+    weight = output_layer.weight
+    if weight_grad_sink is not None:
+        if weight_grad_sink.shape != weight.shape or weight_grad_sink.dtype != torch.float32:
+            raise ValueError(f"weight_grad_sink must be float32 {tuple(weight.shape)}, got {weight_grad_sink.dtype} {tuple(weight_grad_sink.shape)}")
+        weight = weight.detach()
+    return _TiledTokenLogprobs.apply(
+        hidden, weight, output_layer.bias, targets, float(temperature), softcap, int(chunk_size),
+        vocab_block, compute_dtype, weight_grad_sink,
     )
 
 
@@ -202,8 +280,10 @@ def completion_logprobs(
     completion_mask: torch.Tensor,
     *,
     temperature: float = 1.0,
-    chunk_size: int = 128,
+    chunk_size: int = 4096,
+    vocab_block: int | None = None,
     share_prompts: bool = True,
+    weight_grad_sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log pi(o_t | q, o_<t) and entropy for every completion token.
 
@@ -222,6 +302,8 @@ def completion_logprobs(
         temperature=temperature,
         softcap=softcap,
         chunk_size=chunk_size,
+        vocab_block=vocab_block,
+        weight_grad_sink=weight_grad_sink,
     )
     logp = torch.zeros(completion_ids.shape, dtype=torch.float32, device=hidden.device)
     entropy = torch.zeros(completion_ids.shape, dtype=torch.float32, device=hidden.device)

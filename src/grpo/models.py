@@ -111,7 +111,16 @@ def load_model_and_tokenizer(cfg: ModelConfig, device: torch.device | str = "cpu
     _prepare_tokenizer(tokenizer)
     model = model.to(device)
     model.eval()
+    prepare_for_device(model, cfg)
     return model, tokenizer
+
+
+def prepare_for_device(model, cfg: ModelConfig) -> None:
+    """Device-specific kernels for a model about to be trained or evaluated (idempotent)."""
+    from grpo import kernels
+
+    if cfg.onednn_linear and next(model.parameters()).device.type == "cpu":
+        kernels.use_onednn_linear(model)
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:

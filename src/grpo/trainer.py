@@ -27,7 +27,7 @@ from grpo.config import Config, ConfigError
 from grpo.data import Row, encode_prompts, is_conversational, load_rows, prompt_stream
 from grpo.evaluate import Evaluator, check_answers, format_table
 from grpo.logprobs import completion_logprobs
-from grpo.models import bf16_autocast, generation_token_ids, load_model_and_tokenizer, resolve_device
+from grpo.models import bf16_autocast, generation_token_ids, load_model_and_tokenizer, prepare_for_device, resolve_device
 from grpo.progress import ConsoleProgress
 from grpo.rewards import RewardSet
 from grpo.rollout import Rollout, SamplingParams, StopStrings, generate
@@ -95,6 +95,7 @@ class Trainer:
         if model is None:
             model, tokenizer = load_model_and_tokenizer(cfg.model, self.device)
         self.model, self.tokenizer = model.to(self.device), tokenizer
+        prepare_for_device(self.model, cfg.model)
         if cfg.training.gradient_checkpointing:
             if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5.2x
                 self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -234,11 +235,39 @@ class Trainer:
         order = torch.tensor(order, dtype=torch.long)
         return [order[i : i + size] for i in range(0, len(order), size)]
 
+    def _microbatches(self, batch: GenerationBatch, rows: torch.Tensor) -> list[torch.Tensor]:
+        """Split a minibatch's rows (in `_minibatches` order) into consecutive pieces of at
+        most `training.microbatch_tokens` token positions. A piece costs its distinct
+        prompts' lengths (each prompt runs once per piece) plus rows x its longest
+        completion (the padded width). A row that alone exceeds the budget is its own piece."""
+        budget = self.cfg.training.microbatch_tokens
+        if budget <= 0:
+            return [rows]
+        ro = batch.rollout
+        prompt_lengths = ro.prompt_mask.sum(-1).tolist()
+        lengths = ro.completion_mask.sum(-1).tolist()
+        pieces, current, prompts, width = [], [], set(), 0
+        for r in rows.tolist():
+            key = tuple(ro.prompt_ids[r, -prompt_lengths[r]:].tolist()) if prompt_lengths[r] else ()
+            new_prompts = prompts | {key}
+            new_width = max(width, lengths[r])
+            cost = sum(len(p) for p in new_prompts) + (len(current) + 1) * new_width
+            if current and cost > budget:
+                pieces.append(current)
+                current, new_prompts, new_width = [], {key}, lengths[r]
+            current.append(r)
+            prompts, width = new_prompts, new_width
+        pieces.append(current)
+        return [torch.tensor(p, dtype=torch.long) for p in pieces]
+
     def _logprobs(self, model, batch: GenerationBatch, rows: torch.Tensor, grad: bool):
         ro = batch.rollout
         prompt_ids, prompt_mask = _trim_left(ro.prompt_ids[rows], ro.prompt_mask[rows])
         width = max(1, int(ro.completion_mask[rows].sum(-1).max()))
         context = contextlib.nullcontext() if grad else torch.no_grad()
+        # the output layer's weight gradient goes straight into its (preallocated) .grad
+        output_weight = model.get_output_embeddings().weight
+        sink = output_weight.grad if grad and output_weight.requires_grad else None
         with context, self.autocast():
             return completion_logprobs(
                 model,
@@ -248,14 +277,16 @@ class Trainer:
                 ro.completion_mask[rows, :width],
                 temperature=self.cfg.rollout.temperature,
                 chunk_size=self.cfg.training.logprob_chunk_size,
+                weight_grad_sink=sink,
             )
 
     def _logprobs_all(self, model, batch: GenerationBatch) -> torch.Tensor:
         T = batch.rollout.completion_ids.shape[1]
         out = torch.zeros(len(batch), T, device=self.device)
-        for rows in self._minibatches(batch):
-            logp, _ = self._logprobs(model, batch, rows, grad=False)
-            out[rows, : logp.shape[1]] = logp
+        for minibatch in self._minibatches(batch):
+            for rows in self._microbatches(batch, minibatch):
+                logp, _ = self._logprobs(model, batch, rows, grad=False)
+                out[rows, : logp.shape[1]] = logp
         return out
 
     def update(self, batch: GenerationBatch) -> dict[str, float]:
@@ -272,33 +303,36 @@ class Trainer:
         for _ in range(a.num_iterations):
             # zeroing in place keeps the gradient buffers (no re-allocation each step)
             self.optimizer.zero_grad(set_to_none=False)
-            for rows in minibatches:
-                logp, entropy = self._logprobs(self.model, batch, rows, grad=True)
-                width = logp.shape[1]
-                mask = batch.loss_mask[rows, :width]
-                loss, stats = algorithm.policy_loss(
-                    logp,
-                    old_logp[rows, :width] if old_logp is not None else None,
-                    batch.advantages[rows].to(self.device),
-                    mask,
-                    loss_type=a.loss_type,
-                    epsilon_low=a.epsilon,
-                    epsilon_high=cfg.epsilon_high,
-                    delta=a.delta,
-                    importance_sampling_level=a.importance_sampling_level,
-                    beta=a.beta,
-                    ref_logp=ref_logp[rows, :width] if ref_logp is not None else None,
-                    kl_estimator=a.kl_estimator,
-                    max_completion_length=cfg.rollout.max_completion_length,
-                    num_sequences=N,
-                    num_tokens=num_tokens,
-                    num_minibatches=len(minibatches),
-                )
-                loss.backward()
-                sums["loss"] += loss.item()
-                sums["entropy"] += algorithm.masked_sum(entropy, mask).item()
-                for key, value in stats.items():
-                    sums[key] += value.item()
+            for minibatch in minibatches:
+                minibatch_tokens = batch.loss_mask[minibatch].sum().item()
+                for rows in self._microbatches(batch, minibatch):
+                    logp, entropy = self._logprobs(self.model, batch, rows, grad=True)
+                    width = logp.shape[1]
+                    mask = batch.loss_mask[rows, :width]
+                    loss, stats = algorithm.policy_loss(
+                        logp,
+                        old_logp[rows, :width] if old_logp is not None else None,
+                        batch.advantages[rows].to(self.device),
+                        mask,
+                        loss_type=a.loss_type,
+                        epsilon_low=a.epsilon,
+                        epsilon_high=cfg.epsilon_high,
+                        delta=a.delta,
+                        importance_sampling_level=a.importance_sampling_level,
+                        beta=a.beta,
+                        ref_logp=ref_logp[rows, :width] if ref_logp is not None else None,
+                        kl_estimator=a.kl_estimator,
+                        max_completion_length=cfg.rollout.max_completion_length,
+                        num_sequences=N,
+                        num_tokens=num_tokens,
+                        num_minibatches=len(minibatches),
+                        minibatch_tokens=minibatch_tokens,
+                    )
+                    loss.backward()
+                    sums["loss"] += loss.item()
+                    sums["entropy"] += algorithm.masked_sum(entropy, mask).item()
+                    for key, value in stats.items():
+                        sums[key] += value.item()
             if cfg.training.max_grad_norm > 0:
                 norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.training.max_grad_norm)
             else:

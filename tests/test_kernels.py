@@ -1,0 +1,86 @@
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from grpo import kernels
+
+pytestmark = pytest.mark.skipif(not kernels.onednn_available(), reason="this torch build has no usable oneDNN")
+
+
+def _rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((x.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.parametrize("shape", [(7, 33), (2, 5, 33), (0, 33)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_onednn_linear_matches_float64_values_and_gradients(shape, bias):
+    """float32 through oneDNN is as accurate as torch's own float32 product (checked against float64)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g, requires_grad=True)
+    w = torch.randn(21, 33, generator=g, requires_grad=True)
+    b = torch.randn(21, generator=g, requires_grad=True) if bias else None
+    out = kernels.linear(x, w, b)
+    assert out.dtype == torch.float32 and out.shape == (*shape[:-1], 21)
+    upstream = torch.randn(out.shape, generator=g)
+    (out * upstream).sum().backward()
+
+    xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    bd = b.detach().double().requires_grad_() if bias else None
+    ref = F.linear(xd, wd, bd)
+    (ref * upstream.double()).sum().backward()
+    if x.numel() == 0:
+        assert out.numel() == 0 and (w.grad == 0).all()
+        return
+    assert _rel_err(out, ref) < 1e-5
+    assert _rel_err(x.grad, xd.grad) < 1e-5
+    assert _rel_err(w.grad, wd.grad) < 1e-5
+    if bias:
+        assert _rel_err(b.grad, bd.grad) < 1e-5
+
+
+def test_linear_nt_accepts_strided_views():
+    g = torch.Generator().manual_seed(1)
+    a, c = torch.randn(12, 9, generator=g), torch.randn(12, 30, generator=g)
+    # a.t() is [9, 12] and c.t() is [30, 12], both non-contiguous views: a.t() @ c
+    ours = kernels.linear_nt(a.t(), c.t())
+    torch.testing.assert_close(ours, a.t() @ c, rtol=1e-5, atol=1e-5)
+
+
+def test_falls_back_outside_float32_cpu():
+    """bf16 tensors and bf16 autocast take F.linear (autocast decides the dtype as usual)."""
+    x, w = torch.randn(3, 8), torch.randn(5, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert kernels.linear(x, w).dtype == torch.bfloat16
+    assert kernels.linear(x.bfloat16(), w.bfloat16()).dtype == torch.bfloat16
+    assert kernels.linear(x.double(), w.double()).dtype == torch.float64
+
+
+def test_use_onednn_linear_swaps_plain_linears_only(model):
+    class Custom(torch.nn.Linear):
+        pass
+
+    model.extra = Custom(4, 4)
+    before = copy.deepcopy(model.state_dict())
+    plain = sum(type(m) is torch.nn.Linear for m in model.modules())
+    assert kernels.use_onednn_linear(model) == plain > 0
+    assert type(model.extra) is Custom  # subclasses (LoRA, quantized layers) untouched
+    assert all(isinstance(m, torch.nn.Linear) for m in model.modules() if isinstance(m, kernels.OneDNNLinear))
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert kernels.use_onednn_linear(model) == 0  # idempotent
+
+
+def test_swapped_model_same_outputs_and_gradients(model, tokenizer):
+    del tokenizer
+    ids = torch.randint(5, 90, (3, 11), generator=torch.Generator().manual_seed(2))
+    reference = copy.deepcopy(model)
+    kernels.use_onednn_linear(model)
+    out = model(input_ids=ids).logits
+    ref = reference(input_ids=ids).logits
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    out.square().mean().backward()
+    ref.square().mean().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
