@@ -57,26 +57,26 @@ def test_falls_back_outside_float32_cpu():
     assert kernels.linear(x.double(), w.double()).dtype == torch.float64
 
 
-def test_use_onednn_linear_swaps_plain_linears_only(model):
+def test_use_cpu_linear_swaps_plain_linears_only(model):
     class Custom(torch.nn.Linear):
         pass
 
     model.extra = Custom(4, 4)
     before = copy.deepcopy(model.state_dict())
     plain = sum(type(m) is torch.nn.Linear for m in model.modules())
-    assert kernels.use_onednn_linear(model) == plain > 0
+    assert kernels.use_cpu_linear(model) == plain > 0
     assert type(model.extra) is Custom  # subclasses (LoRA, quantized layers) untouched
-    assert all(isinstance(m, torch.nn.Linear) for m in model.modules() if isinstance(m, kernels.OneDNNLinear))
+    assert all(isinstance(m, torch.nn.Linear) for m in model.modules() if isinstance(m, kernels.CPULinear))
     after = model.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
-    assert kernels.use_onednn_linear(model) == 0  # idempotent
+    assert kernels.use_cpu_linear(model) == 0  # idempotent
 
 
 def test_swapped_model_same_outputs_and_gradients(model, tokenizer):
     del tokenizer
     ids = torch.randint(5, 90, (3, 11), generator=torch.Generator().manual_seed(2))
     reference = copy.deepcopy(model)
-    kernels.use_onednn_linear(model)
+    kernels.use_cpu_linear(model)
     out = model(input_ids=ids).logits
     ref = reference(input_ids=ids).logits
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
@@ -84,3 +84,4 @@ def test_swapped_model_same_outputs_and_gradients(model, tokenizer):
     ref.square().mean().backward()
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+

@@ -46,10 +46,10 @@ class ModelConfig:
     """Allow model code from the hub (only for models that need it)."""
     cache_dir: str | None = None
     """Where converted GGUF checkpoints are cached (default ~/.cache/grpo)."""
-    onednn_linear: bool = True
-    """On the CPU, run float32 Linear layers (and the output layer) through oneDNN
-    instead of torch's default BLAS: the same float32 arithmetic, about twice the
-    rate on AMD CPUs, where MKL is slow (grpo.kernels). false: torch's default."""
+    cpu_kernels: bool = True
+    """On the CPU, float32 Linear layers (and the output layer) run through oneDNN
+    instead of torch's default BLAS (grpo.kernels): the same float32 arithmetic,
+    about twice the rate on AMD CPUs, where MKL is slow. false: plain torch."""
     tiny_hidden_size: int = 64
     """Hidden size of the `tiny` model."""
     tiny_num_layers: int = 2

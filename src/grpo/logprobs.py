@@ -24,10 +24,11 @@ TILE_ELEMENTS = {"cpu": 1 << 22}
 DEFAULT_TILE_ELEMENTS = 1 << 26
 
 
-def vocab_block_size(rows: int, vocab: int, device_type: str) -> int:
-    """Vocabulary entries per tile for `rows` tokens: the tile budget, at least 256 wide."""
+def vocab_block_size(rows: int, hidden: int, vocab: int, device_type: str) -> int:
+    """Vocabulary entries per tile for `rows` tokens: within the tile budget both for the
+    logits (rows x block) and for the block's weight gradient (block x hidden), at least 256."""
     budget = TILE_ELEMENTS.get(device_type, DEFAULT_TILE_ELEMENTS)
-    return min(vocab, max(256, budget // max(rows, 1)))
+    return min(vocab, max(256, budget // max(rows, hidden, 1)))
 
 
 def _logits(h: torch.Tensor, weight: torch.Tensor, bias, softcap, temperature) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -45,11 +46,11 @@ def _logits(h: torch.Tensor, weight: torch.Tensor, bias, softcap, temperature) -
     return z, tanh
 
 
-def _tiles(n: int, vocab: int, chunk_size: int, block: int | None, device_type: str):
+def _tiles(n: int, hidden: int, vocab: int, chunk_size: int, block: int | None, device_type: str):
     """(token slice, vocabulary slice) pairs covering n x vocab, vocabulary innermost."""
     for t0 in range(0, n, chunk_size):
         t1 = min(t0 + chunk_size, n)
-        width = block or vocab_block_size(t1 - t0, vocab, device_type)
+        width = block or vocab_block_size(t1 - t0, hidden, vocab, device_type)
         for v0 in range(0, vocab, width):
             yield slice(t0, t1), slice(v0, min(v0 + width, vocab))
 
@@ -84,7 +85,7 @@ class _TiledTokenLogprobs(torch.autograd.Function):
             w = weight.to(compute_dtype)
             b = bias.float() if bias is not None else None
             h_all = hidden.to(compute_dtype)
-            for ts, vs in _tiles(n, V, chunk_size, block, dev.type):
+            for ts, vs in _tiles(n, hidden.shape[1], V, chunk_size, block, dev.type):
                 z, _ = _logits(h_all[ts], w[vs], b[vs] if b is not None else None, softcap, temperature)
                 rows, cols = _targets_in(targets[ts], vs)
                 target_z[ts][rows] = z[rows, cols]
@@ -130,7 +131,7 @@ class _TiledTokenLogprobs(torch.autograd.Function):
         with torch.autocast(dev.type, enabled=False):
             b = bias.float() if bias is not None else None
             h_all = hidden.to(compute_dtype)
-            for ts, vs in _tiles(n, V, chunk_size, block, dev.type):
+            for ts, vs in _tiles(n, hidden.shape[1], V, chunk_size, block, dev.type):
                 h = h_all[ts]
                 z, tanh = _logits(h, w[vs], b[vs] if b is not None else None, softcap, temperature)
                 g = g_all[ts]
@@ -199,7 +200,6 @@ def token_logprobs_from_hidden(
     if weight_grad_sink is not None:
         if weight_grad_sink.shape != weight.shape or weight_grad_sink.dtype != torch.float32:
             raise ValueError(f"weight_grad_sink must be float32 {tuple(weight.shape)}, got {weight_grad_sink.dtype} {tuple(weight_grad_sink.shape)}")
-        weight = weight.detach()
     return _TiledTokenLogprobs.apply(
         hidden, weight, output_layer.bias, targets, float(temperature), softcap, int(chunk_size),
         vocab_block, compute_dtype, weight_grad_sink,

@@ -119,8 +119,8 @@ def prepare_for_device(model, cfg: ModelConfig) -> None:
     """Device-specific kernels for a model about to be trained or evaluated (idempotent)."""
     from grpo import kernels
 
-    if cfg.onednn_linear and next(model.parameters()).device.type == "cpu":
-        kernels.use_onednn_linear(model)
+    if cfg.cpu_kernels and next(model.parameters()).device.type == "cpu":
+        kernels.use_cpu_linear(model)
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
