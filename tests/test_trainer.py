@@ -316,3 +316,17 @@ def test_evaluates_before_every_n_and_after(tokenizer, tmp_path):
         ("before", 0), ("before", 0), ("step 2", 2), ("step 2", 2), ("after", 3), ("after", 3)]
     assert all(r["n"] == 4 for r in results)
     assert (tmp_path / "run" / "report.md").exists()
+
+
+def test_bf16_weights_train(tokenizer, tmp_path):
+    """model.dtype=bfloat16 (bf16 weights, bf16 gradients) runs a step and moves the weights,
+    the output layer's gradient included."""
+    cfg = config.from_dict({**TOY, "output_dir": str(tmp_path / "run")},
+                           ["training.max_steps=1", "rollout.num_generations=4", "training.per_device_train_batch_size=16"])
+    model = tiny_model(tokenizer, hidden_size=32, num_layers=1, seed=0, dtype=torch.bfloat16)
+    trainer = Trainer(cfg, model=model, tokenizer=tokenizer, reward_funcs={"correct": first_char_correct})
+    batch = _hand_batch(trainer)
+    trainer.update(batch)
+    head = trainer.model.get_output_embeddings().weight
+    assert head.dtype == torch.bfloat16 and head.grad.dtype == torch.bfloat16
+    assert head.grad.abs().sum() > 0

@@ -184,7 +184,7 @@ def token_logprobs_from_hidden(
     `chunk_size` tokens and `vocab_block` vocabulary entries per tile (None:
     sized to the device's tile budget).
 
-    `weight_grad_sink`: a float32 buffer shaped like the output weight (normally
+    `weight_grad_sink`: a buffer shaped and typed like the output weight (normally
     its `.grad`). The backward then adds the output weight's gradient into it
     tile by tile, in place, and autograd receives no gradient for the weight.
     This saves a vocabulary x hidden buffer per backward, and, for a weight
@@ -198,8 +198,11 @@ def token_logprobs_from_hidden(
         compute_dtype = torch.promote_types(hidden.dtype, output_layer.weight.dtype)
     weight = output_layer.weight
     if weight_grad_sink is not None:
-        if weight_grad_sink.shape != weight.shape or weight_grad_sink.dtype != torch.float32:
-            raise ValueError(f"weight_grad_sink must be float32 {tuple(weight.shape)}, got {weight_grad_sink.dtype} {tuple(weight_grad_sink.shape)}")
+        if weight_grad_sink.shape != weight.shape or weight_grad_sink.dtype != weight.dtype:
+            raise ValueError(
+                f"weight_grad_sink must be shaped and typed like the weight ({weight.dtype} {tuple(weight.shape)}), "
+                f"got {weight_grad_sink.dtype} {tuple(weight_grad_sink.shape)}"
+            )
     return _TiledTokenLogprobs.apply(
         hidden, weight, output_layer.bias, targets, float(temperature), softcap, int(chunk_size),
         vocab_block, compute_dtype, weight_grad_sink,

@@ -289,6 +289,31 @@ class Trainer:
                 out[rows, : logp.shape[1]] = logp
         return out
 
+    def _loss(self, batch: GenerationBatch, rows, old_logp, ref_logp, normalisers: dict):
+        """The policy loss of one micro-batch (its share of the batch's loss), the sum of its
+        tokens' entropies, and the clipping/KL statistics."""
+        cfg, a = self.cfg, self.cfg.algorithm
+        logp, entropy = self._logprobs(self.model, batch, rows, grad=True)
+        width = logp.shape[1]
+        mask = batch.loss_mask[rows, :width]
+        loss, stats = algorithm.policy_loss(
+            logp,
+            old_logp[rows, :width] if old_logp is not None else None,
+            batch.advantages[rows].to(self.device),
+            mask,
+            loss_type=a.loss_type,
+            epsilon_low=a.epsilon,
+            epsilon_high=cfg.epsilon_high,
+            delta=a.delta,
+            importance_sampling_level=a.importance_sampling_level,
+            beta=a.beta,
+            ref_logp=ref_logp[rows, :width] if ref_logp is not None else None,
+            kl_estimator=a.kl_estimator,
+            max_completion_length=cfg.rollout.max_completion_length,
+            **normalisers,
+        )
+        return loss, algorithm.masked_sum(entropy, mask).item(), stats
+
     def update(self, batch: GenerationBatch) -> dict[str, float]:
         """num_iterations optimizer steps over the generation batch."""
         cfg, a = self.cfg, self.cfg.algorithm
@@ -306,31 +331,14 @@ class Trainer:
             for minibatch in minibatches:
                 minibatch_tokens = batch.loss_mask[minibatch].sum().item()
                 for rows in self._microbatches(batch, minibatch):
-                    logp, entropy = self._logprobs(self.model, batch, rows, grad=True)
-                    width = logp.shape[1]
-                    mask = batch.loss_mask[rows, :width]
-                    loss, stats = algorithm.policy_loss(
-                        logp,
-                        old_logp[rows, :width] if old_logp is not None else None,
-                        batch.advantages[rows].to(self.device),
-                        mask,
-                        loss_type=a.loss_type,
-                        epsilon_low=a.epsilon,
-                        epsilon_high=cfg.epsilon_high,
-                        delta=a.delta,
-                        importance_sampling_level=a.importance_sampling_level,
-                        beta=a.beta,
-                        ref_logp=ref_logp[rows, :width] if ref_logp is not None else None,
-                        kl_estimator=a.kl_estimator,
-                        max_completion_length=cfg.rollout.max_completion_length,
-                        num_sequences=N,
-                        num_tokens=num_tokens,
-                        num_minibatches=len(minibatches),
+                    normalisers = dict(
+                        num_sequences=N, num_tokens=num_tokens, num_minibatches=len(minibatches),
                         minibatch_tokens=minibatch_tokens,
                     )
+                    loss, entropy_sum, stats = self._loss(batch, rows, old_logp, ref_logp, normalisers)
                     loss.backward()
                     sums["loss"] += loss.item()
-                    sums["entropy"] += algorithm.masked_sum(entropy, mask).item()
+                    sums["entropy"] += entropy_sum
                     for key, value in stats.items():
                         sums[key] += value.item()
             if cfg.training.max_grad_norm > 0:
