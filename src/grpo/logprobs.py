@@ -82,11 +82,11 @@ class _TiledTokenLogprobs(torch.autograd.Function):
         U = torch.zeros(n, device=dev)
         target_z = torch.empty(n, device=dev)
         with torch.autocast(dev.type, enabled=False):
-            w = weight.to(compute_dtype)
             b = bias.float() if bias is not None else None
             h_all = hidden.to(compute_dtype)
             for ts, vs in _tiles(n, hidden.shape[1], V, chunk_size, block, dev.type):
-                z, _ = _logits(h_all[ts], w[vs], b[vs] if b is not None else None, softcap, temperature)
+                # the weight is cast one block at a time (no vocabulary-sized copy in bf16)
+                z, _ = _logits(h_all[ts], weight[vs].to(compute_dtype), b[vs] if b is not None else None, softcap, temperature)
                 rows, cols = _targets_in(targets[ts], vs)
                 target_z[ts][rows] = z[rows, cols]
                 m_old = m[ts]
@@ -103,7 +103,7 @@ class _TiledTokenLogprobs(torch.autograd.Function):
         logp = target_z - lse
         # entropy = lse - sum p z = log S - U / S
         entropy = S.log() - U / S
-        ctx.save_for_backward(hidden, weight, w, bias, targets, lse)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.settings = (temperature, softcap, chunk_size, block, compute_dtype)
         ctx.weight_grad_sink = weight_grad_sink
         ctx.mark_non_differentiable(entropy)
@@ -111,7 +111,7 @@ class _TiledTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, w, bias, targets, lse = ctx.saved_tensors
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
         temperature, softcap, chunk_size, block, compute_dtype = ctx.settings
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         sink = ctx.weight_grad_sink
@@ -133,7 +133,8 @@ class _TiledTokenLogprobs(torch.autograd.Function):
             h_all = hidden.to(compute_dtype)
             for ts, vs in _tiles(n, hidden.shape[1], V, chunk_size, block, dev.type):
                 h = h_all[ts]
-                z, tanh = _logits(h, w[vs], b[vs] if b is not None else None, softcap, temperature)
+                w = weight[vs].to(compute_dtype)
+                z, tanh = _logits(h, w, b[vs] if b is not None else None, softcap, temperature)
                 g = g_all[ts]
                 # d logp / dz = onehot(target) - softmax(z), softmax from the saved lse
                 gz = z.sub_(lse[ts, None]).exp_().mul_(-g[:, None])
@@ -147,7 +148,7 @@ class _TiledTokenLogprobs(torch.autograd.Function):
                     grad_b[vs] += gz.sum(0)
                 gz = gz.to(compute_dtype)
                 if need_h:
-                    grad_h[ts] += linear_nt(gz, w[vs].t())
+                    grad_h[ts] += linear_nt(gz, w.t())
                 if grad_w is not None:
                     part = linear_nt(gz.t(), h.t())
                     if ts.start == 0 and sink is None:
