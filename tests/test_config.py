@@ -41,6 +41,7 @@ def test_overrides_do_not_mutate_input():
         ({}, ["training.per_device_train_batch_size=12"], "not a multiple of rollout.num_generations=8"),
         ({}, ["algorithm.loss_type=grpoo"], "algorithm.loss_type: 'grpoo' is not one of grpo, bnpo, dr_grpo, dapo (did you mean 'grpo'?)"),
         ({}, ["algorithm.delta=1.1"], "algorithm.delta: must be > 1 + epsilon_high"),
+        ({}, ["training.microbatch_tokens=-1"], "training.microbatch_tokens: must be >= 0"),
         ({}, ["rewards.weights=[1.0, 2.0]"], "rewards.weights: 2 weights for 1 functions"),
         ({}, ["algorithm.ref_sync_steps=10"], "algorithm.ref_sync_steps: set with beta = 0"),
         ({}, ["data.arithmetic.operators=[+]"], "data.arithmetic.operators: need 2 operators"),

@@ -439,8 +439,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _positive("training.warmup_steps", t.warmup_steps, allow_zero=True)
     _positive("training.max_grad_norm", t.max_grad_norm, allow_zero=True)
     _positive("training.logprob_chunk_size", t.logprob_chunk_size)
-    if t.microbatch_tokens < 0:
-        raise ConfigError(f"training.microbatch_tokens must be >= 0 (0: no limit), got {t.microbatch_tokens}")
+    _positive("training.microbatch_tokens", t.microbatch_tokens, allow_zero=True)
     _positive("training.save_steps", t.save_steps, allow_zero=True)
 
     _positive("algorithm.beta", a.beta, allow_zero=True)

@@ -71,10 +71,11 @@ class _OneDNNLinearFunction(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         g = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_x = linear_nt(g, weight.t()).reshape(x.shape)  # g @ W
-        if ctx.needs_input_grad[1]:
-            grad_w = linear_nt(g.t(), x.reshape(-1, x.shape[-1]).t())  # g^T @ x
+        with torch.autocast("cpu", enabled=False):  # float32 gradients even if called under autocast
+            if ctx.needs_input_grad[0]:
+                grad_x = linear_nt(g, weight.t()).reshape(x.shape)  # g @ W
+            if ctx.needs_input_grad[1]:
+                grad_w = linear_nt(g.t(), x.reshape(-1, x.shape[-1]).t())  # g^T @ x
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(0)
         return grad_x, grad_w, grad_b

@@ -27,6 +27,7 @@ from grpo.config import Config, ConfigError
 from grpo.data import Row, encode_prompts, is_conversational, load_rows, prompt_stream
 from grpo.evaluate import Evaluator, check_answers, format_table
 from grpo.logprobs import completion_logprobs
+from grpo.memory import release_free_memory
 from grpo.models import bf16_autocast, generation_token_ids, load_model_and_tokenizer, prepare_for_device, resolve_device
 from grpo.progress import ConsoleProgress
 from grpo.rewards import RewardSet
@@ -348,6 +349,8 @@ class Trainer:
             grad_norms.append(float(norm))
             self.optimizer.step()
             self.scheduler.step()
+        if self.device.type == "cpu":
+            release_free_memory()  # the update's freed buffers, before the next rollout allocates its own
         passes = a.num_iterations * max(1.0, num_tokens)
         out = {
             "loss": sums["loss"] / a.num_iterations,
