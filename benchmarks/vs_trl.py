@@ -318,6 +318,19 @@ def _set_threads(spec: dict) -> None:
         torch.set_num_threads(spec["threads"])
 
 
+def _side_result(rec, shape: dict, probe, setup_s: float, optimizer, autocast: str) -> dict:
+    """What a child reports to the parent (the same fields for both sides)."""
+    return {
+        "shape": shape,
+        "steps": rec.steps,
+        "memory": rec.memory,
+        "compute_dtypes": probe.report(),
+        "setup_s": setup_s,
+        "optimizer": _optimizer_name(optimizer),
+        "autocast": autocast,
+    }
+
+
 def run_trl(spec: dict, out_dir: Path) -> dict:
     rec = _Recorder(spec)
     import torch
@@ -421,15 +434,7 @@ def run_trl(spec: dict, out_dir: Path) -> dict:
     rec.after_load()
     setup_s = time.perf_counter() - t_setup
     trainer.train()
-    return {
-        "shape": shape,
-        "steps": rec.steps,
-        "memory": rec.memory,
-        "compute_dtypes": probe.report(),
-        "setup_s": setup_s,
-        "optimizer": _optimizer_name(trainer.optimizer),
-        "autocast": str(getattr(trainer.accelerator, "mixed_precision", None)),
-    }
+    return _side_result(rec, shape, probe, setup_s, trainer.optimizer, str(getattr(trainer.accelerator, "mixed_precision", None)))
 
 
 def run_grpo(spec: dict, out_dir: Path) -> dict:
@@ -503,15 +508,7 @@ def run_grpo(spec: dict, out_dir: Path) -> dict:
         ro = batch.rollout
         rec.lengths = (ro.prompt_mask.sum(-1).tolist(), ro.completion_mask.sum(-1).tolist())
         rec.end(index)
-    return {
-        "shape": shape,
-        "steps": rec.steps,
-        "memory": rec.memory,
-        "compute_dtypes": probe.report(),
-        "setup_s": setup_s,
-        "optimizer": _optimizer_name(trainer.optimizer),
-        "autocast": "bf16" if cfg.training.bf16 else "no",
-    }
+    return _side_result(rec, shape, probe, setup_s, trainer.optimizer, "bf16" if cfg.training.bf16 else "no")
 
 
 def child_main(args) -> int:

@@ -93,9 +93,9 @@ class _TiledTokenLogprobs(torch.autograd.Function):
                 m_new = torch.maximum(m_old, z.amax(-1))
                 z -= m_new[:, None]  # z - m_new
                 e = z.exp()
-                # rescale the running sums from m_old to m_new
-                c = torch.exp(m_old - m_new)
+                # rescale the running sums from m_old to m_new (shift is -inf on the first block, where S = U = 0)
                 shift = m_old - m_new
+                c = shift.exp()
                 U[ts] = c * (U[ts] + torch.nan_to_num(shift) * S[ts]) + (e.unsqueeze(1) @ z.unsqueeze(2)).view(-1)
                 S[ts] = c * S[ts] + e.sum(-1)
                 m[ts] = m_new

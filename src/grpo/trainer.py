@@ -94,9 +94,11 @@ class Trainer:
             check_answers(self.eval_rows[: e.num_problems] if e.num_problems else self.eval_rows)
 
         if model is None:
-            model, tokenizer = load_model_and_tokenizer(cfg.model, self.device)
-        self.model, self.tokenizer = model.to(self.device), tokenizer
-        prepare_for_device(self.model, cfg.model)
+            model, tokenizer = load_model_and_tokenizer(cfg.model, self.device)  # prepared for the device
+        else:
+            model = model.to(self.device)
+            prepare_for_device(model, cfg.model)
+        self.model, self.tokenizer = model, tokenizer
         if cfg.training.gradient_checkpointing:
             if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5.2x
                 self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
