@@ -85,3 +85,68 @@ def test_swapped_model_same_outputs_and_gradients(model, tokenizer):
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
 
+
+
+packing = pytest.mark.skipif(not kernels.packing_available(), reason="this torch build cannot reorder bf16 weights")
+
+
+@packing
+@pytest.mark.parametrize("bias", [True, False])
+def test_packed_decoding_gives_the_autocast_result(bias):
+    """Inside packed_for_decoding, under bf16 autocast and without gradients, a CPULinear
+    returns what F.linear under autocast returns (bf16), from a reordered copy dropped on exit."""
+    g = torch.Generator().manual_seed(3)
+    layer = kernels.CPULinear(48, 300, bias=bias)
+    x = torch.randn(5, 1, 48, generator=g)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = F.linear(x, layer.weight, layer.bias)
+        with kernels.packed_for_decoding(layer, rows=5):
+            assert layer.packed is not None
+            out = layer(x)
+    assert layer.packed is None
+    assert out.dtype == torch.bfloat16 and out.shape == (5, 1, 300)
+    torch.testing.assert_close(out.float(), expected.float(), rtol=1e-2, atol=1e-2)
+
+
+@packing
+def test_packed_weights_are_not_used_with_gradients_or_without_autocast():
+    layer = kernels.CPULinear(16, 8)
+    x = torch.randn(2, 16)
+    with kernels.packed_for_decoding(layer, rows=2):
+        assert layer.packed is None  # float32: nothing to replace
+    with torch.autocast("cpu", dtype=torch.bfloat16), kernels.packed_for_decoding(layer, rows=2):
+        assert layer.packed is not None
+        out = layer(x)  # gradients enabled: the live weight, through autocast
+    assert out.grad_fn is not None
+    out.float().sum().backward()
+    assert layer.weight.grad is not None and layer.packed is None
+
+
+@packing
+def test_generation_with_packed_weights_matches_autocast(model, tokenizer, monkeypatch):
+    """Greedy completions under bf16 autocast: the same tokens with and without the packed weights."""
+    import contextlib
+
+    from grpo.rollout import SamplingParams, generate, hf
+
+    kernels.use_cpu_linear(model)
+    prompts = [tokenizer(t)["input_ids"] for t in ["abc", "hello world", "1+2="]]
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return generate(model, prompts, 2, SamplingParams(16, temperature=0),
+                            eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
+
+    real, packed_rows = kernels.packed_for_decoding, []
+
+    def spy(m, rows):
+        packed_rows.append(rows)
+        return real(m, rows)
+
+    monkeypatch.setattr(hf.kernels, "packed_for_decoding", spy)
+    packed = run()
+    assert packed_rows == [6]
+    monkeypatch.setattr(hf.kernels, "packed_for_decoding", lambda m, rows: contextlib.nullcontext())
+    plain = run()
+    assert torch.equal(packed.completion_ids, plain.completion_ids)
+    assert all(m.packed is None for m in model.modules() if isinstance(m, kernels.CPULinear))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from grpo import logprobs
+from grpo import kernels, logprobs
 from grpo.rollout.types import Rollout, SamplingParams
 
 
@@ -103,6 +103,16 @@ def generate(
     prompts: P lists of token ids. Returns a Rollout with N = P x G rows,
     group-major. `share_prefix` and `compact` only change the cost.
     """
+    # under CPU bf16 autocast, decode from oneDNN-reordered bf16 weights (grpo.kernels)
+    with kernels.packed_for_decoding(model, rows=len(prompts) * num_generations):
+        return _generate(
+            model, prompts, num_generations, params, eos_token_ids, pad_token_id, generator, share_prefix, compact, stop
+        )
+
+
+def _generate(
+    model, prompts, num_generations, params, eos_token_ids, pad_token_id, generator, share_prefix, compact, stop
+) -> Rollout:
     device = next(model.parameters()).device
     G = num_generations
     prompt_ids, prompt_mask = left_pad(prompts, pad_token_id)
