@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from grpo.rollout import Rollout, SamplingParams, StopStrings, generate
-from grpo.rollout.hf import sample_next_token
+from grpo.rollout.hf import CDF_BLOCK, _first_exceeding, sample_from, sample_next_token
 
 
 def _prompts(tokenizer):
@@ -132,3 +132,36 @@ def test_sampling_frequencies_match_probabilities():
     freq = torch.bincount(draws, minlength=4).float() / len(draws)
     assert freq[1] == 0  # a zero-probability token is never drawn
     torch.testing.assert_close(freq, probs, atol=0.015, rtol=0)
+
+
+def test_two_level_sampling_frequencies_across_blocks():
+    """Weights spread over several CDF blocks and a partial last block: frequencies match,
+    zero-weight entries (including whole blocks) are never drawn, unnormalised weights are fine."""
+    V = 3 * CDF_BLOCK + 37
+    weights = torch.zeros(V)
+    picks = {5: 1.0, CDF_BLOCK - 1: 2.0, 2 * CDF_BLOCK + 500: 3.0, V - 1: 4.0}  # block 1 is all zeros
+    for i, w in picks.items():
+        weights[i] = w
+    draws = sample_from(weights.repeat(40000, 1), torch.Generator().manual_seed(3))
+    freq = torch.bincount(draws, minlength=V).float() / len(draws)
+    assert set(draws.unique().tolist()) == set(picks)
+    for i, w in picks.items():
+        assert abs(freq[i].item() - w / 10) < 0.01, (i, freq[i].item())
+
+
+def test_sampling_matches_a_flat_inverse_cdf_in_distribution():
+    """Random dense weights over a Gemma-sized row: each entry's frequency against its probability."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 4 * CDF_BLOCK, generator=g) * 3
+    probs = torch.softmax(logits, -1)[0]
+    draws = sample_next_token(logits.repeat(50000, 1), SamplingParams(1, temperature=1.0), g)
+    freq = torch.bincount(draws, minlength=probs.numel()).float() / len(draws)
+    top = probs.topk(20).indices
+    torch.testing.assert_close(freq[top], probs[top], atol=0.006, rtol=0)
+
+
+def test_the_largest_uniform_draw_still_lands_on_a_positive_step():
+    cdf = torch.tensor([[0.25, 0.75, 1.0, 1.0, 1.0]])  # the last two entries have zero weight
+    largest = torch.tensor([[1.0 - 2.0**-24]])  # torch.rand's largest float32 value
+    assert _first_exceeding(cdf, largest).item() == 2
+    assert _first_exceeding(cdf, torch.zeros(1, 1)).item() == 0

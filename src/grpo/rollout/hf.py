@@ -30,29 +30,66 @@ def left_pad(sequences: list[list[int]], pad_token_id: int) -> tuple[torch.Tenso
     return ids, mask
 
 
+# Vocabulary entries per block of the two-level inverse-CDF sampler.
+CDF_BLOCK = 1024
+
+
 def sample_next_token(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
 ) -> torch.Tensor:
     """Pick one token per row from next-token logits [B, V] -> [B]."""
     if params.temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / params.temperature
-    if params.top_k and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+    scores = logits.float()
+    if params.temperature != 1.0:
+        scores = scores / params.temperature
+    if params.top_k and params.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, params.top_k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
+        sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
+        probs = torch.softmax(sorted_scores, dim=-1)
         # drop a token when the tokens ranked before it already reach top_p
         drop = (probs.cumsum(-1) - probs) >= params.top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    # Inverse-CDF sampling: one uniform number per row. torch.multinomial draws one
-    # exponential per vocabulary entry, which for a 262k vocabulary was ~40% of decoding on CPU.
-    cdf = torch.softmax(logits, dim=-1).cumsum_(-1)
-    u = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device) * cdf[:, -1:]
-    # first index whose cumulative probability exceeds u (never a zero-probability token)
-    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
+        sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
+        scores = torch.full_like(scores, float("-inf")).scatter(-1, order, sorted_scores)
+    return sample_from(torch.softmax(scores, dim=-1), generator)
+
+
+def sample_from(weights: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One index per row of `weights` [B, V] (non-negative, each row with a positive sum),
+    drawn with probability proportional to its weight.
+
+    Inverse-CDF sampling in two levels: a block of CDF_BLOCK entries by the
+    blocks' totals, then an entry of that block by its weights, each with its
+    own uniform number. That is one reduction over the vocabulary instead of a
+    cumulative sum over it (a sequential scan, 1.7 ms for 16 x 262,144 on the
+    2-core CPU this was developed on); torch.multinomial, which draws a random
+    number per vocabulary entry, took ~40% of decoding. A zero-weight entry is
+    never drawn.
+    """
+    B, V = weights.shape
+    block = min(CDF_BLOCK, V)
+    whole = V // block * block
+    totals = weights[:, :whole].reshape(B, -1, block).sum(-1)
+    if whole < V:
+        totals = torch.cat([totals, weights[:, whole:].sum(-1, keepdim=True)], dim=1)
+    u = torch.rand(B, 2, generator=generator, device=weights.device)
+    block_cdf = totals.cumsum(-1)
+    b = _first_exceeding(block_cdf, u[:, :1])
+    index = b * block + torch.arange(block, device=weights.device)  # [B, block]: the chosen block's entries
+    inside = index < V
+    local_cdf = (weights.gather(1, index.clamp(max=V - 1)) * inside).cumsum(-1)
+    return (b * block + _first_exceeding(local_cdf, u[:, 1:])).squeeze(-1)
+
+
+def _first_exceeding(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[B, 1] index of the first entry of each row of `cdf` [B, n] above u x its last entry,
+    for u [B, 1] in [0, 1). The target is kept strictly below the total, which u x total
+    can round up to, so the index is always that of a positive step."""
+    total = cdf[:, -1:]
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True)
 
 
 def _forward(model, input_ids, attention_mask, position_ids, cache, cache_argument):
