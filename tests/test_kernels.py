@@ -114,6 +114,9 @@ def test_packed_weights_are_not_used_with_gradients_or_without_autocast():
     x = torch.randn(2, 16)
     with kernels.packed_for_decoding(layer, rows=2):
         assert layer.packed is None  # float32: nothing to replace
+    already_bf16 = kernels.CPULinear(16, 8).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16), kernels.packed_for_decoding(already_bf16, rows=2):
+        assert already_bf16.packed is None  # autocast makes no copy of it: a packed one would be extra
     with torch.autocast("cpu", dtype=torch.bfloat16), kernels.packed_for_decoding(layer, rows=2):
         assert layer.packed is not None
         out = layer(x)  # gradients enabled: the live weight, through autocast

@@ -128,16 +128,21 @@ class CPULinear(torch.nn.Linear):
 
 @contextlib.contextmanager
 def packed_for_decoding(model: torch.nn.Module, rows: int):
-    """Within this context and under CPU bf16 (or fp16) autocast, the model's CPULinear
-    layers compute without gradients from a copy of their weight in the autocast dtype,
+    """Within this context and under CPU bf16 autocast, the model's CPULinear layers with
+    float32 weights compute without gradients from a bf16 copy of their weight,
     reordered by oneDNN for products with about `rows` rows (see the module docstring).
     The copies are made on entry and dropped on exit: the weights must not change in
-    between. Does nothing without autocast, or where oneDNN cannot do it."""
-    layers = [m for m in model.modules() if isinstance(m, CPULinear) and m.weight.device.type == "cpu"]
-    if not layers or not torch.is_autocast_enabled("cpu") or not packing_available():
+    between. Layers whose weights are already bf16 are left alone (a copy would be
+    extra memory, not a replacement for autocast's). Does nothing without bf16
+    autocast, or where oneDNN cannot do it."""
+    dtype = torch.bfloat16
+    if not torch.is_autocast_enabled("cpu") or torch.get_autocast_dtype("cpu") != dtype or not packing_available():
         yield
         return
-    dtype = torch.get_autocast_dtype("cpu")
+    layers = [
+        m for m in model.modules()
+        if isinstance(m, CPULinear) and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
+    ]
     try:
         with torch.no_grad():
             for m in layers:
