@@ -86,7 +86,6 @@ def test_swapped_model_same_outputs_and_gradients(model, tokenizer):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-
 packing = pytest.mark.skipif(not kernels.packing_available(), reason="this torch build cannot reorder bf16 weights")
 
 

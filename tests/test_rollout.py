@@ -150,7 +150,8 @@ def test_two_level_sampling_frequencies_across_blocks():
 
 
 def test_sampling_matches_a_flat_inverse_cdf_in_distribution():
-    """Random dense weights over a Gemma-sized row: each entry's frequency against its probability."""
+    """Random dense weights over four CDF blocks: the most likely entries' frequencies against
+    their probabilities."""
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(1, 4 * CDF_BLOCK, generator=g) * 3
     probs = torch.softmax(logits, -1)[0]
@@ -160,8 +161,9 @@ def test_sampling_matches_a_flat_inverse_cdf_in_distribution():
     torch.testing.assert_close(freq[top], probs[top], atol=0.006, rtol=0)
 
 
-def test_the_largest_uniform_draw_still_lands_on_a_positive_step():
-    cdf = torch.tensor([[0.25, 0.75, 1.0, 1.0, 1.0]])  # the last two entries have zero weight
-    largest = torch.tensor([[1.0 - 2.0**-24]])  # torch.rand's largest float32 value
-    assert _first_exceeding(cdf, largest).item() == 2
-    assert _first_exceeding(cdf, torch.zeros(1, 1)).item() == 0
+def test_each_draw_lands_on_a_positive_weight():
+    """The first cumulative weight strictly above the target: zero-weight entries (flat steps
+    of the CDF, here at 0, 3 and 5) are skipped at both ends and in the middle."""
+    cdf = torch.tensor([[0.0, 0.25, 0.75, 0.75, 1.0, 1.0]])
+    draws = {u: _first_exceeding(cdf, torch.tensor([[u]])).item() for u in (0.0, 0.5, 0.75, 1.0 - 2.0**-24)}
+    assert draws == {0.0: 1, 0.5: 2, 0.75: 4, 1.0 - 2.0**-24: 4}

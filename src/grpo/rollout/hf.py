@@ -84,9 +84,10 @@ def sample_from(weights: torch.Tensor, generator: torch.Generator | None = None)
 
 
 def _first_exceeding(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """[B, 1] index of the first entry of each row of `cdf` [B, n] above u x its last entry,
-    for u [B, 1] in [0, 1). The target is kept strictly below the total, which u x total
-    can round up to, so the index is always that of a positive step."""
+    """[B, 1] index of the first entry of each row of `cdf` [B, n] (non-decreasing) strictly
+    above u x its last entry, for u [B, 1] in [0, 1): always an entry where the CDF steps up,
+    i.e. one with positive weight. The target is also capped just below the total, so
+    the index stays in range even if u x total were rounded up to it."""
     total = cdf[:, -1:]
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, target, right=True)
