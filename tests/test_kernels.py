@@ -91,16 +91,20 @@ packing = pytest.mark.skipif(not kernels.packing_available(), reason="this torch
 
 @packing
 @pytest.mark.parametrize("bias", [True, False])
-def test_packed_decoding_gives_the_autocast_result(bias):
+@pytest.mark.parametrize("piece_rows", [None, 128])
+def test_packed_decoding_gives_the_autocast_result(bias, piece_rows, monkeypatch):
     """Inside packed_for_decoding, under bf16 autocast and without gradients, a CPULinear
-    returns what F.linear under autocast returns (bf16), from a reordered copy dropped on exit."""
+    returns what F.linear under autocast returns (bf16), from a reordered copy dropped on
+    exit; in one piece, or in pieces of 128 output rows (300 = 128 + 128 + 44)."""
+    if piece_rows:
+        monkeypatch.setattr(kernels, "PACK_PIECE_ELEMENTS", 48 * piece_rows)
     g = torch.Generator().manual_seed(3)
     layer = kernels.CPULinear(48, 300, bias=bias)
     x = torch.randn(5, 1, 48, generator=g)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         expected = F.linear(x, layer.weight, layer.bias)
         with kernels.packed_for_decoding(layer, rows=5):
-            assert layer.packed is not None
+            assert len(layer.packed[1]) == (3 if piece_rows else 1)
             out = layer(x)
     assert layer.packed is None
     assert out.dtype == torch.bfloat16 and out.shape == (5, 1, 300)
@@ -152,3 +156,18 @@ def test_generation_with_packed_weights_matches_autocast(model, tokenizer, monke
     plain = run()
     assert torch.equal(packed.completion_ids, plain.completion_ids)
     assert all(m.packed is None for m in model.modules() if isinstance(m, kernels.CPULinear))
+
+
+def test_capability_checks_do_not_depend_on_the_callers_autocast():
+    """The checks are cached for the process: the first call may come from inside bf16
+    autocast (a rollout), and must give the same answer as outside it."""
+    outside = (kernels.onednn_available(), kernels.packing_available())
+    kernels.onednn_available.cache_clear()
+    kernels.packing_available.cache_clear()
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            inside = (kernels.packing_available(), kernels.onednn_available())[::-1]
+    finally:
+        kernels.onednn_available.cache_clear()
+        kernels.packing_available.cache_clear()
+    assert inside == outside
