@@ -332,12 +332,11 @@ class Trainer:
             # zeroing in place keeps the gradient buffers (no re-allocation each step)
             self.optimizer.zero_grad(set_to_none=False)
             for minibatch in minibatches:
-                minibatch_tokens = batch.loss_mask[minibatch].sum().item()
+                normalisers = dict(
+                    num_sequences=N, num_tokens=num_tokens, num_minibatches=len(minibatches),
+                    minibatch_tokens=batch.loss_mask[minibatch].sum().item(),
+                )
                 for rows in self._microbatches(batch, minibatch):
-                    normalisers = dict(
-                        num_sequences=N, num_tokens=num_tokens, num_minibatches=len(minibatches),
-                        minibatch_tokens=minibatch_tokens,
-                    )
                     loss, entropy_sum, stats = self._loss(batch, rows, old_logp, ref_logp, normalisers)
                     loss.backward()
                     sums["loss"] += loss.item()
