@@ -117,10 +117,11 @@ def load_model_and_tokenizer(cfg: ModelConfig, device: torch.device | str = "cpu
 
 def prepare_for_device(model, cfg: ModelConfig) -> None:
     """Device-specific kernels for a model about to be trained or evaluated (idempotent)."""
-    from grpo import kernels
+    from grpo import attention, kernels
 
     if cfg.cpu_kernels and next(model.parameters()).device.type == "cpu":
         kernels.use_cpu_linear(model)
+        attention.use_decode_attention(model)
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:

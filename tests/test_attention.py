@@ -1,0 +1,92 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from grpo import attention, logprobs
+from grpo.rollout import SamplingParams, generate
+from grpo.tiny import tiny_model
+
+
+def _gemma3_tiny(tokenizer):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+        pad_token_id=tokenizer.pad_token_id, max_position_embeddings=256,
+    )
+    torch.manual_seed(0)
+    return Gemma3ForCausalLM(config).eval()
+
+
+def _models(tokenizer, arch):
+    """Two copies of one model, the second switched to the decoding attention."""
+    make = (lambda: tiny_model(tokenizer, hidden_size=64, num_layers=2, seed=3)) if arch == "llama" else (
+        lambda: _gemma3_tiny(tokenizer))
+    plain, ours = make().eval(), make().eval()
+    assert plain.config._attn_implementation == "sdpa"
+    assert attention.use_decode_attention(ours)
+    assert ours.config._attn_implementation == attention.NAME
+    assert plain.config._attn_implementation == "sdpa"  # per model, not global
+    return plain, ours
+
+
+def _decode_logits(model, ids, mask, steps):
+    """Next-token logits of a prefill and `steps` single-token decoding steps (greedy)."""
+    argument = logprobs.cache_argument(model)
+    out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+    cache, logits = getattr(out, argument), [out.logits[:, -1]]
+    for _ in range(steps):
+        nxt = logits[-1].argmax(-1, keepdim=True)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+        out = model(input_ids=nxt, attention_mask=mask, use_cache=True, **{argument: cache})
+        cache = getattr(out, argument)
+        logits.append(out.logits[:, -1])
+    return torch.stack(logits)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("padded", [False, True])
+@torch.no_grad()
+def test_decoding_attention_equals_sdpa(tokenizer, arch, padded, monkeypatch):
+    """Same logits at every decoding step, with and without padding (no mask at all in the
+    unpadded case), past a sliding window; and the grouped layout really ran."""
+    plain, ours = _models(tokenizer, arch)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 90, (3, 7), generator=g)
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[0, :3] = 0
+    expected = _decode_logits(plain, ids, mask, steps=10)
+
+    query_shapes = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, *args, **kwargs):
+        query_shapes.append(tuple(q.shape))
+        return sdpa(q, *args, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    got = _decode_logits(ours, ids, mask, steps=10)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    heads, kv_heads = ours.config.num_attention_heads, ours.config.num_key_value_heads
+    assert (3, kv_heads, heads // kv_heads, ours.config.head_dim if arch == "gemma3" else 16) in query_shapes
+
+
+@torch.no_grad()
+def test_greedy_generation_unchanged(tokenizer):
+    plain, ours = _models(tokenizer, "gemma3")
+    prompts = [tokenizer(t)["input_ids"] for t in ["abcd", "1+2=", "wxyz"]]  # equal lengths: no mask
+    params = SamplingParams(max_new_tokens=12, temperature=0)
+    a, b = (
+        generate(m, prompts, 2, params, eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
+        for m in (plain, ours)
+    )
+    assert torch.equal(a.completion_ids, b.completion_ids)
+
+
+def test_other_attention_implementations_left_alone(tokenizer):
+    model = tiny_model(tokenizer, hidden_size=64, num_layers=1)
+    model.set_attn_implementation("eager")
+    assert not attention.use_decode_attention(model)
+    assert model.config._attn_implementation == "eager"
