@@ -48,6 +48,15 @@ def test_linear_nt_accepts_strided_views():
     torch.testing.assert_close(ours, a.t() @ c, rtol=1e-5, atol=1e-5)
 
 
+def test_linear_nt_writes_into_out_outside_onednn():
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randn(6, 8, generator=g).bfloat16(), torch.randn(5, 8, generator=g).bfloat16()
+    out = torch.full((6, 5), float("nan"), dtype=torch.bfloat16)
+    result = kernels.linear_nt(a, b, out=out)
+    assert result.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(out, a @ b.t())
+
+
 def test_falls_back_outside_float32_cpu():
     """bf16 tensors and bf16 autocast take F.linear (autocast decides the dtype as usual)."""
     x, w = torch.randn(3, 8), torch.randn(5, 8)

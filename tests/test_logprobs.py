@@ -167,3 +167,37 @@ def test_weight_grad_sink_accumulates_the_autograd_gradient(vocab_block):
     torch.testing.assert_close(hidden.grad, expected_h, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="weight_grad_sink"):
         token_logprobs_from_hidden(hidden, layer, targets, weight_grad_sink=torch.zeros(3, 3))
+
+
+@pytest.mark.parametrize("chunk_size, vocab_block", [(4, 16), (9, 7), (4096, None)])
+@pytest.mark.parametrize("sink", [False, True])
+def test_bf16_tiles_equal_plain_bf16_product(chunk_size, vocab_block, sink):
+    """Under bf16 autocast (the logits from a bf16 product, everything after it in float32)
+    the tiled pass, which reuses its tile buffers across tiles of different shapes
+    (a last token chunk and vocabulary block smaller than the others), equals the
+    plain computation with the same bf16 product: values, entropy and gradients."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(16, 50, bias=False)
+    hidden = torch.randn(9, 16, requires_grad=True)
+    targets = torch.randint(0, 50, (9,))
+    upstream = torch.randn(9)
+
+    z = (hidden.bfloat16() @ layer.weight.bfloat16().t()).float()
+    expected = torch.log_softmax(z, -1)
+    expected_entropy = -(expected.exp() * expected).sum(-1)
+    expected = expected.gather(-1, targets[:, None]).squeeze(-1)
+    (expected * upstream).sum().backward()
+    expected_h, expected_w = hidden.grad.clone(), layer.weight.grad.clone()
+
+    hidden.grad, layer.weight.grad = None, None
+    buffer = torch.zeros_like(layer.weight) if sink else None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logp, entropy = token_logprobs_from_hidden(
+            hidden, layer, targets, chunk_size=chunk_size, vocab_block=vocab_block, weight_grad_sink=buffer
+        )
+    (logp * upstream).sum().backward()
+    torch.testing.assert_close(logp, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy, expected_entropy, rtol=1e-5, atol=1e-5)
+    # the gradients' products are bf16 in both; the sums over vocabulary blocks are float32 here
+    torch.testing.assert_close(hidden.grad, expected_h, rtol=1e-2, atol=1e-3)
+    torch.testing.assert_close(buffer if sink else layer.weight.grad, expected_w, rtol=1e-2, atol=1e-3)

@@ -65,11 +65,14 @@ def _onednn_applies(*tensors: torch.Tensor) -> bool:
     )
 
 
-def linear_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def linear_nt(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """a @ b.T for a [..., K] and b [N, K] (no autograd); oneDNN for float32 CPU
-    tensors, strided views accepted, otherwise torch's matmul."""
+    tensors, strided views accepted, otherwise torch's matmul, written into `out`
+    when given (the oneDNN path returns a new tensor and ignores `out`)."""
     if _onednn_applies(a, b):
         return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
+    if out is not None:
+        return torch.matmul(a, b.t(), out=out)
     return a @ b.t()
 
 

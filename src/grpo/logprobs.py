@@ -12,6 +12,8 @@ included (tests/test_logprobs.py).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from grpo.kernels import linear_nt
@@ -31,10 +33,42 @@ def vocab_block_size(rows: int, hidden: int, vocab: int, device_type: str) -> in
     return min(vocab, max(256, budget // max(rows, hidden, 1)))
 
 
-def _logits(h: torch.Tensor, weight: torch.Tensor, bias, softcap, temperature) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Tempered float32 logits of one tile, and tanh(u / softcap) when soft-capping
-    (the backward needs it). `weight` and `h` are already in the compute dtype."""
-    z = linear_nt(h, weight).float()
+class _TileBuffers:
+    """Flat buffers that every tile of one pass writes into, by name.
+
+    A new tensor per tile (16 MB for a float32 tile) costs allocator work and
+    first-touch page faults comparable to the tile's own element-wise work; the
+    first tile is the largest, so each buffer is allocated once per pass.
+    Measured with benchmarks/output_layer.py (Gemma-3-270M's shape, 1024 tokens,
+    bf16, together with the in-place entropy sum): forward 0.99-1.04 -> 0.64-0.72 s,
+    backward 1.64-1.69 -> 1.54-1.61 s, minor page faults per forward 66,000 -> 1,000.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device, self.flat = device, {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        size = math.prod(shape)
+        buf = self.flat.get(name)
+        if buf is None or buf.numel() < size or buf.dtype != dtype:
+            buf = self.flat[name] = torch.empty(size, dtype=dtype, device=self.device)
+        return buf[:size].view(shape)
+
+    def cast(self, name: str, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """x in `dtype` (x itself when it already is)."""
+        return x if x.dtype == dtype else self.get(name, tuple(x.shape), dtype).copy_(x)
+
+
+def _product(h: torch.Tensor, weight: torch.Tensor, buffers: _TileBuffers) -> torch.Tensor:
+    """h @ weight.T for one tile, both already in the compute dtype (buffer "low")."""
+    return linear_nt(h, weight, out=buffers.get("low", (h.shape[0], weight.shape[0]), h.dtype))
+
+
+def _logits(product: torch.Tensor, bias, softcap, temperature, buffers: _TileBuffers):
+    """Tempered float32 logits of one tile from its product, and tanh(u / softcap) when
+    soft-capping (the backward needs it). In buffer "z", or in `product` itself when
+    that is float32 (it is then modified)."""
+    z = buffers.cast("z", product, torch.float32)
     if bias is not None:
         z += bias
     tanh = None
@@ -81,23 +115,27 @@ class _TiledTokenLogprobs(torch.autograd.Function):
         S = torch.zeros(n, device=dev)
         U = torch.zeros(n, device=dev)
         target_z = torch.empty(n, device=dev)
+        buffers = _TileBuffers(dev)
         with torch.autocast(dev.type, enabled=False):
             b = bias.float() if bias is not None else None
             h_all = hidden.to(compute_dtype)
             for ts, vs in _tiles(n, hidden.shape[1], V, chunk_size, block, dev.type):
                 # the weight is cast one block at a time (no vocabulary-sized copy in bf16)
-                z, _ = _logits(h_all[ts], weight[vs].to(compute_dtype), b[vs] if b is not None else None, softcap, temperature)
+                w = buffers.cast("w", weight[vs], compute_dtype)
+                z, _ = _logits(_product(h_all[ts], w, buffers), b[vs] if b is not None else None, softcap, temperature, buffers)
                 rows, cols = _targets_in(targets[ts], vs)
                 target_z[ts][rows] = z[rows, cols]
                 m_old = m[ts]
                 m_new = torch.maximum(m_old, z.amax(-1))
                 z -= m_new[:, None]  # z - m_new
-                e = z.exp()
+                e = torch.exp(z, out=buffers.get("e", tuple(z.shape), torch.float32))
                 # rescale the running sums from m_old to m_new (shift is -inf on the first block, where S = U = 0)
                 shift = m_old - m_new
                 c = shift.exp()
-                U[ts] = c * (U[ts] + torch.nan_to_num(shift) * S[ts]) + (e.unsqueeze(1) @ z.unsqueeze(2)).view(-1)
-                S[ts] = c * S[ts] + e.sum(-1)
+                block_S = e.sum(-1)
+                block_U = e.mul_(z).sum(-1)  # in place: a batched dot product is 2x slower
+                U[ts] = c * (U[ts] + torch.nan_to_num(shift) * S[ts]) + block_U
+                S[ts] = c * S[ts] + block_S
                 m[ts] = m_new
         lse = m + S.log()
         logp = target_z - lse
@@ -128,13 +166,14 @@ class _TiledTokenLogprobs(torch.autograd.Function):
             grad_w = None
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=dev) if need_b else None
         g_all = grad_logp.float()
+        buffers = _TileBuffers(dev)
         with torch.autocast(dev.type, enabled=False):
             b = bias.float() if bias is not None else None
             h_all = hidden.to(compute_dtype)
             for ts, vs in _tiles(n, hidden.shape[1], V, chunk_size, block, dev.type):
                 h = h_all[ts]
-                w = weight[vs].to(compute_dtype)
-                z, tanh = _logits(h, w, b[vs] if b is not None else None, softcap, temperature)
+                w = buffers.cast("w", weight[vs], compute_dtype)
+                z, tanh = _logits(_product(h, w, buffers), b[vs] if b is not None else None, softcap, temperature, buffers)
                 g = g_all[ts]
                 # d logp / dz = onehot(target) - softmax(z), softmax from the saved lse
                 gz = z.sub_(lse[ts, None]).exp_().mul_(-g[:, None])
@@ -146,11 +185,11 @@ class _TiledTokenLogprobs(torch.autograd.Function):
                     gz.mul_(1.0 - tanh * tanh)
                 if need_b:
                     grad_b[vs] += gz.sum(0)
-                gz = gz.to(compute_dtype)
+                gz = buffers.cast("low", gz, compute_dtype)  # the product in "low" is no longer needed
                 if need_h:
-                    grad_h[ts] += linear_nt(gz, w.t())
+                    grad_h[ts] += linear_nt(gz, w.t(), out=buffers.get("grad_h", (gz.shape[0], w.shape[1]), compute_dtype))
                 if grad_w is not None:
-                    part = linear_nt(gz.t(), h.t())
+                    part = linear_nt(gz.t(), h.t(), out=buffers.get("grad_w", tuple(w.shape), compute_dtype))
                     if ts.start == 0 and sink is None:
                         grad_w[vs] = part
                     else:
