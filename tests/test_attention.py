@@ -3,6 +3,7 @@ import torch
 import torch.nn.functional as F
 
 from grpo import attention, logprobs
+from grpo.logprobs import completion_logprobs
 from grpo.rollout import SamplingParams, generate
 from grpo.tiny import tiny_model
 
@@ -25,7 +26,7 @@ def _models(tokenizer, arch):
         lambda: _gemma3_tiny(tokenizer))
     plain, ours = make().eval(), make().eval()
     assert plain.config._attn_implementation == "sdpa"
-    assert attention.use_decode_attention(ours)
+    assert attention.use_grouped_attention(ours)
     assert ours.config._attn_implementation == attention.NAME
     assert plain.config._attn_implementation == "sdpa"  # per model, not global
     return plain, ours
@@ -88,5 +89,35 @@ def test_greedy_generation_unchanged(tokenizer):
 def test_other_attention_implementations_left_alone(tokenizer):
     model = tiny_model(tokenizer, hidden_size=64, num_layers=1)
     model.set_attn_implementation("eager")
-    assert not attention.use_decode_attention(model)
+    assert not attention.use_grouped_attention(model)
     assert model.config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_loss_pass_equals_sdpa_values_and_gradients(tokenizer, arch, monkeypatch):
+    """The loss pass (several queries per row, a mask: left-padded prompts, right-padded
+    completions, prompts shared by their group) gives the same log-probabilities and
+    parameter gradients, and runs the grouped layout."""
+    plain, ours = _models(tokenizer, arch)
+    g = torch.Generator().manual_seed(1)
+    prompt_ids = torch.randint(5, 90, (2, 6), generator=g).repeat_interleave(3, 0)
+    prompt_mask = torch.ones_like(prompt_ids)
+    prompt_mask[:3, :2] = 0
+    completion_ids = torch.randint(5, 90, (6, 9), generator=g)
+    completion_mask = (torch.arange(9)[None] < torch.tensor([9, 4, 7, 1, 9, 6])[:, None]).long()
+    results = []
+    for model in (plain, ours):
+        logp, _ = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+        (logp * torch.linspace(-1, 1, logp.numel()).view_as(logp)).sum().backward()
+        results.append((logp.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-5)
+    for name, grad in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+    query_shapes = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", lambda q, *a, **k: query_shapes.append(tuple(q.shape)) or sdpa(q, *a, **k))
+    with torch.no_grad():
+        completion_logprobs(ours, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    kv_heads, groups = ours.config.num_key_value_heads, ours.config.num_attention_heads // ours.config.num_key_value_heads
+    assert any(s[1] == kv_heads and s[2] == groups * 8 for s in query_shapes), query_shapes  # 8 = completion width - 1

@@ -49,10 +49,10 @@ class ModelConfig:
     cpu_kernels: bool = True
     """On the CPU, float32 Linear layers (and the output layer) run through oneDNN
     instead of torch's default BLAS (grpo.kernels): the same float32 arithmetic,
-    about twice the rate on AMD CPUs, where MKL is slow; and decoding attention
-    lays grouped query heads out as queries of their key/value head
-    (grpo.attention), a single small product per head. false: plain torch and
-    transformers."""
+    about twice the rate on AMD CPUs, where MKL is slow; and grouped-query
+    attention lays the query heads that share a key/value head out as its
+    queries (grpo.attention) instead of copying keys and values per query
+    head. false: plain torch and transformers."""
     tiny_hidden_size: int = 64
     """Hidden size of the `tiny` model."""
     tiny_num_layers: int = 2

@@ -121,7 +121,7 @@ def prepare_for_device(model, cfg: ModelConfig) -> None:
 
     if cfg.cpu_kernels and next(model.parameters()).device.type == "cpu":
         kernels.use_cpu_linear(model)
-        attention.use_decode_attention(model)
+        attention.use_grouped_attention(model)
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
