@@ -846,7 +846,7 @@ def parse_args(argv=None):
     ap.add_argument("--max-completion-length", type=int, default=None, help="default: 64 (gemma), 16 (tiny)")
     ap.add_argument("--learning-rate", type=float, default=1e-6)
     ap.add_argument(
-        "--microbatch-tokens", type=int, default=512,
+        "--microbatch-tokens", type=int, default=640,
         help="grpo's training.microbatch_tokens (0: all 16 completions in one forward/backward, as TRL does)",
     )
     ap.add_argument("--loss-type", default="dapo", choices=("dapo", "grpo", "bnpo", "dr_grpo"))
