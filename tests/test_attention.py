@@ -121,3 +121,11 @@ def test_loss_pass_equals_sdpa_values_and_gradients(tokenizer, arch, monkeypatch
         completion_logprobs(ours, prompt_ids, prompt_mask, completion_ids, completion_mask)
     kv_heads, groups = ours.config.num_key_value_heads, ours.config.num_attention_heads // ours.config.num_key_value_heads
     assert any(s[1] == kv_heads and s[2] == groups * 8 for s in query_shapes), query_shapes  # 8 = completion width - 1
+
+
+def test_saved_checkpoint_does_not_name_the_attention(tokenizer, tmp_path):
+    """A checkpoint must load anywhere, without grpo's registration."""
+    model = tiny_model(tokenizer, hidden_size=64, num_layers=1)
+    attention.use_grouped_attention(model)
+    model.save_pretrained(tmp_path)
+    assert attention.NAME not in (tmp_path / "config.json").read_text()
