@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from grpo.kernels import linear_nt
+from grpo.kernels import linear_nt, onednn_available
 
 
 # Logit elements per (token chunk x vocabulary block) tile. On the CPU a tile of
@@ -58,10 +58,17 @@ class _TileBuffers:
         """x in `dtype` (x itself when it already is)."""
         return x if x.dtype == dtype else self.get(name, tuple(x.shape), dtype).copy_(x)
 
+    def product(self, name: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """a @ b.T, into buffer `name`; float32 CPU products go through oneDNN
+        (grpo.kernels.linear_nt), which returns its own tensor, so they get no buffer."""
+        if a.dtype == torch.float32 and a.device.type == "cpu" and onednn_available():
+            return linear_nt(a, b)
+        return linear_nt(a, b, out=self.get(name, (a.shape[0], b.shape[0]), a.dtype))
+
 
 def _product(h: torch.Tensor, weight: torch.Tensor, buffers: _TileBuffers) -> torch.Tensor:
     """h @ weight.T for one tile, both already in the compute dtype (buffer "low")."""
-    return linear_nt(h, weight, out=buffers.get("low", (h.shape[0], weight.shape[0]), h.dtype))
+    return buffers.product("low", h, weight)
 
 
 def _logits(product: torch.Tensor, bias, softcap, temperature, buffers: _TileBuffers):
@@ -187,9 +194,9 @@ class _TiledTokenLogprobs(torch.autograd.Function):
                     grad_b[vs] += gz.sum(0)
                 gz = buffers.cast("low", gz, compute_dtype)  # the product in "low" is no longer needed
                 if need_h:
-                    grad_h[ts] += linear_nt(gz, w.t(), out=buffers.get("grad_h", (gz.shape[0], w.shape[1]), compute_dtype))
+                    grad_h[ts] += buffers.product("grad_h", gz, w.t())
                 if grad_w is not None:
-                    part = linear_nt(gz.t(), h.t(), out=buffers.get("grad_w", tuple(w.shape), compute_dtype))
+                    part = buffers.product("grad_w", gz.t(), h.t())
                     if ts.start == 0 and sink is None:
                         grad_w[vs] = part
                     else:
