@@ -21,7 +21,7 @@ def _gemma3_tiny(tokenizer):
 
 
 def _models(tokenizer, arch):
-    """Two copies of one model, the second switched to the decoding attention."""
+    """Two copies of one model, the second switched to the grouped attention."""
     make = (lambda: tiny_model(tokenizer, hidden_size=64, num_layers=2, seed=3)) if arch == "llama" else (
         lambda: _gemma3_tiny(tokenizer))
     plain, ours = make().eval(), make().eval()
