@@ -8,22 +8,14 @@ from grpo.rollout import SamplingParams, generate
 from grpo.tiny import tiny_model
 
 
-def _gemma3_tiny(tokenizer):
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    config = Gemma3TextConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
-        pad_token_id=tokenizer.pad_token_id, max_position_embeddings=256,
-    )
-    torch.manual_seed(0)
-    return Gemma3ForCausalLM(config).eval()
-
-
-def _models(tokenizer, arch):
+def _models(tokenizer, gemma3_tiny, arch):
     """Two copies of one model, the second switched to the grouped attention."""
-    make = (lambda: tiny_model(tokenizer, hidden_size=64, num_layers=2, seed=3)) if arch == "llama" else (
-        lambda: _gemma3_tiny(tokenizer))
+    if arch == "llama":
+        def make():
+            return tiny_model(tokenizer, hidden_size=64, num_layers=2, seed=3)
+    else:
+        def make():
+            return gemma3_tiny(num_attention_heads=4, num_key_value_heads=2)
     plain, ours = make().eval(), make().eval()
     assert plain.config._attn_implementation == "sdpa"
     assert attention.use_grouped_attention(ours)
@@ -46,13 +38,25 @@ def _decode_logits(model, ids, mask, steps):
     return torch.stack(logits)
 
 
+def _record_query_shapes(monkeypatch) -> list[tuple[int, ...]]:
+    """The query shape of every torch sdpa call from now on (the test's end undoes it)."""
+    shapes, sdpa = [], F.scaled_dot_product_attention
+
+    def spy(q, *args, **kwargs):
+        shapes.append(tuple(q.shape))
+        return sdpa(q, *args, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    return shapes
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 @pytest.mark.parametrize("padded", [False, True])
 @torch.no_grad()
-def test_decoding_attention_equals_sdpa(tokenizer, arch, padded, monkeypatch):
+def test_decoding_attention_equals_sdpa(tokenizer, gemma3_tiny, arch, padded, monkeypatch):
     """Same logits at every decoding step, with and without padding (no mask at all in the
     unpadded case), past a sliding window; and the grouped layout really ran."""
-    plain, ours = _models(tokenizer, arch)
+    plain, ours = _models(tokenizer, gemma3_tiny, arch)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(5, 90, (3, 7), generator=g)
     mask = torch.ones_like(ids)
@@ -60,14 +64,7 @@ def test_decoding_attention_equals_sdpa(tokenizer, arch, padded, monkeypatch):
         mask[0, :3] = 0
     expected = _decode_logits(plain, ids, mask, steps=10)
 
-    query_shapes = []
-    sdpa = F.scaled_dot_product_attention
-
-    def spy(q, *args, **kwargs):
-        query_shapes.append(tuple(q.shape))
-        return sdpa(q, *args, **kwargs)
-
-    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    query_shapes = _record_query_shapes(monkeypatch)
     got = _decode_logits(ours, ids, mask, steps=10)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     heads, kv_heads = ours.config.num_attention_heads, ours.config.num_key_value_heads
@@ -75,8 +72,8 @@ def test_decoding_attention_equals_sdpa(tokenizer, arch, padded, monkeypatch):
 
 
 @torch.no_grad()
-def test_greedy_generation_unchanged(tokenizer):
-    plain, ours = _models(tokenizer, "gemma3")
+def test_greedy_generation_unchanged(tokenizer, gemma3_tiny):
+    plain, ours = _models(tokenizer, gemma3_tiny, "gemma3")
     prompts = [tokenizer(t)["input_ids"] for t in ["abcd", "1+2=", "wxyz"]]  # equal lengths: no mask
     params = SamplingParams(max_new_tokens=12, temperature=0)
     a, b = (
@@ -94,11 +91,11 @@ def test_other_attention_implementations_left_alone(tokenizer):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_loss_pass_equals_sdpa_values_and_gradients(tokenizer, arch, monkeypatch):
+def test_loss_pass_equals_sdpa_values_and_gradients(tokenizer, gemma3_tiny, arch, monkeypatch):
     """The loss pass (several queries per row, a mask: left-padded prompts, right-padded
     completions, prompts shared by their group) gives the same log-probabilities and
     parameter gradients, and runs the grouped layout."""
-    plain, ours = _models(tokenizer, arch)
+    plain, ours = _models(tokenizer, gemma3_tiny, arch)
     g = torch.Generator().manual_seed(1)
     prompt_ids = torch.randint(5, 90, (2, 6), generator=g).repeat_interleave(3, 0)
     prompt_mask = torch.ones_like(prompt_ids)
@@ -114,9 +111,7 @@ def test_loss_pass_equals_sdpa_values_and_gradients(tokenizer, arch, monkeypatch
     for name, grad in results[0][1].items():
         torch.testing.assert_close(results[1][1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
 
-    query_shapes = []
-    sdpa = F.scaled_dot_product_attention
-    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", lambda q, *a, **k: query_shapes.append(tuple(q.shape)) or sdpa(q, *a, **k))
+    query_shapes = _record_query_shapes(monkeypatch)
     with torch.no_grad():
         completion_logprobs(ours, prompt_ids, prompt_mask, completion_ids, completion_mask)
     kv_heads, groups = ours.config.num_key_value_heads, ours.config.num_attention_heads // ours.config.num_key_value_heads

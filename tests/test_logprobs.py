@@ -105,24 +105,12 @@ def _grouped_batch(G=3, seed=0):
     return pi, pm, ci, cm
 
 
-def _gemma3_tiny(tokenizer):
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    config = Gemma3TextConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
-        pad_token_id=tokenizer.pad_token_id, max_position_embeddings=256,
-    )
-    torch.manual_seed(0)
-    return Gemma3ForCausalLM(config)
-
-
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_shared_prompt_pass_equals_plain(model, tokenizer, arch):
+def test_shared_prompt_pass_equals_plain(model, gemma3_tiny, arch):
     """Prefilling each group's prompt once (keys/values reused by its G completions) changes
     neither the log-probabilities nor their gradients."""
     if arch == "gemma3":
-        model = _gemma3_tiny(tokenizer)
+        model = gemma3_tiny()
     model = model.double()
     pi, pm, ci, cm = _grouped_batch()
     weights = torch.randn(ci.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))

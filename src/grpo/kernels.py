@@ -57,7 +57,8 @@ def onednn_available() -> bool:
         return False
 
 
-def _onednn_applies(*tensors: torch.Tensor) -> bool:
+def onednn_applies(*tensors: torch.Tensor) -> bool:
+    """Whether products of these tensors go through oneDNN here (float32 CPU, no autocast)."""
     return (
         all(t.device.type == "cpu" and t.dtype == torch.float32 and t.numel() > 0 for t in tensors)
         and not torch.is_autocast_enabled("cpu")
@@ -69,7 +70,7 @@ def linear_nt(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None)
     """a @ b.T for a [..., K] and b [N, K] (no autograd); oneDNN for float32 CPU
     tensors, strided views accepted, otherwise torch's matmul, written into `out`
     when given (the oneDNN path returns a new tensor and ignores `out`)."""
-    if _onednn_applies(a, b):
+    if onednn_applies(a, b):
         return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
     if out is not None:
         return torch.matmul(a, b.t(), out=out)
@@ -100,7 +101,7 @@ class _OneDNNLinearFunction(torch.autograd.Function):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, through oneDNN for float32 CPU tensors outside autocast."""
-    if _onednn_applies(x, weight, *([bias] if bias is not None else [])):
+    if onednn_applies(x, weight, *([bias] if bias is not None else [])):
         return _OneDNNLinearFunction.apply(x, weight, bias)
     return F.linear(x, weight, bias)
 

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from grpo.kernels import linear_nt, onednn_available
+from grpo.kernels import linear_nt, onednn_applies
 
 
 # Logit elements per (token chunk x vocabulary block) tile. On the CPU a tile of
@@ -61,14 +61,9 @@ class _TileBuffers:
     def product(self, name: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """a @ b.T, into buffer `name`; float32 CPU products go through oneDNN
         (grpo.kernels.linear_nt), which returns its own tensor, so they get no buffer."""
-        if a.dtype == torch.float32 and a.device.type == "cpu" and onednn_available():
+        if onednn_applies(a, b):
             return linear_nt(a, b)
         return linear_nt(a, b, out=self.get(name, (a.shape[0], b.shape[0]), a.dtype))
-
-
-def _product(h: torch.Tensor, weight: torch.Tensor, buffers: _TileBuffers) -> torch.Tensor:
-    """h @ weight.T for one tile, both already in the compute dtype (buffer "low")."""
-    return buffers.product("low", h, weight)
 
 
 def _logits(product: torch.Tensor, bias, softcap, temperature, buffers: _TileBuffers):
@@ -129,7 +124,8 @@ class _TiledTokenLogprobs(torch.autograd.Function):
             for ts, vs in _tiles(n, hidden.shape[1], V, chunk_size, block, dev.type):
                 # the weight is cast one block at a time (no vocabulary-sized copy in bf16)
                 w = buffers.cast("w", weight[vs], compute_dtype)
-                z, _ = _logits(_product(h_all[ts], w, buffers), b[vs] if b is not None else None, softcap, temperature, buffers)
+                product = buffers.product("low", h_all[ts], w)
+                z, _ = _logits(product, b[vs] if b is not None else None, softcap, temperature, buffers)
                 rows, cols = _targets_in(targets[ts], vs)
                 target_z[ts][rows] = z[rows, cols]
                 m_old = m[ts]
@@ -180,7 +176,8 @@ class _TiledTokenLogprobs(torch.autograd.Function):
             for ts, vs in _tiles(n, hidden.shape[1], V, chunk_size, block, dev.type):
                 h = h_all[ts]
                 w = buffers.cast("w", weight[vs], compute_dtype)
-                z, tanh = _logits(_product(h, w, buffers), b[vs] if b is not None else None, softcap, temperature, buffers)
+                product = buffers.product("low", h, w)
+                z, tanh = _logits(product, b[vs] if b is not None else None, softcap, temperature, buffers)
                 g = g_all[ts]
                 # d logp / dz = onehot(target) - softmax(z), softmax from the saved lse
                 gz = z.sub_(lse[ts, None]).exp_().mul_(-g[:, None])
