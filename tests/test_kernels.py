@@ -139,7 +139,8 @@ def test_packed_weights_are_not_used_with_gradients_or_without_autocast():
 
 @packing
 def test_generation_with_packed_weights_matches_autocast(model, tokenizer, monkeypatch):
-    """Greedy completions under bf16 autocast: the same tokens with and without the packed weights."""
+    """Greedy completions under bf16 autocast through transformers' modules (the path for
+    models grpo.rollout.fused does not cover): the same tokens with and without the packed weights."""
     import contextlib
 
     from grpo.rollout import SamplingParams, generate, hf
@@ -150,7 +151,7 @@ def test_generation_with_packed_weights_matches_autocast(model, tokenizer, monke
     def run():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return generate(model, prompts, 2, SamplingParams(16, temperature=0),
-                            eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
+                            eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id, fused=False)
 
     real, packed_rows = kernels.packed_for_decoding, []
 

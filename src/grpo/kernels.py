@@ -128,18 +128,37 @@ def packing_available() -> bool:
 PACK_PIECE_ELEMENTS = 1 << 24
 
 
+def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, rows: int) -> list:
+    """A copy of `weight` [out, in] (and `bias`) in `dtype`, reordered by oneDNN for products
+    with about `rows` rows, as [(reordered rows of the weight, their bias)] pieces of at
+    most PACK_PIECE_ELEMENTS (see the module docstring). Needs packing_available()."""
+    with torch.no_grad():
+        step = max(1, PACK_PIECE_ELEMENTS // weight.shape[1])
+        return [
+            (
+                torch.ops.mkldnn._reorder_linear_weight(weight[r : r + step].to(dtype), max(1, rows)),
+                bias[r : r + step].to(dtype) if bias is not None else None,
+            )
+            for r in range(0, weight.shape[0], step)
+        ]
+
+
+def packed_product(x: torch.Tensor, pieces: list) -> torch.Tensor:
+    """x @ W.T + b from pack_weight's pieces (x in their dtype)."""
+    outs = [torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "") for w, b in pieces]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+
 class CPULinear(torch.nn.Linear):
     """nn.Linear whose float32 CPU products run through oneDNN (see module docstring)."""
 
-    # (dtype, [(reordered rows of the weight, their bias)]) under packed_for_decoding
+    # (dtype, pack_weight's pieces) under packed_for_decoding
     packed: tuple | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and not torch.is_grad_enabled():
             dtype, pieces = self.packed
-            x = x.to(dtype)
-            outs = [torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "") for w, b in pieces]
-            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+            return packed_product(x.to(dtype), pieces)
         return linear(x, self.weight, self.bias)
 
 
@@ -161,17 +180,8 @@ def packed_for_decoding(model: torch.nn.Module, rows: int):
         if isinstance(m, CPULinear) and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
     ]
     try:
-        with torch.no_grad():
-            for m in layers:
-                step = max(1, PACK_PIECE_ELEMENTS // m.in_features)
-                pieces = [
-                    (
-                        torch.ops.mkldnn._reorder_linear_weight(m.weight[r : r + step].to(dtype), max(1, rows)),
-                        m.bias[r : r + step].to(dtype) if m.bias is not None else None,
-                    )
-                    for r in range(0, m.out_features, step)
-                ]
-                m.packed = (dtype, pieces)
+        for m in layers:
+            m.packed = (dtype, pack_weight(m.weight, m.bias, dtype, rows))
         yield
     finally:
         for m in layers:

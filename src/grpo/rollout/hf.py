@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from grpo import kernels, logprobs
+from grpo.rollout.fused import FusedDecoder, fused_decoding_applies
 from grpo.rollout.types import Rollout, SamplingParams
 
 
@@ -93,17 +94,30 @@ def _first_exceeding(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target, right=True)
 
 
-def _forward(model, input_ids, attention_mask, position_ids, cache, cache_argument):
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        use_cache=True,
-        logits_to_keep=1,
-        **{cache_argument: cache},
-    )
-    new_cache = out.cache if hasattr(out, "cache") else out.past_key_values
-    return out.logits[:, -1, :], new_cache
+class _TransformersSteps:
+    """The model's own forward pass and transformers' KV cache, behind FusedDecoder's interface:
+    `steps(input_ids, attention_mask, position_ids)` -> last-position logits [R, V]."""
+
+    def __init__(self, model):
+        self.model, self.cache, self.cache_argument = model, None, logprobs.cache_argument(model)
+
+    def __call__(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self.cache_argument: self.cache},
+        )
+        self.cache = out.cache if hasattr(out, "cache") else out.past_key_values
+        return out.logits[:, -1, :]
+
+    def repeat_interleave(self, repeats: int) -> None:
+        self.cache.batch_repeat_interleave(repeats)
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.cache.batch_select_indices(rows)
 
 
 class StopStrings:
@@ -135,21 +149,33 @@ def generate(
     share_prefix: bool = True,
     compact: bool = True,
     stop: StopStrings | None = None,
+    fused: bool | None = None,
 ) -> Rollout:
     """Sample `num_generations` completions for each tokenised prompt.
 
     prompts: P lists of token ids. Returns a Rollout with N = P x G rows,
     group-major. `share_prefix` and `compact` only change the cost.
+    `fused`: decode with grpo.rollout.fused.FusedDecoder (None: where it applies,
+    CPU bf16 autocast; True also in float32, with plain products).
     """
+    rows = len(prompts) * num_generations
+    if fused is None:
+        fused = fused_decoding_applies(model)
+    if fused:
+        packed = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        max_length = max((len(p) for p in prompts), default=0) + params.max_new_tokens
+        steps = FusedDecoder(model, rows, max_length, pack=packed and kernels.packing_available())
+        return _generate(steps, model, prompts, num_generations, params, eos_token_ids, pad_token_id, generator, share_prefix, compact, stop)
     # under CPU bf16 autocast, decode from oneDNN-reordered bf16 weights (grpo.kernels)
-    with kernels.packed_for_decoding(model, rows=len(prompts) * num_generations):
+    with kernels.packed_for_decoding(model, rows=rows):
         return _generate(
-            model, prompts, num_generations, params, eos_token_ids, pad_token_id, generator, share_prefix, compact, stop
+            _TransformersSteps(model), model, prompts, num_generations, params, eos_token_ids, pad_token_id,
+            generator, share_prefix, compact, stop,
         )
 
 
 def _generate(
-    model, prompts, num_generations, params, eos_token_ids, pad_token_id, generator, share_prefix, compact, stop
+    steps, model, prompts, num_generations, params, eos_token_ids, pad_token_id, generator, share_prefix, compact, stop
 ) -> Rollout:
     device = next(model.parameters()).device
     G = num_generations
@@ -161,13 +187,12 @@ def _generate(
     eos = torch.tensor(sorted(set(eos_token_ids)), device=device, dtype=torch.long)
 
     positions = logprobs.position_ids_from_mask(prompt_mask)  # skip left padding, as in the loss pass
-    cache_argument = logprobs.cache_argument(model)
     if share_prefix:
-        logits, cache = _forward(model, prompt_ids, prompt_mask, positions, None, cache_argument)
-        cache.batch_repeat_interleave(G)
+        logits = steps(prompt_ids, prompt_mask, positions)
+        steps.repeat_interleave(G)
         logits = logits.repeat_interleave(G, 0)
     else:
-        logits, cache = _forward(model, full_ids, full_mask, positions.repeat_interleave(G, 0), None, cache_argument)
+        logits = steps(full_ids, full_mask, positions.repeat_interleave(G, 0))
 
     tokens = torch.full((N, params.max_new_tokens), pad_token_id, dtype=torch.long, device=device)
     done = torch.zeros(N, dtype=torch.bool, device=device)
@@ -193,10 +218,10 @@ def _generate(
             break
         if compact and not bool(alive.all()):
             keep = alive.nonzero().squeeze(-1)
-            cache.batch_select_indices(keep)
+            steps.select(keep)
             active, new, attn, next_pos, alive = active[keep], new[keep], attn[keep], next_pos[keep], alive[keep]
         attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
-        logits, cache = _forward(model, new.unsqueeze(-1), attn, next_pos.unsqueeze(-1), cache, cache_argument)
+        logits = steps(new.unsqueeze(-1), attn, next_pos.unsqueeze(-1))
         next_pos = next_pos + 1
 
     width = int(lengths.max().item()) if N else 0

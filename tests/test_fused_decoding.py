@@ -1,0 +1,183 @@
+"""FusedDecoder computes transformers' decoding steps: the same logits at every step, the
+same greedy completions, for each supported architecture."""
+
+import pytest
+import torch
+
+from grpo import kernels, logprobs
+from grpo.models import prepare_for_device
+from grpo.config import ModelConfig
+from grpo.rollout import SamplingParams, generate
+from grpo.rollout.fused import FusedDecoder, fused_decoding_applies
+from grpo.rollout.hf import _TransformersSteps, left_pad
+from grpo.tiny import tiny_model
+
+ARCHS = ["llama", "qwen2", "qwen3", "gemma3"]
+
+
+def _model(arch, tokenizer, gemma3_tiny):
+    """A tiny random model of `arch` with grouped-query attention (4 query heads, 2 key/value)."""
+    if arch == "llama":
+        return tiny_model(tokenizer, hidden_size=64, num_layers=2, seed=3).eval()
+    if arch == "gemma3":  # a sliding window of 4 tokens: shorter than the prompts
+        return gemma3_tiny(num_attention_heads=4, num_key_value_heads=2).eval()
+    import transformers
+
+    cls = {"qwen2": "Qwen2", "qwen3": "Qwen3"}[arch]
+    config = getattr(transformers, f"{cls}Config")(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=arch == "qwen2",
+    )
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{cls}ForCausalLM")(config).eval()
+    if arch == "qwen2":  # its query/key/value biases start at zero: make them count
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    return model
+
+
+def _prompts(tokenizer):
+    # different lengths, so the batch is left-padded
+    return [tokenizer(t)["input_ids"] for t in ["abc", "hello world", "1+2=", "the quick brown"]]
+
+
+def _step_logits(steps, ids, mask, positions, n_steps, drop_at=3):
+    """Logits of a prefill and `n_steps` greedy decoding steps, with the cache's batch doubled
+    after the prefill (prefix sharing) and its row 1 dropped at step `drop_at` (compaction)."""
+    out = [steps(ids, mask, positions)]
+    steps.repeat_interleave(2)
+    logits = out[0].repeat_interleave(2, 0)
+    mask, pos = mask.repeat_interleave(2, 0), mask.sum(-1).repeat_interleave(2, 0)
+    for t in range(n_steps):
+        if t == drop_at:
+            keep = torch.tensor([i for i in range(logits.shape[0]) if i != 1])
+            steps.select(keep)
+            logits, mask, pos = logits[keep], mask[keep], pos[keep]
+        nxt = logits.argmax(-1, keepdim=True)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+        logits = steps(nxt, mask, pos[:, None])
+        out.append(logits)
+        pos = pos + 1
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logits_equal_transformers_at_every_step_float32(arch, tokenizer, gemma3_tiny):
+    model = _model(arch, tokenizer, gemma3_tiny)
+    ids, mask = left_pad(_prompts(tokenizer), tokenizer.pad_token_id)
+    positions = logprobs.position_ids_from_mask(mask)
+    n = 8
+    with torch.no_grad():
+        reference = _step_logits(_TransformersSteps(model), ids, mask, positions, n)
+        ours = _step_logits(FusedDecoder(model, 8, ids.shape[1] + n, pack=False), ids, mask, positions, n)
+    assert len(ours) == len(reference) == n + 1
+    for t, (a, b) in enumerate(zip(ours, reference)):
+        assert a.dtype == b.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"step {t}")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_logits_equal_transformers_under_bf16_autocast(arch, tokenizer, gemma3_tiny):
+    """The fast path: packed bf16 products, bf16 cache. transformers rounds to bf16 at the
+    same places, so the logits agree to within bf16 rounding of the products."""
+    if not kernels.packing_available():
+        pytest.skip("oneDNN weight packing is not available in this torch build")
+    model = _model(arch, tokenizer, gemma3_tiny)
+    prepare_for_device(model, ModelConfig(name="tiny"))
+    ids, mask = left_pad(_prompts(tokenizer), tokenizer.pad_token_id)
+    positions = logprobs.position_ids_from_mask(mask)
+    n = 8
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert fused_decoding_applies(model)
+        with kernels.packed_for_decoding(model, rows=8):
+            reference = _step_logits(_TransformersSteps(model), ids, mask, positions, n)
+        ours = _step_logits(FusedDecoder(model, 8, ids.shape[1] + n), ids, mask, positions, n)
+    for t, (a, b) in enumerate(zip(ours, reference)):
+        assert a.dtype == b.dtype == torch.bfloat16
+        torch.testing.assert_close(a.float(), b.float(), rtol=0.02, atol=0.02, msg=f"step {t}")
+
+
+def _generate_all_ways(model, tokenizer, stop_token, **kw):
+    params = SamplingParams(max_new_tokens=20, temperature=0)
+    return {
+        (fused, share, compact): generate(
+            model, _prompts(tokenizer), 2, params, eos_token_ids=[tokenizer.eos_token_id, stop_token],
+            pad_token_id=tokenizer.pad_token_id, share_prefix=share, compact=compact, fused=fused, **kw,
+        )
+        for fused in (False, True)
+        for share in (False, True)
+        for compact in (False, True)
+    }
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_completions_equal_transformers(arch, tokenizer, gemma3_tiny):
+    model = _model(arch, tokenizer, gemma3_tiny)
+    # a token some rows emit early: rows finish at different steps, so compaction happens
+    free = generate(model, _prompts(tokenizer), 1, SamplingParams(20, temperature=0),
+                    eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id, fused=False)
+    counts = torch.bincount(free.completion_ids[:, :10].flatten(), minlength=len(tokenizer))
+    stop_token = int(counts.argmax())
+    results = _generate_all_ways(model, tokenizer, stop_token)
+    plain = results[(False, False, False)]
+    assert not plain.truncated.all()
+    for key, r in results.items():
+        assert torch.equal(r.completion_ids, plain.completion_ids), key
+        assert torch.equal(r.truncated, plain.truncated), key
+
+
+def test_rollouts_decode_fused_under_bf16_autocast(tokenizer, gemma3_tiny, monkeypatch):
+    """The default path for a prepared CPU model under bf16 autocast, with the same
+    greedy completions as transformers' modules."""
+    if not kernels.packing_available():
+        pytest.skip("oneDNN weight packing is not available in this torch build")
+    model = _model("gemma3", tokenizer, gemma3_tiny)
+    prepare_for_device(model, ModelConfig(name="tiny"))
+    calls = []
+    original = FusedDecoder.__call__
+    monkeypatch.setattr(FusedDecoder, "__call__", lambda self, *a: calls.append(1) or original(self, *a))
+    params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    kw = dict(eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = generate(model, _prompts(tokenizer), 2, params, **kw)
+        assert len(calls) == params.max_new_tokens  # the prefill and every step but the last sample
+        reference = generate(model, _prompts(tokenizer), 2, params, fused=False, **kw)
+    assert len(calls) == params.max_new_tokens
+    assert torch.equal(ours.completion_ids, reference.completion_ids)
+
+
+def test_float32_rollouts_decode_through_transformers(model, tokenizer):
+    prepare_for_device(model, ModelConfig(name="tiny"))
+    assert not fused_decoding_applies(model)  # float32: transformers' modules, MKL/oneDNN products
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert fused_decoding_applies(model) == kernels.packing_available()
+        with torch.autocast("cpu", enabled=False):
+            assert not fused_decoding_applies(model)
+
+
+def test_unsupported_architectures_decode_through_transformers(tokenizer):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2, n_positions=64)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config).eval()
+    prepare_for_device(model, ModelConfig(name="tiny"))
+    with pytest.raises(ValueError, match="'gpt2'"):
+        FusedDecoder(model, rows=2, max_length=8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not fused_decoding_applies(model)
+        out = generate(model, _prompts(tokenizer), 2, SamplingParams(6, temperature=0),
+                       eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
+    assert out.completion_ids.shape[0] == 8
+
+
+def test_cache_bound_is_checked(model, tokenizer):
+    ids, mask = left_pad(_prompts(tokenizer), tokenizer.pad_token_id)
+    decoder = FusedDecoder(model, 4, ids.shape[1], pack=False)
+    with torch.no_grad():
+        decoder(ids, mask, logprobs.position_ids_from_mask(mask))
+        with pytest.raises(ValueError, match="holds"):
+            decoder(ids[:, :1], torch.cat([mask, mask[:, :1]], 1), mask.sum(-1, keepdim=True))
