@@ -235,6 +235,20 @@ class _DtypeProbe:
     def _hook(self, module, args, output):
         self.seen.setdefault(self.phase, set()).add(str(output.dtype).replace("torch.", ""))
 
+    def watch_fused_decoding(self) -> None:
+        """grpo's CPU bf16 rollouts compute through grpo.rollout.fused's products, not the
+        Linear modules: record theirs too."""
+        from grpo.rollout import fused
+
+        original, probe = fused._Product.__call__, self
+
+        def call(product, x):
+            out = original(product, x)
+            probe._hook(None, (x,), out)
+            return out
+
+        fused._Product.__call__ = call
+
     def report(self) -> dict[str, list[str]]:
         return {k: sorted(v) for k, v in self.seen.items()}
 
@@ -492,6 +506,7 @@ def run_grpo(spec: dict, out_dir: Path) -> dict:
     trainer = Trainer(cfg, train_rows=_rows(spec))
     shape = model_shape(trainer.model)
     probe = _DtypeProbe(trainer.model)
+    probe.watch_fused_decoding()
     rec.after_load()
     setup_s = time.perf_counter() - t_setup
     for index in range(W + S):
