@@ -9,6 +9,11 @@ Two things make this cheaper than `model.generate(num_return_sequences=G)`:
 
 Both are exact: under greedy decoding they give token-for-token the same
 completions as the plain path (tests/test_rollout.py).
+
+Each step is the model's own forward pass with transformers' cache, except on
+the CPU under bf16 autocast for the architectures grpo.rollout.fused covers,
+where the same computation runs in fewer, larger operations
+(tests/test_fused_decoding.py).
 """
 
 from __future__ import annotations
@@ -161,17 +166,14 @@ def generate(
     rows = len(prompts) * num_generations
     if fused is None:
         fused = fused_decoding_applies(model)
+    args = (model, prompts, num_generations, params, eos_token_ids, pad_token_id, generator, share_prefix, compact, stop)
     if fused:
-        packed = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        bf16 = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
         max_length = max((len(p) for p in prompts), default=0) + params.max_new_tokens
-        steps = FusedDecoder(model, rows, max_length, pack=packed and kernels.packing_available())
-        return _generate(steps, model, prompts, num_generations, params, eos_token_ids, pad_token_id, generator, share_prefix, compact, stop)
+        return _generate(FusedDecoder(model, rows, max_length, pack=bf16 and kernels.packing_available()), *args)
     # under CPU bf16 autocast, decode from oneDNN-reordered bf16 weights (grpo.kernels)
     with kernels.packed_for_decoding(model, rows=rows):
-        return _generate(
-            _TransformersSteps(model), model, prompts, num_generations, params, eos_token_ids, pad_token_id,
-            generator, share_prefix, compact, stop,
-        )
+        return _generate(_TransformersSteps(model), *args)
 
 
 def _generate(
