@@ -174,6 +174,24 @@ def test_unsupported_architectures_decode_through_transformers(tokenizer):
     assert out.completion_ids.shape[0] == 8
 
 
+@pytest.mark.parametrize("setting", ["bidirectional", "dropout"])
+def test_models_it_does_not_compute_decode_through_transformers(setting, tokenizer, gemma3_tiny):
+    model = _model("gemma3", tokenizer, gemma3_tiny)
+    if setting == "bidirectional":
+        model.config.use_bidirectional_attention = True
+    else:
+        model.config.attention_dropout = 0.1
+        model.train()
+    prepare_for_device(model, ModelConfig(name="tiny"))
+    with pytest.raises(ValueError, match="bidirectional" if setting == "bidirectional" else "dropout"):
+        FusedDecoder(model, rows=2, max_length=8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not fused_decoding_applies(model)
+    model.eval()  # dropout applies in training mode only
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert fused_decoding_applies(model) == (setting == "dropout" and kernels.packing_available())
+
+
 def test_cache_bound_is_checked(model, tokenizer):
     ids, mask = left_pad(_prompts(tokenizer), tokenizer.pad_token_id)
     decoder = FusedDecoder(model, 4, ids.shape[1], pack=False)

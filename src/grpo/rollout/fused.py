@@ -45,6 +45,10 @@ def _unsupported(model) -> str | None:
         return f"architecture {kind!r}"
     if getattr(config, "attn_logit_softcapping", None) is not None:
         return "attention logit soft-capping"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "bidirectional attention"
+    if model.training and getattr(config, "attention_dropout", 0.0):
+        return "attention dropout in training mode"
     body = getattr(model, getattr(model, "base_model_prefix", "model"), None)
     if body is None or not hasattr(body, "layers") or not hasattr(body, "rotary_emb"):
         return "unexpected module layout"
@@ -70,8 +74,11 @@ def fused_decoding_applies(model) -> bool:
         return False
     if _unsupported(model) is not None or not kernels.packing_available():
         return False
-    weights = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    return all(isinstance(m, kernels.CPULinear) and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32 for m in weights)
+    return all(
+        isinstance(m, kernels.CPULinear) and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear)
+    )
 
 
 class _Product:
