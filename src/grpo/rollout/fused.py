@@ -242,7 +242,7 @@ class FusedDecoder:
             device = input_ids.device
             self.keys = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in self.layers]
             self.values = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in self.layers]
-        # transformers' autocast would apply to nothing here: every cast is explicit
+        # autocast off: every cast below is explicit, where transformers' modules round under autocast
         with torch.autocast(input_ids.device.type, enabled=False):
             h = self.body.embed_tokens(input_ids)
             rope = {}
