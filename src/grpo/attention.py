@@ -50,7 +50,7 @@ def grouped_sdpa_attention(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = getattr(module, "num_key_value_groups", 1)
-    batch, heads, q_length, _ = query.shape
+    q_length = query.shape[2]
     if (
         groups == 1
         or query.device.type != "cpu"
@@ -62,16 +62,24 @@ def grouped_sdpa_attention(
         or (attention_mask is not None and attention_mask.shape[1] != 1)  # a mask per head
     ):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    kv_heads = heads // groups
+    return grouped_attention(query, key, value, attention_mask, scaling), None
+
+
+def grouped_attention(query, key, value, mask, scale) -> torch.Tensor:
+    """Attention of query [B, H, Lq, D] over key/value [B, Hkv, Lk, D] (H a multiple of Hkv)
+    with a boolean or additive mask [B, 1, Lq, Lk] (or None), the query heads of a
+    key/value head laid out as more of its queries; returns [B, Lq, H, D], contiguous."""
+    batch, heads, q_length, head_dim = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
     # query head h uses key/value head h // groups: consecutive heads form a group, and
     # their queries follow one another ([groups, queries] within a key/value head)
-    grouped = query.reshape(batch, kv_heads, groups * q_length, query.shape[-1])
-    mask = attention_mask
+    grouped = query.reshape(batch, kv_heads, groups * q_length, head_dim)
     if mask is not None and q_length > 1:  # each head of a group sees its queries' mask rows
         mask = mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(mask.shape[0], 1, groups * q_length, -1)
-    out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=mask, scale=scaling)
-    out = out.reshape(out.shape[0], heads, q_length, value.shape[-1])
-    return out.transpose(1, 2).contiguous(), None
+    out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=mask, scale=scale)
+    out = out.reshape(batch, heads, q_length, value.shape[-1])
+    return out.transpose(1, 2).contiguous()
 
 
 def _register() -> None:

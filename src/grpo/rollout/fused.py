@@ -29,8 +29,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # the same in the four architectures
 
 from grpo import kernels
+from grpo.attention import grouped_attention
 
 # config.model_type -> RMS-norm style: Gemma scales by (1 + w) and rounds after;
 # the Llama family rounds to the input dtype, then scales by w
@@ -148,11 +150,6 @@ class _Layer:
     index: int  # of its cache tensors
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class FusedDecoder:
     """The model's forward pass for decoding, with its own key/value cache.
 
@@ -250,8 +247,7 @@ class FusedDecoder:
             for layer in self.layers:
                 if layer.layer_type not in rope:
                     args = (layer.layer_type,) if self._rope_takes_layer_type else ()
-                    cos, sin = self.body.rotary_emb(h, position_ids, *args)
-                    rope[layer.layer_type] = (cos.unsqueeze(2), sin.unsqueeze(2))
+                    rope[layer.layer_type] = self.body.rotary_emb(h, position_ids, *args)
                 if layer.window not in masks:
                     masks[layer.window] = self._mask(attention_mask, start, Lq, layer.window)
                 h = self._layer(layer, h, rope[layer.layer_type], masks[layer.window], start, end)
@@ -287,22 +283,15 @@ class FusedDecoder:
         q, k, v = q.view(R, Lq, Hq, D), k.view(R, Lq, Hkv, D), v.view(R, Lq, Hkv, D)
         if layer.q_norm is not None:
             q, k = layer.q_norm(q), layer.k_norm(k)
-        cos, sin = rope  # float32, as transformers' rotary module gives them
-        q, k = q.float(), k.float()
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        # transformers' rotary embedding on float32 copies (what its bf16 x float32 products compute)
+        cos, sin = rope
+        q, k = apply_rotary_pos_emb(q.float(), k.float(), cos, sin, unsqueeze_dim=2)
         cached_keys, cached_values = self.keys[layer.index], self.values[layer.index]
         cached_keys[:, :, start:end] = k.transpose(1, 2)
         cached_values[:, :, start:end] = v.transpose(1, 2)
         keys, values = cached_keys[:, :, :end], cached_values[:, :, :end]
-        # the query heads of a key/value head laid out as more queries of it (grpo.attention)
-        G = Hq // Hkv
-        grouped = q.to(self.dtype).view(R, Lq, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(R, Hkv, G * Lq, D)
-        if mask is not None and Lq > 1:
-            mask = mask[:, :, None].expand(-1, -1, G, -1, -1).reshape(R, 1, G * Lq, end)
-        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=layer.scaling)
-        out = out.view(R, Hkv, G, Lq, D).permute(0, 3, 1, 2, 4).reshape(R, Lq, Hq * D)
-        out = layer.o(out)
+        out = grouped_attention(q.to(self.dtype).transpose(1, 2), keys, values, mask, layer.scaling)
+        out = layer.o(out.view(R, Lq, Hq * D))
         if layer.pre_mlp_norm is not None:  # Gemma: norm after attention, then the residual
             h = residual + layer.post_attention_norm(out)
             x = layer.pre_mlp_norm(h)
