@@ -519,7 +519,7 @@ def run_grpo(spec: dict, out_dir: Path) -> dict:
         rec.generate_s = time.perf_counter() - t0
         probe.phase = "update"
         trainer.update(batch)  # logprobs, loss, backward, clipping, optimizer.step(), scheduler.step()
-        trainer.step += 1
+        trainer.state.step += 1
         ro = batch.rollout
         rec.lengths = (ro.prompt_mask.sum(-1).tolist(), ro.completion_mask.sum(-1).tolist())
         rec.end(index)

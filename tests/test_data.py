@@ -2,8 +2,10 @@ import json
 
 import pytest
 
-from grpo.config import ArithmeticConfig, ConfigError, DataConfig
-from grpo.data import arithmetic_splits, encode_prompts, evaluate_expression, load_rows, prompt_stream, read_jsonl, render_prompt
+from grpo import config
+from grpo.config import ArithmeticConfig, ConfigError
+from grpo.tasks import load_task
+from grpo.data import arithmetic_splits, encode_prompts, evaluate_expression, PromptSampler, read_jsonl, render_prompt
 
 SEED_INSTRUCTION = 'Calculate {expression}. Show your work briefly, then write the last line as "Answer: <number>".'
 
@@ -55,8 +57,8 @@ def test_jsonl_rows_and_errors(tmp_path):
     good.write_text(json.dumps({"question": "2+2?", "answer": 4}) + "\n\n" + json.dumps({"question": [{"role": "user", "content": "hi"}], "answer": 1}) + "\n")
     rows = read_jsonl(good, "question")
     assert rows[0] == {"prompt": "2+2?", "answer": 4}
-    train, held = load_rows(DataConfig(task="jsonl", train_file=str(good), prompt_column="question"))
-    assert len(train) == 2 and held == []
+    task = load_task(config.from_dict({"data": {"task": "jsonl", "train_file": str(good), "prompt_column": "question"}}))
+    assert len(task.train_rows) == 2 and task.eval_rows == []
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"text": "no prompt"}) + "\n")
@@ -72,12 +74,26 @@ def test_jsonl_rows_and_errors(tmp_path):
         read_jsonl(tmp_path / "missing.jsonl", "prompt")
 
 
-def test_prompt_stream_covers_every_row_each_epoch():
+def test_prompt_sampler_covers_every_row_each_epoch():
     rows = [{"prompt": str(i)} for i in range(5)]
-    stream = prompt_stream(rows, seed=0)
-    first, second = [next(stream)["prompt"] for _ in range(5)], [next(stream)["prompt"] for _ in range(5)]
+    sampler = PromptSampler(len(rows), seed=0)
+    first, second = [r["prompt"] for r in sampler.take(rows, 5)], [r["prompt"] for r in sampler.take(rows, 5)]
     assert sorted(first) == sorted(second) == [str(i) for i in range(5)]
     assert first != second or first != [str(i) for i in range(5)]
+
+
+@pytest.mark.parametrize("taken", [0, 3, 5, 12])
+def test_prompt_sampler_restores_its_position(taken):
+    """A sampler restored from another's state (mid-epoch, at an epoch's end, epochs later)
+    continues with exactly the rows the original would have given."""
+    rows = [{"prompt": str(i)} for i in range(5)]
+    original = PromptSampler(len(rows), seed=3)
+    original.take(rows, taken)
+    saved = json.loads(json.dumps(original.state_dict()))  # survives a JSON round trip
+    restored = PromptSampler(len(rows), seed=3, state=saved)
+    assert restored.take(rows, 17) == original.take(rows, 17)
+    with pytest.raises(ConfigError, match="data.seed"):
+        PromptSampler(len(rows), seed=4, state=saved)
 
 
 def test_render_plain_and_few_shot(tokenizer):

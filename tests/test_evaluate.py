@@ -9,9 +9,10 @@ import torch
 
 from grpo import evaluate as ev
 from grpo.config import Config, ConfigError, ModelConfig, RewardsConfig
-from grpo.evaluate import EvalResult, Evaluator, evaluate, format_table, score_completions
+from grpo.evaluate import EvalResult, Evaluator, evaluate, format_table
 from grpo.rewards import RewardSet
-from grpo.rollout import Rollout
+from grpo.rollout import Rollout, TransformersEngine
+from grpo.tasks.scorers import AnswerScorer, RewardScorer
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -32,7 +33,7 @@ def _rows(answers):
 # --------------------------------------------------------------------------
 
 
-def test_score_completions_counts_exactly():
+def test_answer_scorer_counts_exactly():
     rows = _rows([127, -5, 1000, 3, 42, 7, 12, 8])
     texts = [
         "28 * 3 = 84\n84 + 43 = 127\nAnswer: 127",  # correct
@@ -44,36 +45,37 @@ def test_score_completions_counts_exactly():
         "Answer:12 apples",  # no space -> correct
         "",  # nothing
     ]
-    counts = score_completions(texts, rows)
-    assert (counts.n, counts.correct, counts.formatted, counts.correct_among_formatted) == (8, 4, 6, 4)
-    assert counts.predicted == [127, -5, 1000, None, 41, 8, 12, None]
+    scores = AnswerScorer().score(rows, texts)
+    assert scores.counts == {"correct": (4, 8), "formatted": (6, 8), "correct among formatted": (4, 6)}
+    assert [d["predicted"] for d in scores.details] == [127, -5, 1000, None, 41, 8, 12, None]
 
 
-def test_score_completions_answer_column_forms():
+def test_answer_scorer_answer_column_forms():
     rows = [{"prompt": "a", "answer": "127"}, {"prompt": "b", "answer": "-3"}, {"prompt": "c", "answer": 5.0}]
-    counts = score_completions(["Answer: 127", "Answer: -3", "Answer: 6"], rows)
-    assert (counts.correct, counts.formatted) == (2, 3)
+    scores = AnswerScorer().score(rows, ["Answer: 127", "Answer: -3", "Answer: 6"])
+    assert (scores.counts["correct"][0], scores.counts["formatted"][0]) == (2, 3)
     # chat-style completions are read as their text
     chat = [[{"role": "assistant", "content": "Answer: 127"}], "x", "Answer: 5"]
-    assert score_completions(chat, rows).correct == 2
+    assert AnswerScorer().score(rows, chat).counts["correct"] == (2, 3)
 
 
 def test_missing_or_bad_answer_column_is_a_clear_error():
     with pytest.raises(ConfigError, match="no 'answer' column"):
-        score_completions(["Answer: 1"], [{"prompt": "p", "solution": 1}])
+        AnswerScorer().score([{"prompt": "p", "solution": 1}], ["Answer: 1"])
     with pytest.raises(ConfigError, match="'answer' must be an integer"):
-        score_completions(["Answer: 1"], [{"prompt": "p", "answer": "one"}])
+        AnswerScorer().check([{"prompt": "p", "answer": "one"}])
     with pytest.raises(ValueError, match="2 completions for 1 rows"):
-        score_completions(["a", "b"], _rows([1]))
+        AnswerScorer().score(_rows([1]), ["a", "b"])
 
 
 # --------------------------------------------------------------------------
-# evaluate(): scripted generation (exact wiring) and the tiny model (determinism)
+# evaluate(): a scripted engine (exact wiring) and the tiny model (determinism)
 # --------------------------------------------------------------------------
 
 
-def _kwargs(tokenizer, **over):
+def _kwargs(**over):
     kw = dict(
+        scorer=AnswerScorer(),
         temperatures=[0.0, 1.0],
         max_new_tokens=6,
         batch_size=3,
@@ -81,26 +83,33 @@ def _kwargs(tokenizer, **over):
         use_chat_template=False,
         few_shot=None,
         max_prompt_length=None,
-        stop_strings=None,
-        eos_token_ids=[tokenizer.eos_token_id],
-        pad_token_id=tokenizer.pad_token_id,
     )
     kw.update(over)
     return kw
 
 
-def test_evaluate_scores_scripted_completions(model, tokenizer, monkeypatch):
-    """generate() replaced by a script: the counts, mean reward and samples follow from the texts."""
-    rows = _rows([127, -5, 1000, 3, 42])
-    script = {"Q0=": "Answer: 127", "Q1=": "Answer: 1\nAnswer: -5", "Q2=": "Answer: 1,000",
-              "Q3=": "three", "Q4=": "Answer: 41"}
+def _engine(model, tokenizer):
+    cfg = Config()
+    cfg.rollout.decoding = "plain"
+    return TransformersEngine(model, tokenizer, cfg)
 
-    def fake_generate(model, prompts, G, params, *, eos_token_ids, pad_token_id, generator=None, stop=None):
+
+class ScriptedEngine:
+    """Answers each prompt with a fixed text, as a RolloutEngine."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, tokenizer, script):
+        self.tokenizer, self.script, self.calls = tokenizer, script, 0
+        self.eos_token_ids, self.pad_token_id = [tokenizer.eos_token_id], tokenizer.pad_token_id
+
+    def generate(self, prompts, G, params, generator=None):
         assert G == 1
-        texts = [script[tokenizer.decode(p, skip_special_tokens=True)] for p in prompts]
-        ids = [tokenizer(t)["input_ids"] + [eos_token_ids[0]] for t in texts]
+        self.calls += 1
+        texts = [self.script[self.tokenizer.decode(p, skip_special_tokens=True)] for p in prompts]
+        ids = [self.tokenizer(t)["input_ids"] + [self.eos_token_ids[0]] for t in texts]
         width = max(len(i) for i in ids)
-        comp = torch.full((len(ids), width), pad_token_id)
+        comp = torch.full((len(ids), width), self.pad_token_id)
         mask = torch.zeros((len(ids), width), dtype=torch.long)
         for r, i in enumerate(ids):
             comp[r, : len(i)] = torch.tensor(i)
@@ -109,29 +118,63 @@ def test_evaluate_scores_scripted_completions(model, tokenizer, monkeypatch):
         return Rollout(torch.zeros(n, 1, dtype=torch.long), torch.ones(n, 1, dtype=torch.long), comp, mask,
                        torch.zeros(n, dtype=torch.bool))
 
-    monkeypatch.setattr(ev, "generate", fake_generate)
-    results = evaluate(model, tokenizer, rows, label="before", step=0, **_kwargs(tokenizer, temperatures=[0.0]))
+
+class Counter:
+    def __init__(self):
+        self.n = 0
+
+    def update(self, k):
+        self.n += k
+
+
+def test_evaluate_scores_scripted_completions(tokenizer):
+    """The engine replaced by a script: the counts, mean reward and samples follow from the texts."""
+    rows = _rows([127, -5, 1000, 3, 42])
+    script = {"Q0=": "Answer: 127", "Q1=": "Answer: 1\nAnswer: -5", "Q2=": "Answer: 1,000",
+              "Q3=": "three", "Q4=": "Answer: 41"}
+    engine, progress = ScriptedEngine(tokenizer, script), Counter()
+    results = evaluate(engine, tokenizer, rows, label="before", step=0, progress=progress, **_kwargs(temperatures=[0.0]))
     (r,) = results
     assert (r.label, r.step, r.temperature, r.n) == ("before", 0, 0.0, 5)
-    assert (r.correct, r.formatted, r.correct_among_formatted) == (3, 4, 3)
+    assert (r.correct, r.formatted, r.counts["correct among formatted"]) == (3, 4, [3, 4])
     assert r.mean_reward == pytest.approx(3 / 5)
     assert r.clipped_ratio == 0.0
     assert r.samples[0] == {"prompt": "Q0=", "completion": "Answer: 127", "answer": 127, "predicted": 127, "correct": True}
+    assert progress.n == engine.calls == 2  # batches of 3: the progress bar hears of each
 
-    # with a reward set, mean_reward is the weighted total of the configured rewards
+    # with a reward set, mean_reward is the weighted total of the configured rewards, and each has its mean
     rewards = RewardSet.from_config(
         RewardsConfig(funcs=["arithmetic_correct", "arithmetic_format"], weights=[1.0, 0.5]), 16, {"answer"}
     )
-    (r,) = evaluate(model, tokenizer, rows, reward_set=rewards, **_kwargs(tokenizer, temperatures=[0.0]))
+    (r,) = evaluate(engine, tokenizer, rows, reward_set=rewards, **_kwargs(temperatures=[0.0]))
     assert r.mean_reward == pytest.approx((3 * 1.0 + 4 * 0.5) / 5)
-    assert json.loads(json.dumps(r.to_dict()))["correct"] == 3
+    assert r.rewards == {"arithmetic_correct": pytest.approx(0.6), "arithmetic_format": pytest.approx(0.8)}
+    again = EvalResult.from_dict(json.loads(json.dumps(r.to_dict())))
+    assert again == r and again.correct == 3
+
+
+def test_rows_without_answers_are_scored_by_their_rewards(tokenizer):
+    rows = [{"prompt": "Q0=", "topic": "a"}, {"prompt": "Q1=", "topic": "b"}]
+    engine = ScriptedEngine(tokenizer, {"Q0=": "short", "Q1=": "a longer answer"})
+
+    def brevity(completions, **kw):
+        return [1.0 if len(c) < 10 else 0.0 for c in completions]
+
+    rewards = RewardSet.from_config(RewardsConfig(funcs=[]), 16, {"topic"}, {"brevity": brevity})
+    (r,) = evaluate(engine, tokenizer, rows, reward_set=rewards, **_kwargs(scorer=RewardScorer(), temperatures=[0.0]))
+    assert r.counts == {} and r.mean_reward == 0.5 and r.rewards == {"brevity": 0.5}
+    assert r.accuracy == 0.5  # the mean reward stands in for accuracy
+    table = format_table([r])
+    assert _row_cells(table, "greedy")[1:] == ["0.500", "0.500"]
+    assert "reward brevity (eval)" in table
 
 
 def test_evaluate_tiny_model_is_deterministic(model, tokenizer):
     rows = _rows([1, 2, 3, 4, 5])
     model.train()
-    first = evaluate(model, tokenizer, rows, **_kwargs(tokenizer))
-    second = evaluate(model, tokenizer, rows, **_kwargs(tokenizer, batch_size=3))
+    engine = _engine(model, tokenizer)
+    first = evaluate(engine, tokenizer, rows, **_kwargs())
+    second = evaluate(engine, tokenizer, rows, **_kwargs())
     assert model.training  # mode restored
     assert [r.temperature for r in first] == [0.0, 1.0]
     for a, b in zip(first, second):
@@ -145,25 +188,36 @@ def test_evaluate_tiny_model_is_deterministic(model, tokenizer):
     assert greedy != sampled
 
 
-def test_evaluate_rejects_rows_without_answer_before_generating(model, tokenizer):
+def test_evaluate_rejects_rows_without_answer_before_generating(tokenizer):
+    engine = ScriptedEngine(tokenizer, {})
     with pytest.raises(ConfigError, match="no 'answer' column"):
-        evaluate(model, tokenizer, [{"prompt": "1+1="}], **_kwargs(tokenizer))
+        evaluate(engine, tokenizer, [{"prompt": "1+1="}], **_kwargs())
+    assert engine.calls == 0
 
 
-def test_evaluator_uses_config_and_appends_eval_jsonl(model, tokenizer, tmp_path):
+def test_evaluator_uses_config(model, tokenizer, tmp_path):
     cfg = Config(output_dir=str(tmp_path / "run"))
     cfg.eval.num_problems = 3
     cfg.eval.temperatures = [0.0]
     cfg.eval.max_completion_length = 4
     cfg.data.chat_template = "never"
-    evaluator = Evaluator(cfg, tokenizer, [tokenizer.eos_token_id], tokenizer.pad_token_id, _rows([1, 2, 3, 4, 5]))
-    assert evaluator.max_new_tokens == 4 and len(evaluator.rows) == 3
-    before = evaluator(model, "before", 0)
-    after = evaluator(model, "after", 10)
+    evaluator = Evaluator(cfg, _engine(model, tokenizer), tokenizer, _rows([1, 2, 3, 4, 5]), AnswerScorer())
+    assert evaluator.max_new_tokens == 4 and len(evaluator.rows) == 3 and evaluator.num_batches == 1
+    before = evaluator("before", 0)
+    after = evaluator("after", 10)
+    ev.append_results(tmp_path / "run" / "eval.jsonl", before + after)
     lines = [json.loads(x) for x in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
     assert [(x["label"], x["step"], x["n"]) for x in lines] == [("before", 0, 3), ("after", 10, 3)]
-    assert before[0].correct == lines[0]["correct"] and after[0].n == 3
+    assert before[0].correct == lines[0]["counts"]["correct"][0] and after[0].n == 3
     assert ev.latest(ev.read_results(tmp_path / "run" / "eval.jsonl"), "after")[0].step == 10
+
+
+def test_eval_jsonl_of_earlier_versions_still_reads():
+    old = {"label": "before", "step": 0, "temperature": 0.0, "n": 200, "correct": 84, "formatted": 200,
+           "correct_among_formatted": 84, "mean_reward": 0.42}
+    r = EvalResult.from_dict(old)
+    assert r.counts == {"correct": [84, 200], "formatted": [200, 200], "correct among formatted": [84, 200]}
+    assert r.accuracy == 0.42
 
 
 # --------------------------------------------------------------------------
@@ -172,8 +226,8 @@ def test_evaluator_uses_config_and_appends_eval_jsonl(model, tokenizer, tmp_path
 
 
 def _result(label, step, temperature, correct, formatted, n=200, reward=None):
-    return EvalResult(label, step, temperature, n, correct, formatted, correct,
-                      correct / n if reward is None else reward)
+    counts = {"correct": [correct, n], "formatted": [formatted, n], "correct among formatted": [correct, formatted]}
+    return EvalResult(label, step, temperature, n, counts, correct / n if reward is None else reward)
 
 
 def _row_cells(table: str, decoding: str) -> list[str]:

@@ -5,11 +5,12 @@ import pytest
 import torch
 
 from grpo import kernels, logprobs
-from grpo.models import prepare_for_device
+from grpo import config
+from grpo.backends.single import prepare_for_device
 from grpo.config import ModelConfig
-from grpo.rollout import SamplingParams, generate
+from grpo.rollout import SamplingParams, TransformersEngine, generate
 from grpo.rollout.fused import FusedDecoder, fused_decoding_applies
-from grpo.rollout.hf import _TransformersSteps, left_pad
+from grpo.rollout.hf import TransformersSteps, left_pad
 from grpo.tiny import tiny_model
 
 ARCHS = ["llama", "qwen2", "qwen3", "gemma3"]
@@ -71,7 +72,7 @@ def test_logits_equal_transformers_at_every_step_float32(arch, tokenizer, gemma3
     positions = logprobs.position_ids_from_mask(mask)
     n = 8
     with torch.no_grad():
-        reference = _step_logits(_TransformersSteps(model), ids, mask, positions, n)
+        reference = _step_logits(TransformersSteps(model), ids, mask, positions, n)
         ours = _step_logits(FusedDecoder(model, 8, ids.shape[1] + n, pack=False), ids, mask, positions, n)
     assert len(ours) == len(reference) == n + 1
     for t, (a, b) in enumerate(zip(ours, reference)):
@@ -90,10 +91,10 @@ def test_logits_equal_transformers_under_bf16_autocast(arch, tokenizer, gemma3_t
     ids, mask = left_pad(_prompts(tokenizer), tokenizer.pad_token_id)
     positions = logprobs.position_ids_from_mask(mask)
     n = 8
+    assert fused_decoding_applies(model, torch.bfloat16)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        assert fused_decoding_applies(model)
         with kernels.packed_for_decoding(model, rows=8):
-            reference = _step_logits(_TransformersSteps(model), ids, mask, positions, n)
+            reference = _step_logits(TransformersSteps(model), ids, mask, positions, n)
         ours = _step_logits(FusedDecoder(model, 8, ids.shape[1] + n), ids, mask, positions, n)
     for t, (a, b) in enumerate(zip(ours, reference)):
         assert a.dtype == b.dtype == torch.bfloat16
@@ -129,9 +130,14 @@ def test_greedy_completions_equal_transformers(arch, tokenizer, gemma3_tiny):
         assert torch.equal(r.truncated, plain.truncated), key
 
 
-def test_rollouts_decode_fused_under_bf16_autocast(tokenizer, gemma3_tiny, monkeypatch):
-    """The default path for a prepared CPU model under bf16 autocast, with the same
-    greedy completions as transformers' modules."""
+def _engine(model, tokenizer, decoding="auto", bf16=True):
+    cfg = config.from_dict({"rollout": {"decoding": decoding}, "training": {"bf16": bf16}})
+    return TransformersEngine(model, tokenizer, cfg)
+
+
+def test_engine_decodes_fused_in_bf16_on_the_cpu(tokenizer, gemma3_tiny, monkeypatch):
+    """The default path of a prepared CPU model in a bf16 run (rollout.decoding=auto), with
+    the same greedy completions as transformers' modules (rollout.decoding=plain)."""
     if not kernels.packing_available():
         pytest.skip("oneDNN weight packing is not available in this torch build")
     model = _model("gemma3", tokenizer, gemma3_tiny)
@@ -140,22 +146,24 @@ def test_rollouts_decode_fused_under_bf16_autocast(tokenizer, gemma3_tiny, monke
     original = FusedDecoder.__call__
     monkeypatch.setattr(FusedDecoder, "__call__", lambda self, *a: calls.append(1) or original(self, *a))
     params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
-    kw = dict(eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        ours = generate(model, _prompts(tokenizer), 2, params, **kw)
-        assert len(calls) == params.max_new_tokens  # the prefill and every step but the last sample
-        reference = generate(model, _prompts(tokenizer), 2, params, fused=False, **kw)
+    auto, plain = _engine(model, tokenizer), _engine(model, tokenizer, "plain")
+    assert auto.uses_fused_decoding() and not plain.uses_fused_decoding()
+    ours = auto.generate(_prompts(tokenizer), 2, params)
+    assert len(calls) == params.max_new_tokens  # the prefill and every step but the last sample
+    reference = plain.generate(_prompts(tokenizer), 2, params)
     assert len(calls) == params.max_new_tokens
     assert torch.equal(ours.completion_ids, reference.completion_ids)
+    # the choice is the engine's, whatever autocast the caller is under
+    with torch.autocast("cpu", enabled=False):
+        assert auto.uses_fused_decoding()
+    assert not _engine(model, tokenizer, bf16=False).uses_fused_decoding()  # float32: transformers' modules
+    assert _engine(model, tokenizer, "fused", bf16=False).uses_fused_decoding()
 
 
 def test_float32_rollouts_decode_through_transformers(model, tokenizer):
     prepare_for_device(model, ModelConfig(name="tiny"))
-    assert not fused_decoding_applies(model)  # float32: transformers' modules, MKL/oneDNN products
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert fused_decoding_applies(model) == kernels.packing_available()
-        with torch.autocast("cpu", enabled=False):
-            assert not fused_decoding_applies(model)
+    assert not fused_decoding_applies(model, torch.float32)  # float32: transformers' modules, MKL/oneDNN products
+    assert fused_decoding_applies(model, torch.bfloat16) == kernels.packing_available()
 
 
 def test_unsupported_architectures_decode_through_transformers(tokenizer):
@@ -167,8 +175,8 @@ def test_unsupported_architectures_decode_through_transformers(tokenizer):
     prepare_for_device(model, ModelConfig(name="tiny"))
     with pytest.raises(ValueError, match="'gpt2'"):
         FusedDecoder(model, rows=2, max_length=8)
+    assert not fused_decoding_applies(model, torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not fused_decoding_applies(model)
         out = generate(model, _prompts(tokenizer), 2, SamplingParams(6, temperature=0),
                        eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
     assert out.completion_ids.shape[0] == 8
@@ -185,11 +193,9 @@ def test_models_it_does_not_compute_decode_through_transformers(setting, tokeniz
     prepare_for_device(model, ModelConfig(name="tiny"))
     with pytest.raises(ValueError, match="bidirectional" if setting == "bidirectional" else "dropout"):
         FusedDecoder(model, rows=2, max_length=8)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not fused_decoding_applies(model)
+    assert not fused_decoding_applies(model, torch.bfloat16)
     model.eval()  # dropout applies in training mode only
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert fused_decoding_applies(model) == (setting == "dropout" and kernels.packing_available())
+    assert fused_decoding_applies(model, torch.bfloat16) == (setting == "dropout" and kernels.packing_available())
 
 
 def test_cache_bound_is_checked(model, tokenizer):

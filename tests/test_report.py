@@ -54,7 +54,8 @@ def _metrics(steps: int, kl: bool) -> list[dict]:
 def _eval(label, step, temperature, correct, formatted, n=200):
     samples = [{"prompt": "Calculate 28 * 3 + 43.", "completion": "28 * 3 = 84\n84 + 43 = 127\nAnswer: 127",
                 "answer": 127, "predicted": 127, "correct": True}]
-    return EvalResult(label, step, temperature, n, correct, formatted, correct, correct / n, 50.0, 0.0, samples)
+    counts = {"correct": [correct, n], "formatted": [formatted, n], "correct among formatted": [correct, formatted]}
+    return EvalResult(label, step, temperature, n, counts, correct / n, {}, 50.0, 0.0, samples)
 
 
 def _run_dir(tmp_path, steps=30, kl=True, evals=True, samples=True):

@@ -9,7 +9,8 @@ from grpo import config
 from grpo.rewards.arithmetic import completion_text
 from grpo.rollout import Rollout
 from grpo.tiny import tiny_model
-from grpo.trainer import GenerationBatch, Trainer
+from grpo.batching import GenerationBatch, microbatches, minibatches
+from grpo.trainer import Trainer
 
 TOY = {
     "output_dir": "UNSET",
@@ -95,8 +96,8 @@ def _gradient(tokenizer, tmp_path, loss_type, minibatch, model_state, batch, ext
          "training.max_grad_norm=0", "rollout.num_generations=4", "rollout.max_completion_length=6", *extra],
     )
     trainer.model.load_state_dict(model_state)
-    if trainer.reference is not None:
-        trainer.reference.load_state_dict(model_state)
+    if trainer.reference.enabled:
+        trainer.reference.model.load_state_dict(model_state)
     trainer.update(batch)
     return {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
 
@@ -138,16 +139,15 @@ def test_microbatches_respect_the_token_budget(tokenizer, tmp_path):
                                                  "training.gradient_accumulation_steps=2", "training.microbatch_tokens=24"])
     batch = _hand_batch(trainer)
     ro = batch.rollout
-    for minibatch in trainer._minibatches(batch):
-        pieces = trainer._microbatches(batch, minibatch)
+    for minibatch in minibatches(ro.lengths.tolist(), 4, 8):
+        pieces = microbatches(ro, minibatch, 24)
         assert torch.equal(torch.cat(pieces), minibatch)  # every row once, order kept
         assert len(pieces) > 1
         for piece in pieces:
             prompts = {tuple(ro.prompt_ids[r][ro.prompt_mask[r].bool()].tolist()) for r in piece.tolist()}
             cost = sum(len(p) for p in prompts) + len(piece) * int(ro.lengths[piece].max())
             assert cost <= 24 or len(piece) == 1
-    trainer.cfg.training.microbatch_tokens = 0
-    assert all(len(trainer._microbatches(batch, mb)) == 1 for mb in trainer._minibatches(batch))
+    assert all(len(microbatches(ro, mb, 0)) == 1 for mb in minibatches(ro.lengths.tolist(), 4, 8))
 
 
 def test_same_seed_same_run(tokenizer, tmp_path):
@@ -173,9 +173,9 @@ def test_reference_sync_replaces_reference(tokenizer, tmp_path):
         tokenizer, tmp_path,
         ["training.max_steps=2", "algorithm.beta=0.04", "algorithm.ref_sync_steps=2", "training.per_device_train_batch_size=32"],
     )
-    before = {n: p.clone() for n, p in trainer.reference.named_parameters()}
+    before = {n: p.clone() for n, p in trainer.reference.model.named_parameters()}
     trainer.train()
-    ref = dict(trainer.reference.named_parameters())
+    ref = dict(trainer.reference.model.named_parameters())
     for n, p in trainer.model.named_parameters():
         assert torch.equal(ref[n], p), n
     assert any(not torch.equal(before[n], ref[n]) for n in before)
@@ -256,13 +256,13 @@ def test_minibatches_group_similar_lengths(tokenizer, tmp_path):
     trainer = make_trainer(tokenizer, tmp_path, ["rollout.num_generations=4", "training.per_device_train_batch_size=4",
                                                  "training.gradient_accumulation_steps=4"])
     batch = _hand_batch(trainer)
-    minibatches = trainer._minibatches(batch)
-    rows = torch.cat(minibatches)
+    pieces = minibatches(batch.rollout.lengths.tolist(), 4, 4)
+    rows = torch.cat(pieces)
     assert sorted(rows.tolist()) == list(range(16))  # every row exactly once
     lengths = batch.rollout.lengths
     # whole groups, ordered by their longest completion
-    assert all(len(set((mb // 4).tolist())) == 1 for mb in minibatches)
-    longest = [int(lengths[mb].max()) for mb in minibatches]
+    assert all(len(set((mb // 4).tolist())) == 1 for mb in pieces)
+    longest = [int(lengths[mb].max()) for mb in pieces]
     assert longest == sorted(longest)
 
 

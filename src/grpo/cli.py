@@ -34,10 +34,13 @@ def _eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from grpo import config
-    from grpo.data import load_rows
-    from grpo.evaluate import Evaluator, format_table
+    from grpo.backends import create_backend
+    from grpo.evaluate import Evaluator, append_results, format_table
+    from grpo.models import load_model_and_tokenizer
+    from grpo.progress import bar
     from grpo.rewards import RewardSet
-    from grpo.models import generation_token_ids, load_model_and_tokenizer, resolve_device
+    from grpo.rollout import create_engine
+    from grpo.tasks import load_task
 
     cfg = config.load(args.config, args.overrides)
     _quiet_transformers()
@@ -47,27 +50,32 @@ def _eval(args: argparse.Namespace) -> int:
             f"--checkpoint {checkpoint}: not a checkpoint directory (no config.json); pass a directory written "
             f"by the trainer, e.g. {Path(cfg.output_dir) / 'final'}"
         )
-    _, rows = load_rows(cfg.data)
+    task = load_task(cfg)
+    rows = task.eval_rows
     reward_set = (
         RewardSet.from_config(cfg.rewards, cfg.rollout.max_completion_length, set(rows[0]) - {"prompt"}) if rows else None
     )
-    device = resolve_device(cfg.training.device)
-    model, tokenizer = load_model_and_tokenizer(cfg.model, device)
-    eos, pad = generation_token_ids(model, tokenizer)
-    evaluator = Evaluator(cfg, tokenizer, eos, pad, rows, reward_set)
-    print(f"evaluating {cfg.model.name} on {len(evaluator.rows)} held-out problems", flush=True)
-    before = evaluator(model, "before", 0)
+    backend = create_backend(cfg)
+    out = Path(cfg.output_dir)
+
+    def run(model_cfg, label: str, step: int):
+        model, tokenizer = load_model_and_tokenizer(model_cfg, backend.device)
+        engine = create_engine(cfg.rollout.engine, backend.prepare_model(model), tokenizer, cfg)
+        evaluator = Evaluator(cfg, engine, tokenizer, rows, task.scorer, reward_set)
+        print(f"evaluating {model_cfg.name} (step {step}) on {len(evaluator.rows)} held-out problems", flush=True)
+        with bar(evaluator.num_batches, f"eval {label}", "batch") as progress:
+            results = evaluator(label, step, progress)
+        append_results(out / "eval.jsonl", results)
+        return results
+
+    before = run(cfg.model, "before", 0)
     after = None
     if checkpoint is not None:
-        del model
         state = checkpoint / "trainer_state.json"
         step = json.loads(state.read_text()).get("step", 0) if state.is_file() else 0
-        trained, _ = load_model_and_tokenizer(dataclasses.replace(cfg.model, name=str(checkpoint)), device)
-        print(f"evaluating {checkpoint} (step {step})", flush=True)
-        after = evaluator(trained, "after", step)
+        after = run(dataclasses.replace(cfg.model, name=str(checkpoint)), "after", step)
     table = format_table(before, after)
     print(table)
-    out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "eval_table.md").write_text(table + "\n")
     print(f"wrote {out / 'eval.jsonl'} and {out / 'eval_table.md'}")

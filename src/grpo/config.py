@@ -2,7 +2,10 @@
 
 Option names and defaults follow TRL's GRPOConfig where the meaning is the
 same, so a TRL user can carry settings over. Every mistake a user can make in
-a config is reported here, at start-up, naming the key and the fix.
+a config is reported here, at start-up, naming the key and the fix: each
+section checks its own fields (`check`), `validate` runs them in order and is
+the one place a config error comes from. Choices between implementations are
+registry names (grpo.registry), so the known names are listed from there.
 """
 
 from __future__ import annotations
@@ -18,11 +21,8 @@ from typing import Any
 
 import yaml
 
-from grpo import choices
-
-
-class ConfigError(ValueError):
-    """A config value that cannot work; the message names the key and the fix."""
+from grpo import registry
+from grpo.registry import ConfigError  # noqa: F401 (grpo.config.ConfigError is the public name)
 
 
 # --------------------------------------------------------------------------
@@ -58,6 +58,9 @@ class ModelConfig:
     tiny_num_layers: int = 2
     """Layers of the `tiny` model."""
 
+    def check(self, cfg: "Config", world_size: int = 1) -> None:
+        _choice("model.dtype", self.dtype, ("float32", "bfloat16", "float16"))
+
 
 @dataclass
 class ArithmeticConfig:
@@ -72,11 +75,26 @@ class ArithmeticConfig:
     num_eval: int = 200
     """Held-out problems for evaluation, all distinct."""
 
+    def check(self) -> None:
+        if len(self.operands) < 2 or any(len(rg) != 2 or rg[0] > rg[1] for rg in self.operands):
+            raise ConfigError(f"data.arithmetic.operands: need two or more [low, high] ranges with low <= high, got {self.operands}")
+        if len(self.operators) != len(self.operands) - 1:
+            raise ConfigError(
+                f"data.arithmetic.operators: need {len(self.operands) - 1} operators for {len(self.operands)} operands, got {self.operators}"
+            )
+        for op in self.operators:
+            _choice("data.arithmetic.operators[]", op, ("+", "-", "*"))
+        if "{expression}" not in self.instruction:
+            raise ConfigError("data.arithmetic.instruction: must contain {expression}, where the problem goes")
+        _positive("data.arithmetic.num_train", self.num_train)
+        _positive("data.arithmetic.num_eval", self.num_eval, allow_zero=True)
+
 
 @dataclass
 class DataConfig:
     task: str = "arithmetic"
-    """`arithmetic` (built-in, the seed's task) or `jsonl` (rows from `train_file`)."""
+    """`arithmetic` (built-in, the seed's task) or `jsonl` (rows from `train_file`);
+    see grpo.tasks."""
     train_file: str | None = None
     """JSONL file of training rows for task `jsonl`: each row has `prompt_column` and
     any other columns, which reward functions receive as keyword arguments."""
@@ -91,6 +109,14 @@ class DataConfig:
     seed: int = 0
     """Seed of the problem generator and of the prompt order."""
     arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
+
+    def check(self, cfg: "Config", world_size: int = 1) -> None:
+        registry.TASKS.check(self.task)
+        _choice("data.chat_template", self.chat_template, ("auto", "never"))
+        if self.task == "arithmetic":
+            self.arithmetic.check()
+        if self.task == "jsonl" and not self.train_file:
+            raise ConfigError("data.train_file: task 'jsonl' needs a JSONL file of rows; set data.train_file=path/to/train.jsonl")
 
 
 @dataclass
@@ -110,6 +136,29 @@ class RolloutConfig:
     stop_strings: list[str] = field(default_factory=list)
     """End a completion once it contains one of these strings (e.g. ["\\n\\n"] after
     few-shot examples, so a base model does not write the next example)."""
+    engine: str = "hf"
+    """Generation engine (grpo.registry.ROLLOUT_ENGINES): `hf`, transformers' model with
+    grpo's prefix sharing and compaction."""
+    decoding: str = "auto"
+    """How the `hf` engine runs a decoding step: `fused` (grpo.rollout.fused: fewer, larger
+    operations; Gemma 3 and the Llama family on the CPU), `plain` (transformers' modules),
+    or `auto`: fused where it applies (CPU, training.bf16, a supported architecture with
+    model.cpu_kernels), plain elsewhere."""
+
+    def check(self, cfg: "Config", world_size: int = 1) -> None:
+        registry.ROLLOUT_ENGINES.check(self.engine)
+        _choice("rollout.decoding", self.decoding, registry.DECODING)
+        if self.num_generations < 2:
+            raise ConfigError(
+                f"rollout.num_generations: must be >= 2 (advantages compare completions within a group), got {self.num_generations}"
+            )
+        _positive("rollout.max_completion_length", self.max_completion_length)
+        if self.max_prompt_length is not None:
+            _positive("rollout.max_prompt_length", self.max_prompt_length)
+        _positive("rollout.temperature", self.temperature)
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"rollout.top_p: must be in (0, 1], got {self.top_p}")
+        _positive("rollout.top_k", self.top_k, allow_zero=True)
 
 
 @dataclass
@@ -126,6 +175,19 @@ class RewardsConfig:
     overlong_weight: float = 1.0
     """Weight of the overlong penalty."""
 
+    def check(self, cfg: "Config", world_size: int = 1) -> None:
+        if not self.funcs and self.overlong_buffer is None:
+            raise ConfigError("rewards.funcs: empty; name at least one reward function (e.g. [arithmetic_correct])")
+        if self.weights is not None and len(self.weights) != len(self.funcs):
+            raise ConfigError(
+                f"rewards.weights: {len(self.weights)} weights for {len(self.funcs)} functions in rewards.funcs; give one weight per function"
+            )
+        max_length = cfg.rollout.max_completion_length
+        if self.overlong_buffer is not None and not 0 < self.overlong_buffer <= max_length:
+            raise ConfigError(
+                f"rewards.overlong_buffer: must be in (0, rollout.max_completion_length={max_length}], got {self.overlong_buffer}"
+            )
+
 
 @dataclass
 class AlgorithmConfig:
@@ -139,10 +201,17 @@ class AlgorithmConfig:
     """Upper clipping range; None = epsilon. DAPO's clip-higher uses 0.28."""
     delta: float | None = None
     """Cap on the unclipped ratio (two-sided clipping); None disables. Must be > 1 + epsilon_high."""
-    loss_type: str = "dapo"
-    """grpo, bnpo, dr_grpo or dapo (TRL's default)."""
+    advantage_estimator: str = "grpo"
+    """How rewards become advantages (grpo.registry.ADVANTAGE_ESTIMATORS): `grpo`,
+    group-relative, scaled as `scale_rewards` says."""
     scale_rewards: str = "group"
     """group (GRPO), batch, or none (Dr. GRPO)."""
+    policy_loss: str = "clipped"
+    """Per-token objective (grpo.registry.POLICY_LOSSES): `clipped`, the PPO-style clipped
+    surrogate at `importance_sampling_level`, with `epsilon`, `epsilon_high` and `delta`."""
+    loss_type: str = "dapo"
+    """How per-token losses are summed into the batch's loss (grpo.registry.LOSS_AGGREGATIONS):
+    grpo, bnpo, dr_grpo or dapo (TRL's default)."""
     importance_sampling_level: str = "token"
     """token, or sequence (GSPO)."""
     num_iterations: int = 1
@@ -157,6 +226,35 @@ class AlgorithmConfig:
     """DAPO: drop groups whose rewards are all equal and sample new prompts until the batch is full."""
     max_sampling_rounds: int = 4
     """Most generation rounds per step when dynamic_sampling is on."""
+
+    def check(self, cfg: "Config", world_size: int = 1) -> None:
+        registry.ADVANTAGE_ESTIMATORS.check(self.advantage_estimator)
+        registry.POLICY_LOSSES.check(self.policy_loss)
+        registry.LOSS_AGGREGATIONS.check(self.loss_type)
+        _choice("algorithm.scale_rewards", self.scale_rewards, registry.SCALE_REWARDS)
+        _choice("algorithm.kl_estimator", self.kl_estimator, registry.KL_ESTIMATORS)
+        _choice("algorithm.importance_sampling_level", self.importance_sampling_level, registry.IMPORTANCE_LEVELS)
+        _positive("algorithm.beta", self.beta, allow_zero=True)
+        if not 0 <= self.epsilon < 1:
+            raise ConfigError(f"algorithm.epsilon: must be in [0, 1), got {self.epsilon}")
+        if self.epsilon_high is not None:
+            _positive("algorithm.epsilon_high", self.epsilon_high, allow_zero=True)
+        if self.delta is not None and self.delta <= 1 + cfg.epsilon_high:
+            raise ConfigError(
+                f"algorithm.delta: must be > 1 + epsilon_high = {1 + cfg.epsilon_high} to cap only large ratios, got {self.delta}"
+            )
+        if self.num_iterations < 1:
+            raise ConfigError(f"algorithm.num_iterations: must be >= 1, got {self.num_iterations}")
+        if self.ref_sync_steps is not None:
+            _positive("algorithm.ref_sync_steps", self.ref_sync_steps)
+            if self.beta == 0:
+                raise ConfigError(
+                    "algorithm.ref_sync_steps: set with beta = 0, where no reference model is used; "
+                    "set algorithm.beta > 0 or remove ref_sync_steps"
+                )
+        if not 0 < self.ref_sync_alpha <= 1:
+            raise ConfigError(f"algorithm.ref_sync_alpha: must be in (0, 1], got {self.ref_sync_alpha}")
+        _positive("algorithm.max_sampling_rounds", self.max_sampling_rounds)
 
 
 @dataclass
@@ -196,6 +294,29 @@ class TrainingConfig:
     device: str = "auto"
     """auto (cuda if available, else cpu), cpu or cuda."""
 
+    def check(self, cfg: "Config", world_size: int = 1) -> None:
+        _choice("training.lr_scheduler_type", self.lr_scheduler_type, registry.LR_SCHEDULES)
+        _choice("training.device", self.device, ("auto", "cpu", "cuda"))
+        _positive("training.per_device_train_batch_size", self.per_device_train_batch_size)
+        _positive("training.gradient_accumulation_steps", self.gradient_accumulation_steps)
+        G = cfg.rollout.num_generations
+        batch = cfg.generation_batch_size(world_size)
+        if batch % G != 0:
+            lower = max(G, batch - batch % G)
+            raise ConfigError(
+                f"training.per_device_train_batch_size x gradient_accumulation_steps x world size = {batch} completions "
+                f"per step is not a multiple of rollout.num_generations={G}; use a batch of "
+                f"{lower} or {lower + G} (e.g. training.per_device_train_batch_size="
+                f"{max(1, lower // (self.gradient_accumulation_steps * world_size))}) or change num_generations"
+            )
+        _positive("training.max_steps", self.max_steps)
+        _positive("training.learning_rate", self.learning_rate, allow_zero=True)
+        _positive("training.warmup_steps", self.warmup_steps, allow_zero=True)
+        _positive("training.max_grad_norm", self.max_grad_norm, allow_zero=True)
+        _positive("training.logprob_chunk_size", self.logprob_chunk_size)
+        _positive("training.microbatch_tokens", self.microbatch_tokens, allow_zero=True)
+        _positive("training.save_steps", self.save_steps, allow_zero=True)
+
 
 @dataclass
 class EvalConfig:
@@ -214,6 +335,14 @@ class EvalConfig:
     batch_size: int = 32
     seed: int = 1234
 
+    def check(self, cfg: "Config", world_size: int = 1) -> None:
+        for temperature in self.temperatures:
+            _positive("eval.temperatures[]", temperature, allow_zero=True)
+        _positive("eval.every", self.every, allow_zero=True)
+        _positive("eval.batch_size", self.batch_size)
+        if self.num_problems is not None:
+            _positive("eval.num_problems", self.num_problems)
+
 
 @dataclass
 class LoggingConfig:
@@ -224,6 +353,10 @@ class LoggingConfig:
     report_to: list[str] = field(default_factory=list)
     """Extra trackers: tensorboard, wandb, trackio (imported only when listed)."""
     run_name: str | None = None
+
+    def check(self, cfg: "Config", world_size: int = 1) -> None:
+        for name in self.report_to:
+            _choice("logging.report_to[]", name, ("tensorboard", "wandb", "trackio"))
 
 
 @dataclass
@@ -385,7 +518,7 @@ def save(cfg: Config, path: str | Path) -> None:
 
 
 # --------------------------------------------------------------------------
-# Cross-field checks
+# Checks shared by the sections
 # --------------------------------------------------------------------------
 
 
@@ -402,99 +535,8 @@ def _positive(key: str, value: float, allow_zero: bool = False) -> None:
 
 
 def validate(cfg: Config, world_size: int = 1) -> None:
-    """Impossible combinations fail here, before any model is loaded."""
-    m, d, r, rw, a, t, e = cfg.model, cfg.data, cfg.rollout, cfg.rewards, cfg.algorithm, cfg.training, cfg.eval
-    _choice("model.dtype", m.dtype, ("float32", "bfloat16", "float16"))
-    _choice("data.task", d.task, ("arithmetic", "jsonl"))
-    _choice("data.chat_template", d.chat_template, ("auto", "never"))
-    _choice("algorithm.loss_type", a.loss_type, choices.LOSS_TYPES)
-    _choice("algorithm.scale_rewards", a.scale_rewards, choices.SCALE_REWARDS)
-    _choice("algorithm.kl_estimator", a.kl_estimator, choices.KL_ESTIMATORS)
-    _choice("algorithm.importance_sampling_level", a.importance_sampling_level, choices.IMPORTANCE_LEVELS)
-    _choice("training.lr_scheduler_type", t.lr_scheduler_type, choices.LR_SCHEDULES)
-    _choice("training.device", t.device, ("auto", "cpu", "cuda"))
-
-    if r.num_generations < 2:
-        raise ConfigError(
-            f"rollout.num_generations: must be >= 2 (advantages compare completions within a group), got {r.num_generations}"
-        )
-    _positive("rollout.max_completion_length", r.max_completion_length)
-    if r.max_prompt_length is not None:
-        _positive("rollout.max_prompt_length", r.max_prompt_length)
-    _positive("rollout.temperature", r.temperature)
-    if not 0 < r.top_p <= 1:
-        raise ConfigError(f"rollout.top_p: must be in (0, 1], got {r.top_p}")
-    _positive("rollout.top_k", r.top_k, allow_zero=True)
-
-    _positive("training.per_device_train_batch_size", t.per_device_train_batch_size)
-    _positive("training.gradient_accumulation_steps", t.gradient_accumulation_steps)
-    batch = cfg.generation_batch_size(world_size)
-    if batch % r.num_generations != 0:
-        lower = max(r.num_generations, batch - batch % r.num_generations)
-        raise ConfigError(
-            f"training.per_device_train_batch_size x gradient_accumulation_steps x world size = {batch} completions "
-            f"per step is not a multiple of rollout.num_generations={r.num_generations}; use a batch of "
-            f"{lower} or {lower + r.num_generations} (e.g. training.per_device_train_batch_size="
-            f"{max(1, lower // (t.gradient_accumulation_steps * world_size))}) or change num_generations"
-        )
-    _positive("training.max_steps", t.max_steps)
-    _positive("training.learning_rate", t.learning_rate, allow_zero=True)
-    _positive("training.warmup_steps", t.warmup_steps, allow_zero=True)
-    _positive("training.max_grad_norm", t.max_grad_norm, allow_zero=True)
-    _positive("training.logprob_chunk_size", t.logprob_chunk_size)
-    _positive("training.microbatch_tokens", t.microbatch_tokens, allow_zero=True)
-    _positive("training.save_steps", t.save_steps, allow_zero=True)
-
-    _positive("algorithm.beta", a.beta, allow_zero=True)
-    if not 0 <= a.epsilon < 1:
-        raise ConfigError(f"algorithm.epsilon: must be in [0, 1), got {a.epsilon}")
-    if a.epsilon_high is not None:
-        _positive("algorithm.epsilon_high", a.epsilon_high, allow_zero=True)
-    if a.delta is not None and a.delta <= 1 + cfg.epsilon_high:
-        raise ConfigError(
-            f"algorithm.delta: must be > 1 + epsilon_high = {1 + cfg.epsilon_high} to cap only large ratios, got {a.delta}"
-        )
-    if a.num_iterations < 1:
-        raise ConfigError(f"algorithm.num_iterations: must be >= 1, got {a.num_iterations}")
-    if a.ref_sync_steps is not None:
-        _positive("algorithm.ref_sync_steps", a.ref_sync_steps)
-        if a.beta == 0:
-            raise ConfigError("algorithm.ref_sync_steps: set with beta = 0, where no reference model is used; set algorithm.beta > 0 or remove ref_sync_steps")
-    if not 0 < a.ref_sync_alpha <= 1:
-        raise ConfigError(f"algorithm.ref_sync_alpha: must be in (0, 1], got {a.ref_sync_alpha}")
-    _positive("algorithm.max_sampling_rounds", a.max_sampling_rounds)
-
-    if not rw.funcs and rw.overlong_buffer is None:
-        raise ConfigError("rewards.funcs: empty; name at least one reward function (e.g. [arithmetic_correct])")
-    if rw.weights is not None and len(rw.weights) != len(rw.funcs):
-        raise ConfigError(
-            f"rewards.weights: {len(rw.weights)} weights for {len(rw.funcs)} functions in rewards.funcs; give one weight per function"
-        )
-    if rw.overlong_buffer is not None and not 0 < rw.overlong_buffer <= r.max_completion_length:
-        raise ConfigError(
-            f"rewards.overlong_buffer: must be in (0, rollout.max_completion_length={r.max_completion_length}], got {rw.overlong_buffer}"
-        )
-
-    ar = d.arithmetic
-    if d.task == "arithmetic":
-        if len(ar.operands) < 2 or any(len(rg) != 2 or rg[0] > rg[1] for rg in ar.operands):
-            raise ConfigError(f"data.arithmetic.operands: need two or more [low, high] ranges with low <= high, got {ar.operands}")
-        if len(ar.operators) != len(ar.operands) - 1:
-            raise ConfigError(
-                f"data.arithmetic.operators: need {len(ar.operands) - 1} operators for {len(ar.operands)} operands, got {ar.operators}"
-            )
-        for op in ar.operators:
-            _choice("data.arithmetic.operators[]", op, ("+", "-", "*"))
-        if "{expression}" not in ar.instruction:
-            raise ConfigError("data.arithmetic.instruction: must contain {expression}, where the problem goes")
-        _positive("data.arithmetic.num_train", ar.num_train)
-        _positive("data.arithmetic.num_eval", ar.num_eval, allow_zero=True)
-    if d.task == "jsonl" and not d.train_file:
-        raise ConfigError("data.train_file: task 'jsonl' needs a JSONL file of rows; set data.train_file=path/to/train.jsonl")
-
-    for temp in e.temperatures:
-        _positive("eval.temperatures[]", temp, allow_zero=True)
-    _positive("eval.every", e.every, allow_zero=True)
-    _positive("eval.batch_size", e.batch_size)
-    for name in cfg.logging.report_to:
-        _choice("logging.report_to[]", name, ("tensorboard", "wandb", "trackio"))
+    """Impossible combinations fail here, before any model is loaded: each section
+    checks itself, in the order of the file, with the whole config at hand for the
+    fields that depend on another section."""
+    for section in (cfg.model, cfg.data, cfg.rollout, cfg.rewards, cfg.algorithm, cfg.training, cfg.eval, cfg.logging):
+        section.check(cfg, world_size)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-from grpo.config import ArithmeticConfig, ConfigError, DataConfig
+from grpo.config import ArithmeticConfig, ConfigError
 
 Row = dict[str, Any]
 
@@ -129,25 +129,59 @@ def read_jsonl(path: str | Path, prompt_column: str) -> list[Row]:
     return rows
 
 
-def load_rows(cfg: DataConfig) -> tuple[list[Row], list[Row]]:
-    """(train, held_out) rows for the configured task."""
-    if cfg.task == "arithmetic":
-        return arithmetic_splits(cfg.arithmetic, cfg.seed)
-    train = read_jsonl(cfg.train_file, cfg.prompt_column)
-    held_out = read_jsonl(cfg.eval_file, cfg.prompt_column) if cfg.eval_file else []
-    return train, held_out
+class PromptSampler:
+    """Rows in a fresh shuffled order each epoch, forever, deterministic in `seed`, with
+    a position that can be saved (`state_dict`) and restored (the `state` argument).
 
+    The order of epoch e is a shuffle by a random.Random seeded with the seed and
+    advanced by the shuffles of the epochs before it; the state keeps that
+    generator's state from before the current epoch's shuffle, the epoch and the
+    position in it, so restoring it redoes the same shuffle and continues where it
+    stopped.
+    """
 
-def prompt_stream(rows: list[Row], seed: int) -> Iterator[Row]:
-    """Rows in a fresh shuffled order each epoch, forever, deterministic in seed."""
-    rng = random.Random(f"prompt-order-{seed}")
-    epoch = 0
-    while True:
-        order = list(range(len(rows)))
-        rng.shuffle(order)
-        for i in order:
-            yield rows[i]
-        epoch += 1
+    def __init__(self, num_rows: int, seed: int, state: dict[str, Any] | None = None):
+        if num_rows < 1:
+            raise ConfigError("no training rows")
+        self.num_rows, self.seed = num_rows, seed
+        self._rng = random.Random(f"prompt-order-{seed}")
+        self.epoch, self.position = 0, 0
+        if state is not None:
+            if (state["num_rows"], state["seed"]) != (num_rows, seed):
+                raise ConfigError(
+                    f"the saved prompt order is for {state['num_rows']} rows with data.seed={state['seed']}, "
+                    f"not {num_rows} rows with data.seed={seed}; restore with the same data and data.seed"
+                )
+            version, internal, gauss = state["rng_before_epoch"]
+            self._rng.setstate((version, tuple(internal), gauss))
+            self.epoch, self.position = state["epoch"], state["position"]
+        self._shuffle()
+
+    def _shuffle(self) -> None:
+        self._rng_before_epoch = self._rng.getstate()
+        self._order = list(range(self.num_rows))
+        self._rng.shuffle(self._order)
+
+    def next_index(self) -> int:
+        if self.position == self.num_rows:
+            self.epoch, self.position = self.epoch + 1, 0
+            self._shuffle()
+        self.position += 1
+        return self._order[self.position - 1]
+
+    def take(self, rows: list[Row], count: int) -> list[Row]:
+        """The next `count` rows of `rows` (the list this sampler was made for)."""
+        return [rows[self.next_index()] for _ in range(count)]
+
+    def state_dict(self) -> dict[str, Any]:
+        version, internal, gauss = self._rng_before_epoch
+        return {
+            "num_rows": self.num_rows,
+            "seed": self.seed,
+            "epoch": self.epoch,
+            "position": self.position,
+            "rng_before_epoch": [version, list(internal), gauss],
+        }
 
 
 # --------------------------------------------------------------------------

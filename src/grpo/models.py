@@ -72,6 +72,9 @@ _END_OF_TURN_TOKENS = ("<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>"
 def load_model_and_tokenizer(cfg: ModelConfig, device: torch.device | str = "cpu"):
     """(model, tokenizer) for `cfg`, the model in `cfg.dtype` on `device`, in eval mode.
 
+    The model is as transformers builds it; the device-specific kernels are the
+    backend's to switch on (grpo.backends.single.prepare_for_device).
+
     The tokenizer pads on the left (prompts end where generation starts) and
     always has a pad token. It may have no chat template (base models).
     """
@@ -111,17 +114,7 @@ def load_model_and_tokenizer(cfg: ModelConfig, device: torch.device | str = "cpu
     _prepare_tokenizer(tokenizer)
     model = model.to(device)
     model.eval()
-    prepare_for_device(model, cfg)
     return model, tokenizer
-
-
-def prepare_for_device(model, cfg: ModelConfig) -> None:
-    """Device-specific kernels for a model about to be trained or evaluated (idempotent)."""
-    from grpo import attention, kernels
-
-    if cfg.cpu_kernels and next(model.parameters()).device.type == "cpu":
-        kernels.use_cpu_linear(model)
-        attention.use_grouped_attention(model)
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -147,22 +140,6 @@ def generation_token_ids(model, tokenizer) -> tuple[list[int], int]:
         raise ConfigError("the tokenizer has no eos token; set tokenizer.eos_token (and save it with the model)")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     return eos, pad
-
-
-def bf16_autocast(device: torch.device, enabled: bool):
-    """bf16 autocast on `device` when enabled (fp32 master weights stay as they are)."""
-    import contextlib
-
-    return torch.autocast(device.type, dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
-
-
-def resolve_device(name: str) -> torch.device:
-    """`auto` -> cuda when available, else cpu; `cuda` without a GPU is a config error."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("training.device: cuda requested but no CUDA device is available; use training.device=cpu")
-    return torch.device(name)
 
 
 def count_parameters(model) -> int:

@@ -245,19 +245,25 @@ def zero_std_figure(metrics):
 
 
 def eval_accuracy_figure(results: list[EvalResult]):
-    """Held-out accuracy (solid) and formatted fraction (dashed) vs step, one colour per temperature."""
-    fig, ax = _new_axes("Held-out accuracy", "fraction of problems")
+    """Held-out accuracy (solid; the mean reward for a task scored by its rewards alone) and the
+    formatted fraction (dashed, when the scorer counts it) vs step, one colour per temperature."""
+    counted = any("correct" in r.counts for r in results)
+    fig, ax = _new_axes("Held-out accuracy" if counted else "Held-out mean reward",
+                        "fraction of problems" if counted else "mean reward")
     by_temperature: dict[float, dict[int, EvalResult]] = {}
     for r in results:
         by_temperature.setdefault(r.temperature, {})[r.step] = r  # last result per step wins
     for temperature, by_step in by_temperature.items():
         steps = sorted(by_step)
         (line,) = ax.plot(steps, [by_step[s].accuracy for s in steps], marker="o", linewidth=2,
-                          label=f"correct, {decoding_name(temperature)}")
-        ax.plot(steps, [by_step[s].formatted / by_step[s].n if by_step[s].n else 0 for s in steps],
-                marker="s", linestyle="--", linewidth=1.2, color=line.get_color(), alpha=0.7,
-                label=f"formatted, {decoding_name(temperature)}")
-    ax.set_ylim(-0.02, 1.02)
+                          label=f"{'correct' if counted else 'mean reward'}, {decoding_name(temperature)}")
+        formatted = [s for s in steps if by_step[s].formatted is not None]
+        if formatted:
+            ax.plot(formatted, [by_step[s].formatted / by_step[s].n if by_step[s].n else 0 for s in formatted],
+                    marker="s", linestyle="--", linewidth=1.2, color=line.get_color(), alpha=0.7,
+                    label=f"formatted, {decoding_name(temperature)}")
+    if counted:
+        ax.set_ylim(-0.02, 1.02)
     ax.legend(loc="best", fontsize=9)
     return fig
 
@@ -474,9 +480,9 @@ def _eval_samples(before: list[EvalResult], after: list[EvalResult]) -> list[str
         greedy = [r for r in results if r.temperature == 0] or results
         if greedy and greedy[0].samples:
             r, s = greedy[0], greedy[0].samples[0]
+            checked = f"; answer {s.get('answer')}, extracted {s.get('predicted')}" if "answer" in s else ""
             lines += [
-                f"**{r.label}** ({r.decoding}, step {r.step}) — prompt: {_one_line(s.get('prompt', ''))}; "
-                f"answer {s.get('answer')}, extracted {s.get('predicted')}",
+                f"**{r.label}** ({r.decoding}, step {r.step}) — prompt: {_one_line(s.get('prompt', ''))}{checked}",
                 "",
                 _fence(str(s.get("completion", ""))),
                 "",
@@ -513,11 +519,10 @@ def build_report(run_dir: str | Path) -> Path:
             lines += [format_table(before, after or None), ""]
         else:
             lines += [format_table(after), ""]
-        lines += [
-            "A completion is *formatted* when it writes an `Answer: N` line and *correct* when the last N equals "
-            "the answer; *correct among formatted* is correct / formatted.",
-            "",
-        ]
+        from grpo.tasks.scorers import AnswerScorer, RewardScorer
+
+        counted = any("formatted" in r.counts for r in before + after)
+        lines += [(AnswerScorer if counted else RewardScorer).description, ""]
         lines += _eval_samples(before, after)
     elif eval_results:
         lines += ["## Held-out evaluation", "", format_table(latest(eval_results, eval_results[-1].label)), ""]

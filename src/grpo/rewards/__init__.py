@@ -111,9 +111,11 @@ class RewardSet:
         max_completion_length: int,
         columns: set[str],
         funcs: dict[str, RewardFn] | None = None,
+        failures: dict[str, int] | None = None,
     ) -> "RewardSet":
         """The configured reward functions (or `funcs`, given directly from Python),
-        with their weights, plus DAPO's overlong penalty when configured."""
+        with their weights, plus DAPO's overlong penalty when configured; `failures`
+        continues the failure counts of a restored run."""
         if funcs is None:
             resolved = [resolve(spec) for spec in cfg.funcs]
         else:
@@ -127,6 +129,13 @@ class RewardSet:
             rewards.add(name, fn, weight)
         if cfg.overlong_buffer is not None:
             rewards.add("overlong", overlong_reward(max_completion_length, cfg.overlong_buffer), cfg.overlong_weight)
+        if failures is not None:
+            if set(failures) != set(rewards.names):
+                raise ConfigError(
+                    f"rewards.funcs: the run being restored had reward functions {sorted(failures)}, this config has "
+                    f"{sorted(rewards.names)}; restore with the same rewards"
+                )
+            rewards.failures = dict(failures)
         return rewards
 
     def add(self, name: str, fn: RewardFn, weight: float) -> None:

@@ -1,12 +1,16 @@
-"""Generation engines behind one small interface.
+"""Generation engines behind one interface (grpo.rollout.base.RolloutEngine).
 
-`generate(model, prompts, num_generations, params)` returns a `Rollout`: for
+An engine's `generate(prompts, G, params, generator)` returns a `Rollout`: for
 each prompt, G completions as token ids with a mask and a truncated flag. The
-transformers engine (`hf.py`) is the default; other engines (vLLM) return the
-same `Rollout`.
+transformers engine (`hf.py`, `rollout.engine: hf`) is the default; engines are
+named in grpo.registry.ROLLOUT_ENGINES and built with `create_engine`.
 """
 
 from grpo.rollout.types import Rollout, SamplingParams
-from grpo.rollout.hf import StopStrings, generate
+from grpo.rollout.base import DecodingSteps, RolloutEngine, create_engine
+from grpo.rollout.hf import StopStrings, TransformersEngine, generate
 
-__all__ = ["Rollout", "SamplingParams", "StopStrings", "generate"]
+__all__ = [
+    "DecodingSteps", "Rollout", "RolloutEngine", "SamplingParams", "StopStrings", "TransformersEngine",
+    "create_engine", "generate",
+]

@@ -17,8 +17,9 @@ sliding window). Measured on Gemma-3-270M, 16 rows, bf16, 2-core CPU,
 alternating in one process: a decoding step 29.6-31.9 -> 25.3-26.9 ms; a
 trainer's rollout of 16 x 64 tokens 3.45 -> 2.92 s (medians of 4).
 
-It is used for CPU rollouts under bf16 autocast (`fused_decoding_applies`);
-every other case (CUDA, float32, other architectures) decodes through
+The transformers engine uses it for CPU rollouts in bf16 where it applies
+(`rollout.decoding: auto` and `fused_decoding_applies`); every other case
+(CUDA, float32, other architectures, `rollout.decoding: plain`) decodes through
 transformers' modules.
 """
 
@@ -68,11 +69,11 @@ def _unsupported(model) -> str | None:
     return None
 
 
-def fused_decoding_applies(model) -> bool:
-    """FusedDecoder is the faster path here: a supported architecture on the CPU with
-    float32 weights switched to grpo's CPU kernels, under bf16 autocast, where oneDNN
-    can pack weights (see grpo.kernels)."""
-    if not torch.is_autocast_enabled("cpu") or torch.get_autocast_dtype("cpu") != torch.bfloat16:
+def fused_decoding_applies(model, compute_dtype: torch.dtype) -> bool:
+    """FusedDecoder is the faster path for decoding `model` in `compute_dtype`: bf16 on the
+    CPU, a supported architecture with float32 weights switched to grpo's CPU kernels,
+    where oneDNN can pack weights (see grpo.kernels)."""
+    if compute_dtype != torch.bfloat16:
         return False
     if _unsupported(model) is not None or not kernels.packing_available():
         return False

@@ -10,9 +10,9 @@ Two things make this cheaper than `model.generate(num_return_sequences=G)`:
 Both are exact: under greedy decoding they give token-for-token the same
 completions as the plain path (tests/test_rollout.py).
 
-Each step is the model's own forward pass with transformers' cache, except on
-the CPU under bf16 autocast for the architectures grpo.rollout.fused covers,
-where the same computation runs in fewer, larger operations
+Each step is the model's own forward pass with transformers' cache, or, where
+`TransformersEngine` chooses it (CPU, bf16, the architectures grpo.rollout.fused
+covers), the same computation in fewer, larger operations
 (tests/test_fused_decoding.py).
 """
 
@@ -23,6 +23,7 @@ import torch
 from grpo import kernels, logprobs
 from grpo.rollout.fused import FusedDecoder, fused_decoding_applies
 from grpo.rollout.types import Rollout, SamplingParams
+from grpo.backends.single import bf16_autocast
 
 
 def left_pad(sequences: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,9 +100,10 @@ def _first_exceeding(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target, right=True)
 
 
-class _TransformersSteps:
-    """The model's own forward pass and transformers' KV cache, behind FusedDecoder's interface:
-    `steps(input_ids, attention_mask, position_ids)` -> last-position logits [R, V]."""
+class TransformersSteps:
+    """The model's own forward pass and transformers' KV cache, as grpo.rollout.base.DecodingSteps
+    (the interface FusedDecoder also has): `steps(input_ids, attention_mask, position_ids)`
+    -> last-position logits [R, V]."""
 
     def __init__(self, model):
         self.model, self.cache, self.cache_argument = model, None, logprobs.cache_argument(model)
@@ -154,18 +156,17 @@ def generate(
     share_prefix: bool = True,
     compact: bool = True,
     stop: StopStrings | None = None,
-    fused: bool | None = None,
+    fused: bool = False,
 ) -> Rollout:
     """Sample `num_generations` completions for each tokenised prompt.
 
     prompts: P lists of token ids. Returns a Rollout with N = P x G rows,
     group-major. `share_prefix` and `compact` only change the cost.
-    `fused`: decode with grpo.rollout.fused.FusedDecoder (None: where it applies,
-    CPU bf16 autocast; True also in float32, with plain products).
+    `fused`: decode with grpo.rollout.fused.FusedDecoder (in bf16 from packed
+    weights under CPU bf16 autocast, else in the weights' dtype with plain
+    products); False: transformers' modules.
     """
     rows = len(prompts) * num_generations
-    if fused is None:
-        fused = fused_decoding_applies(model)
     args = (model, prompts, num_generations, params, eos_token_ids, pad_token_id, generator, share_prefix, compact, stop)
     if fused:
         bf16 = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
@@ -173,7 +174,7 @@ def generate(
         return _generate(FusedDecoder(model, rows, max_length, pack=bf16 and kernels.packing_available()), *args)
     # under CPU bf16 autocast, decode from oneDNN-reordered bf16 weights (grpo.kernels)
     with kernels.packed_for_decoding(model, rows=rows):
-        return _generate(_TransformersSteps(model), *args)
+        return _generate(TransformersSteps(model), *args)
 
 
 def _generate(
@@ -238,3 +239,60 @@ def _generate(
         completion_mask=completion_mask,
         truncated=~done,
     )
+
+
+class TransformersEngine:
+    """The `hf` rollout engine: generation with the policy module itself (no copy), with
+    prefix sharing and compaction, in the compute precision of training.bf16.
+
+    `rollout.decoding` picks the decoding steps explicitly: `fused`
+    (grpo.rollout.fused), `plain` (transformers' modules), or `auto`: fused where
+    `fused_decoding_applies` (a CPU model in bf16 with grpo's CPU kernels).
+    Because it decodes from the policy's own parameters (the fused steps pack
+    their weight copies at the start of each rollout), an optimizer step needs no
+    weight transfer: `sync_weights` has nothing to do, and neither have
+    `sleep`/`wake` (every cache lives only for one `generate`).
+    """
+
+    def __init__(self, model, tokenizer, cfg):
+        from grpo.models import generation_token_ids
+
+        self.model = model
+        self.eos_token_ids, self.pad_token_id = generation_token_ids(model, tokenizer)
+        r = cfg.rollout
+        self.stop = StopStrings(tokenizer, r.stop_strings) if r.stop_strings else None
+        self.bf16 = cfg.training.bf16
+        self.decoding = r.decoding
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def uses_fused_decoding(self) -> bool:
+        if self.decoding != "auto":
+            return self.decoding == "fused"
+        compute_dtype = torch.bfloat16 if self.bf16 else self.model.get_output_embeddings().weight.dtype
+        return fused_decoding_applies(self.model, compute_dtype)
+
+    def generate(self, prompts, num_generations, params, generator=None) -> Rollout:
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad(), bf16_autocast(self.device, self.bf16):
+                return generate(
+                    self.model, prompts, num_generations, params,
+                    eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id,
+                    generator=generator, stop=self.stop, fused=self.uses_fused_decoding(),
+                )
+        finally:
+            self.model.train(was_training)
+
+    def sync_weights(self, policy) -> None:
+        if policy is not self.model:
+            raise ValueError("the hf engine generates with the policy module it was built with; build a new engine for another")
+
+    def sleep(self) -> None:
+        pass
+
+    def wake(self) -> None:
+        pass

@@ -1,0 +1,123 @@
+"""Rewards -> advantages, as pure tensor functions.
+
+Shapes: N completions in the batch (= prompts x G), G completions per prompt
+(one group), K reward functions. Each function's docstring has its formula
+and a worked example (checked in tests/test_algorithm.py).
+
+An advantage estimator, the registered kind (grpo.registry.ADVANTAGE_ESTIMATORS),
+has one signature:
+
+    estimator(rewards [N], group_size, *, scale_rewards) -> advantages [N]
+
+with NaN marking a missing reward (its advantage is 0).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from grpo.registry import SCALE_REWARDS
+
+ADVANTAGE_EPS = 1e-4  # added to the group std, as in the seed and TRL
+
+
+# --------------------------------------------------------------------------
+# Rewards -> advantages
+# --------------------------------------------------------------------------
+
+
+def combine_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Weighted sum of several reward functions, with missing values skipped.
+
+    r_i = sum_k w_k r_{i,k} over the k where r_{i,k} is present (not NaN).
+    A completion for which every function returned None stays NaN (missing):
+    it is not counted as a zero reward.
+
+    rewards_per_func: [N, K] float, NaN where a function returned None.
+    weights:          [K]
+    returns:          [N]
+
+    Example: rewards [[1, 0.5], [nan, 1], [nan, nan]], weights [1, 2]
+    -> [2.0, 2.0, nan].
+    """
+    present = ~torch.isnan(rewards_per_func)
+    weighted = torch.where(present, rewards_per_func * weights, torch.zeros_like(rewards_per_func))
+    total = weighted.sum(dim=1)
+    return torch.where(present.any(dim=1), total, torch.full_like(total, float("nan")))
+
+
+def nan_std(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
+    """Sample standard deviation (divide by n-1) along `dim`, ignoring NaN; 0 when n < 2."""
+    present = ~torch.isnan(x)
+    n = present.sum(dim=dim, keepdim=True)
+    mean = torch.nansum(x, dim=dim, keepdim=True) / n.clamp(min=1)
+    squares = torch.where(present, (x - mean) ** 2, torch.zeros_like(x)).sum(dim=dim, keepdim=True)
+    std = torch.where(n > 1, torch.sqrt(squares / (n - 1).clamp(min=1)), torch.zeros_like(squares))
+    return std if keepdim else std.squeeze(dim)
+
+
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, scale_rewards: str = "group", eps: float = ADVANTAGE_EPS
+) -> torch.Tensor:
+    """Group-relative advantage, one scalar per completion.
+
+    rewards: [N] total reward per completion, consecutive runs of `group_size`
+             completions share a prompt; NaN marks a missing reward.
+    returns: [N]
+
+    scale_rewards="group" (GRPO):  A_i = (r_i - mean_g r) / (std_g r + eps)
+    scale_rewards="batch":         A_i = (r_i - mean_g r) / (std_batch r + eps)
+    scale_rewards="none" (Dr. GRPO): A_i = r_i - mean_g r
+    The std divides by (n - 1) (Bessel), as in the seed and TRL. Missing
+    rewards are left out of the mean and std and get advantage 0.
+
+    Example (the seed's table), group_size=4, "group":
+      [1,1,0,0] -> [ 0.87,  0.87, -0.87, -0.87]
+      [1,1,1,0] -> [ 0.50,  0.50,  0.50, -1.50]
+      [1,0,0,0] -> [ 1.50, -0.50, -0.50, -0.50]
+      [1,1,1,1] -> [ 0.00,  0.00,  0.00,  0.00]
+    """
+    if scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
+    if rewards.dim() != 1 or rewards.numel() % group_size != 0:
+        raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} entries, got {tuple(rewards.shape)}")
+    grouped = rewards.view(-1, group_size)
+    present = ~torch.isnan(grouped)
+    n = present.sum(dim=1, keepdim=True).clamp(min=1)
+    mean = torch.nansum(grouped, dim=1, keepdim=True) / n
+    centered = grouped - mean
+    if scale_rewards == "group":
+        centered = centered / (nan_std(grouped, dim=1, keepdim=True) + eps)
+    elif scale_rewards == "batch":
+        centered = centered / (nan_std(rewards, dim=0) + eps)
+    advantages = torch.where(present, centered, torch.zeros_like(centered))
+    return advantages.reshape(-1)
+
+
+def grpo_advantages(rewards: torch.Tensor, group_size: int, *, scale_rewards: str = "group") -> torch.Tensor:
+    """The registered `grpo` estimator: group_advantages (GRPO, or Dr. GRPO with scale_rewards="none")."""
+    return group_advantages(rewards, group_size, scale_rewards)
+
+
+def group_reward_std(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Per-group sample std of the total rewards, [N // group_size]."""
+    return nan_std(rewards.view(-1, group_size), dim=1)
+
+
+def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int) -> torch.Tensor:
+    """DAPO's soft overlong penalty (Eq. 13), one value per completion.
+
+    R(y) = 0                                  if |y| <= L_max - L_cache
+         = ((L_max - L_cache) - |y|) / L_cache if L_max - L_cache < |y| <= L_max
+         = -1                                 if |y| > L_max
+
+    Example: max_length=20, buffer=4 -> lengths [16, 18, 20, 21] give
+    [0, -0.5, -1, -1].
+    """
+    if not 0 < buffer <= max_length:
+        raise ValueError(f"overlong buffer must be in (0, max_length={max_length}], got {buffer}")
+    lengths = lengths.to(torch.float32)
+    safe = float(max_length - buffer)
+    ramp = (safe - lengths) / buffer
+    penalty = torch.where(lengths <= safe, torch.zeros_like(lengths), ramp)
+    return torch.where(lengths > max_length, torch.full_like(lengths, -1.0), penalty)

@@ -1,0 +1,125 @@
+"""One process, one device: the backend of every run today.
+
+What it does differently on the CPU (each measured, see docs/performance.md):
+
+- float32 Linear layers through oneDNN (grpo.kernels) and grouped-query
+  attention without key/value copies (grpo.attention), when model.cpu_kernels;
+- a tied input embedding sends a sparse gradient (no dense vocabulary x hidden
+  zeros), and the tiled output layer adds its weight gradient straight into
+  the preallocated .grad (no out-of-place sum of the two gradients);
+- gradients are allocated once and zeroed in place; AdamW is the fused kernel;
+- after each update the freed heap goes back to the OS (grpo.memory), so the
+  next rollout's buffers do not stack on the update's.
+
+Under DDP the last three need care (the sink writes .grad outside autograd's
+hooks, so a data-parallel backend must reduce that weight's gradient itself, or
+not use the sink); that is why they live here and not in the loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from grpo.config import Config, ConfigError, ModelConfig
+from grpo.memory import release_free_memory
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` -> cuda when available, else cpu; `cuda` without a GPU is a config error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("training.device: cuda requested but no CUDA device is available; use training.device=cpu")
+    return torch.device(name)
+
+
+def bf16_autocast(device: torch.device, enabled: bool):
+    """bf16 autocast on `device` when enabled (fp32 master weights stay as they are)."""
+    return torch.autocast(device.type, dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
+
+
+def prepare_for_device(model, cfg: ModelConfig) -> None:
+    """Device-specific kernels for a model about to be trained or evaluated (idempotent)."""
+    from grpo import attention, kernels
+
+    if cfg.cpu_kernels and next(model.parameters()).device.type == "cpu":
+        kernels.use_cpu_linear(model)
+        attention.use_grouped_attention(model)
+
+
+def sparse_tied_embedding_gradient(model) -> None:
+    """Let the input embedding send a sparse gradient when it shares its weight with the output layer.
+
+    The lookup's dense gradient is vocabulary x hidden (670 MB for Gemma-3-270M)
+    and almost all zeros: only the rows of tokens in the batch are non-zero. With
+    a tied output layer the weight's gradient is dense anyway, so the sparse rows
+    are simply added to it; an untied embedding keeps its dense gradient, which
+    AdamW needs.
+    """
+    embedding = model.get_input_embeddings()
+    output = model.get_output_embeddings()
+    if isinstance(embedding, torch.nn.Embedding) and output is not None and embedding.weight is output.weight:
+        embedding.sparse = True
+
+
+class SingleProcess:
+    world_size = 1
+    rank = 0
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.device = resolve_device(cfg.training.device)
+
+    @property
+    def is_main(self) -> bool:
+        return True
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        model = model.to(self.device)
+        prepare_for_device(model, self.cfg.model)
+        if self.cfg.training.gradient_checkpointing:
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = True
+        sparse_tied_embedding_gradient(model)
+        return model
+
+    def make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        t = self.cfg.training
+        optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad],
+            lr=t.learning_rate,
+            betas=(t.adam_beta1, t.adam_beta2),
+            eps=t.adam_epsilon,
+            weight_decay=t.weight_decay,
+            # one kernel per tensor, no temporaries the size of the model
+            fused=self.device.type in ("cpu", "cuda"),
+        )
+        # gradients live for the whole run and are zeroed in place (no re-allocation each step)
+        for p in model.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        return optimizer
+
+    def autocast(self):
+        return bf16_autocast(self.device, self.cfg.training.bf16)
+
+    def output_grad_sink(self, model: torch.nn.Module) -> torch.Tensor | None:
+        weight = model.get_output_embeddings().weight
+        return weight.grad if weight.requires_grad else None
+
+    def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> float:
+        if max_norm > 0:
+            return float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+        return float(torch.sqrt(sum((p.grad.float() ** 2).sum() for p in model.parameters() if p.grad is not None)))
+
+    def sum(self, value: float) -> float:
+        return value
+
+    def after_update(self) -> None:
+        if self.device.type == "cpu":
+            release_free_memory()  # the update's freed buffers, before the next rollout allocates its own

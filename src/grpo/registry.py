@@ -1,0 +1,113 @@
+"""Named, pluggable parts: one registry per kind, an implementation imported only when chosen.
+
+Every choice a config makes between implementations (an advantage estimator,
+a policy loss, a loss aggregation, a rollout engine, a task) is a name looked
+up in one of the registries below. The config check asks a registry for its
+names, so a wrong name fails at start-up with the list of known ones, before
+torch is imported; the implementation behind a name is imported on first use,
+so an engine that needs vLLM costs nothing until it is picked.
+
+Adding an implementation is one line here (a name and `module:attribute`), or,
+from user code, a decorator:
+
+    from grpo.registry import ADVANTAGE_ESTIMATORS
+
+    @ADVANTAGE_ESTIMATORS.register("my_estimator")
+    def my_estimator(rewards, group_size, *, scale_rewards): ...
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from typing import Any, Callable
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the key and the fix."""
+
+
+class Registry:
+    """Names -> implementations for the config key `key`."""
+
+    def __init__(self, key: str, entries: dict[str, str]):
+        self.key = key
+        self._targets: dict[str, str | Any] = dict(entries)  # "module:attribute" until first use
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._targets)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._targets
+
+    def check(self, name: Any) -> None:
+        """A ConfigError naming the key and the known names when `name` is not one of them."""
+        if name in self._targets:
+            return
+        names = self.names()
+        close = difflib.get_close_matches(str(name), names, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"{self.key}: {name!r} is not one of {', '.join(names)}{hint}")
+
+    def get(self, name: str) -> Any:
+        """The implementation registered as `name`, imported on first use."""
+        self.check(name)
+        target = self._targets[name]
+        if isinstance(target, str):
+            module, attribute = target.split(":")
+            target = self._targets[name] = getattr(importlib.import_module(module), attribute)
+        return target
+
+    def register(self, name: str) -> Callable[[Any], Any]:
+        """Decorator: add (or replace) `name` with the decorated object."""
+
+        def add(obj: Any) -> Any:
+            self._targets[name] = obj
+            return obj
+
+        return add
+
+
+# The registries. Each entry's signature is documented where its kind is defined.
+
+ADVANTAGE_ESTIMATORS = Registry(
+    "algorithm.advantage_estimator",
+    {"grpo": "grpo.algorithm.advantages:grpo_advantages"},
+)
+"""fn(rewards [N], group_size, *, scale_rewards) -> advantages [N]; see grpo.algorithm.advantages."""
+
+POLICY_LOSSES = Registry(
+    "algorithm.policy_loss",
+    {"clipped": "grpo.algorithm.losses:clipped_policy_loss"},
+)
+"""fn(logp, old_logp, advantages, mask, params: PolicyLossParams) -> (per-token loss, stats); see grpo.algorithm.losses."""
+
+LOSS_AGGREGATIONS = Registry(
+    "algorithm.loss_type",
+    {
+        "grpo": "grpo.algorithm.losses:per_sequence_mean",
+        "bnpo": "grpo.algorithm.losses:minibatch_token_mean",
+        "dr_grpo": "grpo.algorithm.losses:fixed_length_mean",
+        "dapo": "grpo.algorithm.losses:batch_token_mean",
+    },
+)
+"""fn(per_token_loss, mask, norm: LossNormalisers) -> scalar; see grpo.algorithm.losses."""
+
+ROLLOUT_ENGINES = Registry(
+    "rollout.engine",
+    {"hf": "grpo.rollout.hf:TransformersEngine"},
+)
+"""A grpo.rollout.base.RolloutEngine class, built as cls(model, tokenizer, cfg, device)."""
+
+TASKS = Registry(
+    "data.task",
+    {"arithmetic": "grpo.tasks.arithmetic:arithmetic_task", "jsonl": "grpo.tasks.jsonl:jsonl_task"},
+)
+"""fn(cfg: Config) -> grpo.tasks.Task."""
+
+# Plain choices that select a formula inside one implementation.
+SCALE_REWARDS = ("group", "batch", "none")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+IMPORTANCE_LEVELS = ("token", "sequence")
+LR_SCHEDULES = ("constant", "linear", "cosine")
+DECODING = ("auto", "fused", "plain")

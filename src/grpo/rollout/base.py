@@ -1,0 +1,60 @@
+"""The rollout engine interface: what the trainer and the evaluation generate with.
+
+An engine turns tokenised prompts into a `Rollout` (G completions each, token
+ids, masks, truncated flags), and is told when the policy's weights change.
+Engines are named in grpo.registry.ROLLOUT_ENGINES (`rollout.engine`) and
+imported only when chosen, so one that needs vLLM costs nothing otherwise; a
+new engine is one module with one class.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from grpo.rollout.types import Rollout, SamplingParams
+
+
+class RolloutEngine(Protocol):
+    eos_token_ids: list[int]
+    pad_token_id: int
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        num_generations: int,
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+    ) -> Rollout:
+        """`num_generations` completions of each prompt (token ids), group-major."""
+
+    def sync_weights(self, policy: torch.nn.Module) -> None:
+        """The policy changed (an optimizer step, a restore): generate from its new weights."""
+
+    def sleep(self) -> None:
+        """Free what generation holds (caches, weight copies) while the update runs."""
+
+    def wake(self) -> None:
+        """Undo `sleep` before the next generate."""
+
+
+class DecodingSteps(Protocol):
+    """One way of running the model's forward pass while decoding (grpo.rollout.hf uses
+    transformers' modules and cache, or grpo.rollout.fused.FusedDecoder)."""
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [R, Lq] after everything cached so far -> next-token logits [R, V]."""
+
+    def repeat_interleave(self, repeats: int) -> None:
+        """Repeat every cached row `repeats` times (a prompt's cache for its G completions)."""
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only the cached rows `rows` (finished completions leave the batch)."""
+
+
+def create_engine(name: str, model, tokenizer, cfg) -> RolloutEngine:
+    """The engine registered as `name` (rollout.engine), built for `model`."""
+    from grpo.registry import ROLLOUT_ENGINES
+
+    return ROLLOUT_ENGINES.get(name)(model, tokenizer, cfg)

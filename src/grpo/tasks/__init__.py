@@ -1,0 +1,60 @@
+"""A task: its rows, and how its held-out completions are scored.
+
+    arithmetic   the seed's problems (grpo.data.arithmetic_splits), scored by the last
+                 `Answer: N` against the row's integer answer
+    jsonl        rows from data.train_file / data.eval_file; scored like arithmetic when
+                 every held-out row has an integer `answer`, otherwise by the configured
+                 reward functions alone (their mean on the held-out rows)
+
+The training rewards are `rewards.funcs` (the arithmetic task's own reward,
+`arithmetic_correct`, is its default). Tasks are named in grpo.registry.TASKS
+(`data.task`); a task builder is `fn(cfg: Config) -> Task`, and a scorer
+implements `Scorer` (grpo.tasks.scorers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from grpo.config import Config
+
+Row = dict[str, Any]
+
+
+@dataclass
+class Scores:
+    """What a scorer found in one completion per held-out row."""
+
+    counts: dict[str, tuple[int, int]]
+    """name -> (count, out of), in the order the table shows them, e.g.
+    {"correct": (128, 200), "formatted": (200, 200), "correct among formatted": (128, 200)};
+    empty for a task scored by its rewards alone."""
+    details: list[dict[str, Any]]
+    """Per completion, what a sample shows besides its text (e.g. answer, predicted, correct)."""
+
+
+class Scorer(Protocol):
+    description: str
+    """One sentence for the report: what the counts mean."""
+
+    def check(self, rows: list[Row]) -> None:
+        """A ConfigError naming the row and the fix when a held-out row cannot be scored."""
+
+    def score(self, rows: list[Row], texts: list[str]) -> Scores:
+        """One completion text per row."""
+
+
+@dataclass
+class Task:
+    name: str
+    train_rows: list[Row]
+    eval_rows: list[Row]
+    scorer: Scorer
+
+
+def load_task(cfg: Config) -> Task:
+    """The task `data.task` names, with its rows read and checked."""
+    from grpo.registry import TASKS
+
+    return TASKS.get(cfg.data.task)(cfg)

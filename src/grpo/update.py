@@ -1,0 +1,136 @@
+"""The policy update: log-probabilities of a generation batch, and the optimizer passes.
+
+    old / reference logprobs   no gradient, minibatch by minibatch (`batch_logprobs`)
+    num_iterations passes      each: zero the gradients; for every minibatch and each
+                               of its micro-batches, the loss's share and its backward;
+                               clip; optimizer step; scheduler step (`policy_update`)
+
+The loss of a micro-batch is the registered policy loss and aggregation
+(grpo.algorithm) with normalisers counted over the whole generation batch, so
+the gradient does not depend on how the batch is split (tests/test_trainer.py).
+The backend says where the output layer's weight gradient goes and how
+gradients are clipped; nothing here knows the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from grpo import algorithm
+from grpo.batching import GenerationBatch, microbatches, minibatches
+from grpo.config import Config
+from grpo.logprobs import completion_logprobs
+
+
+def trim_left(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop leading columns that are padding in every row."""
+    first = int((mask.sum(0) > 0).nonzero()[0]) if mask.any() else mask.shape[1] - 1
+    return ids[:, first:], mask[:, first:]
+
+
+def split(batch: GenerationBatch, cfg: Config) -> list[list[torch.Tensor]]:
+    """The batch's minibatches, each as its micro-batches (row indices)."""
+    size, G = cfg.training.per_device_train_batch_size, cfg.rollout.num_generations
+    return [
+        microbatches(batch.rollout, rows, cfg.training.microbatch_tokens)
+        for rows in minibatches(batch.rollout.lengths.tolist(), G, size)
+    ]
+
+
+def rows_logprobs(model, batch: GenerationBatch, rows: torch.Tensor, cfg: Config, backend, grad: bool):
+    """(logp, entropy) [len(rows), width] of the completions `rows`, width = their longest."""
+    ro = batch.rollout
+    prompt_ids, prompt_mask = trim_left(ro.prompt_ids[rows], ro.prompt_mask[rows])
+    width = max(1, int(ro.completion_mask[rows].sum(-1).max()))
+    context = contextlib.nullcontext() if grad else torch.no_grad()
+    with context, backend.autocast():
+        return completion_logprobs(
+            model,
+            prompt_ids,
+            prompt_mask,
+            ro.completion_ids[rows, :width],
+            ro.completion_mask[rows, :width],
+            temperature=cfg.rollout.temperature,
+            chunk_size=cfg.training.logprob_chunk_size,
+            # the output layer's weight gradient goes straight into the sink (its preallocated .grad)
+            weight_grad_sink=backend.output_grad_sink(model) if grad else None,
+        )
+
+
+def batch_logprobs(model, batch: GenerationBatch, cfg: Config, backend) -> torch.Tensor:
+    """log pi [N, T] of every completion token under `model`, without gradients (in eval mode:
+    the sampling policy and the reference are scored, not trained)."""
+    was_training = model.training
+    model.eval()
+    out = torch.zeros(len(batch), batch.rollout.completion_ids.shape[1], device=backend.device)
+    try:
+        for pieces in split(batch, cfg):
+            for rows in pieces:
+                logp, _ = rows_logprobs(model, batch, rows, cfg, backend, grad=False)
+                out[rows, : logp.shape[1]] = logp
+    finally:
+        model.train(was_training)
+    return out
+
+
+def policy_update(model, optimizer, scheduler, batch: GenerationBatch, old_logp, ref_logp, cfg: Config, backend) -> dict[str, float]:
+    """num_iterations optimizer steps over the generation batch; the update's metrics."""
+    a = cfg.algorithm
+    pieces = split(batch, cfg)
+    num_tokens = backend.sum(batch.loss_mask.sum().item())
+    num_sequences = int(backend.sum(len(batch)))
+    sums = {"kl": 0.0, "clip_low": 0.0, "clip_high": 0.0, "clip_region": 0.0, "entropy": 0.0, "loss": 0.0}
+    grad_norms = []
+    model.train()
+    for _ in range(a.num_iterations):
+        optimizer.zero_grad(set_to_none=False)  # in place: the gradient buffers stay allocated
+        for minibatch in pieces:
+            rows_of_minibatch = torch.cat(minibatch)
+            norm = dict(
+                num_sequences=num_sequences, num_tokens=num_tokens, num_minibatches=len(pieces),
+                minibatch_tokens=batch.loss_mask[rows_of_minibatch].sum().item(),
+            )
+            for rows in minibatch:
+                logp, entropy = rows_logprobs(model, batch, rows, cfg, backend, grad=True)
+                width = logp.shape[1]
+                mask = batch.loss_mask[rows, :width]
+                loss, stats = algorithm.policy_loss(
+                    logp,
+                    old_logp[rows, :width] if old_logp is not None else None,
+                    batch.advantages[rows].to(backend.device),
+                    mask,
+                    objective=a.policy_loss,
+                    loss_type=a.loss_type,
+                    epsilon_low=a.epsilon,
+                    epsilon_high=cfg.epsilon_high,
+                    delta=a.delta,
+                    importance_sampling_level=a.importance_sampling_level,
+                    beta=a.beta,
+                    ref_logp=ref_logp[rows, :width] if ref_logp is not None else None,
+                    kl_estimator=a.kl_estimator,
+                    max_completion_length=cfg.rollout.max_completion_length,
+                    **norm,
+                )
+                sums["entropy"] += algorithm.masked_sum(entropy, mask).item()
+                loss.backward()
+                sums["loss"] += loss.item()
+                for key, value in stats.items():
+                    sums[key] += value.item()
+        grad_norms.append(backend.clip_grad_norm(model, cfg.training.max_grad_norm))
+        optimizer.step()
+        scheduler.step()
+    backend.after_update()
+    passes = a.num_iterations * max(1.0, num_tokens)
+    out = {
+        "loss": sums["loss"] / a.num_iterations,
+        "grad_norm": sum(grad_norms) / len(grad_norms),
+        "entropy": sums["entropy"] / passes,
+        "clip_ratio/low_mean": sums["clip_low"] / passes,
+        "clip_ratio/high_mean": sums["clip_high"] / passes,
+        "clip_ratio/region_mean": sums["clip_region"] / passes,
+    }
+    if a.beta > 0:
+        out["kl"] = sums["kl"] / passes
+    return out
