@@ -48,6 +48,12 @@ def test_overrides_do_not_mutate_input():
         ({}, ["data.task=jsonl"], "data.train_file: task 'jsonl' needs a JSONL file"),
         ({}, ["training.max_steps"], "expected key=value"),
         ({"model": "gpt2"}, [], "model: expected a mapping"),
+        ({}, ["rollout.engine=vllm"], "rollout.engine: 'vllm' is not one of hf"),
+        ({}, ["rollout.decoding=fast"], "rollout.decoding: 'fast' is not one of auto, fused, plain"),
+        ({}, ["algorithm.advantage_estimator=rloo"], "algorithm.advantage_estimator: 'rloo' is not one of grpo"),
+        ({}, ["algorithm.policy_loss=clip"], "algorithm.policy_loss: 'clip' is not one of clipped (did you mean 'clipped'?)"),
+        ({}, ["data.task=json"], "data.task: 'json' is not one of arithmetic, jsonl (did you mean 'jsonl'?)"),
+        ({}, ["eval.num_problems=0"], "eval.num_problems: must be > 0"),
     ],
 )
 def test_bad_config_names_the_key(data, overrides, expected):
@@ -82,3 +88,26 @@ def test_cli_bad_config_fails_before_loading_anything(tmp_path):
     assert "training.per_device_train_batch_size" in result.stderr
     result = subprocess.run([sys.executable, "-m", "grpo.cli", "train", str(tmp_path / "missing.yaml")], capture_output=True, text=True)
     assert result.returncode == 2 and "does not exist" in result.stderr
+
+
+def test_every_registered_name_resolves():
+    """Each registry entry imports to what its kind needs (a typo in a module path fails here)."""
+    from grpo import registry
+
+    for reg in (registry.ADVANTAGE_ESTIMATORS, registry.POLICY_LOSSES, registry.LOSS_AGGREGATIONS,
+                registry.ROLLOUT_ENGINES, registry.TASKS):
+        for name in reg.names():
+            assert callable(reg.get(name)), (reg.key, name)
+
+
+def test_registered_names_are_config_choices():
+    """A name registered from user code is accepted by the config check, and unregistered again refused."""
+    from grpo import registry
+
+    with pytest.raises(ConfigError, match="is not one of grpo"):
+        config.from_dict({}, ["algorithm.advantage_estimator=mine"])
+    registry.ADVANTAGE_ESTIMATORS.register("mine")(lambda rewards, group_size, *, scale_rewards: rewards * 0)
+    try:
+        assert config.from_dict({}, ["algorithm.advantage_estimator=mine"]).algorithm.advantage_estimator == "mine"
+    finally:
+        registry.ADVANTAGE_ESTIMATORS.unregister("mine")

@@ -214,8 +214,8 @@ def test_gguf_is_converted_once_then_read_from_the_cache(tiny_gguf, tmp_path, mo
     path, tensors = tiny_gguf
     cfg = ModelConfig(name=str(path), cache_dir=str(tmp_path), dtype="bfloat16")
     calls = []
-    real = models._convert_gguf_to_dir
-    monkeypatch.setattr(models, "_convert_gguf_to_dir", lambda *a: (calls.append(a), real(*a)))
+    real = models.write_converted_gguf
+    monkeypatch.setattr(models, "write_converted_gguf", lambda *a: (calls.append(a), real(*a)))
 
     first, _ = load_model_and_tokenizer(cfg)
     target = converted_dir(path, tmp_path)
@@ -227,7 +227,7 @@ def test_gguf_is_converted_once_then_read_from_the_cache(tiny_gguf, tmp_path, mo
     def no_second_conversion(*args):
         raise AssertionError("converted twice")
 
-    monkeypatch.setattr(models, "_convert_gguf_to_dir", no_second_conversion)
+    monkeypatch.setattr(models, "write_converted_gguf", no_second_conversion)
     capsys.readouterr()
     second, _ = load_model_and_tokenizer(cfg)
     assert "converting" not in capsys.readouterr().out
@@ -271,7 +271,7 @@ def test_failed_conversion_leaves_no_cache_entry(tiny_gguf, tmp_path, monkeypatc
         (out_dir / "config.json").write_text("{}")
         raise RuntimeError("killed mid-conversion")
 
-    monkeypatch.setattr(models, "_convert_gguf_to_dir", crash)
+    monkeypatch.setattr(models, "write_converted_gguf", crash)
     with pytest.raises(RuntimeError, match="killed"):
         convert_gguf(path, tmp_path)
     root = tmp_path / "converted"

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from grpo.rollout import Rollout, SamplingParams, StopStrings, generate
-from grpo.rollout.hf import CDF_BLOCK, _first_exceeding, sample_from, sample_next_token
+from grpo.rollout.hf import CDF_BLOCK, first_exceeding, sample_from, sample_next_token
 
 
 def _prompts(tokenizer):
@@ -165,5 +165,5 @@ def test_each_draw_lands_on_a_positive_weight():
     """The first cumulative weight strictly above the target: zero-weight entries (flat steps
     of the CDF, here at 0, 3 and 5) are skipped at both ends and in the middle."""
     cdf = torch.tensor([[0.0, 0.25, 0.75, 0.75, 1.0, 1.0]])
-    draws = {u: _first_exceeding(cdf, torch.tensor([[u]])).item() for u in (0.0, 0.5, 0.75, 1.0 - 2.0**-24)}
+    draws = {u: first_exceeding(cdf, torch.tensor([[u]])).item() for u in (0.0, 0.5, 0.75, 1.0 - 2.0**-24)}
     assert draws == {0.0: 1, 0.5: 2, 0.75: 4, 1.0 - 2.0**-24: 4}

@@ -330,3 +330,84 @@ def test_bf16_weights_train(tokenizer, tmp_path):
     head = trainer.model.get_output_embeddings().weight
     assert head.dtype == torch.bfloat16 and head.grad.dtype == torch.bfloat16
     assert head.grad.abs().sum() > 0
+
+
+def test_a_registered_estimator_is_what_the_step_uses(tokenizer, tmp_path):
+    """A new advantage estimator is one registered function; the config picks it by name."""
+    from grpo.registry import ADVANTAGE_ESTIMATORS
+
+    seen = []
+
+    @ADVANTAGE_ESTIMATORS.register("zero_test")
+    def zero(rewards, group_size, *, scale_rewards):
+        seen.append((tuple(rewards.shape), group_size, scale_rewards))
+        return torch.zeros_like(rewards)
+
+    try:
+        trainer = make_trainer(tokenizer, tmp_path, ["training.max_steps=1", "training.per_device_train_batch_size=32",
+                                                     "algorithm.advantage_estimator=zero_test", "algorithm.scale_rewards=none"])
+        metrics, batch = trainer.train_step()
+    finally:
+        ADVANTAGE_ESTIMATORS.unregister("zero_test")
+    assert seen == [((32,), 16, "none")]
+    assert torch.equal(batch.advantages, torch.zeros(32))
+    assert metrics["loss"] == 0.0 and metrics["grad_norm"] == 0.0
+
+
+def test_unknown_engine_fails_before_the_model_loads(tokenizer, tmp_path):
+    with pytest.raises(config.ConfigError, match="rollout.engine: 'vllm' is not one of hf"):
+        make_trainer(tokenizer, tmp_path, ["rollout.engine=vllm"])
+
+
+def test_jsonl_task_without_answers_trains_and_evaluates_by_its_rewards(tokenizer, tmp_path, capsys):
+    """Rows with no integer answer: training and the before/after evaluation use the reward functions."""
+    rows = [{"prompt": f"{a}+{b}=", "target": str(a + b)} for a in range(1, 5) for b in range(1, 5)]
+    for name, part in (("train", rows), ("eval", rows[:4])):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+
+    def starts_with_target(completions, target, **kw):
+        return [float(c[:1] == t[:1]) for c, t in zip(completions, target)]
+
+    cfg = config.from_dict(
+        {**TOY, "output_dir": str(tmp_path / "run"),
+         "data": {"task": "jsonl", "train_file": str(tmp_path / "train.jsonl"), "eval_file": str(tmp_path / "eval.jsonl"),
+                  "chat_template": "never"},
+         "eval": {"before": True, "after": True, "temperatures": [0.0]}},
+        ["training.max_steps=2", "training.per_device_train_batch_size=32"],
+    )
+    trainer = Trainer(cfg, model=tiny_model(tokenizer, hidden_size=32, num_layers=1, seed=0), tokenizer=tokenizer,
+                      reward_funcs={"target": starts_with_target})
+    history = trainer.train()
+    assert len(history) == 2 and "rewards/target/mean" in history[0]
+    results = [json.loads(l) for l in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    assert [(r["label"], r["counts"]) for r in results] == [("before", {}), ("after", {})]
+    assert all(0.0 <= r["mean_reward"] <= 1.0 and set(r["rewards"]) == {"target"} for r in results)
+    out = capsys.readouterr().out
+    assert "mean reward (before) | mean reward (after)" in out
+    assert "Scored by the configured reward functions" in (tmp_path / "run" / "report.md").read_text()
+
+
+def test_console_eta_counts_training_steps_only(tokenizer, tmp_path, capsys, monkeypatch):
+    """A slow evaluation before training shows its own progress bar and does not enter the ETA."""
+    import re
+    import time
+
+    from grpo.evaluate import Evaluator
+
+    original = Evaluator.__call__
+
+    def slow(self, label, step, progress=None):
+        time.sleep(3.0)
+        return original(self, label, step, progress)
+
+    monkeypatch.setattr(Evaluator, "__call__", slow)
+    trainer = make_trainer(tokenizer, tmp_path, ["training.max_steps=3", "training.per_device_train_batch_size=32",
+                                                 "eval.before=true", "logging.log_every=1", "eval.temperatures=[0.0]"])
+    trainer.train()
+    out = capsys.readouterr().out
+    assert "eval before" in out and "1/1" in out  # the evaluation's bar: one batch of the 4 held-out problems
+    first = re.search(r"1/3 \|.*\| ([\d.]+)s/step \| ETA (\d+):(\d+)", out)
+    assert first, out
+    step_s, eta_s = float(first.group(1)), int(first.group(2)) * 60 + int(first.group(3))
+    # two steps left at the first step's pace; counting the 3 s evaluation would give at least 6 s more
+    assert eta_s <= 2 * step_s + 1

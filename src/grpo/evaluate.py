@@ -31,6 +31,7 @@ import torch
 
 from grpo.config import Config, ConfigError
 from grpo.data import Row, encode_prompts, is_conversational
+from grpo.metrics import nanmean
 from grpo.rewards.arithmetic import completion_text
 from grpo.rollout import SamplingParams
 
@@ -168,11 +169,6 @@ def evaluate(
     return results
 
 
-def _nanmean(x: torch.Tensor) -> float:
-    present = ~torch.isnan(x)
-    return float(x[present].mean()) if present.any() else math.nan
-
-
 def _result(label, step, temperature, rows, texts, ids, truncated, scorer, reward_set) -> EvalResult:
     scores = scorer.score(rows, texts)
     mean_reward, per_function = math.nan, {}
@@ -183,8 +179,8 @@ def _result(label, step, temperature, rows, texts, ids, truncated, scorer, rewar
             [{"role": "assistant", "content": t}] if is_conversational(r) else t for r, t in zip(rows, texts)
         ]
         per_func = reward_set.score([r["prompt"] for r in rows], completions, ids, rows)
-        mean_reward = _nanmean(combine_rewards(per_func, reward_set.weights))
-        per_function = {name: _nanmean(per_func[:, k]) for k, name in enumerate(reward_set.names)}
+        mean_reward = nanmean(combine_rewards(per_func, reward_set.weights))
+        per_function = {name: nanmean(per_func[:, k]) for k, name in enumerate(reward_set.names)}
     elif "correct" in scores.counts:
         mean_reward = scores.counts["correct"][0] / len(rows)
     samples = [

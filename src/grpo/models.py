@@ -207,7 +207,7 @@ def convert_gguf(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike | No
         print(f"converting {gguf_path} to safetensors (once) -> {target}", flush=True)
         start = time.perf_counter()
         try:
-            _convert_gguf_to_dir(gguf_path, tmp)
+            write_converted_gguf(gguf_path, tmp)
             info = {
                 "source": str(gguf_path),
                 "source_size": gguf_path.stat().st_size,
@@ -232,7 +232,7 @@ def convert_gguf(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike | No
 # --------------------------------------------------------------------------
 
 
-def _convert_gguf_to_dir(gguf_path: Path, out_dir: Path) -> None:
+def write_converted_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Dequantize `gguf_path` with transformers' GGUF loader and save model, tokenizer
     and generation config to `out_dir` as a float32 safetensors checkpoint."""
     try:

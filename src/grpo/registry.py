@@ -67,6 +67,11 @@ class Registry:
 
         return add
 
+    def unregister(self, name: str) -> None:
+        """Remove `name` (e.g. a test's own entry)."""
+        self.check(name)
+        del self._targets[name]
+
 
 # The registries. Each entry's signature is documented where its kind is defined.
 

@@ -19,6 +19,8 @@ from grpo.rollout.types import Rollout, SamplingParams
 class RolloutEngine(Protocol):
     eos_token_ids: list[int]
     pad_token_id: int
+    device: torch.device
+    """Where its generators draw (a torch.Generator for `generate` is made on this device)."""
 
     def generate(
         self,

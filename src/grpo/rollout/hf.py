@@ -83,14 +83,14 @@ def sample_from(weights: torch.Tensor, generator: torch.Generator | None = None)
         totals = torch.cat([totals, weights[:, whole:].sum(-1, keepdim=True)], dim=1)
     u = torch.rand(B, 2, generator=generator, device=weights.device)
     block_cdf = totals.cumsum(-1)
-    b = _first_exceeding(block_cdf, u[:, :1])
+    b = first_exceeding(block_cdf, u[:, :1])
     index = b * block + torch.arange(block, device=weights.device)  # [B, block]: the chosen block's entries
     inside = index < V
     local_cdf = (weights.gather(1, index.clamp(max=V - 1)) * inside).cumsum(-1)
-    return (b * block + _first_exceeding(local_cdf, u[:, 1:])).squeeze(-1)
+    return (b * block + first_exceeding(local_cdf, u[:, 1:])).squeeze(-1)
 
 
-def _first_exceeding(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def first_exceeding(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """[B, 1] index of the first entry of each row of `cdf` [B, n] (non-decreasing) strictly
     above u x its last entry, for u [B, 1] in [0, 1): always an entry where the CDF steps up,
     i.e. one with positive weight. The target is also capped just below the total, so
