@@ -523,7 +523,7 @@ def run_grpo(spec: dict, out_dir: Path) -> dict:
         ro = batch.rollout
         rec.lengths = (ro.prompt_mask.sum(-1).tolist(), ro.completion_mask.sum(-1).tolist())
         rec.end(index)
-    return _side_result(rec, shape, probe, setup_s, trainer.optimizer, "bf16" if cfg.training.bf16 else "no")
+    return _side_result(rec, shape, probe, setup_s, trainer.state.optimizer, "bf16" if cfg.training.bf16 else "no")
 
 
 def child_main(args) -> int:

@@ -7,7 +7,7 @@ import torch
 from grpo import kernels, logprobs
 from grpo import config
 from grpo.backends.single import prepare_for_device
-from grpo.config import ModelConfig
+from grpo.config import ConfigError, ModelConfig
 from grpo.rollout import SamplingParams, TransformersEngine, generate
 from grpo.rollout.fused import FusedDecoder, fused_decoding_applies
 from grpo.rollout.hf import TransformersSteps, left_pad
@@ -175,6 +175,9 @@ def test_unsupported_architectures_decode_through_transformers(tokenizer):
     prepare_for_device(model, ModelConfig(name="tiny"))
     with pytest.raises(ValueError, match="'gpt2'"):
         FusedDecoder(model, rows=2, max_length=8)
+    with pytest.raises(ConfigError, match="rollout.decoding: fused decoding does not support this model"):
+        _engine(model, tokenizer, "fused")  # at start-up, not at the first rollout
+    assert not _engine(model, tokenizer).uses_fused_decoding()
     assert not fused_decoding_applies(model, torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = generate(model, _prompts(tokenizer), 2, SamplingParams(6, temperature=0),

@@ -40,7 +40,7 @@ from grpo.attention import grouped_attention
 NORM_STYLES = {"gemma3_text": "gemma", "llama": "llama", "qwen2": "llama", "qwen3": "llama"}
 
 
-def _unsupported(model) -> str | None:
+def unsupported_reason(model) -> str | None:
     """Why `model` cannot use FusedDecoder, or None."""
     config = getattr(model, "config", None)
     kind = getattr(config, "model_type", None)
@@ -75,7 +75,7 @@ def fused_decoding_applies(model, compute_dtype: torch.dtype) -> bool:
     where oneDNN can pack weights (see grpo.kernels)."""
     if compute_dtype != torch.bfloat16:
         return False
-    if _unsupported(model) is not None or not kernels.packing_available():
+    if unsupported_reason(model) is not None or not kernels.packing_available():
         return False
     return all(
         isinstance(m, kernels.CPULinear) and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
@@ -167,7 +167,7 @@ class FusedDecoder:
     """
 
     def __init__(self, model, rows: int, max_length: int, pack: bool = True):
-        reason = _unsupported(model)
+        reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"FusedDecoder does not support this model ({reason}); decode through transformers instead")
         config = model.config

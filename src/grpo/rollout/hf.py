@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 
 from grpo import kernels, logprobs
-from grpo.rollout.fused import FusedDecoder, fused_decoding_applies
+from grpo.config import ConfigError
+from grpo.rollout.fused import FusedDecoder, fused_decoding_applies, unsupported_reason
 from grpo.rollout.types import Rollout, SamplingParams
 from grpo.backends.single import bf16_autocast
 
@@ -263,6 +264,15 @@ class TransformersEngine:
         self.stop = StopStrings(tokenizer, r.stop_strings) if r.stop_strings else None
         self.bf16 = cfg.training.bf16
         self.decoding = r.decoding
+        if self.decoding == "fused":
+            was_training = model.training
+            reason = unsupported_reason(model.eval())  # as it will decode: in eval mode
+            model.train(was_training)
+            if reason is not None:
+                raise ConfigError(
+                    f"rollout.decoding: fused decoding does not support this model ({reason}); "
+                    "use rollout.decoding=auto or plain"
+                )
 
     @property
     def device(self) -> torch.device:
