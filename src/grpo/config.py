@@ -174,6 +174,11 @@ class RewardsConfig:
     max_completion_length are penalised linearly (added as reward `overlong`)."""
     overlong_weight: float = 1.0
     """Weight of the overlong penalty."""
+    math_forms: list[str] = field(default_factory=lambda: ["boxed", "gsm8k", "answer"])
+    """Where `math_answer` reads a completion's final answer: the last \\boxed{...}, GSM8K's
+    `#### N`, the seed's `Answer: N` (the last one in the text wins, whichever its form)."""
+    math_timeout: float = 5.0
+    """Seconds one `math_answer` comparison through math-verify may take; past that it scores 0."""
 
     def check(self, cfg: "Config", world_size: int = 1) -> None:
         if not self.funcs and self.overlong_buffer is None:
@@ -182,6 +187,11 @@ class RewardsConfig:
             raise ConfigError(
                 f"rewards.weights: {len(self.weights)} weights for {len(self.funcs)} functions in rewards.funcs; give one weight per function"
             )
+        if not self.math_forms:
+            raise ConfigError("rewards.math_forms: empty; list some of boxed, gsm8k, answer")
+        for form in self.math_forms:
+            _choice("rewards.math_forms[]", form, ("boxed", "gsm8k", "answer"))
+        _positive("rewards.math_timeout", self.math_timeout)
         max_length = cfg.rollout.max_completion_length
         if self.overlong_buffer is not None and not 0 < self.overlong_buffer <= max_length:
             raise ConfigError(

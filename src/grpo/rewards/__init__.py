@@ -23,6 +23,7 @@ import torch
 from grpo.algorithm import overlong_penalty
 from grpo.config import ConfigError, RewardsConfig
 from grpo.rewards.arithmetic import arithmetic_correct, arithmetic_format
+from grpo.rewards.format import think_format, think_format_lenient, think_tag_count
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,20 @@ RewardFn = Callable[..., list]
 BUILTIN: dict[str, RewardFn] = {
     "arithmetic_correct": arithmetic_correct,
     "arithmetic_format": arithmetic_format,
+    "think_format": think_format,
+    "think_format_lenient": think_format_lenient,
+    "think_tag_count": think_tag_count,
 }
+
+
+def _math_answer(cfg: RewardsConfig) -> RewardFn:
+    from grpo.rewards.math_answer import MathAnswer
+
+    return MathAnswer(cfg.math_forms, cfg.math_timeout)
+
+
+CONFIGURED: dict[str, Callable[[RewardsConfig], RewardFn]] = {"math_answer": _math_answer}
+"""Built-in rewards made from the rewards section's settings (math_forms, math_timeout)."""
 
 CALL_ARGUMENTS = {"prompts", "completions", "completion_ids"}
 
@@ -46,13 +60,15 @@ def overlong_reward(max_length: int, buffer: int) -> RewardFn:
     return overlong
 
 
-def resolve(spec: str) -> tuple[str, RewardFn]:
+def resolve(spec: str, cfg: RewardsConfig | None = None) -> tuple[str, RewardFn]:
     """A built-in name, `package.module:function` or `path/to/file.py:function`."""
     if spec in BUILTIN:
         return spec, BUILTIN[spec]
+    if spec in CONFIGURED:
+        return spec, CONFIGURED[spec](cfg or RewardsConfig())
     if ":" not in spec:
         raise ConfigError(
-            f"rewards.funcs: unknown reward {spec!r}; use a built-in ({', '.join(BUILTIN)}) "
+            f"rewards.funcs: unknown reward {spec!r}; use a built-in ({', '.join([*BUILTIN, *CONFIGURED])}) "
             "or 'module.path:function' or 'path/to/file.py:function'"
         )
     target, name = spec.rsplit(":", 1)
@@ -117,7 +133,7 @@ class RewardSet:
         with their weights, plus DAPO's overlong penalty when configured; `failures`
         continues the failure counts of a restored run."""
         if funcs is None:
-            resolved = [resolve(spec) for spec in cfg.funcs]
+            resolved = [resolve(spec, cfg) for spec in cfg.funcs]
         else:
             resolved = list(funcs.items())
         weights = cfg.weights if cfg.weights is not None else [1.0] * len(resolved)
