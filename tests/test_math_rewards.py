@@ -62,7 +62,7 @@ def test_exact_numbers():
     assert as_number("1,000") == as_number("1000") == 1000
     assert as_number("0.5") == as_number("1/2") == as_number(".5")
     assert as_number("+3") == 3 and as_number("-3") == -3
-    assert as_number("50%") == 50
+    assert as_number("50%") == as_number("50\\%") == 50
     assert as_number("x+1") is None and as_number("1/0") is None
 
 

@@ -83,15 +83,15 @@ def policy_update(model, optimizer, scheduler, batch: GenerationBatch, old_logp,
     num_sequences = int(backend.sum(len(batch)))
     sums = {"kl": 0.0, "clip_low": 0.0, "clip_high": 0.0, "clip_region": 0.0, "entropy": 0.0, "loss": 0.0}
     grad_norms = []
+    norms = [  # the same for every pass: counted once
+        dict(num_sequences=num_sequences, num_tokens=num_tokens, num_minibatches=len(pieces),
+             minibatch_tokens=batch.loss_mask[torch.cat(minibatch)].sum().item())
+        for minibatch in pieces
+    ]
     model.train()
     for _ in range(a.num_iterations):
         optimizer.zero_grad(set_to_none=False)  # in place: the gradient buffers stay allocated
-        for minibatch in pieces:
-            rows_of_minibatch = torch.cat(minibatch)
-            norm = dict(
-                num_sequences=num_sequences, num_tokens=num_tokens, num_minibatches=len(pieces),
-                minibatch_tokens=batch.loss_mask[rows_of_minibatch].sum().item(),
-            )
+        for minibatch, norm in zip(pieces, norms):
             for rows in minibatch:
                 logp, entropy = rows_logprobs(model, batch, rows, cfg, backend, grad=True)
                 width = logp.shape[1]

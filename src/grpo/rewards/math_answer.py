@@ -101,8 +101,7 @@ def normalise_gold(gold) -> str | None:
 
 def as_number(text: str) -> Fraction | None:
     """The exact value of a plain number (commas, `+`, `%`, `\\!` spacing dropped), else None."""
-    t = text.replace(",", "").replace("\\!", "").replace(" ", "").rstrip("%").rstrip(".")
-    t = t.replace("\\%", "")
+    t = text.replace(",", "").replace("\\!", "").replace(" ", "").replace("\\%", "%").rstrip("%").rstrip(".")
     if not _NUMBER.fullmatch(t):
         return None
     try:
