@@ -11,7 +11,7 @@ TORCH  ?= torch==2.13.0
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_VERBOSITY ?= error
 
-.PHONY: demo test test-slow bench-tiny bench clean
+.PHONY: demo test test-slow bench-tiny bench clean sandbox-tools
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,14 +30,26 @@ $(VENV)/.dev: pyproject.toml $(VENV)/.torch
 	$(BIN)/pip install --quiet -e ".[dev,gguf,report]"
 	touch $@
 
+# The sandbox for model-written code runs it under bubblewrap with an interpreter
+# that an unprivileged uid can reach (grpo.sandbox): installed once on
+# Debian/Ubuntu when missing; elsewhere, install them yourself.
+SANDBOX_PACKAGES = $$(command -v bwrap >/dev/null 2>&1 || echo bubblewrap) $$([ -x /usr/bin/python3 ] || echo python3-minimal)
+sandbox-tools:
+	@missing="$(SANDBOX_PACKAGES)"; [ -z "$$(echo $$missing)" ] || { \
+	  if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then APT="apt-get"; \
+	  elif command -v apt-get >/dev/null 2>&1 && command -v sudo >/dev/null 2>&1; then APT="sudo apt-get"; fi; \
+	  if [ -n "$$APT" ]; then echo "installing $$missing for the code sandbox"; \
+	    ($$APT install -y -qq $$missing || ($$APT update -qq && $$APT install -y -qq $$missing)) >/dev/null; \
+	  else echo "grpo: install $$missing for the code sandbox; its tests are skipped without it" >&2; fi; }
+
 # each demo run gets its own directory, so an earlier run is never overwritten
 demo: $(VENV)/.runtime
 	$(BIN)/grpo train examples/demo.yaml output_dir=runs/demo-$$(date +%Y%m%d-%H%M%S)
 
-test: $(VENV)/.dev
+test: $(VENV)/.dev sandbox-tools
 	$(BIN)/python -m pytest -q
 
-test-slow: $(VENV)/.dev
+test-slow: $(VENV)/.dev sandbox-tools
 	$(BIN)/python -m pytest -q -m slow
 
 # grpo vs TRL side by side in one run (TRL is a dev extra)

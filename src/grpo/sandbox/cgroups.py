@@ -1,0 +1,160 @@
+"""Hard memory and process-count limits for one sandboxed run, through cgroups.
+
+Resource limits (rlimits) bound each process; a cgroup bounds all the
+processes of a run together, whatever they do (a hundred processes of
+100 MiB each, memory in a tmpfs). One cgroup per run is made under the
+trainer's own cgroup (so a container's own limits still hold above it), the
+run's first process enters it before it executes anything, and afterwards
+every process still in it is killed and the cgroup removed.
+
+cgroup v1 (separate `memory` and `pids` hierarchies) and v2 (one unified
+hierarchy) are both handled. Where neither is writable (not root, a
+read-only /sys/fs/cgroup), `available()` is False and the sandbox relies on
+its rlimits and PID namespace alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import time
+from pathlib import Path
+
+ROOT = Path("/sys/fs/cgroup")
+_serial = itertools.count()
+
+
+def _own_path(controller: str) -> str | None:
+    """This process's cgroup path in the hierarchy of `controller` ("" for v2)."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controller in controllers.split(",") or (controller == "" and controllers == ""):
+            return path
+    return None
+
+
+def _parents() -> list[Path] | None:
+    """The directories under which this process may create run cgroups: [memory, pids]
+    for v1, [unified] for v2; None when cgroups cannot be used."""
+    if (ROOT / "memory").is_dir() and (ROOT / "pids").is_dir():
+        parents = []
+        for controller in ("memory", "pids"):
+            own = _own_path(controller)
+            if own is None:
+                return None
+            parents.append(ROOT / controller / own.lstrip("/") / "grpo-sandbox")
+        return parents
+    if (ROOT / "cgroup.controllers").is_file():
+        own = _own_path("")
+        if own is None:
+            return None
+        # v2 lets a cgroup that holds processes give its children no controllers;
+        # then the probe in available() fails and the sandbox runs without cgroups.
+        return [ROOT / own.lstrip("/") / "grpo-sandbox"]
+    return None
+
+
+class RunCgroup:
+    """The cgroup(s) of one run: made with limits, entered by the run's first process
+    (`enter_paths`: write its pid to each), checked for an OOM kill, then emptied and removed."""
+
+    def __init__(self, parents: list[Path], memory: int, processes: int):
+        name = f"run-{os.getpid()}-{next(_serial)}"
+        self.dirs = [p / name for p in parents]
+        self.v2 = len(parents) == 1
+        for d in self.dirs:
+            d.mkdir(parents=True, exist_ok=False)
+        if self.v2:
+            (self.dirs[0] / "memory.max").write_text(str(memory))
+            _try_write(self.dirs[0] / "memory.swap.max", "0")
+            (self.dirs[0] / "pids.max").write_text(str(processes))
+        else:
+            memory_dir, pids_dir = self.dirs
+            (memory_dir / "memory.limit_in_bytes").write_text(str(memory))
+            _try_write(memory_dir / "memory.memsw.limit_in_bytes", str(memory))  # no escape into swap
+            (pids_dir / "pids.max").write_text(str(processes))
+
+    @property
+    def enter_paths(self) -> list[str]:
+        return [str(d / "cgroup.procs") for d in self.dirs]
+
+    def oom_killed(self) -> bool:
+        """Whether the kernel killed a process of this run for exceeding the memory limit."""
+        memory_dir = self.dirs[0]
+        text = _try_read(memory_dir / ("memory.events" if self.v2 else "memory.oom_control"))
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill" and value.strip().isdigit() and int(value) > 0:
+                return True
+        return False
+
+    def pids(self) -> list[int]:
+        found: set[int] = set()
+        for path in self.enter_paths:
+            found.update(int(p) for p in _try_read(Path(path)).split())
+        return sorted(found)
+
+    def close(self, wait: float = 2.0) -> list[int]:
+        """Kill whatever is left in the cgroup and remove it; returns the pids that had to be killed."""
+        killed: list[int] = []
+        deadline = time.monotonic() + wait
+        while True:
+            left = self.pids()
+            if not left:
+                break
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+                except ProcessLookupError:
+                    pass
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        for d in self.dirs:
+            for _ in range(100):  # rmdir fails while the last killed task is still exiting
+                try:
+                    d.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.01)
+        return sorted(set(killed))
+
+
+_checked: list[Path] | None | bool = False
+
+
+def available() -> list[Path] | None:
+    """The parent directories for run cgroups when this process can create them (checked once)."""
+    global _checked
+    if _checked is False:
+        parents = _parents()
+        if parents is not None:
+            try:
+                probe = RunCgroup(parents, memory=64 << 20, processes=4)
+                probe.close()
+            except OSError:
+                parents = None
+        _checked = parents
+    return _checked
+
+
+def _try_write(path: Path, text: str) -> None:
+    try:
+        path.write_text(text)
+    except OSError:
+        pass  # the controller file is absent on this kernel (e.g. no swap accounting)
+
+
+def _try_read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""

@@ -1,0 +1,307 @@
+"""grpo.sandbox.run against hostile programs: each is bounded, reported with the right
+status, really started, and leaves nothing behind; benign programs run normally."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from grpo import sandbox
+from grpo.sandbox import Limits, SandboxUnavailable, run
+import grpo.sandbox.runner as run_module
+
+if sandbox.bwrap_path() is None and not os.environ.get("GRPO_REQUIRE_SANDBOX"):
+    pytest.skip("bubblewrap is not installed (make test installs it)", allow_module_level=True)
+
+STARTED = 'print("started", flush=True)\n'
+
+
+def sandbox_processes() -> list[str]:
+    """Processes of any sandbox uid, or running the sandbox's tools, still alive. Zombies
+    are not counted: they have exited, and the namespace's init, orphaned when its
+    namespace ends, waits for the machine's init to collect it."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            status = Path(entry.path, "status").read_text()
+            cmdline = Path(entry.path, "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        uid = int(next(line.split()[1] for line in status.splitlines() if line.startswith("Uid:")))
+        if "\nState:\tZ" in status:
+            continue
+        if uid >= run_module.UID_BASE or "grpo-hostile" in cmdline or "bwrap" in cmdline:
+            found.append(f"{entry.name} uid={uid} {cmdline[:120]}")
+    return found
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def nothing_left_behind():
+    fds = open_fds()
+    yield
+    time.sleep(0.2)
+    assert sandbox_processes() == []
+    assert open_fds() == fds, "the sandbox leaked file descriptors into the test process"
+
+
+# --------------------------------------------------------------------------
+# Benign programs
+# --------------------------------------------------------------------------
+
+
+def test_benign_program_runs_and_prints():
+    r = run('import sys\nprint("hello")\nprint("warn", file=sys.stderr)\n')
+    assert (r.status, r.exit_code, r.stdout, r.stderr) == ("ok", 0, "hello\n", "warn\n")
+    assert 0 < r.duration < 5
+
+
+def test_stdin_is_given_or_closed():
+    assert run("print(input()[::-1])", stdin="abc\n").stdout == "cba\n"
+    r = run(STARTED + "input()")
+    assert r.status == "failed" and "EOFError" in r.stderr and "started" in r.stdout
+
+
+def test_program_can_use_its_working_directory_and_the_stdlib():
+    r = run("import json, math, collections, os\n"
+            "open('data.txt', 'w').write('x' * 1000)\n"
+            "print(os.getcwd(), len(open('data.txt').read()), math.factorial(5), json.dumps([1]))\n")
+    assert r.status == "ok" and r.stdout == "/tmp 1000 120 [1]\n"
+
+
+def test_exit_status_is_reported():
+    r = run(STARTED + "import sys; sys.exit(3)")
+    assert (r.status, r.exit_code) == ("failed", 3) and "started" in r.stdout
+    r = run("raise ValueError('boom')")
+    assert r.status == "failed" and r.exit_code == 1 and "ValueError: boom" in r.stderr
+
+
+def test_many_runs_in_a_row_all_run():
+    # each run's processes must be gone when it ends, or they would count against the
+    # process limit of the next run that gets the same uid
+    results = [run("print('x')") for _ in range(3 * run_module.UID_SLOTS // 2)]
+    assert [r.stdout for r in results] == ["x\n"] * len(results)
+
+
+def test_concurrent_runs_stay_separate():
+    results = [None] * 6
+
+    def go(i):
+        results[i] = run(f"import time; time.sleep(0.2); print({i})")
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [r.stdout for r in results] == [f"{i}\n" for i in range(6)]
+
+
+# --------------------------------------------------------------------------
+# Hostile programs
+# --------------------------------------------------------------------------
+
+
+def test_infinite_loop_times_out():
+    r = run(STARTED + "while True:\n    pass\n", timeout=1.5)
+    assert r.status == "timeout" and "started" in r.stdout
+    assert r.duration < 4
+
+
+def test_cpu_limit_stops_a_busy_program_before_the_wall_clock():
+    r = run(STARTED + "while True:\n    pass\n", timeout=30, cpu_seconds=1)
+    assert r.status == "timeout" and r.duration < 10
+
+
+def test_ignoring_sigterm_does_not_help():
+    r = run(STARTED + "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            "while True:\n    time.sleep(0.1)\n", timeout=1.5)
+    assert r.status == "timeout" and "started" in r.stdout and r.duration < 4
+
+
+def test_fork_bomb_is_bounded():
+    r = run(STARTED + "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
+            timeout=2, processes=16)
+    assert r.status == "timeout" and "started" in r.stdout and r.duration < 6
+
+
+def test_fork_limit_is_felt_by_the_program():
+    r = run("import os, sys\nn = 0\ntry:\n    for _ in range(100):\n        if os.fork() == 0:\n"
+            "            import time; time.sleep(5); os._exit(0)\n        n += 1\nexcept OSError as e:\n"
+            "    print('refused after', n, type(e).__name__)\n    sys.exit(0)\n", timeout=5, processes=8)
+    assert r.status == "ok" and r.stdout.startswith("refused after")
+    assert int(r.stdout.split()[2]) < 8
+
+
+def test_thread_bomb_is_bounded():
+    r = run(STARTED + "import threading, time\nwhile True:\n"
+            "    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n", timeout=5, processes=16)
+    assert r.status == "failed" and "started" in r.stdout and "can't start new thread" in r.stderr
+
+
+def test_memory_bomb_is_stopped():
+    r = run(STARTED + "x = bytearray(4 << 30)\n", memory=256 << 20)
+    assert r.status == "memory" and "started" in r.stdout
+    r = run(STARTED + "chunks = []\nwhile True:\n    chunks.append(bytearray(8 << 20))\n", memory=256 << 20)
+    assert r.status == "memory" and "started" in r.stdout
+
+
+def test_memory_spread_over_processes_hits_the_cgroup_limit():
+    if sandbox.cgroups.available() is None:
+        pytest.skip("cgroups are not writable here")
+    # each process stays under the address-space limit; together they exceed the cgroup's
+    r = run(STARTED + "import os, time\nfor _ in range(5):\n    if os.fork() == 0:\n        break\n"
+            "x = bytearray(150 << 20)\nfor i in range(0, len(x), 4096):\n    x[i] = 1\ntime.sleep(3)\n",
+            memory=256 << 20, timeout=8)
+    assert r.status == "memory" and "started" in r.stdout
+
+
+def test_output_flood_is_cut_quickly():
+    r = run(STARTED + "import sys\nblock = 'x' * (1 << 20)\nfor _ in range(4096):\n    sys.stdout.write(block)\n",
+            timeout=30, output=1 << 20)
+    assert r.status == "output_limit" and r.truncated and r.stdout.startswith("started")
+    assert len(r.stdout) == 1 << 20 and r.duration < 10
+
+
+def test_disk_fill_is_bounded():
+    r = run(STARTED + "block = b'x' * (1 << 20)\nwith open('fill', 'wb') as f:\n    while True:\n        f.write(block)\n",
+            disk=32 << 20, file_size=1 << 30, timeout=10)
+    assert r.status == "output_limit" and "started" in r.stdout
+    r = run(STARTED + "block = b'x' * (1 << 20)\nwith open('big', 'wb') as f:\n    while True:\n        f.write(block)\n",
+            file_size=4 << 20, timeout=10)
+    assert r.status == "output_limit" and "started" in r.stdout
+
+
+def test_network_is_unreachable(tmp_path):
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    server.settimeout(0.5)
+    port = server.getsockname()[1]
+    try:
+        r = run(STARTED + "import socket\ntry:\n"
+                f"    socket.create_connection(('127.0.0.1', {port}), timeout=2)\n    print('connected')\n"
+                "except OSError as e:\n    print('refused', type(e).__name__)\n"
+                "try:\n    socket.create_connection(('1.1.1.1', 53), timeout=2)\n    print('internet')\n"
+                "except OSError as e:\n    print('no internet', type(e).__name__)\n")
+        with pytest.raises(socket.timeout):
+            server.accept()
+    finally:
+        server.close()
+    assert r.status == "ok" and "started" in r.stdout
+    assert "refused" in r.stdout and "connected" not in r.stdout and "no internet" in r.stdout
+
+
+def test_writes_outside_its_directory_fail(tmp_path):
+    target = tmp_path / "escaped"
+    checkout_file = Path(__file__).resolve().parent / "escaped_from_sandbox"
+    paths = [str(target), str(checkout_file), "/usr/escaped", "/etc/escaped", "/sandbox/main.py", "/escaped"]
+    r = run(STARTED + f"paths = {paths!r}\n"
+            "for p in paths:\n    try:\n        open(p, 'w').write('x')\n        print('WROTE', p)\n"
+            "    except OSError as e:\n        print('denied', p, type(e).__name__)\n")
+    assert r.status == "ok" and "started" in r.stdout and "WROTE" not in r.stdout
+    assert r.stdout.count("denied") == len(paths)
+    assert not target.exists() and not checkout_file.exists() and not Path("/usr/escaped").exists()
+
+
+def test_host_files_are_not_visible():
+    here = str(Path(__file__).resolve())
+    r = run(STARTED + f"import os\nfor p in [{here!r}, '/root', '/etc/passwd', '/home', '/work']:\n"
+            "    print(p, os.path.exists(p))\n")
+    assert r.status == "ok" and "True" not in r.stdout and r.stdout.count("False") == 5
+
+
+def test_parent_environment_is_not_readable(monkeypatch):
+    secret = secrets.token_hex(16)
+    monkeypatch.setenv("GRPO_TEST_SECRET", secret)
+    r = run(STARTED + "import os\nprint(dict(os.environ))\n"
+            f"for pid in ['1', str(os.getppid()), 'self', '{os.getpid()}']:\n"
+            "    try:\n        print(open(f'/proc/{pid}/environ', 'rb').read())\n"
+            "    except OSError as e:\n        print(pid, type(e).__name__)\n")
+    assert r.status == "ok" and "started" in r.stdout
+    assert secret not in r.stdout and "GRPO_TEST_SECRET" not in r.stdout
+
+
+def test_killing_its_parent_leaves_the_test_process_alive():
+    r = run(STARTED + "import os, signal\n"
+            f"for pid in [os.getppid(), {os.getpid()}, {os.getppid()}, -1]:\n"
+            "    try:\n        os.kill(pid, signal.SIGKILL)\n        print('sent', pid)\n"
+            "    except OSError as e:\n        print('could not', pid, type(e).__name__)\n")
+    assert "started" in r.stdout
+    assert r.status in ("ok", "crashed")  # kill(-1) may take the program itself down with its siblings
+    assert run("print(1)").stdout == "1\n"  # this process, and the sandbox, carry on
+
+
+def test_daemon_does_not_survive():
+    marker = f"grpo-hostile-{secrets.token_hex(4)}"
+    r = run(STARTED + "import os, sys, time\nr, w = os.pipe()\nif os.fork() == 0:\n    os.setsid()\n"
+            "    if os.fork() == 0:\n        os.write(w, b'up')\n"
+            f"        os.execv('/bin/sleep', ['{marker}', '60'])\n    os._exit(0)\n"
+            "print('daemon', os.read(r, 2).decode(), flush=True)\n")
+    assert r.status == "ok" and "daemon up" in r.stdout
+    time.sleep(0.1)
+    assert not [p for p in sandbox_processes() if marker in p]
+
+
+def test_segfault_is_a_crash():
+    r = run(STARTED + "import ctypes\nctypes.string_at(0)\n")
+    assert r.status == "crashed" and r.signal == 11 and "started" in r.stdout
+
+
+# --------------------------------------------------------------------------
+# Set-up errors and the weaker mode
+# --------------------------------------------------------------------------
+
+
+def test_missing_bwrap_is_refused_with_the_fix(monkeypatch):
+    monkeypatch.setattr(run_module, "bwrap_path", lambda: None)
+    with pytest.raises(SandboxUnavailable, match="apt-get install -y bubblewrap"):
+        run("print(1)")
+
+
+def test_limits_are_checked():
+    with pytest.raises(ValueError, match="timeout"):
+        Limits(timeout=float("nan"))
+    with pytest.raises(TypeError, match="unknown sandbox limit"):
+        run("print(1)", memmory=1)
+
+
+def test_process_mode_warns_once_and_still_bounds(caplog):
+    run_module._warned.discard("process")
+    with caplog.at_level(logging.WARNING, logger="grpo.sandbox.runner"):
+        ok = run("print('hi')", isolation="process")
+        loop = run(STARTED + "while True:\n    pass\n", isolation="process", timeout=1)
+    assert ok.status == "ok" and ok.stdout == "hi\n"
+    assert loop.status == "timeout" and "started" in loop.stdout
+    warnings = [r for r in caplog.records if "WITHOUT filesystem, network or PID isolation" in r.message]
+    assert len(warnings) == 1
+
+
+def test_process_mode_leaves_no_daemon_behind():
+    marker = f"grpo-hostile-{secrets.token_hex(4)}"
+    r = run("import os\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+            f"        os.execv('/bin/sleep', ['{marker}', '60'])\n    os._exit(0)\nprint('forked')\n",
+            isolation="process")
+    assert r.status == "ok"
+    time.sleep(0.1)
+    assert not [p for p in sandbox_processes() if marker in p]
+
+
+def test_outcomes_are_counted():
+    sandbox.take_counts()
+    run("print(1)")
+    run("import sys; sys.exit(1)")
+    assert sandbox.take_counts() == {"ok": 1, "failed": 1}
+    assert sandbox.take_counts() == {}
