@@ -52,7 +52,7 @@ def test_overrides_do_not_mutate_input():
         ({}, ["rollout.decoding=fast"], "rollout.decoding: 'fast' is not one of auto, fused, plain"),
         ({}, ["algorithm.advantage_estimator=rloo"], "algorithm.advantage_estimator: 'rloo' is not one of grpo"),
         ({}, ["algorithm.policy_loss=clip"], "algorithm.policy_loss: 'clip' is not one of clipped (did you mean 'clipped'?)"),
-        ({}, ["data.task=json"], "data.task: 'json' is not one of arithmetic, jsonl (did you mean 'jsonl'?)"),
+        ({}, ["data.task=json"], "data.task: 'json' is not one of arithmetic, jsonl, gsm8k, math"),
         ({}, ["eval.num_problems=0"], "eval.num_problems: must be > 0"),
     ],
 )

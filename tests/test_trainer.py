@@ -22,6 +22,9 @@ TOY = {
     "rollout": {"num_generations": 16, "max_completion_length": 1},
     "training": {"max_steps": 200, "per_device_train_batch_size": 128, "learning_rate": 1e-3, "lr_scheduler_type": "constant"},
     "logging": {"log_every": 1000, "sample_every": 0},
+    # This module's reward functions in worker processes would make each worker import this module
+    # (torch, transformers: seconds a trainer); reward isolation is tested in test_reward_execution.py.
+    "rewards": {"isolation": "thread"},
 }
 
 

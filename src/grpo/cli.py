@@ -50,7 +50,7 @@ def _eval(args: argparse.Namespace) -> int:
             f"--checkpoint {checkpoint}: not a checkpoint directory (no config.json); pass a directory written "
             f"by the trainer, e.g. {Path(cfg.output_dir) / 'final'}"
         )
-    task = load_task(cfg)
+    task = load_task(cfg, training=False)  # a benchmark task (humaneval) is evaluated, never trained on
     rows = task.eval_rows
     reward_set = (
         RewardSet.from_config(cfg.rewards, cfg.rollout.max_completion_length, set(rows[0]) - {"prompt"}) if rows else None

@@ -13,6 +13,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -93,13 +95,19 @@ class ArithmeticConfig:
 @dataclass
 class DataConfig:
     task: str = "arithmetic"
-    """`arithmetic` (built-in, the seed's task) or `jsonl` (rows from `train_file`);
-    see grpo.tasks."""
+    """`arithmetic` (built-in, the seed's task), `jsonl` (rows from `train_file`), `gsm8k`
+    or `math` (GSM8K- or MATH-style rows from `train_file`), `code` (built-in short Python
+    functions, HumanEval-style) or `humaneval` (HumanEval's 164 problems, for `grpo eval`
+    only); see grpo.tasks."""
     train_file: str | None = None
     """JSONL file of training rows for task `jsonl`: each row has `prompt_column` and
-    any other columns, which reward functions receive as keyword arguments."""
+    any other columns, which reward functions receive as keyword arguments. For gsm8k
+    and math: a .jsonl or .parquet file, or a hub dataset `name[:subset[:split]]`."""
     eval_file: str | None = None
-    """JSONL file of held-out rows for task `jsonl`."""
+    """Held-out rows, in the same form as `train_file` (a hub dataset's split defaults to `test`)."""
+    instruction: str = "{question}\n\nPlease reason step by step, and put your final answer within \\boxed{}."
+    """The prompt of tasks gsm8k and math: `{question}` is replaced by the row's question
+    (GSM8K) or problem (MATH); other braces are kept as written."""
     prompt_column: str = "prompt"
     """Column holding the prompt: a string, or a list of chat messages."""
     chat_template: str = "auto"
@@ -117,6 +125,14 @@ class DataConfig:
             self.arithmetic.check()
         if self.task == "jsonl" and not self.train_file:
             raise ConfigError("data.train_file: task 'jsonl' needs a JSONL file of rows; set data.train_file=path/to/train.jsonl")
+        if self.task in ("gsm8k", "math"):
+            if not self.train_file:
+                raise ConfigError(
+                    f"data.train_file: task {self.task!r} needs its rows; set data.train_file=path/to/train.jsonl "
+                    "(or .parquet, or a hub dataset name)"
+                )
+            if "{question}" not in self.instruction:
+                raise ConfigError("data.instruction: must contain {question}, where the question goes")
 
 
 @dataclass
@@ -162,11 +178,53 @@ class RolloutConfig:
 
 
 @dataclass
+class SandboxConfig:
+    """How model-written programs run (grpo.sandbox): the code rewards' settings."""
+
+    isolation: str = "bwrap"
+    """bwrap: namespaces, a read-only filesystem and no network (needs bubblewrap); process:
+    resource limits and a separate uid only, with a loud warning (see the README's threat model)."""
+    python: str | None = None
+    """The interpreter programs run with; None: the first of this one, /usr/bin/python3 and
+    /usr/local/bin/python3 that runs inside the sandbox."""
+    timeout: float = 10.0
+    """Wall-clock seconds per program run (each stdin/stdout case is one run)."""
+    memory_mb: int = 512
+    """Memory per run: each process's address space, and all of them together (cgroup)."""
+    processes: int = 32
+    """Processes and threads a run may have at once."""
+    output_kb: int = 1024
+    """stdout and stderr kept per run; a program that writes more is stopped."""
+    workers: int = 0
+    """Programs run at once; 0 = one per CPU core."""
+
+    def check(self) -> None:
+        _choice("rewards.sandbox.isolation", self.isolation, ("bwrap", "process"))
+        _positive("rewards.sandbox.timeout", self.timeout)
+        _positive("rewards.sandbox.memory_mb", self.memory_mb)
+        _positive("rewards.sandbox.processes", self.processes)
+        _positive("rewards.sandbox.output_kb", self.output_kb)
+        _positive("rewards.sandbox.workers", self.workers, allow_zero=True)
+
+
+DEFAULT_REWARDS = ["arithmetic_correct"]
+TASK_REWARDS = {
+    "gsm8k": ["math_answer"],
+    "math": ["math_answer"],
+    "code": ["humaneval_tests"],
+    "humaneval": ["humaneval_tests"],
+}
+"""rewards.funcs for tasks whose reward is not the default one, when rewards.funcs is left at the default."""
+
+
+@dataclass
 class RewardsConfig:
-    funcs: list[str] = field(default_factory=lambda: ["arithmetic_correct"])
+    funcs: list[str] = field(default_factory=lambda: list(DEFAULT_REWARDS))
     """Reward functions: built-in names (see `grpo.rewards.BUILTIN`) or
     `module.path:function` / `path/to/file.py:function`, called TRL-style as
-    fn(prompts, completions, **columns) -> list[float | None]."""
+    fn(prompts, completions, **columns) -> list[float | None], or `reward_model:PATH`
+    (a sequence-classification model, grpo.rewards.reward_model). Left at this default,
+    tasks gsm8k and math use `math_answer` instead, code and humaneval `humaneval_tests`."""
     weights: list[float] | None = None
     """reward_weights: one weight per function; None weighs each 1.0."""
     overlong_buffer: int | None = None
@@ -179,8 +237,35 @@ class RewardsConfig:
     `#### N`, the seed's `Answer: N` (the last one in the text wins, whichever its form)."""
     math_timeout: float = 5.0
     """Seconds one `math_answer` comparison through math-verify may take; past that it scores 0."""
+    timeout: float = 60.0
+    """Seconds one call of a reward function may take (a chunk of the batch, for one in a
+    worker process); past that its rewards for those completions are missing (NaN) and
+    counted in rewards/<name>/timeouts (grpo.rewards.execution)."""
+    workers: int = 0
+    """Worker processes that run the user's reward functions, the batch split between
+    them; 0 = one per CPU core, at most 8."""
+    isolation: str = "process"
+    """Where the user's reward functions run: `process` (worker processes: a hang, exit or
+    crash costs a worker, not the run) or `thread` (threads of the trainer: no start-up,
+    shared state, but a hang is only abandoned and an os._exit ends the run). Built-in
+    rewards always run in threads of the trainer."""
+    reward_model_device: str = "auto"
+    """Device of `reward_model:PATH` rewards (its own, not the policy's): auto (cuda when
+    available, else cpu), cpu, cuda or cuda:N."""
+    reward_model_dtype: str = "float32"
+    """Dtype of `reward_model:PATH` rewards: float32, bfloat16 or float16."""
+    reward_model_batch_size: int = 8
+    """Completions a reward model scores in one forward pass."""
+    code_reward: str = "fraction"
+    """`code_tests`: the fraction of test cases passed, or `all` (1 when every case passes, else 0)."""
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """Where the code rewards run model-written programs."""
 
     def check(self, cfg: "Config", world_size: int = 1) -> None:
+        if self.funcs == DEFAULT_REWARDS and cfg.data.task in TASK_REWARDS:
+            # left at the default, which is the arithmetic task's reward: use the task's own
+            # (set here, so the run's saved config names the reward actually used)
+            self.funcs = list(TASK_REWARDS[cfg.data.task])
         if not self.funcs and self.overlong_buffer is None:
             raise ConfigError("rewards.funcs: empty; name at least one reward function (e.g. [arithmetic_correct])")
         if self.weights is not None and len(self.weights) != len(self.funcs):
@@ -192,6 +277,17 @@ class RewardsConfig:
         for form in self.math_forms:
             _choice("rewards.math_forms[]", form, ("boxed", "gsm8k", "answer"))
         _positive("rewards.math_timeout", self.math_timeout)
+        if not (isinstance(self.timeout, (int, float)) and math.isfinite(self.timeout) and self.timeout > 0):
+            raise ConfigError(f"rewards.timeout: must be a finite number of seconds > 0, got {self.timeout}")
+        if self.workers < 0:
+            raise ConfigError(f"rewards.workers: must be >= 0 (0 = one per CPU core, at most 8), got {self.workers}")
+        _choice("rewards.isolation", self.isolation, ("process", "thread"))
+        if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.reward_model_device):
+            raise ConfigError(f"rewards.reward_model_device: {self.reward_model_device!r} is not one of auto, cpu, cuda, cuda:N")
+        _choice("rewards.reward_model_dtype", self.reward_model_dtype, ("float32", "bfloat16", "float16"))
+        _positive("rewards.reward_model_batch_size", self.reward_model_batch_size)
+        _choice("rewards.code_reward", self.code_reward, ("fraction", "all"))
+        self.sandbox.check()
         max_length = cfg.rollout.max_completion_length
         if self.overlong_buffer is not None and not 0 < self.overlong_buffer <= max_length:
             raise ConfigError(

@@ -43,8 +43,11 @@ def nanmean(x: torch.Tensor) -> float:
 
 
 def batch_metrics(batch: GenerationBatch, group_size: int, reward_names: list[str], failures: dict[str, int],
-                  dynamic_sampling: bool) -> dict[str, float]:
-    """Rewards, their spread within groups, completion lengths, and dynamic sampling's rounds."""
+                  dynamic_sampling: bool, step_failures: dict[str, dict[str, int]] | None = None,
+                  sandbox: dict[str, int] | None = None) -> dict[str, float]:
+    """Rewards, their spread within groups, completion lengths, and dynamic sampling's rounds;
+    the step's failed reward calls (`step_failures`: name -> errors, timeouts) beside the run's
+    `failures`, and the step's sandbox outcomes (`sandbox`: status -> count)."""
     lengths = batch.rollout.lengths.float()
     truncated = batch.rollout.truncated
     group_std = algorithm.group_reward_std(batch.rewards, group_size)
@@ -63,6 +66,10 @@ def batch_metrics(batch: GenerationBatch, group_size: int, reward_names: list[st
         m[f"rewards/{name}/mean"] = nanmean(column)
         m[f"rewards/{name}/std"] = float(algorithm.nan_std(column, dim=0))
         m[f"rewards/{name}/failures"] = failures[name]
+        for kind, count in (step_failures or {}).get(name, {}).items():
+            m[f"rewards/{name}/{kind}"] = count
+    for status, count in (sandbox or {}).items():
+        m[f"sandbox/{status}"] = count
     if dynamic_sampling:
         m["sampling/rounds"] = batch.sampling_rounds
         m["sampling/zero_std_groups_kept"] = batch.zero_std_groups_kept

@@ -106,7 +106,14 @@ ROLLOUT_ENGINES = Registry(
 
 TASKS = Registry(
     "data.task",
-    {"arithmetic": "grpo.tasks.arithmetic:arithmetic_task", "jsonl": "grpo.tasks.jsonl:jsonl_task"},
+    {
+        "arithmetic": "grpo.tasks.arithmetic:arithmetic_task",
+        "jsonl": "grpo.tasks.jsonl:jsonl_task",
+        "gsm8k": "grpo.tasks.math_tasks:gsm8k_task",
+        "math": "grpo.tasks.math_tasks:math_task",
+        "code": "grpo.tasks.code:code_task",
+        "humaneval": "grpo.tasks.humaneval:humaneval_task",
+    },
 )
 """fn(cfg: Config) -> grpo.tasks.Task."""
 

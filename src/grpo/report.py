@@ -21,7 +21,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-from grpo.evaluate import EvalResult, decoding_name, format_table, latest, read_results
+from grpo.evaluate import ACCURACY_COUNTS, COLUMN_NAMES, EvalResult, decoding_name, format_table, latest, read_results
 
 DPI = 100
 SMOOTH_FRACTION = 20
@@ -247,7 +247,7 @@ def zero_std_figure(metrics):
 def eval_accuracy_figure(results: list[EvalResult]):
     """Held-out accuracy (solid; the mean reward for a task scored by its rewards alone) and the
     formatted fraction (dashed, when the scorer counts it) vs step, one colour per temperature."""
-    counted = any("correct" in r.counts for r in results)
+    counted = next((name for name in ACCURACY_COUNTS if any(name in r.counts for r in results)), None)
     fig, ax = _new_axes("Held-out accuracy" if counted else "Held-out mean reward",
                         "fraction of problems" if counted else "mean reward")
     by_temperature: dict[float, dict[int, EvalResult]] = {}
@@ -256,7 +256,7 @@ def eval_accuracy_figure(results: list[EvalResult]):
     for temperature, by_step in by_temperature.items():
         steps = sorted(by_step)
         (line,) = ax.plot(steps, [by_step[s].accuracy for s in steps], marker="o", linewidth=2,
-                          label=f"{'correct' if counted else 'mean reward'}, {decoding_name(temperature)}")
+                          label=f"{COLUMN_NAMES.get(counted, counted) if counted else 'mean reward'}, {decoding_name(temperature)}")
         formatted = [s for s in steps if by_step[s].formatted is not None]
         if formatted:
             ax.plot(formatted, [by_step[s].formatted / by_step[s].n if by_step[s].n else 0 for s in formatted],

@@ -36,6 +36,7 @@ from grpo.registry import ADVANTAGE_ESTIMATORS
 from grpo.rewards import RewardSet
 from grpo.rollout import SamplingParams, create_engine
 from grpo.runlog import RunLog
+from grpo.sandbox import take_counts
 from grpo.state import TrainState
 from grpo.tasks import Task, load_task
 from grpo.tasks.scorers import AnswerScorer, RewardScorer, has_integer_answers
@@ -79,6 +80,7 @@ class Trainer:
                 "eval.before/after/every need held-out rows: set data.arithmetic.num_eval > 0 (task arithmetic) "
                 "or data.eval_file (task jsonl), or turn evaluation off"
             )
+        self.rewards.start()  # a reward function that its worker processes cannot load fails here
         if model is None:
             model, tokenizer = load_model_and_tokenizer(cfg.model, self.backend.device)
         self.model, self.tokenizer = self.backend.prepare_model(model), tokenizer
@@ -101,6 +103,8 @@ class Trainer:
     def train_step(self) -> tuple[dict[str, float], GenerationBatch]:
         """One GRPO step; returns its metrics and its generation batch."""
         a, timer = self.cfg.algorithm, PhaseTimer()
+        take_counts()  # the step's sandbox and reward-failure counts are its own, not those of
+        self.rewards.step_failures()  # the set-up's checks or an evaluation between steps
         batch = self.collect_batch(timer)  # prompts -> engine.generate -> rewards -> advantages -> filter
         stats = self.update(batch, timer)  # old / reference logprobs -> num_iterations optimizer passes
         with timer("sync"):
@@ -181,7 +185,8 @@ class Trainer:
         r = self.rewards
         return {
             "step": self.state.step,
-            **batch_metrics(batch, self.cfg.rollout.num_generations, r.names, r.failures, self.cfg.algorithm.dynamic_sampling),
+            **batch_metrics(batch, self.cfg.rollout.num_generations, r.names, r.failures, self.cfg.algorithm.dynamic_sampling,
+                            r.step_failures(), take_counts()),
             **update_stats,
             "learning_rate": self.state.scheduler.get_last_lr()[0],
             "num_tokens": self.state.tokens_seen,
@@ -214,6 +219,7 @@ class Trainer:
                 if before is not None:
                     log.before_after(before, after)
         finally:
+            self.rewards.close()  # no reward worker process outlives training
             log.close()
         log.report()
         return history

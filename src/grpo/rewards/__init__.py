@@ -3,8 +3,16 @@
 A reward function follows TRL's convention:
     fn(prompts, completions, completion_ids, **dataset_columns) -> list[float | None]
 with one entry per completion; None means "does not apply" (a missing
-reward, not a zero). A function that raises or returns the wrong shape never
-kills a run: its rewards for that batch are missing and the failure is counted.
+reward, not a zero); an `async def` function is awaited.
+
+`RewardSet.score` calls the batch's functions at the same time, each call
+bounded by `rewards.timeout`, a user's functions in worker processes
+(grpo.rewards.execution says where each runs and why). A function that
+raises, returns the wrong shape, hangs, exits or crashes never stops a run:
+its rewards for the completions of that call are missing (NaN), the failure
+is counted (`rewards/<name>/errors`, `rewards/<name>/timeouts` per step;
+`failures` over the run), and the first of each kind is logged with its
+traceback.
 """
 
 from __future__ import annotations
@@ -12,8 +20,10 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import itertools
 import logging
-import math
+import sys
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -23,6 +33,7 @@ import torch
 from grpo.algorithm import overlong_penalty
 from grpo.config import ConfigError, RewardsConfig
 from grpo.rewards.arithmetic import arithmetic_correct, arithmetic_format
+from grpo.rewards.execution import Call, RewardExecutor
 from grpo.rewards.format import think_format, think_format_lenient, think_tag_count
 
 log = logging.getLogger(__name__)
@@ -36,6 +47,8 @@ BUILTIN: dict[str, RewardFn] = {
     "think_format_lenient": think_format_lenient,
     "think_tag_count": think_tag_count,
 }
+for _fn in BUILTIN.values():
+    _fn.runs_in_process = True  # ours, quick and pure: a thread of the trainer, no worker process
 
 
 def _math_answer(cfg: RewardsConfig) -> RewardFn:
@@ -44,7 +57,27 @@ def _math_answer(cfg: RewardsConfig) -> RewardFn:
     return MathAnswer(cfg.math_forms, cfg.math_timeout)
 
 
-CONFIGURED: dict[str, Callable[[RewardsConfig], RewardFn]] = {"math_answer": _math_answer}
+def _code_tests(cfg: RewardsConfig) -> RewardFn:
+    from grpo.rewards.code import CodeTests
+
+    reward = CodeTests(cfg.sandbox, cfg.code_reward)
+    reward.runner.check()  # a sandbox that cannot run fails now, not after the model has loaded
+    return reward
+
+
+def _humaneval_tests(cfg: RewardsConfig) -> RewardFn:
+    from grpo.rewards.code import HumanEvalTests
+
+    reward = HumanEvalTests(cfg.sandbox, cfg.code_reward)
+    reward.runner.check()
+    return reward
+
+
+CONFIGURED: dict[str, Callable[[RewardsConfig], RewardFn]] = {
+    "math_answer": _math_answer,
+    "code_tests": _code_tests,
+    "humaneval_tests": _humaneval_tests,
+}
 """Built-in rewards made from the rewards section's settings (math_forms, math_timeout)."""
 
 CALL_ARGUMENTS = {"prompts", "completions", "completion_ids"}
@@ -57,15 +90,23 @@ def overlong_reward(max_length: int, buffer: int) -> RewardFn:
         lengths = torch.tensor([len(ids) for ids in completion_ids])
         return overlong_penalty(lengths, max_length, buffer).tolist()
 
+    overlong.runs_in_process = True
     return overlong
 
 
+_file_modules = itertools.count()
+
+
 def resolve(spec: str, cfg: RewardsConfig | None = None) -> tuple[str, RewardFn]:
-    """A built-in name, `package.module:function` or `path/to/file.py:function`."""
+    """A built-in name, `reward_model:PATH`, `package.module:function` or `path/to/file.py:function`."""
     if spec in BUILTIN:
         return spec, BUILTIN[spec]
     if spec in CONFIGURED:
         return spec, CONFIGURED[spec](cfg or RewardsConfig())
+    if spec.startswith("reward_model:"):
+        from grpo.rewards.reward_model import from_spec
+
+        return from_spec(spec, cfg or RewardsConfig())
     if ":" not in spec:
         raise ConfigError(
             f"rewards.funcs: unknown reward {spec!r}; use a built-in ({', '.join([*BUILTIN, *CONFIGURED])}) "
@@ -77,9 +118,16 @@ def resolve(spec: str, cfg: RewardsConfig | None = None) -> tuple[str, RewardFn]
             path = Path(target)
             if not path.is_file():
                 raise ConfigError(f"rewards.funcs: {spec!r}: file {path} does not exist")
-            module_spec = importlib.util.spec_from_file_location(f"grpo_user_reward_{path.stem}", path)
+            # registered under a name of its own, so its functions pickle by reference for a worker process
+            module_name = f"grpo_user_reward_{path.stem}_{next(_file_modules)}"
+            module_spec = importlib.util.spec_from_file_location(module_name, path)
             module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
+            sys.modules[module_name] = module
+            try:
+                module_spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[module_name]
+                raise
         else:
             module = importlib.import_module(target)
     except ConfigError:
@@ -113,12 +161,20 @@ def check_signature(name: str, fn: RewardFn, columns: set[str]) -> None:
 
 @dataclass
 class RewardSet:
-    """The configured reward functions with their weights."""
+    """The configured reward functions with their weights, and how they are called
+    (`timeout`, `workers`, `isolation`: the rewards section's keys)."""
 
     names: list[str]
     funcs: list[RewardFn]
     weights: torch.Tensor
     failures: dict[str, int] = field(default_factory=dict)
+    """Failed calls (errors and timeouts) of each function over the run."""
+    timeout: float = 60.0
+    workers: int = 0
+    isolation: str = "process"
+    _executor: RewardExecutor | None = field(default=None, init=False, repr=False, compare=False)
+    _since_step: defaultdict = field(default_factory=lambda: defaultdict(Counter), init=False, repr=False, compare=False)
+    _seen: Counter = field(default_factory=Counter, init=False, repr=False, compare=False)
 
     @classmethod
     def from_config(
@@ -139,7 +195,7 @@ class RewardSet:
         weights = cfg.weights if cfg.weights is not None else [1.0] * len(resolved)
         if len(weights) != len(resolved):
             raise ConfigError(f"rewards.weights: {len(weights)} weights for {len(resolved)} reward functions; give one weight each")
-        rewards = cls([], [], torch.zeros(0))
+        rewards = cls([], [], torch.zeros(0), timeout=cfg.timeout, workers=cfg.workers, isolation=cfg.isolation)
         for (name, fn), weight in zip(resolved, weights):
             check_signature(name, fn, columns)
             rewards.add(name, fn, weight)
@@ -159,35 +215,65 @@ class RewardSet:
         self.funcs.append(fn)
         self.weights = torch.cat([self.weights, torch.tensor([weight])])
         self.failures[name] = 0
+        if self._executor is not None:  # its workers loaded the functions before this one
+            self._executor.close()
+            self._executor = None
+
+    def start(self) -> None:
+        """Starts the worker processes now rather than at the first batch, so that a function they
+        cannot load fails at start-up (ConfigError)."""
+        self.executor.start()
+
+    @property
+    def executor(self) -> RewardExecutor:
+        if self._executor is None:
+            self._executor = RewardExecutor(self.names, self.funcs, self.timeout, self.workers, self.isolation)
+        return self._executor
 
     def score(self, prompts: list, completions: list, completion_ids: list[list[int]], rows: list[dict]) -> torch.Tensor:
         """[N, K] rewards, NaN where missing. `rows` are the dataset rows, one per completion."""
-        columns: dict[str, list[Any]] = {}
-        for key in rows[0]:
-            if key != "prompt":
-                columns[key] = [r.get(key) for r in rows]
+        columns = {key: [r.get(key) for r in rows] for key in rows[0] if key != "prompt"}
+        inputs = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **columns}
         out = torch.full((len(completions), len(self.funcs)), float("nan"))
-        for k, (name, fn) in enumerate(zip(self.names, self.funcs)):
-            try:
-                values = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-                out[:, k] = torch.tensor(_as_rewards(values, len(completions)), dtype=torch.float32)
-            except Exception as e:  # a failing reward never kills the run
-                self.failures[name] += 1
-                log.warning("reward function %r failed on this batch (%s: %s); its rewards are missing", name, type(e).__name__, e)
+        for k, calls in enumerate(self.executor(inputs, len(completions))):
+            for call in calls:
+                if call.status == "ok":
+                    out[call.start : call.stop, k] = torch.tensor(call.values, dtype=torch.float32)
+                else:
+                    self._failed(self.names[k], call)
         return out
 
+    def _failed(self, name: str, call: Call) -> None:
+        """Counted; the first failure of each kind logged whole, later ones now and then in a line."""
+        kind = "timeouts" if call.status == "timeout" else "errors"
+        self.failures[name] += 1
+        self._since_step[name][kind] += 1
+        self._seen[name, call.status] += 1
+        seen = self._seen[name, call.status]
+        what = {"error": "failed", "crashed": "crashed its worker", "timeout": "timed out"}[call.status]
+        if seen == 1:
+            log.warning(
+                "reward function %r %s on completions %d..%d; their rewards are missing. Only this first time is "
+                "logged in full; later ones are counted (rewards/%s/%s):\n%s",
+                name, what, call.start, call.stop - 1, name, kind, call.message.rstrip(),
+            )
+        elif seen & (seen - 1) == 0:  # 2, 4, 8, ...: a reminder that fades
+            log.warning("reward function %r has %s %d times so far", name, what, seen)
 
-def _as_rewards(values: Any, n: int) -> list[float]:
-    if not isinstance(values, (list, tuple)) or len(values) != n:
-        got = f"{type(values).__name__} of length {len(values)}" if hasattr(values, "__len__") else repr(values)
-        raise TypeError(f"expected a list of {n} floats or None, got {got}")
-    rewards = []
-    for v in values:
-        if v is None:
-            rewards.append(math.nan)
-        else:
-            try:
-                rewards.append(float(v))
-            except (TypeError, ValueError):
-                raise TypeError(f"expected float or None, got {v!r}") from None
-    return rewards
+    def step_failures(self) -> dict[str, dict[str, int]]:
+        """Failed calls of each function since the last time asked ({"errors": n, "timeouts": n}):
+        a step's, however many batches it scored."""
+        counts = {name: {"errors": self._since_step[name]["errors"], "timeouts": self._since_step[name]["timeouts"]}
+                  for name in self.names}
+        self._since_step.clear()
+        return counts
+
+    def close(self) -> None:
+        """Ends the worker processes, and the workers of in-process rewards that have them (math_answer's);
+        scoring again starts them anew."""
+        if self._executor is not None:
+            self._executor.close()
+            self._executor = None
+        for fn in self.funcs:
+            if getattr(fn, "runs_in_process", False) and callable(getattr(fn, "close", None)):
+                fn.close()

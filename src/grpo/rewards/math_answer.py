@@ -113,6 +113,9 @@ def as_number(text: str) -> Fraction | None:
 class MathAnswer:
     """The `math_answer` reward function (TRL's calling convention; dataset column `answer`)."""
 
+    runs_in_process = True
+    """Its comparisons are bounded in their own worker (grpo.rewards.execution keeps it in the trainer)."""
+
     def __init__(self, forms: tuple[str, ...] | list[str] = FORMS, timeout: float = 5.0):
         unknown = [f for f in forms if f not in FORMS]
         if unknown or not forms:

