@@ -373,8 +373,8 @@ def test_a_reward_that_bounds_itself_is_waited_for_past_the_timeout():
             time.sleep(0.8)
             return [1.0] * len(completions)
 
-    def plain(completions, **kw):
-        time.sleep(0.8)
+    def plain(completions, **kw):  # still running when the bounded one returns, past its timeout
+        time.sleep(2.0)
         return [1.0] * len(completions)
 
     plain.runs_in_process = True
