@@ -24,7 +24,7 @@ STARTED = 'print("started", flush=True)\n'
 
 
 def sandbox_processes() -> list[str]:
-    """Processes of any sandbox uid, or running the sandbox's tools, still alive. Zombies
+    """Processes of this process's sandbox uids, or hostile programs' markers, still alive. Zombies
     are not counted: they have exited, and the namespace's init, orphaned when its
     namespace ends, waits for the machine's init to collect it."""
     found = []
@@ -39,7 +39,8 @@ def sandbox_processes() -> list[str]:
         uid = int(next(line.split()[1] for line in status.splitlines() if line.startswith("Uid:")))
         if "\nState:\tZ" in status:
             continue
-        if uid >= run_module.UID_BASE or "grpo-hostile" in cmdline or "bwrap" in cmdline:
+        # this process's own sandbox uids (another process on the machine has other ones)
+        if run_module._uids.base <= uid < run_module._uids.base + run_module.UID_SLOTS or "grpo-hostile" in cmdline:
             found.append(f"{entry.name} uid={uid} {cmdline[:120]}")
     return found
 

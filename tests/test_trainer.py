@@ -299,7 +299,7 @@ def test_tied_embedding_sparse_gradient_equals_dense(tokenizer, tmp_path):
 
 def test_refuses_to_overwrite_a_run(tokenizer, tmp_path):
     run = tmp_path / "run"
-    run.mkdir()
+    (run / "checkpoint-1").mkdir(parents=True)  # metrics.jsonl alone (no checkpoint yet) is simply run again
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
     with pytest.raises(config.ConfigError, match="already holds a run"):
         make_trainer(tokenizer, tmp_path, ["training.max_steps=1"])

@@ -7,6 +7,9 @@ import sys
 
 from grpo.config import ConfigError
 
+LATEST = "latest"
+"""`--resume` with no path: output_dir's latest checkpoint."""
+
 
 def _quiet_transformers() -> None:
     """Our own progress line is the one to read; drop transformers' per-shard bars."""
@@ -15,28 +18,73 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
+def _resume_from(value: str, cfg) -> "Path | None":
+    """The checkpoint `--resume [PATH]` names: output_dir's latest (or PATH's, a run directory),
+    or PATH itself; None when output_dir has none yet (the run starts from step 0)."""
+    from pathlib import Path
+
+    from grpo import checkpoint
+
+    if value == LATEST:
+        found = checkpoint.latest_checkpoint(Path(cfg.output_dir))
+        if found is None:
+            print(f"grpo: --resume: no checkpoint in {cfg.output_dir} yet; starting from step 0", file=sys.stderr)
+        return found
+    path = Path(value).expanduser()
+    if not path.exists():
+        raise ConfigError(f"--resume {path}: does not exist; pass a checkpoint directory (e.g. "
+                          f"{Path(cfg.output_dir) / 'checkpoint-100'}) or give --resume alone for output_dir's latest")
+    return checkpoint.latest_checkpoint(path) if checkpoint.checkpoints(path) else path
+
+
 def _train(args: argparse.Namespace) -> int:
+    import signal
+    from pathlib import Path
+
     from grpo import config
 
+    if args.resume is not None and "=" in args.resume and not Path(args.resume).exists():
+        args.overrides.append(args.resume)  # `--resume key=value`: an override, not the path to resume from
+        args.resume = LATEST
     cfg = config.load(args.config, args.overrides)
     _quiet_transformers()
+    from grpo.stop_signals import Interrupted
     from grpo.trainer import Trainer
+    from grpo.update import TrainingDiverged
 
-    trainer = Trainer(cfg)
-    trainer.train()
+    resume = _resume_from(args.resume, cfg) if args.resume is not None else None
+    again = " ".join(["grpo train", str(args.config), *args.overrides, "--resume"])
+    try:
+        trainer = Trainer(cfg, resume=resume)
+        trainer.train()
+    except TrainingDiverged as e:  # non-finite updates or weights: a clean stop, with the reason
+        print(f"grpo: training stopped: {e}\nrun directory: {cfg.output_dir}", file=sys.stderr)
+        return 3
+    except Interrupted as stop:
+        print(f"grpo: stopped at once by a second {signal.Signals(stop.signum).name}; the latest checkpoint "
+              f"in {cfg.output_dir} (if any) is intact; continue with: {again}", file=sys.stderr)
+        return 128 + stop.signum
+    except KeyboardInterrupt:  # Ctrl-C during set-up, before training began
+        print("grpo: interrupted before training began", file=sys.stderr)
+        return 128 + signal.SIGINT
+    if trainer.stopped_by is not None:
+        saved = f"saved in {trainer.saved}" if trainer.saved else "no step trained, nothing new saved"
+        print(f"grpo: stopped by {signal.Signals(trainer.stopped_by).name} at step {trainer.state.step}, {saved}; "
+              f"continue with: {again}", file=sys.stderr)
+        return 128 + trainer.stopped_by
     print(f"run directory: {cfg.output_dir}")
     return 0
 
 
 def _eval(args: argparse.Namespace) -> int:
     import dataclasses
-    import json
     from pathlib import Path
 
     from grpo import config
     from grpo.backends import create_backend
+    from grpo.data import PromptEncoder, check_columns
     from grpo.evaluate import Evaluator, append_results, format_table
-    from grpo.models import load_model_and_tokenizer
+    from grpo.models import context_length, load_model_and_tokenizer
     from grpo.progress import bar
     from grpo.rewards import RewardSet
     from grpo.rollout import create_engine
@@ -53,13 +101,17 @@ def _eval(args: argparse.Namespace) -> int:
     task = load_task(cfg, training=False)  # a benchmark task (humaneval) is evaluated, never trained on
     rows = task.eval_rows
     reward_set = (
-        RewardSet.from_config(cfg.rewards, cfg.rollout.max_completion_length, set(rows[0]) - {"prompt"}) if rows else None
+        RewardSet.from_config(cfg.rewards, cfg.rollout.max_completion_length, check_columns(rows, "held-out rows") - {"prompt"})
+        if rows else None
     )
     backend = create_backend(cfg)
     out = Path(cfg.output_dir)
 
     def run(model_cfg, label: str, step: int):
         model, tokenizer = load_model_and_tokenizer(model_cfg, backend.device)
+        prompts = PromptEncoder(tokenizer, cfg.data.chat_template == "auto", cfg.data.few_shot, cfg.rollout.max_prompt_length)
+        length = cfg.eval.max_completion_length or cfg.rollout.max_completion_length
+        prompts.check_fits(rows, length, context_length(model), "held-out rows")  # before any generation
         engine = create_engine(cfg.rollout.engine, backend.prepare_model(model), tokenizer, cfg)
         evaluator = Evaluator(cfg, engine, tokenizer, rows, task.scorer, reward_set)
         print(f"evaluating {model_cfg.name} (step {step}) on {len(evaluator.rows)} held-out problems", flush=True)
@@ -71,8 +123,9 @@ def _eval(args: argparse.Namespace) -> int:
     before = run(cfg.model, "before", 0)
     after = None
     if checkpoint is not None:
-        state = checkpoint / "trainer_state.json"
-        step = json.loads(state.read_text()).get("step", 0) if state.is_file() else 0
+        from grpo.checkpoint import manifest_step
+
+        step = manifest_step(checkpoint) or 0
         after = run(dataclasses.replace(cfg.model, name=str(checkpoint)), "after", step)
     table = format_table(before, after)
     print(table)
@@ -100,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     train = sub.add_parser("train", help="train a model with GRPO")
     train.add_argument("config", help="YAML config file (see examples/)")
     train.add_argument("overrides", nargs="*", help="section.key=value, e.g. training.max_steps=50")
+    train.add_argument("--resume", nargs="?", const=LATEST, metavar="PATH",
+                       help="continue a run exactly: from output_dir's latest checkpoint, or from PATH (a checkpoint "
+                            "or run directory). Exit codes: 0 done, 2 config error, 3 diverged, 130 SIGINT, 143 SIGTERM")
     train.set_defaults(run=_train)
     ev = sub.add_parser("eval", help="evaluate a model (and a trained checkpoint) on the held-out problems")
     ev.add_argument("config", help="YAML config file (the run's config.yaml or one from examples/)")
@@ -109,7 +165,13 @@ def main(argv: list[str] | None = None) -> int:
     report = sub.add_parser("report", help="plots and a markdown report of a run directory")
     report.add_argument("run_dir", help="the run's output_dir (holds metrics.jsonl)")
     report.set_defaults(run=_report)
-    args = parser.parse_args(argv)
+    # overrides may come after an option too (`grpo eval CFG --checkpoint DIR key=val`): argparse's
+    # intermixed parsing does not work with subcommands, so the key=value words it leaves are taken here
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if args.command not in ("train", "eval") or any(x.startswith("-") or "=" not in x for x in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     try:
         return args.run(args)
     except ConfigError as e:

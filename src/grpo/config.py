@@ -142,7 +142,9 @@ class RolloutConfig:
     max_completion_length: int = 512
     """Most tokens generated per completion."""
     max_prompt_length: int | None = None
-    """Prompts longer than this (in tokens) are cut from the left; None keeps them whole."""
+    """Prompts longer than this (in tokens) keep their first token when it is BOS and their
+    last max_prompt_length - 1 tokens (the instruction's end, where the question is): the
+    start goes (few-shot text first). Counted in `prompts/truncated`; None keeps them whole."""
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -397,6 +399,12 @@ class TrainingConfig:
     seed: int = 42
     save_steps: int = 0
     """Write a checkpoint every N steps (0: only at the end)."""
+    save_total_limit: int = 0
+    """Keep only the newest N checkpoint-*/ directories (0: keep all; final/ is always kept)."""
+    max_consecutive_skips: int = 3
+    """An optimizer pass whose loss or gradient is NaN or inf is skipped (weights and optimizer
+    state untouched, counted in `train/skipped_updates`); this many skipped in a row stop the
+    run (grpo.update.TrainingDiverged)."""
     device: str = "auto"
     """auto (cuda if available, else cpu), cpu or cuda."""
 
@@ -422,6 +430,8 @@ class TrainingConfig:
         _positive("training.logprob_chunk_size", self.logprob_chunk_size)
         _positive("training.microbatch_tokens", self.microbatch_tokens, allow_zero=True)
         _positive("training.save_steps", self.save_steps, allow_zero=True)
+        _positive("training.save_total_limit", self.save_total_limit, allow_zero=True)
+        _positive("training.max_consecutive_skips", self.max_consecutive_skips)
 
 
 @dataclass
@@ -616,7 +626,22 @@ def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -
             data = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML ({e})") from None
-    return from_dict(data, overrides)
+    cfg = from_dict(data, overrides)
+    if path is not None:
+        _reward_files_beside(cfg, path.parent)
+    return cfg
+
+
+def _reward_files_beside(cfg: Config, base: Path) -> None:
+    """A `file.py:function` reward not found from the working directory is looked for beside the
+    config file, so a config and its reward file can be moved together and run from anywhere."""
+    funcs = []
+    for spec in cfg.rewards.funcs:
+        target, sep, name = spec.rpartition(":")
+        if sep and target.endswith(".py") and not Path(target).expanduser().is_file() and (base / target).is_file():
+            spec = f"{base / target}:{name}"
+        funcs.append(spec)
+    cfg.rewards.funcs = funcs
 
 
 def save(cfg: Config, path: str | Path) -> None:
@@ -640,9 +665,23 @@ def _positive(key: str, value: float, allow_zero: bool = False) -> None:
         raise ConfigError(f"{key}: must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
 
+def _check_finite(node: Any, prefix: str = "") -> None:
+    """Every float of every section, list elements included: NaN or inf is never a setting
+    (and would pass the range checks, which compare false against NaN)."""
+    for f in dataclasses.fields(node):
+        key, value = f"{prefix}{f.name}", getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            _check_finite(value, f"{key}.")
+            continue
+        for where, v in [(f"{key}[{i}]", v) for i, v in enumerate(value)] if isinstance(value, list) else [(key, value)]:
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ConfigError(f"{where}: must be a finite number, got {v}; set it to a number (NaN and inf are not settings)")
+
+
 def validate(cfg: Config, world_size: int = 1) -> None:
     """Impossible combinations fail here, before any model is loaded: each section
     checks itself, in the order of the file, with the whole config at hand for the
     fields that depend on another section."""
+    _check_finite(cfg)
     for section in (cfg.model, cfg.data, cfg.rollout, cfg.rewards, cfg.algorithm, cfg.training, cfg.eval, cfg.logging):
         section.check(cfg, world_size)

@@ -7,6 +7,7 @@ other columns; reward functions receive the other columns as keyword lists.
 from __future__ import annotations
 
 import json
+import logging
 import random
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,8 @@ from typing import Any
 from grpo.config import ArithmeticConfig, ConfigError
 
 Row = dict[str, Any]
+
+log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------
@@ -209,17 +212,117 @@ def render_prompt(
     return (few_shot or "") + prompt, False
 
 
+def tokenize_prompts(
+    rows: list[Row], tokenizer, use_chat_template: bool, few_shot: str | None
+) -> tuple[list[str], list[list[int]]]:
+    """Prompt texts and their whole token ids."""
+    rendered = [render_prompt(row["prompt"], tokenizer, use_chat_template, few_shot) for row in rows]
+    texts = [text for text, _ in rendered]
+    ids: list[list[int]] = [[] for _ in rows]
+    for templated in (False, True):  # a chat template writes its own BOS; plain text gets the tokenizer's
+        which = [i for i, (_, t) in enumerate(rendered) if t is templated]
+        if which:
+            encoded = tokenizer([texts[i] for i in which], add_special_tokens=not templated)["input_ids"]
+            for i, tokens in zip(which, encoded):
+                ids[i] = list(tokens)
+    return texts, ids
+
+
+def truncate_prompt(tokens: list[int], max_length: int | None, bos_token_id: int | None) -> list[int]:
+    """At most `max_length` tokens of a prompt: its BOS, when it starts with one (the model was
+    trained with it there), and then its end (the instruction's end, where the question is,
+    and the chat template's generation prompt). What goes is the start: few-shot text first."""
+    if max_length is None or len(tokens) <= max_length:
+        return tokens
+    if bos_token_id is not None and tokens[0] == bos_token_id and max_length > 1:
+        return [tokens[0], *tokens[len(tokens) - max_length + 1 :]]
+    return tokens[len(tokens) - max_length :]
+
+
 def encode_prompts(
     rows: list[Row], tokenizer, use_chat_template: bool, few_shot: str | None, max_prompt_length: int | None
 ) -> tuple[list[str], list[list[int]]]:
-    """Prompt texts and their token ids (cut from the left to max_prompt_length)."""
-    texts, ids = [], []
-    for row in rows:
-        text, templated = render_prompt(row["prompt"], tokenizer, use_chat_template, few_shot)
-        # a chat template writes its own BOS; plain text gets the tokenizer's
-        tokens = tokenizer(text, add_special_tokens=not templated)["input_ids"]
-        if max_prompt_length is not None and len(tokens) > max_prompt_length:
-            tokens = tokens[-max_prompt_length:]
-        texts.append(text)
-        ids.append(tokens)
-    return texts, ids
+    """Prompt texts and their token ids, each truncated to max_prompt_length (`truncate_prompt`)."""
+    texts, ids = tokenize_prompts(rows, tokenizer, use_chat_template, few_shot)
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return texts, [truncate_prompt(tokens, max_prompt_length, bos) for tokens in ids]
+
+
+def check_columns(rows: list[Row], what: str) -> set[str]:
+    """The rows' columns, the same in every row; else a ConfigError naming a column and the first
+    row without it (reward functions get each column as one list over the batch)."""
+    columns = set().union(*(row.keys() for row in rows)) if rows else set()
+    for i, row in enumerate(rows):
+        if len(row) != len(columns):
+            missing = sorted(columns - set(row))[0]
+            has = next(j for j, other in enumerate(rows) if missing in other)
+            raise ConfigError(
+                f"{what}: row {i} (counting from 0) has no {missing!r} column, which row {has} has; give every row "
+                f"the same columns (null where a value does not apply) or drop {missing!r} from the rows that have it"
+            )
+    return columns
+
+
+class PromptEncoder:
+    """Rows -> the prompt token ids generation starts from, as configured (data.chat_template,
+    data.few_shot, rollout.max_prompt_length), counting the prompts it truncates."""
+
+    def __init__(self, tokenizer, use_chat_template: bool, few_shot: str | None, max_prompt_length: int | None):
+        self.tokenizer, self.use_chat_template, self.few_shot = tokenizer, use_chat_template, few_shot
+        self.max_prompt_length = max_prompt_length
+        self.truncated = 0
+        """Prompts truncated since `take_truncated` last asked."""
+        self._warned = False
+
+    def __call__(self, rows: list[Row]) -> list[list[int]]:
+        _, ids = tokenize_prompts(rows, self.tokenizer, self.use_chat_template, self.few_shot)
+        long = sum(len(tokens) > self.max_prompt_length for tokens in ids) if self.max_prompt_length else 0
+        self.truncated += long
+        if long:
+            self._warn(long, len(rows))
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        return [truncate_prompt(tokens, self.max_prompt_length, bos) for tokens in ids]
+
+    def take_truncated(self) -> int:
+        count, self.truncated = self.truncated, 0
+        return count
+
+    def check_fits(self, rows: list[Row], max_completion_length: int, context: int | None, what: str) -> None:
+        """Start-up: the longest prompt (as truncated) plus max_completion_length must fit the model's
+        context. Only prompts that may not fit are tokenized: a text's UTF-8 bytes, plus a few special
+        tokens, bound its token count (tokenizing every row would cost a second per 4,000 rows)."""
+        if context is None or not rows:
+            return
+        budget = context - max_completion_length  # the most prompt tokens that fit
+        if budget < 1:
+            raise ConfigError(
+                f"rollout.max_completion_length={max_completion_length} leaves no room for a prompt in the model's "
+                f"context of {context} tokens (max_position_embeddings); lower it"
+            )
+        if self.max_prompt_length is not None and self.max_prompt_length <= budget:
+            return
+        texts = [render_prompt(row["prompt"], self.tokenizer, self.use_chat_template, self.few_shot)[0] for row in rows]
+        suspects = [i for i, text in enumerate(texts) if len(text.encode()) + 8 > budget]
+        if not suspects:
+            return
+        _, ids = tokenize_prompts([rows[i] for i in suspects], self.tokenizer, self.use_chat_template, self.few_shot)
+        length, i = max((min(len(t), self.max_prompt_length or len(t)), i) for t, i in zip(ids, suspects))
+        if length > budget:
+            cut = " (after rollout.max_prompt_length)" if self.max_prompt_length is not None else ""
+            raise ConfigError(
+                f"{what}: row {i}'s prompt is {length} tokens{cut}, and with rollout.max_completion_length="
+                f"{max_completion_length} that is {length + max_completion_length} tokens, beyond the model's "
+                f"context of {context} (max_position_embeddings); set rollout.max_prompt_length to at most "
+                f"{budget} or lower rollout.max_completion_length"
+            )
+
+    def _warn(self, long: int, total: int) -> None:
+        if self._warned:
+            return
+        self._warned = True
+        log.warning(
+            "%d of %d prompts in a batch are longer than rollout.max_prompt_length=%d tokens: each keeps its BOS and its "
+            "last tokens (the start goes); counted in prompts/truncated, warned about only this once. Raise "
+            "rollout.max_prompt_length (or leave it unset) to keep them whole",
+            long, total, self.max_prompt_length,
+        )

@@ -101,7 +101,7 @@ def load_model_and_tokenizer(cfg: ModelConfig, device: torch.device | str = "cpu
             )
         model, tokenizer = _load_dir(convert_gguf(path, cfg.cache_dir), dtype)
     elif Path(name).expanduser().is_dir():
-        model, tokenizer = _load_dir(_checkpoint_dir(Path(name).expanduser(), cfg), dtype)
+        model, tokenizer = _load_local(_checkpoint_dir(Path(name).expanduser(), cfg), dtype)
     elif _looks_like_path(name):
         raise ConfigError(
             f"model.name: {name} looks like a local path but does not exist; set model.name to a directory written "
@@ -111,6 +111,13 @@ def load_model_and_tokenizer(cfg: ModelConfig, device: torch.device | str = "cpu
     else:
         model, tokenizer = _load_hub(name, cfg, dtype)
 
+    # a NaN weight would otherwise show up only as a sampling error at the first generation
+    bad = next((n for n, p in model.named_parameters() if not bool(torch.isfinite(p).all())), None)
+    if bad is not None:
+        raise ConfigError(
+            f"model.name: {name}: parameter {bad} holds NaN or inf, so this model cannot generate or train; "
+            "load another checkpoint (grpo never writes one like this)"
+        )
     _prepare_tokenizer(tokenizer)
     model = model.to(device)
     model.eval()
@@ -271,6 +278,65 @@ def _load_dir(directory: Path, dtype: torch.dtype, **kwargs):
     model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype, **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(str(directory), **kwargs)
     return model, tokenizer
+
+
+_WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt", "special_tokens_map.json")
+
+
+def _load_local(directory: Path, dtype: torch.dtype):
+    """_load_dir for a local directory, where a broken file gets a message naming it and the fix
+    (transformers' own errors name neither the file nor what to do)."""
+    config = directory / "config.json"
+    again = "copy it again from the model's source, or write the directory again with save_pretrained"
+    try:
+        data = json.loads(config.read_text())
+        model_type = data.get("model_type") if isinstance(data, dict) else None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(f"model.name: {config} is not valid JSON ({e}); {again}") from None
+    if "auto_map" not in data:  # a remote-code model brings its own type
+        from transformers import CONFIG_MAPPING, __version__
+
+        if model_type not in CONFIG_MAPPING:
+            raise ConfigError(
+                f"model.name: {config} has model_type {model_type!r}, which transformers {__version__} does not know; "
+                "correct model_type there (e.g. llama, gemma3_text, qwen2) or upgrade transformers "
+                "(pip install -U transformers)"
+            )
+    weights = sorted(p.name for pattern in _WEIGHT_FILES for p in directory.glob(pattern))
+    if not weights:
+        raise ConfigError(
+            f"model.name: {directory} has config.json but no weights (model.safetensors or pytorch_model.bin); {again}"
+        )
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype)
+    except Exception as e:  # a truncated or corrupt file: safetensors' and torch's errors have no file name
+        raise ConfigError(
+            f"model.name: cannot load the weights in {directory} ({', '.join(weights)}): {type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}; a file is truncated or corrupt (compare its size with the "
+            f"source's): {again}"
+        ) from e
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    except Exception as e:
+        present = [n for n in _TOKENIZER_FILES if (directory / n).is_file()]
+        found = f"it has {', '.join(present)}" if present else "it has no tokenizer files (tokenizer.json, tokenizer_config.json)"
+        raise ConfigError(
+            f"model.name: cannot load the tokenizer from {directory} ({found}): {type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}; copy the tokenizer files from the model's source "
+            "(or write them with tokenizer.save_pretrained into that directory)"
+        ) from e
+    return model, tokenizer
+
+
+def context_length(model) -> int | None:
+    """The most positions the model was made for (max_position_embeddings), None when it does not say."""
+    config = getattr(model, "config", None)
+    config = getattr(config, "text_config", None) or config  # multimodal configs keep it in the text part
+    value = getattr(config, "max_position_embeddings", None)
+    return value if isinstance(value, int) and value > 0 else None
 
 
 def _checkpoint_dir(directory: Path, cfg: ModelConfig) -> Path:

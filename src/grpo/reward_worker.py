@@ -25,6 +25,10 @@ import traceback
 from typing import Any, Callable
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+"""Largest float32 (rewards are held as float32): torch.finfo(torch.float32).max, without torch."""
+
+
 def call_reward(fn: Callable, inputs: dict[str, list], n: int) -> list[float]:
     """fn(**inputs) as n floats, NaN where the function said None; an `async def`
     function is awaited. Raises on a wrong shape, as a failure of the function."""
@@ -50,9 +54,14 @@ def as_rewards(values: Any, n: int) -> list[float]:
             rewards.append(math.nan)
         else:
             try:
-                rewards.append(float(v))
-            except (TypeError, ValueError):
+                r = float(v)
+            except (TypeError, ValueError, OverflowError):
                 raise TypeError(f"expected float or None, got {v!r}") from None
+            # NaN is a missing reward, like None; inf, or a value float32 rounds to inf, is a broken
+            # function (a failure of this call), never an infinite advantage
+            if math.isinf(r) or abs(r) > FLOAT32_MAX:
+                raise ValueError(f"reward {v!r} is not a finite float32 number; return a finite float, or None when it does not apply")
+            rewards.append(r)
     return rewards
 
 

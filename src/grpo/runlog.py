@@ -5,7 +5,8 @@
       metrics.jsonl    one line per step (every step; TRL's metric names)
       samples.jsonl    a few (prompt, completion, reward) per logged step
       eval.jsonl       one line per evaluation and decoding setting
-      checkpoint-N/ final/   written by grpo.checkpoint (atomically)
+      checkpoint-N/ final/   written by grpo.checkpoint (atomically); a resumed run
+                             cuts the logs above back to its checkpoint's step
       plots/ report.md       grpo.report, at the end
 
 The trackers of `logging.report_to` get the same numbers as metrics.jsonl.
@@ -16,9 +17,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Callable
 
+from grpo import checkpoint
 from grpo import config as config_module
 from grpo.config import Config, ConfigError
 from grpo.evaluate import EvalResult, append_results, format_table
@@ -27,13 +30,41 @@ from grpo.progress import TrainProgress, bar
 RUN_LOGS = ("metrics.jsonl", "samples.jsonl", "eval.jsonl")
 
 
-def check_output_dir(output_dir: Path, overwrite: bool) -> None:
-    """Never write over another run's logs unless asked to."""
-    if (output_dir / "metrics.jsonl").exists() and not overwrite:
+def check_output_dir(output_dir: Path, overwrite: bool, resuming: bool = False) -> None:
+    """Never write over another run's checkpoints unless asked to. A directory whose run stopped
+    before its first checkpoint holds nothing to keep: it is simply run again."""
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ConfigError(f"output_dir: {output_dir} is a file, not a directory; set output_dir to a directory path")
+    found = checkpoint.checkpoints(output_dir)
+    if found and not (overwrite or resuming):
+        names = ", ".join(f"{p.name}/" for p in found[-3:])
         raise ConfigError(
-            f"output_dir: {output_dir} already holds a run (metrics.jsonl); choose another output_dir "
-            "or set overwrite_output_dir=true to replace its logs"
+            f"output_dir: {output_dir} already holds a run ({names}); continue it with `grpo train CONFIG --resume`, "
+            "choose another output_dir, or set overwrite_output_dir=true to delete it and start afresh"
         )
+
+
+def cut_back(path: Path, step: int, keep=lambda row: True) -> None:
+    """Keeps the rows of a .jsonl up to `step` (and `keep`): a resumed run writes the later ones
+    again. A last line cut short by a crash does not parse and goes too."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if row.get("step", 0) <= step and keep(row):
+            kept.append(line + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)  # a crash here leaves the old file whole, to be cut back again
+
+
+def _step_of(path: Path) -> float:
+    step = checkpoint.manifest_step(path)
+    return float("inf") if step is None else step  # unreadable: surely not one to keep
 
 
 def _json_float(value: float) -> float | None:
@@ -43,24 +74,48 @@ def _json_float(value: float) -> float | None:
 
 
 class RunLog:
-    def __init__(self, cfg: Config, is_main: bool = True):
-        """Checks the output directory at once (start-up); writes nothing until `start`."""
-        self.cfg, self.is_main = cfg, is_main
+    def __init__(self, cfg: Config, is_main: bool = True, resume: "checkpoint.Checkpoint | None" = None):
+        """Checks the output directory at once (start-up); writes nothing until `start`.
+        `resume`: the checkpoint this run continues (its logs are kept up to its step)."""
+        self.cfg, self.is_main, self.resume = cfg, is_main, resume
         self.dir = Path(cfg.output_dir)
-        check_output_dir(self.dir, cfg.overwrite_output_dir)
+        # continuing this directory's own run; a checkpoint from elsewhere starts a new run here
+        continues = resume is not None and resume.path.resolve().parent == self.dir.resolve()
+        check_output_dir(self.dir, cfg.overwrite_output_dir, resuming=continues)
         self.trackers = None
         self.progress: TrainProgress | None = None
         self._metrics = None
 
     def start(self) -> None:
-        """A fresh run directory (overwrite_output_dir was checked at start-up) and the trackers."""
+        """The run directory: fresh (the old run's logs and, with overwrite_output_dir, its
+        checkpoints deleted) or, resuming, cut back to the checkpoint; then the trackers."""
         if not self.is_main:
             return
         from grpo.trackers import Trackers
 
         self.dir.mkdir(parents=True, exist_ok=True)
-        for name in RUN_LOGS:
-            (self.dir / name).unlink(missing_ok=True)
+        checkpoint.remove_leftovers(self.dir)
+        if self.resume is None:
+            if self.cfg.overwrite_output_dir:
+                checkpoint.remove_checkpoints(checkpoint.checkpoints(self.dir))
+            for name in RUN_LOGS:
+                (self.dir / name).unlink(missing_ok=True)
+        else:
+            step = self.resume.step
+            found = checkpoint.checkpoints(self.dir)
+            resolved = [p.resolve() for p in found]
+            if self.resume.path.resolve() in resolved:
+                later = found[resolved.index(self.resume.path.resolve()) + 1:]
+            else:  # resumed from a checkpoint elsewhere
+                later = [p for p in found if _step_of(p) > step]
+            if later:  # damaged, or from a continuation now abandoned: the logs past `step` go too
+                self._print(f"removing {', '.join(p.name for p in later)} (after the checkpoint resumed from)")
+                checkpoint.remove_checkpoints(later)
+            cut_back(self.dir / "metrics.jsonl", step)
+            cut_back(self.dir / "samples.jsonl", step)
+            # a run resumed at its last step evaluates "after" again (the first try may have been cut short)
+            redone = self.cfg.eval.after and step == self.cfg.training.max_steps
+            cut_back(self.dir / "eval.jsonl", step, keep=lambda row: not (redone and row.get("label") == "after"))
         config_module.save(self.cfg, self.dir / "config.yaml")
         self.trackers = Trackers.from_config(self.cfg)
         self._metrics = open(self.dir / "metrics.jsonl", "a")

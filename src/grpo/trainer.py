@@ -22,25 +22,26 @@ from typing import Any, Callable
 
 import torch
 
-from grpo import algorithm
+from grpo import algorithm, checkpoint, faults
 from grpo.backends import create_backend
 from grpo.batching import GenerationBatch, groups_with_spread, keep_groups_with_spread
-from grpo.checkpoint import save_checkpoint
 from grpo.config import Config, ConfigError
-from grpo.data import Row, encode_prompts, is_conversational
+from grpo.data import PromptEncoder, Row, check_columns, is_conversational
 from grpo.evaluate import EvalResult, Evaluator
 from grpo.metrics import PhaseTimer, batch_metrics
-from grpo.models import load_model_and_tokenizer
+from grpo.models import context_length, load_model_and_tokenizer
 from grpo.reference import create_reference
 from grpo.registry import ADVANTAGE_ESTIMATORS
 from grpo.rewards import RewardSet
 from grpo.rollout import SamplingParams, create_engine
+from grpo.rollout.hf import NonFiniteProbabilities
 from grpo.runlog import RunLog
 from grpo.sandbox import take_counts
 from grpo.state import TrainState
+from grpo.stop_signals import StopSignals
 from grpo.tasks import Task, load_task
 from grpo.tasks.scorers import AnswerScorer, RewardScorer, has_integer_answers
-from grpo.update import batch_logprobs, policy_update
+from grpo.update import Skips, TrainingDiverged, batch_logprobs, check_finite_weights, policy_update
 
 
 class Trainer:
@@ -54,21 +55,33 @@ class Trainer:
         eval_rows: list[Row] | None = None,
         reward_funcs: dict[str, Callable] | None = None,
         restore: dict[str, Any] | None = None,
+        resume: str | Path | None = None,
     ):
         """Everything that can fail on bad input fails here, before any generation.
 
         `model`/`tokenizer`/`train_rows`/`reward_funcs` may be passed directly
         (Python API, tests); otherwise they come from the config. `restore` is a
         `state_dict()` of a trainer of the same config, whose run this one continues
-        (the model passed in then holds that trainer's weights).
+        (the model passed in then holds that trainer's weights). `resume` is a checkpoint
+        directory (grpo.checkpoint) to continue from: its config must match `cfg` but for
+        the keys a resumed run may change, and the model (given, or from the config) is the
+        one the run started from; the checkpoint's weights replace its own.
         """
         self.cfg = cfg
         self.backend = create_backend(cfg)
-        self.log = RunLog(cfg, self.backend.is_main)
+        self.resumed = checkpoint.load_checkpoint(Path(resume), cfg) if resume is not None else None
+        if self.resumed is not None:
+            restore = self.resumed.state
+        self.log = RunLog(cfg, self.backend.is_main, resume=self.resumed)
+        self.stopped_by: int | None = None
+        """The signal (SIGINT, SIGTERM) that stopped `train` early, after a checkpoint."""
+        self.saved: Path | None = None
+        """The last checkpoint this trainer wrote."""
         self.task = _task(cfg, train_rows, eval_rows)
         if not self.task.train_rows:
             raise ConfigError("no training rows")
-        columns = set(self.task.train_rows[0]) - {"prompt"}
+        columns = check_columns(self.task.train_rows, "training rows") - {"prompt"}
+        check_columns(self.task.eval_rows, "held-out rows")
         self.rewards = RewardSet.from_config(
             cfg.rewards, cfg.rollout.max_completion_length, columns, reward_funcs,
             failures=restore["reward_failures"] if restore else None,
@@ -85,7 +98,17 @@ class Trainer:
             model, tokenizer = load_model_and_tokenizer(cfg.model, self.backend.device)
         self.model, self.tokenizer = self.backend.prepare_model(model), tokenizer
         self.reference = create_reference(cfg.algorithm, self.model, restore["reference"] if restore else None)
+        if self.resumed is not None:  # after the reference: unless saved, it is a copy of the starting model
+            self.resumed.load_weights(self.model)
         self.engine = create_engine(cfg.rollout.engine, self.model, tokenizer, cfg)
+        d, r = cfg.data, cfg.rollout
+        self.prompts = PromptEncoder(tokenizer, d.chat_template == "auto", d.few_shot, r.max_prompt_length)
+        self.prompts.check_fits(self.task.train_rows, r.max_completion_length, context_length(self.model), "training rows")
+        if wants_eval:
+            eval_length = e.max_completion_length or r.max_completion_length
+            self.prompts.check_fits(self.task.eval_rows, eval_length, context_length(self.model), "held-out rows")
+        skips = restore.get("skips", {}) if restore else {}
+        self.skips = Skips(cfg.training.max_consecutive_skips, **skips)  # skipped non-finite updates, in a row and in all
         self.state = TrainState.create(
             cfg, self.backend.make_optimizer(self.model), len(self.task.train_rows), self.backend.device,
             restore=restore["train"] if restore else None,
@@ -106,6 +129,7 @@ class Trainer:
         take_counts()  # the step's sandbox and reward-failure counts are its own, not those of
         self.rewards.step_failures()  # the set-up's checks or an evaluation between steps
         batch = self.collect_batch(timer)  # prompts -> engine.generate -> rewards -> advantages -> filter
+        faults.reached("step")
         stats = self.update(batch, timer)  # old / reference logprobs -> num_iterations optimizer passes
         with timer("sync"):
             self.engine.sync_weights(self.model)
@@ -126,7 +150,10 @@ class Trainer:
         ):
             rows = self.state.sampler.take(self.task.train_rows, self.num_prompts)
             with timer("generate"):
-                rollout = self.engine.generate(self.encode(rows), G, self.sampling, self.state.generator)
+                try:
+                    rollout = self.engine.generate(self.encode(rows), G, self.sampling, self.state.generator)
+                except NonFiniteProbabilities as error:  # e.g. a learning rate so high the weights blew up
+                    raise TrainingDiverged(f"generation at step {self.state.step}: {error}") from error
             with timer("rewards"):
                 rounds.append(self.score(rows, rollout))
         if not a.dynamic_sampling:
@@ -147,11 +174,10 @@ class Trainer:
                     ref_logp = batch_logprobs(reference, batch, cfg, self.backend)
         with timer("update"):
             s = self.state
-            return policy_update(self.model, s.optimizer, s.scheduler, batch, old_logp, ref_logp, cfg, self.backend)
+            return policy_update(self.model, s.optimizer, s.scheduler, batch, old_logp, ref_logp, cfg, self.backend, self.skips)
 
     def encode(self, rows: list[Row]) -> list[list[int]]:
-        d = self.cfg.data
-        return encode_prompts(rows, self.tokenizer, d.chat_template == "auto", d.few_shot, self.cfg.rollout.max_prompt_length)[1]
+        return self.prompts(rows)
 
     def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         a = self.cfg.algorithm
@@ -188,6 +214,7 @@ class Trainer:
             **batch_metrics(batch, self.cfg.rollout.num_generations, r.names, r.failures, self.cfg.algorithm.dynamic_sampling,
                             r.step_failures(), take_counts()),
             **update_stats,
+            "prompts/truncated": self.prompts.take_truncated(),
             "learning_rate": self.state.scheduler.get_last_lr()[0],
             "num_tokens": self.state.tokens_seen,
             **timer.metrics(tokens),
@@ -196,28 +223,41 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
 
     def train(self) -> list[dict[str, float]]:
+        """The loop to max_steps, then final/. SIGINT or SIGTERM stops it at the next step's end
+        with a checkpoint (`stopped_by` says which); a second one stops it at once (Interrupted)."""
         cfg, log = self.cfg, self.log
         history: list[dict[str, float]] = []
         log.start()
         try:
-            before = self.evaluate("before") if cfg.eval.before else None
-            log.start_training(self.state.step)
-            while self.state.step < cfg.training.max_steps:
-                metrics, batch = self.train_step()
-                log.step(metrics)
-                history.append(metrics)
-                step = self.state.step
-                if cfg.logging.sample_every and (step == 1 or step % cfg.logging.sample_every == 0):
-                    log.samples(step, batch.prompts, batch.completion_texts, batch.rewards.tolist(), cfg.rollout.num_generations)
-                if cfg.training.save_steps and step % cfg.training.save_steps == 0:
-                    self.save(log.dir / f"checkpoint-{step}")
-                if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.training.max_steps:
-                    self.evaluate(f"step {step}")
-            self.save(log.dir / "final")
-            if cfg.eval.after:
-                after = self.evaluate("after")
-                if before is not None:
-                    log.before_after(before, after)
+            with StopSignals() as stop:
+                # a resumed run's "before" evaluation was made by the run it continues (eval.jsonl keeps it)
+                before = self.evaluate("before") if cfg.eval.before and self.resumed is None else None
+                log.start_training(self.state.step)
+                while self.state.step < cfg.training.max_steps and not stop.signum:
+                    metrics, batch = self.train_step()
+                    log.step(metrics)
+                    history.append(metrics)
+                    step = self.state.step
+                    if cfg.logging.sample_every and (step == 1 or step % cfg.logging.sample_every == 0):
+                        log.samples(step, batch.prompts, batch.completion_texts, batch.rewards.tolist(), cfg.rollout.num_generations)
+                    if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.training.max_steps:
+                        self.evaluate(f"step {step}")
+                    faults.reached("logged")
+                    # last, so that a checkpoint's step has all its logs: resuming cuts them back to it
+                    if (cfg.training.save_steps and step % cfg.training.save_steps == 0) or stop.signum:
+                        self.save(log.dir / f"checkpoint-{step}")
+                        checkpoint.prune(log.dir, cfg.training.save_total_limit)
+                if stop.signum:
+                    self.stopped_by = stop.signum
+                    return history
+                self.save(log.dir / checkpoint.FINAL)
+                if stop.signum:  # came during the save: the evaluation after is left to a resumed run
+                    self.stopped_by = stop.signum
+                    return history
+                if cfg.eval.after:
+                    after = self.evaluate("after")
+                    if before is not None:
+                        log.before_after(before, after)
         finally:
             self.rewards.close()  # no reward worker process outlives training
             log.close()
@@ -236,12 +276,19 @@ class Trainer:
         return {
             "train": self.state.state_dict(),
             "reward_failures": dict(self.rewards.failures),
+            "skips": {"consecutive": self.skips.consecutive, "total": self.skips.total},
             "reference": self.reference.state_dict(),
         }
 
-    def save(self, directory: Path) -> None:
-        state = {"step": self.state.step, "generator": self.state.generator.get_state().tolist()}
-        save_checkpoint(directory, self.model, self.tokenizer, self.state.optimizer, self.state.scheduler, state)
+    def save(self, directory: Path) -> Path:
+        """A checkpoint (grpo.checkpoint) of this step, to resume from or load with from_pretrained."""
+        check_finite_weights(self.model, f"write {directory}")  # a checkpoint with NaN weights is never written
+        state = self.state_dict()
+        a = self.cfg.algorithm
+        if not (a.ref_sync_steps and self.state.step >= a.ref_sync_steps):
+            state["reference"] = None  # still a copy of the starting model, which a resumed run copies again
+        self.saved = checkpoint.save_checkpoint(directory, self.model, self.tokenizer, state, self.cfg, step=self.state.step)
+        return self.saved
 
 
 def _task(cfg: Config, train_rows: list[Row] | None, eval_rows: list[Row] | None) -> Task:

@@ -10,11 +10,19 @@ The loss of a micro-batch is the registered policy loss and aggregation
 the gradient does not depend on how the batch is split (tests/test_trainer.py).
 The backend says where the output layer's weight gradient goes and how
 gradients are clipped; nothing here knows the device.
+
+A pass whose loss or gradient norm is NaN or inf is skipped: no optimizer or
+scheduler step, so weights and optimizer state are those of the last good pass
+(`Skips` counts them; training.max_consecutive_skips in a row raise
+TrainingDiverged). `check_finite_weights` refuses to let non-finite weights be saved.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
+from dataclasses import dataclass
 
 import torch
 
@@ -22,6 +30,49 @@ from grpo import algorithm
 from grpo.batching import GenerationBatch, microbatches, minibatches
 from grpo.config import Config
 from grpo.logprobs import completion_logprobs
+
+
+log = logging.getLogger(__name__)
+
+
+class TrainingDiverged(RuntimeError):
+    """Training cannot go on: updates keep coming out non-finite, or the weights are. The weights
+    in memory are those of the last good update (a skipped update never touches them)."""
+
+
+@dataclass
+class Skips:
+    """Skipped optimizer passes: in a row (reset by a good pass) and over the run."""
+
+    limit: int
+    consecutive: int = 0
+    total: int = 0
+
+    def record(self, skipped: bool, why: str = "") -> None:
+        if not skipped:
+            self.consecutive = 0
+            return
+        self.consecutive += 1
+        self.total += 1
+        log.warning("update skipped (%s): weights and optimizer state left as they were; %d in a row, %d in the run",
+                    why, self.consecutive, self.total)
+        if self.consecutive >= self.limit:
+            raise TrainingDiverged(
+                f"{self.consecutive} optimizer passes in a row had a non-finite loss or gradient (last: {why}), "
+                f"so training stopped (training.max_consecutive_skips={self.limit}); the weights are those of the "
+                "last good update. Lower training.learning_rate, keep training.max_grad_norm > 0, or check the "
+                "rewards and the data"
+            )
+
+
+def check_finite_weights(model, what: str) -> None:
+    """Raises TrainingDiverged naming the first parameter that holds NaN or inf (before `what`, a save)."""
+    for name, p in model.named_parameters():
+        if not bool(torch.isfinite(p).all()):
+            raise TrainingDiverged(
+                f"refusing to {what}: parameter {name} holds NaN or inf, so these weights would be useless; "
+                "lower training.learning_rate (and keep training.max_grad_norm > 0) and train again"
+            )
 
 
 def trim_left(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,9 +126,14 @@ def batch_logprobs(model, batch: GenerationBatch, cfg: Config, backend) -> torch
     return out
 
 
-def policy_update(model, optimizer, scheduler, batch: GenerationBatch, old_logp, ref_logp, cfg: Config, backend) -> dict[str, float]:
-    """num_iterations optimizer steps over the generation batch; the update's metrics."""
+def policy_update(
+    model, optimizer, scheduler, batch: GenerationBatch, old_logp, ref_logp, cfg: Config, backend, skips: Skips | None = None
+) -> dict[str, float]:
+    """num_iterations optimizer steps over the generation batch; the update's metrics. A pass with a
+    non-finite loss or gradient norm is skipped and recorded in `skips` (which may raise TrainingDiverged)."""
     a = cfg.algorithm
+    skips = skips if skips is not None else Skips(cfg.training.max_consecutive_skips)
+    skipped = 0
     pieces = split(batch, cfg)
     num_tokens = backend.sum(batch.loss_mask.sum().item())
     num_sequences = int(backend.sum(len(batch)))
@@ -91,6 +147,7 @@ def policy_update(model, optimizer, scheduler, batch: GenerationBatch, old_logp,
     model.train()
     for _ in range(a.num_iterations):
         optimizer.zero_grad(set_to_none=False)  # in place: the gradient buffers stay allocated
+        pass_loss = 0.0
         for minibatch, norm in zip(pieces, norms):
             for rows in minibatch:
                 logp, entropy = rows_logprobs(model, batch, rows, cfg, backend, grad=True)
@@ -115,12 +172,21 @@ def policy_update(model, optimizer, scheduler, batch: GenerationBatch, old_logp,
                 )
                 sums["entropy"] += algorithm.masked_sum(entropy, mask).item()
                 loss.backward()
-                sums["loss"] += loss.item()
+                pass_loss += loss.item()
                 for key, value in stats.items():
                     sums[key] += value.item()
-        grad_norms.append(backend.clip_grad_norm(model, cfg.training.max_grad_norm))
-        optimizer.step()
-        scheduler.step()
+        sums["loss"] += pass_loss
+        grad_norm = backend.clip_grad_norm(model, cfg.training.max_grad_norm)  # the norm before clipping
+        grad_norms.append(grad_norm)
+        if math.isfinite(pass_loss) and math.isfinite(grad_norm):
+            optimizer.step()
+            scheduler.step()
+            skips.record(False)
+        else:
+            # no step at all: AdamW would write NaN into the weights and its moments for good
+            optimizer.zero_grad(set_to_none=False)
+            skipped += 1
+            skips.record(True, f"loss {pass_loss}, gradient norm {grad_norm}")
     backend.after_update()
     passes = a.num_iterations * max(1.0, num_tokens)
     out = {
@@ -130,6 +196,8 @@ def policy_update(model, optimizer, scheduler, batch: GenerationBatch, old_logp,
         "clip_ratio/low_mean": sums["clip_low"] / passes,
         "clip_ratio/high_mean": sums["clip_high"] / passes,
         "clip_ratio/region_mean": sums["clip_region"] / passes,
+        "train/skipped_updates": skipped,
+        "train/skipped_updates_total": skips.total,
     }
     if a.beta > 0:
         out["kl"] = sums["kl"] / passes

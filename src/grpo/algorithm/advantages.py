@@ -69,7 +69,7 @@ def group_advantages(
     scale_rewards="batch":         A_i = (r_i - mean_g r) / (std_batch r + eps)
     scale_rewards="none" (Dr. GRPO): A_i = r_i - mean_g r
     The std divides by (n - 1) (Bessel), as in the seed and TRL. Missing
-    rewards are left out of the mean and std and get advantage 0.
+    rewards (NaN, and inf) are left out of the mean and std and get advantage 0.
 
     Example (the seed's table), group_size=4, "group":
       [1,1,0,0] -> [ 0.87,  0.87, -0.87, -0.87]
@@ -81,6 +81,11 @@ def group_advantages(
         raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
     if rewards.dim() != 1 or rewards.numel() % group_size != 0:
         raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} entries, got {tuple(rewards.shape)}")
+    dtype = rewards.dtype
+    # float64, so that squares of large float32 rewards cannot overflow into an inf std, and
+    # inf (a sum of weighted rewards past float32) counts as missing: an advantage is always finite
+    rewards = rewards.double()
+    rewards = torch.where(torch.isfinite(rewards), rewards, torch.full_like(rewards, float("nan")))
     grouped = rewards.view(-1, group_size)
     present = ~torch.isnan(grouped)
     n = present.sum(dim=1, keepdim=True).clamp(min=1)
@@ -91,7 +96,7 @@ def group_advantages(
     elif scale_rewards == "batch":
         centered = centered / (nan_std(rewards, dim=0) + eps)
     advantages = torch.where(present, centered, torch.zeros_like(centered))
-    return advantages.reshape(-1)
+    return advantages.reshape(-1).to(dtype)
 
 
 def grpo_advantages(rewards: torch.Tensor, group_size: int, *, scale_rewards: str = "group") -> torch.Tensor:

@@ -26,7 +26,7 @@ import sys
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
@@ -117,7 +117,10 @@ def resolve(spec: str, cfg: RewardsConfig | None = None) -> tuple[str, RewardFn]
         if target.endswith(".py"):
             path = Path(target)
             if not path.is_file():
-                raise ConfigError(f"rewards.funcs: {spec!r}: file {path} does not exist")
+                raise ConfigError(
+                    f"rewards.funcs: {spec!r}: file {path} does not exist (a relative path is looked for from the "
+                    "working directory, then beside the config file); give the file's path"
+                )
             # registered under a name of its own, so its functions pickle by reference for a worker process
             module_name = f"grpo_user_reward_{path.stem}_{next(_file_modules)}"
             module_spec = importlib.util.spec_from_file_location(module_name, path)

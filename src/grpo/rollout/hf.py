@@ -38,6 +38,17 @@ def left_pad(sequences: list[list[int]], pad_token_id: int) -> tuple[torch.Tenso
     return ids, mask
 
 
+class NonFiniteProbabilities(ValueError):
+    """The model's next-token scores hold NaN or inf: its weights (or activations) are not finite."""
+
+
+_NON_FINITE = (
+    "the model's next-token probabilities are NaN or inf, so no token can be sampled: its weights or "
+    "activations are not finite. In training this means the updates diverged (lower training.learning_rate, "
+    "keep training.max_grad_norm > 0); for a loaded model, its weights hold NaN or inf (load another checkpoint)"
+)
+
+
 # Vocabulary entries per block of the two-level inverse-CDF sampler.
 CDF_BLOCK = 1024
 
@@ -47,7 +58,10 @@ def sample_next_token(
 ) -> torch.Tensor:
     """Pick one token per row from next-token logits [B, V] -> [B]."""
     if params.temperature == 0:
-        return logits.argmax(dim=-1)
+        best, index = logits.max(dim=-1)
+        if bool(torch.isnan(best).any()):  # max and argmax pick a NaN when a row has one
+            raise NonFiniteProbabilities(_NON_FINITE)
+        return index
     scores = logits.float()
     if params.temperature != 1.0:
         scores = scores / params.temperature
@@ -82,8 +96,12 @@ def sample_from(weights: torch.Tensor, generator: torch.Generator | None = None)
     totals = weights[:, :whole].reshape(B, -1, block).sum(-1)
     if whole < V:
         totals = torch.cat([totals, weights[:, whole:].sum(-1, keepdim=True)], dim=1)
-    u = torch.rand(B, 2, generator=generator, device=weights.device)
     block_cdf = totals.cumsum(-1)
+    # one NaN or inf weight makes its row's total non-finite; searching such a CDF gives an index out of range
+    total = block_cdf[:, -1]
+    if not bool((torch.isfinite(total) & (total > 0)).all()):
+        raise NonFiniteProbabilities(_NON_FINITE)
+    u = torch.rand(B, 2, generator=generator, device=weights.device)
     b = first_exceeding(block_cdf, u[:, :1])
     index = b * block + torch.arange(block, device=weights.device)  # [B, block]: the chosen block's entries
     inside = index < V

@@ -109,17 +109,17 @@ class _UidPool:
     def __init__(self):
         self._lock = threading.Condition()
         self._free = list(range(UID_SLOTS))
-        self._base = UID_BASE + (os.getpid() % 100_000) * UID_SLOTS
+        self.base = UID_BASE + (os.getpid() % 100_000) * UID_SLOTS
 
     def take(self) -> int:
         with self._lock:
             while not self._free:
                 self._lock.wait()
-            return self._base + self._free.pop()
+            return self.base + self._free.pop()
 
     def give(self, uid: int) -> None:
         with self._lock:
-            self._free.append(uid - self._base)
+            self._free.append(uid - self.base)
             self._lock.notify()
 
 
