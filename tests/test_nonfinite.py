@@ -154,9 +154,28 @@ def test_consecutive_skips_stop_the_run_and_only_finite_weights_are_saved(tokeni
 
     nan_loss(monkeypatch, after_first_step)
     trainer = make(tokenizer, tmp_path, ["training.max_steps=10", "training.max_consecutive_skips=2"])
-    with pytest.raises(TrainingDiverged, match=r"2 optimizer passes in a row.*max_consecutive_skips=2"):
+    good = {}
+    real_step = trainer.train_step
+
+    def step_and_remember():
+        out = real_step()
+        if trainer.state.step == 1:
+            good.update({n: p.detach().clone() for n, p in trainer.model.named_parameters()})
+        return out
+
+    trainer.train_step = step_and_remember
+    with pytest.raises(TrainingDiverged, match=r"2 optimizer passes in a row.*max_consecutive_skips=2.*"
+                                               r"last good state is saved in .*checkpoint-2"):
         trainer.train()
     assert calls["n"] == 3
+    # step 2 was skipped, step 3 failed: checkpoint-2 holds the weights step 1 left
+    from grpo import checkpoint as ckpt
+
+    assert [c.name for c in ckpt.checkpoints(tmp_path / "run")] == ["checkpoint-2"]
+    restored = make(tokenizer, tmp_path / "resumed", [f"output_dir={tmp_path / 'resumed'}"])
+    ckpt.load_checkpoint(tmp_path / "run" / "checkpoint-2", trainer.cfg).load_weights(restored.model)
+    for n, p in restored.model.named_parameters():
+        assert torch.equal(p, good[n]), n
     assert "update skipped" in caplog.text
     assert not (tmp_path / "run" / "final").exists()
     saved_weights_are_finite(tmp_path / "run")
@@ -178,6 +197,19 @@ def test_save_refuses_non_finite_weights(tokenizer, tmp_path):
     with pytest.raises(TrainingDiverged, match=r"refusing to write .*model\.norm\.weight holds NaN or inf"):
         trainer.save(tmp_path / "run" / "final")
     assert not (tmp_path / "run" / "final").exists()
+
+
+def test_a_run_where_every_reward_failed_exits_non_zero_and_says_so(tmp_path, monkeypatch, capsys):
+    from grpo.cli import main
+
+    (tmp_path / "rewards.py").write_text("def nothing(completions, **kwargs):\n    return [None] * len(completions)\n")
+    monkeypatch.chdir(ROOT)
+    rc = main(["train", "examples/tiny.yaml", "training.max_steps=2", f"output_dir={tmp_path / 'run'}",
+               f"rewards.funcs=[{tmp_path / 'rewards.py'}:nothing]", "training.per_device_train_batch_size=16",
+               "logging.sample_every=0"])
+    assert rc == 4
+    assert "no reward was computed in any step" in capsys.readouterr().err
+    assert "No reward was computed in any step" in (tmp_path / "run" / "report.md").read_text()
 
 
 def test_grpo_train_stops_with_an_explanation_and_a_non_zero_exit(tmp_path, monkeypatch, capsys):

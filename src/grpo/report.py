@@ -510,6 +510,10 @@ def build_report(run_dir: str | Path) -> Path:
 
     title = config.get("logging", {}).get("run_name") if isinstance(config.get("logging"), dict) else None
     lines = [f"# GRPO run report: {title or run_dir.name}", ""]
+    if metrics and not any(math.isfinite(m.get("reward", math.nan)) for m in metrics):
+        lines += ["**No reward was computed in any step: every reward call failed or returned None, so nothing "
+                  "was learned.** See `rewards/<name>/errors` and `/timeouts` in metrics.jsonl, and the first "
+                  "failure's traceback in the console log.", ""]
     lines += _summary(run_dir, config, metrics) + [""]
 
     before, after = latest(eval_results, "before"), latest(eval_results, "after")

@@ -17,6 +17,7 @@ directory and console (grpo.runlog). docs/architecture.md is the map.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Callable
 
@@ -77,6 +78,8 @@ class Trainer:
         """The signal (SIGINT, SIGTERM) that stopped `train` early, after a checkpoint."""
         self.saved: Path | None = None
         """The last checkpoint this trainer wrote."""
+        self.rewarded_steps = 0
+        """Steps of `train` in which some completion got a reward (0 when every reward call failed)."""
         self.task = _task(cfg, train_rows, eval_rows)
         if not self.task.train_rows:
             raise ConfigError("no training rows")
@@ -234,7 +237,11 @@ class Trainer:
                 before = self.evaluate("before") if cfg.eval.before and self.resumed is None else None
                 log.start_training(self.state.step)
                 while self.state.step < cfg.training.max_steps and not stop.signum:
-                    metrics, batch = self.train_step()
+                    try:
+                        metrics, batch = self.train_step()
+                    except TrainingDiverged as error:
+                        raise TrainingDiverged(f"{error}; {self._save_last_good()}") from error
+                    self.rewarded_steps += math.isfinite(metrics["reward"])
                     log.step(metrics)
                     history.append(metrics)
                     step = self.state.step
@@ -279,6 +286,16 @@ class Trainer:
             "skips": {"consecutive": self.skips.consecutive, "total": self.skips.total},
             "reference": self.reference.state_dict(),
         }
+
+    def _save_last_good(self) -> str:
+        """After a divergence: a checkpoint of the state before the failed step, if its weights are
+        still finite (skipped updates leave them as they were); what was done, for the message."""
+        directory = self.log.dir / f"checkpoint-{self.state.step}"
+        try:
+            self.save(directory)
+        except TrainingDiverged:
+            return "the weights are no longer finite, so nothing was saved; the latest checkpoint holds the last good state"
+        return f"the last good state is saved in {directory} (resume from it with --resume after changing the cause)"
 
     def save(self, directory: Path) -> Path:
         """A checkpoint (grpo.checkpoint) of this step, to resume from or load with from_pretrained."""
