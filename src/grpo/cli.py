@@ -72,7 +72,7 @@ def _train(args: argparse.Namespace) -> int:
         print(f"grpo: stopped by {signal.Signals(trainer.stopped_by).name} at step {trainer.state.step}, {saved}; "
               f"continue with: {again}", file=sys.stderr)
         return 128 + trainer.stopped_by
-    if trainer.state.step and not trainer.rewarded_steps:
+    if trainer.trained_steps and not trainer.rewarded_steps:
         print(f"grpo: no reward was computed in any step (every reward call failed or returned None), so nothing "
               f"was learned; see rewards/<name>/errors in {cfg.output_dir}/metrics.jsonl and the first failure's "
               "traceback above", file=sys.stderr)

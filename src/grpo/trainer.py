@@ -78,8 +78,8 @@ class Trainer:
         """The signal (SIGINT, SIGTERM) that stopped `train` early, after a checkpoint."""
         self.saved: Path | None = None
         """The last checkpoint this trainer wrote."""
-        self.rewarded_steps = 0
-        """Steps of `train` in which some completion got a reward (0 when every reward call failed)."""
+        self.trained_steps = self.rewarded_steps = 0
+        """Steps `train` ran, and those in which some completion got a reward (none: every reward call failed)."""
         self.task = _task(cfg, train_rows, eval_rows)
         if not self.task.train_rows:
             raise ConfigError("no training rows")
@@ -241,6 +241,7 @@ class Trainer:
                         metrics, batch = self.train_step()
                     except TrainingDiverged as error:
                         raise TrainingDiverged(f"{error}; {self._save_last_good()}") from error
+                    self.trained_steps += 1
                     self.rewarded_steps += math.isfinite(metrics["reward"])
                     log.step(metrics)
                     history.append(metrics)
