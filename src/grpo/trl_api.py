@@ -1,0 +1,592 @@
+"""TRL's `GRPOConfig` / `GRPOTrainer` names on top of grpo's one trainer.
+
+A TRL script runs here by changing its import to `from grpo import GRPOConfig,
+GRPOTrainer`. `GRPOConfig` takes TRL's field names with TRL 1.16's defaults
+(which differ from grpo's own in places: bf16 and gradient checkpointing on,
+logging every 10 steps, a checkpoint every 500, three epochs) and turns them
+into grpo's `Config` through `MAPPING`, the one table of which TRL field sets
+which grpo key. A TRL field outside the table is either listed in `NO_EFFECT`
+(accepted, named in a warning) or refused by name with what to use instead:
+a setting is never dropped silently. `GRPOTrainer` turns TRL's arguments
+(model object or name, reward callables or model ids, a datasets.Dataset or
+rows) into `grpo.trainer.Trainer`'s and delegates to it.
+
+Units: TRL counts `max_steps`, `save_steps`, `logging_steps` and `eval_steps`
+in optimizer steps; a grpo step is one generation batch, which is
+`num_iterations` optimizer steps, so those counts are divided by
+num_iterations (rounded up). `per_device_train_batch_size` counts completions,
+in both.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import sys
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from grpo import config as config_module
+from grpo.config import Config, ConfigError
+
+# --------------------------------------------------------------------------
+# GRPOConfig
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class _Fields:
+    """TRL's GRPOConfig fields that grpo implements, with TRL 1.16's defaults."""
+
+    output_dir: str | None = None
+    """None: `trainer_output`, as in transformers."""
+    overwrite_output_dir: bool = False
+    """(transformers < 5) Train into a directory that already holds a run, deleting its checkpoints."""
+    # generation
+    num_generations: int = 8
+    max_completion_length: int = 512
+    max_prompt_length: int | None = None
+    """(TRL < 1.0; gone from 1.16) Prompts longer than this keep their last tokens."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    generation_batch_size: int | None = None
+    """Only per_device_train_batch_size x gradient_accumulation_steps (grpo's one batch)."""
+    steps_per_generation: int | None = None
+    """Only gradient_accumulation_steps (grpo generates once per step)."""
+    # algorithm
+    beta: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    delta: float | None = None
+    loss_type: str = "dapo"
+    scale_rewards: str | bool = "group"
+    importance_sampling_level: str = "token"
+    num_iterations: int = 1
+    mask_truncated_completions: bool = False
+    reward_weights: list[float] | None = None
+    sync_ref_model: bool = False
+    ref_model_sync_steps: int = 512
+    ref_model_mixup_alpha: float = 0.6
+    # optimisation
+    learning_rate: float = 1e-6
+    lr_scheduler_type: str = "linear"
+    warmup_steps: float = 0
+    """An int counts optimizer steps; a float below 1 is a fraction of them (as in transformers)."""
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    shuffle_dataset: bool = True
+    """Only True: grpo draws prompts in a shuffled order, reshuffled every epoch."""
+    disable_dropout: bool = False
+    """Only False: the update runs the model in training mode, with whatever dropout it was built with."""
+    optim: str = "adamw_torch_fused"
+    """AdamW only: adamw_torch_fused or adamw_torch (grpo picks the fused kernel where it exists)."""
+    max_grad_norm: float = 1.0
+    per_device_train_batch_size: int = 8
+    """Completions (not prompts) per device and micro-step, as in TRL."""
+    gradient_accumulation_steps: int = 1
+    max_steps: int = -1
+    """Optimizer steps; -1: from num_train_epochs and the dataset's size."""
+    num_train_epochs: float = 3.0
+    seed: int = 42
+    data_seed: int | None = None
+    """Seed of the prompt order; None: `seed`."""
+    bf16: bool | None = None
+    """None: on (TRL's default), unless fp16 is asked for."""
+    gradient_checkpointing: bool = True
+    activation_checkpointing: bool | None = None
+    """transformers 5's name for gradient_checkpointing; wins when set."""
+    trust_remote_code: bool = False
+    use_cpu: bool = False
+    # logging, saving, evaluation
+    logging_steps: float = 10
+    """The console line's interval (metrics.jsonl and log_history get every step)."""
+    report_to: str | list[str] = "none"
+    run_name: str | None = None
+    save_strategy: str = "steps"
+    """no, steps or epoch (final/ is always written at the end)."""
+    save_steps: float = 500
+    save_total_limit: int | None = None
+    eval_strategy: str = "no"
+    """no, steps or epoch: held-out evaluation of eval_dataset during training."""
+    eval_steps: float | None = None
+    """None: logging_steps."""
+    per_device_eval_batch_size: int = 8
+    grpo_overrides: list[str] = field(default_factory=list)
+    """grpo's own settings that TRL has no field for, as `section.key=value` (e.g.
+    ["rewards.isolation=thread", "rewards.timeout=30"]); applied last."""
+
+
+class GRPOConfig(_Fields):
+    """TRL's GRPOConfig: its fields that grpo implements (`_Fields`), with TRL 1.16's defaults.
+    `to_config(num_rows)` is the grpo `Config` they stand for; `MAPPING` says which grpo key
+    each field sets. A NO_EFFECT field is accepted with a warning, any other TRL field refused."""
+
+    def __init__(self, *args, **kwargs):
+        refused = [name for name in kwargs if name not in _FIELD_NAMES and name not in NO_EFFECT]
+        if refused:
+            raise TypeError("; ".join(_refusal(name) for name in refused))
+        self.ignored = {name: kwargs.pop(name) for name in list(kwargs) if name in NO_EFFECT}
+        """The NO_EFFECT fields given, which this run does not use."""
+        super().__init__(*args, **kwargs)
+        named = sorted(name for name, value in self.ignored.items() if value is not None and value is not False)
+        if named:  # a switch left off (use_vllm=False, push_to_hub=False) changes nothing either way
+            warnings.warn(
+                f"GRPOConfig: accepted but without effect in grpo (it has no vLLM, Hub, launcher or dataloader "
+                f"settings): {', '.join(named)}",
+                stacklevel=2,
+            )
+
+    # -------------------------------------------------------------- the mapping
+
+    def steps(self, num_rows: int | None) -> int:
+        """grpo steps (generation batches) that TRL's max_steps / num_train_epochs stand for."""
+        if self.max_steps > 0:
+            return math.ceil(self.max_steps / self._mu)
+        if num_rows is None:
+            raise ConfigError("GRPOConfig.num_train_epochs: needs the dataset's size; set max_steps, or pass train_dataset")
+        return max(1, math.ceil(self.num_train_epochs * num_rows / self._prompts_per_step()))
+
+    def _prompts_per_step(self) -> int:
+        return max(1, self.per_device_train_batch_size * self.gradient_accumulation_steps // max(1, self.num_generations))
+
+    @property
+    def _mu(self) -> int:
+        """num_iterations, at least 1 here: a bad value is grpo's config check to report."""
+        return max(1, self.num_iterations)
+
+    def _in_steps(self, value: float, num_rows: int | None, strategy: str, what: str) -> int:
+        """A TRL interval (optimizer steps, a fraction of the run below 1, or one epoch) in grpo steps."""
+        if strategy == "no":
+            return 0
+        if strategy == "epoch":
+            if num_rows is None:
+                raise ConfigError(f"GRPOConfig.{what}: 'epoch' needs the dataset's size; pass train_dataset or use 'steps'")
+            return max(1, math.ceil(num_rows / self._prompts_per_step()))
+        if strategy != "steps":
+            raise ConfigError(f"GRPOConfig.{what}: {strategy!r} is not one of no, steps, epoch")
+        if 0 < value < 1:
+            return max(1, math.ceil(value * self.steps(num_rows)))
+        return max(1, math.ceil(value / self._mu))
+
+    def to_config(self, num_rows: int | None = None) -> Config:
+        """grpo's Config for these settings; `num_rows`: the training set's size (for epochs)."""
+        self._check()
+        data: dict[str, Any] = {}
+        for name, (key, convert) in MAPPING.items():
+            value = convert(self, num_rows) if convert else getattr(self, name)
+            if value is not _UNSET:
+                _set_dotted(data, key, value)
+        try:
+            return config_module.from_dict(data, self.grpo_overrides)
+        except ConfigError as error:
+            raise ConfigError(_with_fields(str(error))) from None
+
+    def _check(self) -> None:
+        """TRL values that name something grpo does not do."""
+        derived = self.per_device_train_batch_size * self.gradient_accumulation_steps
+        if self.generation_batch_size not in (None, derived):
+            raise ConfigError(
+                f"GRPOConfig.generation_batch_size={self.generation_batch_size}: grpo generates "
+                f"per_device_train_batch_size x gradient_accumulation_steps = {derived} completions per step; "
+                "set those two instead and leave generation_batch_size unset"
+            )
+        if self.steps_per_generation not in (None, self.gradient_accumulation_steps):
+            raise ConfigError(
+                "GRPOConfig.steps_per_generation: grpo generates once per gradient_accumulation_steps micro-steps; "
+                "leave it unset (use num_iterations to reuse a generation batch)"
+            )
+        if not self.shuffle_dataset:
+            raise ConfigError("GRPOConfig.shuffle_dataset=False: grpo always shuffles the prompts (with data_seed); remove it")
+        if self.disable_dropout:
+            raise ConfigError(
+                "GRPOConfig.disable_dropout=True is not implemented; build the model with dropout 0 "
+                "(e.g. from_pretrained(name, attention_dropout=0.0)) and pass it"
+            )
+        if self.optim not in ("adamw_torch_fused", "adamw_torch"):
+            raise ConfigError(f"GRPOConfig.optim={self.optim!r}: grpo trains with AdamW only; use adamw_torch_fused or adamw_torch")
+        if self.save_strategy == "best" or self.eval_strategy not in ("no", "steps", "epoch"):
+            raise ConfigError("GRPOConfig.save_strategy/eval_strategy: use no, steps or epoch ('best' is not implemented)")
+
+
+_FIELD_NAMES = {f.name for f in dataclasses.fields(_Fields)}
+
+_UNSET = object()
+
+
+def _report_to(a: GRPOConfig, n) -> list[str]:
+    names = [a.report_to] if isinstance(a.report_to, str) else list(a.report_to)
+    if "all" in names:
+        raise ConfigError("GRPOConfig.report_to: 'all' is not supported; name them: tensorboard, wandb, trackio")
+    return [name for name in names if name != "none"]
+
+
+def _ref_sync(a: GRPOConfig, n):
+    return math.ceil(a.ref_model_sync_steps / a._mu) if a.sync_ref_model else _UNSET
+
+
+def _warmup(a: GRPOConfig, n) -> int:
+    if 0 < a.warmup_steps < 1:  # a fraction of the optimizer steps
+        return round(a.warmup_steps * a.steps(n) * a._mu)
+    return int(a.warmup_steps)
+
+
+MAPPING: dict[str, tuple[str, Callable[[GRPOConfig, int | None], Any] | None]] = {
+    # TRL field: (grpo key, how its value is computed; None: the field's value as it is)
+    "output_dir": ("output_dir", lambda a, n: a.output_dir or "trainer_output"),
+    "overwrite_output_dir": ("overwrite_output_dir", None),
+    "num_generations": ("rollout.num_generations", None),
+    "max_completion_length": ("rollout.max_completion_length", None),
+    "max_prompt_length": ("rollout.max_prompt_length", None),
+    "temperature": ("rollout.temperature", None),
+    "top_p": ("rollout.top_p", None),
+    "top_k": ("rollout.top_k", None),
+    "beta": ("algorithm.beta", None),
+    "epsilon": ("algorithm.epsilon", None),
+    "epsilon_high": ("algorithm.epsilon_high", None),
+    "delta": ("algorithm.delta", None),
+    "loss_type": ("algorithm.loss_type", None),
+    # TRL reads True/False as group/none
+    "scale_rewards": ("algorithm.scale_rewards", lambda a, n: {True: "group", False: "none"}.get(a.scale_rewards, a.scale_rewards)),
+    "importance_sampling_level": ("algorithm.importance_sampling_level", None),
+    "num_iterations": ("algorithm.num_iterations", None),
+    "mask_truncated_completions": ("algorithm.mask_truncated_completions", None),
+    "reward_weights": ("rewards.weights", None),
+    "sync_ref_model": ("algorithm.ref_sync_steps", _ref_sync),
+    "ref_model_sync_steps": ("algorithm.ref_sync_steps", _ref_sync),
+    "ref_model_mixup_alpha": ("algorithm.ref_sync_alpha", lambda a, n: a.ref_model_mixup_alpha if a.sync_ref_model else _UNSET),
+    "learning_rate": ("training.learning_rate", None),
+    "lr_scheduler_type": ("training.lr_scheduler_type", None),
+    "warmup_steps": ("training.warmup_steps", _warmup),
+    "weight_decay": ("training.weight_decay", None),
+    "adam_beta1": ("training.adam_beta1", None),
+    "adam_beta2": ("training.adam_beta2", None),
+    "adam_epsilon": ("training.adam_epsilon", None),
+    "max_grad_norm": ("training.max_grad_norm", None),
+    "per_device_train_batch_size": ("training.per_device_train_batch_size", None),
+    "gradient_accumulation_steps": ("training.gradient_accumulation_steps", None),
+    "max_steps": ("training.max_steps", lambda a, n: a.steps(n)),
+    "num_train_epochs": ("training.max_steps", lambda a, n: a.steps(n)),
+    "seed": ("training.seed", None),
+    "data_seed": ("data.seed", lambda a, n: a.seed if a.data_seed is None else a.data_seed),
+    "bf16": ("training.bf16", lambda a, n: True if a.bf16 is None else a.bf16),
+    "gradient_checkpointing": ("training.gradient_checkpointing",
+                               lambda a, n: a.gradient_checkpointing if a.activation_checkpointing is None else a.activation_checkpointing),
+    "activation_checkpointing": ("training.gradient_checkpointing",
+                                 lambda a, n: a.gradient_checkpointing if a.activation_checkpointing is None else a.activation_checkpointing),
+    "trust_remote_code": ("model.trust_remote_code", None),
+    "use_cpu": ("training.device", lambda a, n: "cpu" if a.use_cpu else "auto"),
+    "logging_steps": ("logging.log_every", lambda a, n: a._in_steps(a.logging_steps, n, "steps", "logging_steps")),
+    "report_to": ("logging.report_to", _report_to),
+    "run_name": ("logging.run_name", None),
+    "save_strategy": ("training.save_steps", lambda a, n: a._in_steps(a.save_steps, n, a.save_strategy, "save_steps")),
+    "save_steps": ("training.save_steps", lambda a, n: a._in_steps(a.save_steps, n, a.save_strategy, "save_steps")),
+    "save_total_limit": ("training.save_total_limit", lambda a, n: a.save_total_limit or 0),
+    "eval_strategy": ("eval.every", lambda a, n: a._in_steps(a.eval_steps or a.logging_steps, n, a.eval_strategy, "eval_steps")),
+    "eval_steps": ("eval.every", lambda a, n: a._in_steps(a.eval_steps or a.logging_steps, n, a.eval_strategy, "eval_steps")),
+    "per_device_eval_batch_size": ("eval.batch_size", None),
+}
+"""Every GRPOConfig field, and the grpo key it sets, but CHECKED_ONLY's."""
+
+CHECKED_ONLY = ("generation_batch_size", "steps_per_generation", "shuffle_dataset", "disable_dropout", "optim", "grpo_overrides")
+"""Fields that set no key: grpo has one value for each (refused otherwise, in `_check`), and grpo_overrides."""
+
+NO_EFFECT = {
+    # generation servers and kernels grpo does not have; its own engine generates
+    "use_vllm", "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_server_base_url",
+    "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
+    "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size",
+    "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
+    "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min", "vllm_importance_sampling_cap",
+    "use_transformers_paged", "use_transformers_continuous_batching", "cache_implementation", "use_cache",
+    "ds3_gather_for_generation", "pad_to_multiple_of", "use_liger_kernel", "torch_compile", "tf32",
+    # the Hub, distributed launchers, dataloaders and console verbosity
+    "push_to_hub", "hub_model_id", "hub_strategy", "hub_token", "hub_private_repo", "hub_always_push",
+    "hub_revision", "log_completions_hub_repo", "ddp_find_unused_parameters", "ddp_backend", "ddp_timeout",
+    "local_rank", "dataloader_num_workers", "dataloader_pin_memory", "dataloader_drop_last",
+    "dataloader_persistent_workers", "dataloader_prefetch_factor", "remove_unused_columns",
+    "logging_strategy", "logging_first_step", "logging_dir", "log_level", "log_level_replica", "disable_tqdm",
+    "log_completions", "num_completions_to_print", "log_unique_prompts", "log_on_each_node",
+    "skip_memory_metrics", "do_train", "do_eval", "do_predict", "project", "trackio_space_id",
+    "save_only_model", "save_on_each_node", "save_safetensors", "include_num_input_tokens_seen",
+    "average_tokens_across_devices",
+}
+"""TRL fields accepted and named in a warning: they change nothing about what is trained here
+(grpo generates with its own engine, logs every step, runs on one device)."""
+
+_HINTS = {
+    "fp16": "train in bf16 (bf16=True, the default) or load the model in float16 (grpo_overrides=['model.dtype=float16'])",
+    "peft_config": "LoRA is not built yet; train all weights",
+    "lr_scheduler_kwargs": "use lr_scheduler_type constant, linear or cosine with warmup_steps",
+    "warmup_ratio": "use warmup_steps (a float below 1 is a fraction of the run)",
+    "model_init_kwargs": "load the model yourself and pass it, or set grpo_overrides=['model.dtype=bfloat16']",
+    "resume_from_checkpoint": "pass it to train(resume_from_checkpoint=...)",
+    "generation_kwargs": "use temperature, top_p, top_k, max_completion_length, or grpo_overrides=['rollout.stop_strings=[...]']",
+    "min_p": "use top_p or top_k", "repetition_penalty": "use temperature, top_p or top_k",
+    "multi_objective_aggregation": "rewards are summed with reward_weights, then normalised (TRL's default)",
+    "top_entropy_quantile": "not implemented", "entropy_coef": "not implemented",
+    "deepspeed": "one device only for now", "fsdp": "one device only for now",
+    "auto_find_batch_size": "set per_device_train_batch_size yourself",
+}
+
+
+def _refusal(name: str) -> str:
+    hint = _HINTS.get(name, "remove it (grpo's own settings go in grpo_overrides=['section.key=value'])")
+    return f"GRPOConfig: grpo does not implement TRL's `{name}`; {hint}"
+
+
+def _set_dotted(data: dict, dotted: str, value: Any) -> None:
+    *sections, key = dotted.split(".")
+    for section in sections:
+        data = data.setdefault(section, {})
+    data[key] = value
+
+
+def _with_fields(message: str) -> str:
+    """A grpo config error, with the GRPOConfig fields that set the key it names."""
+    names = sorted({name for name, (key, _) in MAPPING.items() if f"{key}:" in message or f"{key}=" in message})
+    return f"{message} (GRPOConfig: {', '.join(names)})" if names else message
+
+
+# --------------------------------------------------------------------------
+# GRPOTrainer
+# --------------------------------------------------------------------------
+
+
+class GRPOTrainer:
+    """TRL's GRPOTrainer arguments, trained by grpo.trainer.Trainer.
+
+    `model`: a model object (then `processing_class` is its tokenizer, or is loaded from the
+    model's `name_or_path`) or a name or path for grpo's loader. `reward_funcs`: a callable,
+    a grpo reward name, a reward model's id or path, or a list of them. `train_dataset`: a
+    datasets.Dataset, a list of row dicts or a .jsonl path, with a `prompt` column (text or
+    chat messages) and any columns the reward functions take."""
+
+    def __init__(
+        self,
+        model,
+        reward_funcs,
+        args: GRPOConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        reward_processing_classes=None,
+        callbacks=None,
+        optimizers=(None, None),
+        peft_config=None,
+        **unknown,
+    ):
+        if "reward_processing_class" in unknown:
+            raise TypeError(
+                "GRPOTrainer: unknown argument reward_processing_class=; TRL's is reward_processing_classes= "
+                "(plural), the tokenizers of reward models given by id; a reward function needs none"
+            )
+        if unknown:
+            raise TypeError(f"GRPOTrainer: unknown argument(s) {', '.join(sorted(unknown))}")
+        if peft_config is not None:
+            raise NotImplementedError("GRPOTrainer: peft_config: LoRA is not built in grpo yet (a later issue); pass peft_config=None to train all weights")
+        if callbacks:
+            raise NotImplementedError("GRPOTrainer: callbacks are not supported; read trainer.state.log_history or metrics.jsonl after train()")
+        if optimizers != (None, None):
+            raise NotImplementedError("GRPOTrainer: optimizers= is not supported; grpo builds AdamW from learning_rate, weight_decay and adam_*")
+        if _rerun_by_a_spawned_worker():
+            raise RuntimeError(
+                "GRPOTrainer: a reward worker process (rewards.isolation=process) imported the training script, "
+                "which trains at its top level; train under `if __name__ == \"__main__\":` or use "
+                "grpo_overrides=['rewards.isolation=thread']"
+            )
+        if train_dataset is None:
+            raise ValueError("GRPOTrainer: train_dataset is required (a datasets.Dataset, a list of dicts or a .jsonl path)")
+        if args is None:  # TRL's default: a directory named after the model
+            name = model if isinstance(model, (str, Path)) else getattr(model, "name_or_path", "") or "model"
+            args = GRPOConfig(output_dir=f"{Path(str(name)).name}-GRPO")
+        self.args = args
+        train_rows = _rows(train_dataset, "train_dataset")
+        eval_rows = _rows(eval_dataset, "eval_dataset") if eval_dataset is not None else None
+        self.config = self.args.to_config(len(train_rows))
+        if isinstance(model, (str, Path)):
+            self.config.model.name = str(model)
+            model = None
+            if processing_class is not None:
+                from grpo.models import load_model_and_tokenizer
+
+                model, _ = load_model_and_tokenizer(self.config.model)
+        elif processing_class is None:
+            processing_class = _tokenizer_of(model)
+        if processing_class is not None:
+            from grpo.models import _prepare_tokenizer
+
+            _prepare_tokenizer(processing_class)  # left padding and a pad token, as grpo's loader gives
+        self.reward_funcs = _reward_funcs(reward_funcs, reward_processing_classes, self.config)
+        _script_rewards_in_threads(self.reward_funcs, self.config, self.args.grpo_overrides)
+        self._inputs = dict(model=model, tokenizer=processing_class, train_rows=train_rows, eval_rows=eval_rows,
+                            reward_funcs=self.reward_funcs)
+        from grpo import checkpoint
+        from grpo.trainer import Trainer
+
+        # An output_dir holding a run is refused by grpo unless resumed, but whether train() will
+        # resume is not known yet: built here as if it may be overwritten (which happens only when
+        # training starts), and train() refuses it there unless resuming or overwrite_output_dir.
+        self._holds_run = bool(checkpoint.checkpoints(Path(self.config.output_dir))) and not self.config.overwrite_output_dir
+        start = self.config
+        if self._holds_run:
+            start = copy.deepcopy(self.config)
+            start.overwrite_output_dir = True
+        self.trainer = Trainer(start, **self._inputs)
+        self.model, self.processing_class = self.trainer.model, self.trainer.tokenizer
+        self.state = _State()
+
+    def train(self, resume_from_checkpoint: str | bool | None = None):
+        """Trains to max_steps; `resume_from_checkpoint`: a checkpoint directory, or True for the
+        latest one in output_dir. Returns TRL's TrainOutput-like (global_step, training_loss, metrics)."""
+        if resume_from_checkpoint:
+            self._resume(resume_from_checkpoint)
+        elif self._holds_run:
+            from grpo.runlog import check_output_dir
+
+            try:
+                check_output_dir(Path(self.config.output_dir), overwrite=False)
+            except ConfigError as error:
+                raise ConfigError(
+                    f"{error}. From GRPOTrainer: train(resume_from_checkpoint=True) continues it; "
+                    "GRPOConfig(overwrite_output_dir=True) starts afresh"
+                ) from None
+        history = self.trainer.train()
+        self.state.log_history.extend(history)
+        self.state.global_step = self.trainer.state.step * self.config.algorithm.num_iterations
+        losses = [row["loss"] for row in history if isinstance(row.get("loss"), float) and math.isfinite(row["loss"])]
+        return TrainOutput(self.state.global_step, sum(losses) / len(losses) if losses else 0.0, history[-1] if history else {})
+
+    def _resume(self, checkpoint_path: str | bool) -> None:
+        from grpo import checkpoint
+        from grpo.trainer import Trainer
+
+        path = checkpoint.latest_checkpoint(Path(self.config.output_dir)) if checkpoint_path is True else Path(checkpoint_path)
+        if path is None:
+            raise ValueError(f"train(resume_from_checkpoint=True): no checkpoint in {self.config.output_dir}")
+        # the trainer built at construction holds no training yet: replace it by one that resumes
+        self.trainer.rewards.close()
+        self.trainer = Trainer(self.config, **self._inputs, resume=path)
+        self.model, self._holds_run = self.trainer.model, False
+
+    def save_model(self, output_dir: str | None = None) -> None:
+        """The policy and tokenizer, loadable with from_pretrained (default: output_dir)."""
+        directory = Path(output_dir or self.config.output_dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(directory)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(directory)
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out evaluation of eval_dataset (greedy and temperature-1 decoding, grpo's `eval`
+        settings): each decoding's accuracy and mean reward."""
+        t = self.trainer
+        if t.evaluator is None:
+            if not t.task.eval_rows:
+                raise ValueError("GRPOTrainer.evaluate: needs eval_dataset")
+            from grpo.evaluate import Evaluator
+
+            t.evaluator = Evaluator(self.config, t.engine, t.tokenizer, t.task.eval_rows, t.task.scorer, t.rewards)
+        metrics = {}
+        for r in t.evaluate("evaluate"):
+            metrics[f"eval/{r.decoding}/accuracy"] = r.accuracy
+            metrics[f"eval/{r.decoding}/mean_reward"] = r.mean_reward
+        return metrics
+
+
+@dataclass
+class _State:
+    log_history: list[dict] = field(default_factory=list)
+    """One dict of metrics per step (metrics.jsonl's rows)."""
+    global_step: int = 0
+    """Optimizer steps taken (TRL's count: grpo steps x num_iterations)."""
+
+
+@dataclass
+class TrainOutput:
+    global_step: int
+    training_loss: float
+    metrics: dict
+
+
+def _rows(dataset, what: str) -> list[dict]:
+    if isinstance(dataset, (str, Path)):
+        from grpo.data import read_jsonl
+
+        return read_jsonl(dataset, "prompt")
+    if hasattr(dataset, "to_list"):  # datasets.Dataset
+        return dataset.to_list()
+    if isinstance(dataset, list) and all(isinstance(row, dict) for row in dataset):
+        return [dict(row) for row in dataset]
+    raise TypeError(f"GRPOTrainer: {what} must be a datasets.Dataset, a list of dicts or a .jsonl path, got {type(dataset).__name__}")
+
+
+def _tokenizer_of(model):
+    name = getattr(model, "name_or_path", "") or ""
+    if not name:
+        raise ValueError("GRPOTrainer: processing_class is required for a model built in memory (pass its tokenizer)")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name)
+
+
+def _reward_funcs(funcs, processing_classes, cfg: Config) -> dict[str, Callable]:
+    """Named reward functions, as TRL names them (the function's __name__, a model by its path)."""
+    from grpo import rewards
+
+    funcs = funcs if isinstance(funcs, list) else [funcs]
+    classes = processing_classes if isinstance(processing_classes, list) else [processing_classes] * len(funcs)
+    named: dict[str, Callable] = {}
+    for fn, tokenizer in zip(funcs, classes):
+        if isinstance(fn, (str, Path)):
+            if tokenizer is not None:
+                raise NotImplementedError(
+                    f"GRPOTrainer: reward_processing_classes for {fn}: grpo loads a reward model's own tokenizer "
+                    "from its path; pass None"
+                )
+            spec = str(fn)
+            if spec not in rewards.BUILTIN and spec not in rewards.CONFIGURED and not spec.startswith("reward_model:"):
+                spec = f"reward_model:{spec}"
+            name, fn = rewards.resolve(spec, cfg.rewards)
+        elif callable(fn):
+            name = getattr(fn, "__name__", type(fn).__name__)
+        else:
+            raise TypeError(f"GRPOTrainer: reward_funcs: {fn!r} is neither a callable nor a model id/path")
+        base, k = name, 1
+        while name in named:  # two functions of one name each keep their own column
+            k += 1
+            name = f"{base}_{k}"
+        named[name] = fn
+    return named
+
+
+def _script_rewards_in_threads(funcs: dict[str, Callable], cfg: Config, overrides: list[str]) -> None:
+    """Reward functions defined in the script itself run in threads of the trainer, unless
+    rewards.isolation is set: a worker process loads them by importing the script again, and a
+    TRL script trains at its top level (no `if __name__ == "__main__":`), so every worker
+    would run the whole training."""
+    in_script = [name for name, fn in funcs.items() if getattr(fn, "__module__", None) == "__main__"]
+    if in_script and cfg.rewards.isolation == "process" and not any(o.startswith("rewards.isolation=") for o in overrides):
+        cfg.rewards.isolation = "thread"
+        warnings.warn(
+            f"GRPOTrainer: reward functions defined in the script ({', '.join(in_script)}) run in threads of the "
+            "trainer; to run them in worker processes (a hang or crash costs a worker, not the run), train under "
+            "`if __name__ == \"__main__\":` and pass grpo_overrides=['rewards.isolation=process']",
+            stacklevel=3,
+        )
+
+
+def _rerun_by_a_spawned_worker() -> bool:
+    """Whether this call comes from the top level of a script that a spawned process is importing
+    (as `__mp_main__`): an unguarded training script, re-run by a reward worker."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__mp_main__":
+            return True
+        frame = frame.f_back
+    return False
