@@ -9,10 +9,9 @@ import time
 import pytest
 
 from grpo import sandbox
-from grpo.config import ConfigError, SandboxConfig
+from grpo.config import ConfigError, RewardsConfig, SandboxConfig
 from grpo.rewards import resolve
 from grpo.rewards.code import CodeTests, HumanEvalTests, code_tests, extract_program, humaneval_outcomes, humaneval_tests
-from grpo.config import RewardsConfig
 
 if sandbox.bwrap_path() is None and not os.environ.get("GRPO_REQUIRE_SANDBOX"):
     pytest.skip("bubblewrap is not installed (make test installs it)", allow_module_level=True)

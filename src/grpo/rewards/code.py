@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import ast
 import json
-import logging
+import os
 import re
 import secrets
 from concurrent.futures import ThreadPoolExecutor
@@ -50,7 +50,6 @@ from typing import Any
 from grpo.config import ConfigError, SandboxConfig
 from grpo.sandbox import Limits, SandboxError, run
 
-log = logging.getLogger(__name__)
 
 CODE_REWARDS = ("fraction", "all")
 
@@ -203,8 +202,6 @@ class CodeRunner:
 
 
 def _pool_size(workers: int | None, n: int) -> int:
-    import os
-
     return max(1, min(workers or (os.cpu_count() or 1), n))
 
 
