@@ -59,6 +59,9 @@ class _OneProcessAccelerator:
     def reduce(self, x, reduction="sum"):
         return x
 
+    def pad_across_processes(self, x, dim=0, pad_index=0):
+        return x
+
 
 def _trl_loss(
     *,
@@ -76,8 +79,17 @@ def _trl_loss(
     grad_accum=1,
     steps_per_generation=1,
     num_items_in_batch=None,
+    entropies=None,
+    top_entropy_quantile=1.0,
+    importance_sampling_ratio=None,
+    **extra_args,
 ):
-    """Run TRL 1.16's GRPOTrainer._compute_loss on our tensors; return (loss, metrics)."""
+    """Run TRL 1.16's GRPOTrainer._compute_loss on our tensors; return (loss, metrics).
+
+    entropies: the per-token entropies TRL's forward pass returns (random by default);
+    top_entropy_quantile: TRL's; importance_sampling_ratio: the vLLM correction's
+    weights as TRL's generation step stores them (turns TRL's correction on);
+    extra_args: more TRL config fields (e.g. sapo_temperature_pos)."""
     trainer = GRPOTrainer.__new__(GRPOTrainer)
     trainer.importance_sampling_level = level
     trainer.loss_type = loss_type
@@ -85,10 +97,10 @@ def _trl_loss(
     trainer.epsilon_high = eps_high
     trainer.beta = beta
     trainer.max_completion_length = MAX_LEN
-    trainer.top_entropy_quantile = 1.0
+    trainer.top_entropy_quantile = top_entropy_quantile
     trainer.off_policy_mask_threshold = None
-    trainer.use_vllm = False
-    trainer.vllm_importance_sampling_correction = False
+    trainer.use_vllm = importance_sampling_ratio is not None
+    trainer.vllm_importance_sampling_correction = importance_sampling_ratio is not None
     trainer._entropy_bonus_enabled = False
     trainer.use_adaptive_entropy = False
     trainer.aux_loss_enabled = False
@@ -100,8 +112,10 @@ def _trl_loss(
         delta=delta,
         use_bias_correction_kl=False,
         steps_per_generation=steps_per_generation,
+        **extra_args,
     )
-    entropies = torch.rand(mask.shape, dtype=D, generator=torch.Generator().manual_seed(1))
+    if entropies is None:
+        entropies = torch.rand(mask.shape, dtype=D, generator=torch.Generator().manual_seed(1))
     calls = []
 
     def fake_logps(model, input_ids, attention_mask, logits_to_keep, **kwargs):
@@ -122,6 +136,8 @@ def _trl_loss(
         inputs["old_per_token_logps"] = old_logp
     if beta != 0.0:
         inputs["ref_per_token_logps"] = ref_logp
+    if importance_sampling_ratio is not None:
+        inputs["importance_sampling_ratio"] = importance_sampling_ratio
     loss = trainer._compute_loss(trainer.model, inputs)
     assert calls == [T]  # our tensors really were the ones used
     return loss, trainer._metrics["train"]
@@ -268,3 +284,126 @@ def test_gradient_accumulation_mapping_matches_trl(loss_type):
             max_completion_length=MAX_LEN,
         )  # fmt: skip
         assert_close(ours_total, whole)
+
+
+# --------------------------------------------------------------------------
+# cispo, sapo, the entropy mask and the rollout correction against TRL
+#
+# TRL's loss_type "cispo" = our policy loss cispo + aggregation dapo (epsilon_high is
+# the cap of the ratio); "sapo" = our sapo + aggregation grpo. TRL's top_entropy_quantile
+# is our entropy_mask at scope "batch" over the tensors of one forward pass. TRL computes
+# its vLLM importance-sampling weights while generating (not callable without a model), so
+# the weights are checked by hand in tests/test_policy_losses.py; here TRL is given our
+# weights and we check that both apply them to the loss the same way.
+# --------------------------------------------------------------------------
+
+from grpo.algorithm import RolloutCorrection, correction_weights, entropy_mask  # noqa: E402
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("cap", [1.5, 5.0])
+def test_cispo_matches_trl(level, beta, cap):
+    logp, old, ref, adv, mask = _tensors(seed=21)
+    trl_loss, metrics = _trl_loss(
+        logp=logp, old_logp=old, ref_logp=ref, advantages=adv, mask=mask, loss_type="cispo", level=level,
+        beta=beta, eps_low=0.2, eps_high=cap, delta=None,
+    )  # fmt: skip
+    (trl_grad,) = torch.autograd.grad(trl_loss, logp)
+    ours, stats = policy_loss(
+        logp, old, adv, mask, objective="cispo", loss_type="dapo", epsilon_high=cap, importance_sampling_level=level,
+        beta=beta, ref_logp=ref if beta else None, num_tokens=mask.sum(),
+    )  # fmt: skip
+    (our_grad,) = torch.autograd.grad(ours, logp)
+    assert_close(ours, trl_loss)
+    assert_close(our_grad, trl_grad)
+    assert our_grad.abs().sum() > 0
+    if level == "token":
+        # TRL's cispo_clip_ratio: capped tokens with a positive advantage, over the masked tokens
+        assert metrics["cispo_clip_ratio"] == [pytest.approx(stats["clip_high"].item() / mask.sum().item(), rel=1e-6)]
+        if cap == 1.5:
+            assert stats["clip_high"].item() > 0 and stats["clip_low"].item() > 0
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("temperatures", [(1.0, 1.05), (0.5, 3.0)])
+def test_sapo_matches_trl(level, beta, temperatures):
+    tau_pos, tau_neg = temperatures
+    logp, old, ref, adv, mask = _tensors(seed=22)
+    trl_loss, _ = _trl_loss(
+        logp=logp, old_logp=old, ref_logp=ref, advantages=adv, mask=mask, loss_type="sapo", level=level,
+        beta=beta, eps_low=0.2, eps_high=0.2, delta=None, sapo_temperature_pos=tau_pos, sapo_temperature_neg=tau_neg,
+    )  # fmt: skip
+    (trl_grad,) = torch.autograd.grad(trl_loss, logp)
+    ours, _ = policy_loss(
+        logp, old, adv, mask, objective="sapo", loss_type="grpo", importance_sampling_level=level, beta=beta,
+        ref_logp=ref if beta else None, sapo_temperature_pos=tau_pos, sapo_temperature_neg=tau_neg,
+    )  # fmt: skip
+    (our_grad,) = torch.autograd.grad(ours, logp)
+    assert_close(ours, trl_loss)
+    assert_close(our_grad, trl_grad)
+    assert our_grad.abs().sum() > 0
+
+
+def _trl_entropy_mask(entropies, mask, quantile):
+    trainer = GRPOTrainer.__new__(GRPOTrainer)
+    trainer.accelerator = _OneProcessAccelerator()
+    return trainer.get_high_entropy_mask(entropies, mask, 1 - quantile)
+
+
+@pytest.mark.parametrize("quantile", [0.0, 0.1, 0.2, 0.5, 0.8, 1.0])
+def test_entropy_mask_matches_trls_threshold(quantile):
+    gen = torch.Generator().manual_seed(int(quantile * 10))
+    _, _, _, _, mask = _tensors(seed=23)
+    entropies = 4 * torch.rand(mask.shape, generator=gen)  # float32, as the trainer's
+    entropies[0, :4] = entropies[1, 0]  # ties
+    ours = entropy_mask(entropies, mask, quantile, "batch")
+    assert torch.equal(ours, _trl_entropy_mask(entropies, mask, quantile))
+    assert ours.sum() >= 1
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_loss_with_entropy_mask_matches_trl(loss_type):
+    logp, old, ref, adv, mask = _tensors(seed=24)
+    entropies = 4 * torch.rand(mask.shape, generator=torch.Generator().manual_seed(5))
+    trl_loss, _ = _trl_loss(
+        logp=logp, old_logp=old, ref_logp=ref, advantages=adv, mask=mask, loss_type=loss_type, level="token",
+        beta=0.04, eps_low=0.2, eps_high=0.28, delta=None, entropies=entropies, top_entropy_quantile=0.2,
+    )  # fmt: skip
+    (trl_grad,) = torch.autograd.grad(trl_loss, logp)
+    keep = entropy_mask(entropies, mask, 0.2, "batch")
+    ours, _ = policy_loss(
+        logp, old, adv, mask, loss_type=loss_type, epsilon_high=0.28, beta=0.04, ref_logp=ref,
+        num_tokens=mask.sum(), entropy_mask=keep,
+    )  # fmt: skip
+    (our_grad,) = torch.autograd.grad(ours, logp)
+    assert_close(ours, trl_loss)
+    assert_close(our_grad, trl_grad)
+    # the dropped tokens keep the KL's gradient only
+    dropped = mask.bool() & ~keep
+    assert dropped.any() and (our_grad[dropped] != 0).all()
+
+
+@pytest.mark.parametrize("objective,trl_loss_type,loss_type", [("clipped", "dapo", "dapo"), ("sapo", "sapo", "grpo")])
+@pytest.mark.parametrize("level,mode", [("token", "truncate"), ("token", "mask"), ("sequence", "truncate"), ("sequence", "mask")])
+def test_rollout_correction_is_applied_as_trl_applies_it(objective, trl_loss_type, loss_type, level, mode):
+    logp, old, ref, adv, mask = _tensors(seed=25)
+    # a sampler a little off the trainer, so that some weights pass the cap of 1.2
+    sampling = old + 0.15 * torch.randn(mask.shape, dtype=D, generator=torch.Generator().manual_seed(6))
+    correction = RolloutCorrection(level=level, mode=mode, cap=1.2)
+    weights = correction_weights(old, sampling, mask, correction)
+    trl_loss, _ = _trl_loss(
+        logp=logp, old_logp=old, ref_logp=ref, advantages=adv, mask=mask, loss_type=trl_loss_type, level="token",
+        beta=0.04, eps_low=0.2, eps_high=0.28, delta=None, importance_sampling_ratio=weights,
+        sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
+    )  # fmt: skip
+    (trl_grad,) = torch.autograd.grad(trl_loss, logp)
+    ours, stats = policy_loss(
+        logp, old, adv, mask, objective=objective, loss_type=loss_type, epsilon_high=0.28, beta=0.04, ref_logp=ref,
+        num_tokens=mask.sum(), sampling_logp=sampling, correction=correction,
+    )  # fmt: skip
+    (our_grad,) = torch.autograd.grad(ours, logp)
+    assert_close(ours, trl_loss)
+    assert_close(our_grad, trl_grad)
+    assert stats["is_capped"].item() > 0  # the cap really acted

@@ -77,15 +77,27 @@ class Registry:
 
 ADVANTAGE_ESTIMATORS = Registry(
     "algorithm.advantage_estimator",
-    {"grpo": "grpo.algorithm.advantages:grpo_advantages"},
+    {
+        "grpo": "grpo.algorithm.advantages:grpo_advantages",
+        "dr_grpo": "grpo.algorithm.advantages:dr_grpo_advantages",
+        "rloo": "grpo.algorithm.advantages:rloo_advantages",
+        "reinforce_pp": "grpo.algorithm.advantages:reinforce_pp_advantages",
+        # needs the critic's values: the trainer computes it with grpo.algorithm.values.gae_advantages
+        "gae": "grpo.algorithm.values:gae_estimator",
+    },
 )
 """fn(rewards [N], group_size, *, scale_rewards) -> advantages [N]; see grpo.algorithm.advantages."""
 
 POLICY_LOSSES = Registry(
     "algorithm.policy_loss",
-    {"clipped": "grpo.algorithm.losses:clipped_policy_loss"},
+    {
+        "clipped": "grpo.algorithm.losses:clipped_policy_loss",
+        "cispo": "grpo.algorithm.losses:cispo_policy_loss",
+        "sapo": "grpo.algorithm.losses:sapo_policy_loss",
+    },
 )
-"""fn(logp, old_logp, advantages, mask, params: PolicyLossParams) -> (per-token loss, stats); see grpo.algorithm.losses."""
+"""fn(logp, old_logp, advantages [N] or [N, T], mask, params: PolicyLossParams) -> (per-token loss, stats);
+see grpo.algorithm.losses."""
 
 LOSS_AGGREGATIONS = Registry(
     "algorithm.loss_type",
@@ -113,6 +125,7 @@ TASKS = Registry(
         "math": "grpo.tasks.math_tasks:math_task",
         "code": "grpo.tasks.code:code_task",
         "humaneval": "grpo.tasks.humaneval:humaneval_task",
+        "hf": "grpo.tasks.hf:hf_task",
     },
 )
 """fn(cfg: Config) -> grpo.tasks.Task."""

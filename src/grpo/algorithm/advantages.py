@@ -9,7 +9,12 @@ has one signature:
 
     estimator(rewards [N], group_size, *, scale_rewards) -> advantages [N]
 
-with NaN marking a missing reward (its advantage is 0).
+with NaN marking a missing reward (its advantage is 0; the other rewards'
+statistics are computed without it). Registered here: `grpo` (GRPO; Dr. GRPO
+with scale_rewards="none"), `dr_grpo`, `rloo`, `reinforce_pp`. `scale_rewards`
+applies to `grpo` only; the others accept it and ignore it. `gae` (PPO with a
+critic) is registered too but needs the critic's values, so the trainer
+computes it with grpo.algorithm.values.gae_advantages instead.
 """
 
 from __future__ import annotations
@@ -102,6 +107,83 @@ def group_advantages(
 def grpo_advantages(rewards: torch.Tensor, group_size: int, *, scale_rewards: str = "group") -> torch.Tensor:
     """The registered `grpo` estimator: group_advantages (GRPO, or Dr. GRPO with scale_rewards="none")."""
     return group_advantages(rewards, group_size, scale_rewards)
+
+
+def _finite_or_nan(rewards: torch.Tensor) -> torch.Tensor:
+    """float64 copy with inf (a weighted sum past float32) counted as missing, like NaN."""
+    rewards = rewards.double()
+    return torch.where(torch.isfinite(rewards), rewards, torch.full_like(rewards, float("nan")))
+
+
+def _check_grouped(rewards: torch.Tensor, group_size: int) -> None:
+    if rewards.dim() != 1 or group_size < 1 or rewards.numel() % group_size != 0:
+        raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} entries, got {tuple(rewards.shape)}")
+
+
+def dr_grpo_advantages(rewards: torch.Tensor, group_size: int, *, scale_rewards: str = "none") -> torch.Tensor:
+    """The registered `dr_grpo` estimator (Dr. GRPO, Liu et al. 2025): A_i = r_i - mean_g r.
+
+    The group mean is subtracted and nothing is divided, whatever `scale_rewards`
+    says (it is accepted for the registry's signature and ignored): Dr. GRPO's
+    point is that dividing by the group std over-weights groups that are almost
+    all right or all wrong. Same as `grpo` with scale_rewards="none".
+
+    Example, group_size=4: [1, 1, 0, 0] -> [0.5, 0.5, -0.5, -0.5];
+    [1, nan, 0, 0] -> mean 1/3 -> [0.6667, 0, -0.3333, -0.3333].
+    """
+    return group_advantages(rewards, group_size, "none")
+
+
+def rloo_advantages(rewards: torch.Tensor, group_size: int, *, scale_rewards: str = "none") -> torch.Tensor:
+    """The registered `rloo` estimator (REINFORCE leave-one-out, Ahmadian et al. 2024).
+
+    A_i = r_i - (1 / (n - 1)) sum_{j != i} r_j, the sum over the other present
+    rewards of i's group (n of them present, i included); equivalently
+    A_i = n / (n - 1) * (r_i - mean_g r). A completion whose group has no other
+    present reward gets 0 (there is no baseline to compare with), and a missing
+    reward gets 0. `scale_rewards` is accepted and ignored (no std scaling).
+
+    Example, group_size=4: [1, 0, 0, 1] -> sum 2 -> 1 - 1/3, 0 - 2/3:
+    [0.6667, -0.6667, -0.6667, 0.6667]; [1, nan, 0, 0] -> n = 3, sum 1 ->
+    [1 - 0/2, 0, 0 - 1/2, 0 - 1/2] = [1, 0, -0.5, -0.5]; [nan, 3, nan, nan] -> 0.
+    """
+    _check_grouped(rewards, group_size)
+    dtype = rewards.dtype
+    grouped = _finite_or_nan(rewards).view(-1, group_size)
+    present = ~torch.isnan(grouped)
+    n = present.sum(dim=1, keepdim=True)
+    total = torch.nansum(grouped, dim=1, keepdim=True)
+    others_mean = (total - grouped) / (n - 1).clamp(min=1)
+    advantages = torch.where(present & (n > 1), grouped - others_mean, torch.zeros_like(grouped))
+    return advantages.reshape(-1).to(dtype)
+
+
+def reinforce_pp_advantages(
+    rewards: torch.Tensor, group_size: int, *, scale_rewards: str = "batch", eps: float = ADVANTAGE_EPS
+) -> torch.Tensor:
+    """The registered `reinforce_pp` estimator: REINFORCE++ (Hu et al. 2025) with outcome rewards.
+
+    A_i = (r_i - mean_batch r) / (std_batch r + eps)
+
+    The baseline and the scale are the whole batch's (every present reward of
+    every group), with no group baseline: a group that is all right still gets
+    positive advantages when the batch's mean is lower. The std is Bessel's
+    (n - 1), eps = 1e-4 as for `grpo`. `group_size` only checks the shape and
+    `scale_rewards` is accepted and ignored. REINFORCE++ also puts a per-token KL
+    penalty into the reward; that is not done here: the KL stays in the loss,
+    weighted by `algorithm.beta`, as for every other estimator.
+
+    Example, group_size=4, [1, 0, 0, 0, 1, 1, 1, 1]: mean 5/8, squares
+    5 (3/8)^2 + 3 (5/8)^2 = 15/8, std = sqrt(15/56) = 0.51755 ->
+    1: 0.375 / 0.51765 = 0.7244, 0: -0.625 / 0.51765 = -1.2074.
+    """
+    _check_grouped(rewards, group_size)
+    dtype = rewards.dtype
+    flat = _finite_or_nan(rewards)
+    present = ~torch.isnan(flat)
+    mean = torch.nansum(flat) / present.sum().clamp(min=1)
+    advantages = (flat - mean) / (nan_std(flat, dim=0) + eps)
+    return torch.where(present, advantages, torch.zeros_like(advantages)).to(dtype)
 
 
 def group_reward_std(rewards: torch.Tensor, group_size: int) -> torch.Tensor:

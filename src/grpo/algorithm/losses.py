@@ -2,7 +2,7 @@
 
 Shapes: N completions, T completion tokens (padded). Each function's docstring
 has its formula and a worked example (checked in tests/test_algorithm.py and
-against TRL in tests/test_trl_equivalence.py).
+tests/test_policy_losses.py, and against TRL in tests/test_trl_equivalence.py).
 
 Two registered kinds, one signature each:
 
@@ -14,7 +14,18 @@ Two registered kinds, one signature each:
   ranks), never from the tensors at hand: splitting a batch into minibatches,
   micro-batches or ranks cannot change the loss.
 
-`policy_loss` puts them together with the KL penalty.
+Advantages are [N] (one per completion, the group estimators) or [N, T] (one
+per token, GAE); every policy loss broadcasts [N] as [N, 1].
+
+`policy_loss` puts them together with the KL penalty, and optionally the
+entropy mask (`entropy_mask`, "Beyond the 80/20 rule") and the rollout
+correction (grpo.algorithm.correction).
+
+Registered policy losses and the TRL `loss_type` each reproduces (in grpo,
+TRL's loss_type is split into the policy loss and the aggregation):
+    clipped + grpo / bnpo / dr_grpo / dapo   TRL grpo / bnpo / dr_grpo / dapo
+    cispo   + dapo                           TRL cispo (its tokens-of-the-batch normaliser)
+    sapo    + grpo                           TRL sapo (its per-sequence mean)
 """
 
 from __future__ import annotations
@@ -23,7 +34,10 @@ from dataclasses import dataclass
 
 import torch
 
+from grpo.algorithm.correction import RolloutCorrection, correction_weights, mismatch_stats
 from grpo.registry import IMPORTANCE_LEVELS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
+
+ENTROPY_MASK_SCOPES = ("completion", "batch")
 
 
 # --------------------------------------------------------------------------
@@ -57,6 +71,18 @@ def log_importance_weights(
     raise ValueError(f"importance_sampling_level must be one of {IMPORTANCE_LEVELS}, got {level!r}")
 
 
+def token_advantages(advantages: torch.Tensor) -> torch.Tensor:
+    """Advantages shaped to broadcast against [N, T]: [N] -> [N, 1]; [N, T] unchanged.
+
+    Example: [0.5, -1] -> [[0.5], [-1]].
+    """
+    if advantages.dim() == 1:
+        return advantages.unsqueeze(-1)
+    if advantages.dim() == 2:
+        return advantages
+    raise ValueError(f"advantages must be [N] or [N, T], got {tuple(advantages.shape)}")
+
+
 def clipped_surrogate(
     ratio: torch.Tensor,
     advantages: torch.Tensor,
@@ -71,14 +97,14 @@ def clipped_surrogate(
     clipping), so a negative-advantage token cannot push an exploding ratio.
 
     ratio:      [N, T] or [N, 1]
-    advantages: [N]
+    advantages: [N] (broadcast as [N, 1]) or [N, T]
     returns:    broadcast of the two, [N, T] or [N, 1]
 
     Example: A=+1, eps=0.2: rho=1.5 -> -1.2 (clipped); rho=0.5 -> -0.5.
              A=-1, eps=0.2: rho=0.5 -> 0.8 (clipped); rho=1.5 -> 1.5;
              with delta=1.3, rho=1.5 -> 1.3.
     """
-    adv = advantages.unsqueeze(-1)
+    adv = token_advantages(advantages)
     clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
     unclipped = torch.clamp(ratio, max=delta) if delta is not None else ratio
     return -torch.min(unclipped * adv, clipped * adv)
@@ -213,13 +239,25 @@ def aggregate_loss(
 
 @dataclass(frozen=True)
 class PolicyLossParams:
-    """The clipping settings of a policy loss (algorithm.epsilon, epsilon_high, delta,
-    importance_sampling_level)."""
+    """The settings a policy loss reads (algorithm.epsilon, epsilon_high, delta,
+    importance_sampling_level, sapo_temperature_pos, sapo_temperature_neg).
+
+    What each registered loss reads:
+      clipped: epsilon_low, epsilon_high (the clip range [1 - eps_low, 1 + eps_high]), delta,
+               importance_sampling_level
+      cispo:   epsilon_high as the cap of the ratio itself (weight = min(rho, epsilon_high), not
+               1 + epsilon_high; TRL's meaning, recommended 5.0), importance_sampling_level
+      sapo:    sapo_temperature_pos (A > 0), sapo_temperature_neg (A <= 0), importance_sampling_level;
+               epsilon_low / epsilon_high only for its clip statistics
+    The SAPO temperatures' defaults are TRL 1.16's (1.0 and 1.05).
+    """
 
     epsilon_low: float = 0.2
     epsilon_high: float = 0.2
     delta: float | None = None
     importance_sampling_level: str = "token"
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
 
 
 def clipped_policy_loss(
@@ -232,23 +270,158 @@ def clipped_policy_loss(
     """`clipped`: the PPO-style surrogate of GRPO, DAPO and GSPO, per token.
 
     rho = exp(log_importance_weights(logp, old, level)),
-    l = clipped_surrogate(rho, A, eps_low, eps_high, delta), [N, T] or [N, 1].
+    l = clipped_surrogate(rho, A, eps_low, eps_high, delta), [N, T] or [N, 1]
+    (A [N] or [N, T]).
     Statistics (detached sums over masked tokens): clip_low (rho < 1 - eps_low
     with A < 0), clip_high (rho > 1 + eps_high with A > 0), clip_region (either).
     """
     log_w = log_importance_weights(logp, old_logp, mask, params.importance_sampling_level)
     ratio = torch.exp(log_w)
     per_token = clipped_surrogate(ratio, advantages, params.epsilon_low, params.epsilon_high, params.delta)
+    return per_token, _trust_region_stats(ratio, advantages, mask, params)
+
+
+def _clip_stats(low: torch.Tensor, high: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    low, high = low.expand(mask.shape), high.expand(mask.shape)
+    return {
+        "clip_low": masked_sum(low.double(), mask),
+        "clip_high": masked_sum(high.double(), mask),
+        "clip_region": masked_sum((low | high).double(), mask),
+    }
+
+
+def _trust_region_stats(ratio, advantages, mask, params: PolicyLossParams) -> dict[str, torch.Tensor]:
+    """clip_low: rho < 1 - eps_low with A < 0; clip_high: rho > 1 + eps_high with A > 0; clip_region: either."""
     with torch.no_grad():
-        adv = advantages.unsqueeze(-1)
-        low = ((ratio < 1.0 - params.epsilon_low) & (adv < 0)).expand_as(mask)
-        high = ((ratio > 1.0 + params.epsilon_high) & (adv > 0)).expand_as(mask)
-        stats = {
-            "clip_low": masked_sum(low.to(logp.dtype), mask),
-            "clip_high": masked_sum(high.to(logp.dtype), mask),
-            "clip_region": masked_sum((low | high).to(logp.dtype), mask),
-        }
+        adv = token_advantages(advantages)
+        low = (ratio < 1.0 - params.epsilon_low) & (adv < 0)
+        high = (ratio > 1.0 + params.epsilon_high) & (adv > 0)
+        return _clip_stats(low, high, mask)
+
+
+def cispo_policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    params: PolicyLossParams,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`cispo`: MiniMax-M1's clipped importance-sampling policy optimisation, per token.
+
+    w = sg(min(rho, epsilon_high)),  l = -w * A * logp
+
+    The importance weight is capped and detached (sg: stop gradient) instead of
+    the update being clipped: every token keeps a gradient (-w A per unit of
+    logp), where PPO's clip would zero it. Reads `epsilon_high` as the cap of
+    the ratio itself, as TRL 1.16 does (its docs recommend 5.0; with TRL's
+    default, epsilon_high = epsilon = 0.2, every weight is 0.2), no lower cap.
+    rho follows `importance_sampling_level` (sequence: one weight per row).
+    TRL's loss_type "cispo" = this with the `dapo` aggregation (sum over the
+    batch's tokens / their count).
+
+    Statistics (masked sums): the tokens whose weight was capped (rho >
+    epsilon_high), split by the advantage's sign: clip_high with A > 0 (TRL's
+    `cispo_clip_ratio`), clip_low with A < 0, clip_region either.
+
+    Example: logp = log 0.5, old = log 0.25 (rho = 2), A = +1:
+    cap 1.5 -> w = 1.5, l = -1.5 * log 0.5 = 1.0397, dl/dlogp = -1.5 (capped);
+    cap 5 -> w = 2, l = 1.3863, dl/dlogp = -2.
+    """
+    ratio = torch.exp(log_importance_weights(logp, old_logp, mask, params.importance_sampling_level))
+    weight = torch.clamp(ratio, max=params.epsilon_high).detach()
+    adv = token_advantages(advantages)
+    per_token = -weight * adv * logp
+    with torch.no_grad():
+        capped = ratio > params.epsilon_high
+        stats = _clip_stats(capped & (adv < 0), capped & (adv > 0), mask)
     return per_token, stats
+
+
+def sapo_policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    params: PolicyLossParams,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`sapo`: soft adaptive policy optimisation (Qwen, SAPO), per token.
+
+    tau = sapo_temperature_pos if A > 0 else sapo_temperature_neg,
+    l = -(4 / tau) * sigmoid(tau * (rho - 1)) * A
+
+    A smooth gate instead of the hard clip: dl/drho = -4 s (1 - s) A with
+    s = sigmoid(tau (rho - 1)), which is -A at rho = 1 (PPO's on-policy
+    gradient) and decays as rho leaves 1, at a speed set by tau (the
+    negative-advantage side a little faster by default, tau_neg = 1.05 > 1.0,
+    TRL 1.16's defaults). rho follows `importance_sampling_level`. TRL's
+    loss_type "sapo" = this with the `grpo` aggregation (per-sequence mean).
+
+    Statistics (masked sums), for comparison with `clipped`: the tokens PPO's
+    clip would have cut, which SAPO's gate attenuates instead: clip_low
+    (rho < 1 - eps_low, A < 0), clip_high (rho > 1 + eps_high, A > 0), clip_region.
+
+    Example: rho = 1, A = +1, tau 1: l = -4 * 0.5 = -2, dl/dlogp = -4 * 0.25 * rho = -1;
+    rho = 1, A = -1, tau 1.05: l = 2 / 1.05 = 1.90476;
+    rho = 2, A = +1: s = sigmoid(1) = 0.73106, l = -2.92423,
+    dl/dlogp = -4 * 0.73106 * 0.26894 * 2 = -1.57290.
+    """
+    ratio = torch.exp(log_importance_weights(logp, old_logp, mask, params.importance_sampling_level))
+    adv = token_advantages(advantages)
+    tau = torch.where(
+        adv > 0,
+        torch.as_tensor(params.sapo_temperature_pos, dtype=ratio.dtype, device=ratio.device),
+        torch.as_tensor(params.sapo_temperature_neg, dtype=ratio.dtype, device=ratio.device),
+    )
+    per_token = -(4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0)) * adv
+    return per_token, _trust_region_stats(ratio, advantages, mask, params)
+
+
+def entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float, scope: str) -> torch.Tensor:
+    """The high-entropy tokens that keep their policy loss ("Beyond the 80/20 rule", Wang et al. 2025).
+
+    keep_{i,t} = m_{i,t} and H_{i,t} >= q_{1 - quantile}(H over the masked tokens)
+
+    so quantile=0.2 keeps the top 20% (the paper's choice), 1.0 every masked
+    token, 0.0 only the tokens of highest entropy. The threshold is the
+    (1 - quantile) quantile with linear interpolation between the sorted values
+    (torch.quantile's default, which TRL 1.16's get_high_entropy_mask uses):
+    rank = (1 - quantile) (n - 1), threshold = lerp(v[floor rank], v[ceil rank], frac).
+    Ties: every token at or above the threshold is kept, so equal entropies at
+    the threshold can keep more than the quantile's share (all equal: all
+    kept), and an interpolated threshold can keep fewer than quantile * n.
+
+    scope "completion": a threshold per completion, over its own masked tokens,
+    so the mask does not depend on how the batch is split into micro-batches.
+    scope "batch": one threshold over all masked tokens of the tensors given
+    (TRL: the tokens of one forward pass, gathered over processes; pass the
+    tensors of the same piece to reproduce it).
+
+    entropy, mask: [N, T] -> bool [N, T], False where mask is 0 and for a row
+    (or batch) without masked tokens. Computed in float64, no gradient.
+
+    Example: H = [[0.1, 0.2, 0.3, 0.4], [0.8, 0.9, x, x]], mask [[1,1,1,1],[1,1,0,0]],
+    quantile 0.5: batch: sorted [.1 .2 .3 .4 .8 .9], rank 2.5 -> 0.35 ->
+    [[F, F, F, T], [T, T, F, F]]; completion: row 0 rank 1.5 -> 0.25, row 1
+    rank 0.5 -> 0.85 -> [[F, F, T, T], [F, T, F, F]].
+    """
+    if not 0.0 <= quantile <= 1.0:
+        raise ValueError(f"top_entropy_quantile must be in [0, 1] (0.2 keeps the top 20%), got {quantile!r}")
+    if scope not in ENTROPY_MASK_SCOPES:
+        raise ValueError(f"entropy mask scope must be one of {ENTROPY_MASK_SCOPES}, got {scope!r}")
+    if entropy.shape != mask.shape or mask.dim() != 2:
+        raise ValueError(f"entropy and mask must both be [N, T], got {tuple(entropy.shape)} and {tuple(mask.shape)}")
+    keep = mask.bool()
+    values = entropy.detach().double()
+    if scope == "batch":
+        values, keep = values.reshape(1, -1), keep.reshape(1, -1)
+    # masked-out entries sort last, so the first n of each row are its masked values in order
+    ordered = torch.where(keep, values, torch.full_like(values, float("inf"))).sort(dim=-1).values
+    n = keep.sum(dim=-1, keepdim=True)
+    rank = (1.0 - quantile) * (n - 1).clamp(min=0).double()
+    below, above = rank.floor().long(), rank.ceil().long()
+    threshold = torch.lerp(ordered.gather(-1, below), ordered.gather(-1, above), rank - below)
+    selected = keep & (values >= threshold) & (n > 0)
+    return selected.reshape(entropy.shape)
 
 
 def policy_loss(
@@ -271,24 +444,58 @@ def policy_loss(
     num_tokens: float | None = None,
     num_minibatches: int = 1,
     minibatch_tokens: float | None = None,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    entropy_mask: torch.Tensor | None = None,
+    sampling_logp: torch.Tensor | None = None,
+    correction: RolloutCorrection | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The GRPO objective for one minibatch: policy loss `objective` + beta * KL, aggregated
-    by `loss_type`.
+    """The GRPO objective for one minibatch: policy loss `objective` (times the entropy mask
+    and the rollout correction's weights, when given) + beta * KL, aggregated by `loss_type`.
+
+        l_{i,t} = keep_{i,t} * w_{i,t} * policy_{i,t} + beta * KL_{i,t}
 
     logp:      [N, T] log pi_theta of the sampled tokens (requires grad)
-    old_logp:  [N, T] log pi_old (sampling policy); None means pi_old = pi_theta
-               (num_iterations == 1), i.e. logp.detach(): ratio 1, no extra pass
-    advantages:[N]
+    old_logp:  [N, T] log pi_old (the policy the update starts from); None means
+               pi_old = pi_theta (num_iterations == 1), i.e. logp.detach(): ratio 1, no extra pass
+    advantages:[N] (one per completion) or [N, T] (per token, GAE)
     mask:      [N, T] 1 for completion tokens that count
     ref_logp:  [N, T] log pi_ref, needed when beta > 0
+    entropy_mask: bool [N, T] (`entropy_mask(...)`), or None for every token. It
+               multiplies the policy term only, not the KL, and the normalisers
+               stay those of `mask` (a dropped token still counts in the
+               denominators), as TRL's top_entropy_quantile does.
+    sampling_logp: [N, T] log-probs the rollout engine sampled with, or None;
+               given, the statistics gain the mismatch sums (`mismatch_stats`).
+    correction: with sampling_logp, multiply the policy term by the detached
+               weights of `correction_weights(old_logp, sampling_logp, mask, correction)`
+               (truncated importance sampling); None: no re-weighting. The
+               policy loss's own ratio stays pi_theta / pi_old.
 
-    Returns the scalar loss and detached statistics summed over masked tokens
-    (the caller divides by token counts): kl, clip_low, clip_high, clip_region.
+    Returns the scalar loss and detached float64 statistics summed over masked
+    tokens (the caller divides by token counts): clip_low, clip_high,
+    clip_region (as the policy loss defines them); kl when beta > 0;
+    logprob_diff_sum, logprob_diff_max (a max, not a sum), is_ratio_sum when
+    sampling_logp is given; is_weight_sum, is_capped when correction is too.
     """
     if old_logp is None:
         old_logp = logp.detach()
-    params = PolicyLossParams(epsilon_low, epsilon_high, delta, importance_sampling_level)
+    if correction is not None and sampling_logp is None:
+        raise ValueError("a rollout correction needs sampling_logp, the log-probs the engine sampled with")
+    params = PolicyLossParams(
+        epsilon_low, epsilon_high, delta, importance_sampling_level, sapo_temperature_pos, sapo_temperature_neg
+    )
     per_token, stats = POLICY_LOSSES.get(objective)(logp, old_logp, advantages, mask, params)
+    if entropy_mask is not None:
+        if entropy_mask.shape != mask.shape:
+            raise ValueError(f"entropy_mask must have mask's shape {tuple(mask.shape)}, got {tuple(entropy_mask.shape)}")
+        per_token = per_token * entropy_mask.to(per_token.dtype)
+    if sampling_logp is not None:
+        if sampling_logp.shape != mask.shape:
+            raise ValueError(f"sampling_logp must have mask's shape {tuple(mask.shape)}, got {tuple(sampling_logp.shape)}")
+        stats.update(mismatch_stats(old_logp, sampling_logp, mask, correction))
+        if correction is not None:
+            per_token = per_token * correction_weights(old_logp, sampling_logp, mask, correction).to(per_token.dtype)
     if beta != 0.0:
         if ref_logp is None:
             raise ValueError("beta > 0 needs ref_logp")
