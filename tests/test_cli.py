@@ -29,6 +29,10 @@ def test_tiny_example_runs_and_writes_metrics(tmp_path, monkeypatch, capsys):
     assert [json.loads(l)["step"] for l in (run / "samples.jsonl").read_text().splitlines()][::4] == [1, 2]
     out = capsys.readouterr().out
     assert "3/3" in out and "ETA" in out
+    # the trained model, exported as a plain model directory
+    assert main(["export", str(run / "final"), "--out", str(tmp_path / "exported")]) == 0
+    assert f"wrote {tmp_path / 'exported'}" in capsys.readouterr().out
+    assert (tmp_path / "exported" / "config.json").is_file()
 
 
 def test_report_command(tmp_path, capsys):
@@ -42,3 +46,78 @@ def test_report_command(tmp_path, capsys):
     assert main(["report", str(run)]) == 0
     assert (run / "report.md").exists() and (run / "plots" / "reward.png").exists()
     assert main(["report", str(tmp_path / "missing")]) == 2
+
+
+# ---------------------------------------------------------------- help, config show, init, export
+
+
+def test_train_help_lists_every_section_with_an_example(capsys):
+    from grpo.config_docs import SECTIONS
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    for name in ("model", "data", "rollout", "rewards", "algorithm", "training", "eval", "logging"):
+        assert f"\n  {name} " in out, name
+        assert f"e.g. {SECTIONS[name][1]}" in out
+    assert "grpo config show" in out
+
+
+def test_config_show_is_the_resolved_config_with_each_fields_doc(tmp_path, capsys):
+    import yaml
+
+    (tmp_path / "run.yaml").write_text("data: {task: gsm8k, train_file: g.jsonl}\nalgorithm: {beta: 0.04}\n")
+    assert main(["config", "show", str(tmp_path / "run.yaml"), "training.max_steps=7"]) == 0
+    out = capsys.readouterr().out
+    shown = yaml.safe_load(out)
+    cfg = config.load(tmp_path / "run.yaml", ["training.max_steps=7"])
+    assert shown == cfg.to_dict()
+    assert shown["rewards"]["funcs"] == ["math_answer"]  # resolved: the task's own reward
+    lines = out.splitlines()
+    beta = lines.index("  beta: 0.04")
+    assert lines[beta - 1].startswith("  # KL coefficient.")  # the field's docstring, right above it
+    sandbox = lines.index("  sandbox:")  # nested sections are shown, with their own fields' docs
+    assert lines[sandbox + 1].startswith("    # bwrap: namespaces") and lines[sandbox + 3].startswith("    isolation: bwrap")
+
+
+def test_config_show_fails_like_train(tmp_path, capsys):
+    assert main(["config", "show", "algorithm.bta=1"]) == 2
+    assert "unknown config key 'algorithm.bta'; did you mean 'algorithm.beta'?" in capsys.readouterr().err
+    assert main(["config", "show", "rollout.num_generations=1"]) == 2
+    assert "rollout.num_generations: must be >= 2" in capsys.readouterr().err
+
+
+def test_init_writes_a_config_that_loads_as_the_defaults(tmp_path, capsys):
+    path = tmp_path / "sub" / "grpo.yaml"
+    assert main(["init", str(path)]) == 0
+    assert str(path) in capsys.readouterr().out
+    assert config.load(path).to_dict() == config.from_dict({}).to_dict()
+    text = path.read_text()
+    assert "# Most tokens generated per completion.\n  max_completion_length: 512\n" in text
+    before = text
+    assert main(["init", str(path)]) == 2  # never over an existing file, unless asked
+    assert "already exists" in capsys.readouterr().err and path.read_text() == before
+    path.write_text("x")
+    assert main(["init", str(path), "--force"]) == 0 and path.read_text() == before
+
+
+def test_export_parses_its_arguments_and_fails_cleanly(tmp_path, capsys, monkeypatch):
+    import sys
+    import types
+
+    with pytest.raises(SystemExit):
+        main(["export", str(tmp_path)])  # --out is required
+    assert "--out" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "missing"), "--out", str(tmp_path / "out")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()  # the real export refuses a directory that is no checkpoint
+    assert main(["export", str(tmp_path / "empty"), "--out", str(tmp_path / "out")]) == 2
+    assert "is not a checkpoint directory" in capsys.readouterr().err
+    calls = []
+    fake = types.ModuleType("grpo.export")
+    fake.export_checkpoint = lambda checkpoint, out, merge: calls.append((checkpoint, out, merge)) or out
+    monkeypatch.setitem(sys.modules, "grpo.export", fake)
+    (tmp_path / "final").mkdir()
+    assert main(["export", str(tmp_path / "final"), "--out", str(tmp_path / "merged"), "--merge"]) == 0
+    assert calls == [(tmp_path / "final", tmp_path / "merged", True)]
+    assert f"wrote {tmp_path / 'merged'}" in capsys.readouterr().out

@@ -127,3 +127,101 @@ def test_tensorboard_writes_an_event_file(tmp_path):
     trackers.close()
     events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0
+
+
+# ---------------------------------------------------------------- completions tables
+
+
+class _FakeTable:
+    def __init__(self, columns=None, data=None, dataframe=None):
+        if dataframe is not None:
+            columns, data = list(dataframe.columns), dataframe.values.tolist()
+        self.columns, self.data = columns, data
+
+
+ROWS = [
+    {"step": 4, "prompt": [{"role": "user", "content": "2+2?"}], "completion": "4", "reward": 1.0, "correct": 1.0},
+    {"step": 4, "prompt": "a|b", "completion": "x\ny", "reward": float("nan"), "correct": None},
+]
+
+
+@pytest.mark.parametrize("name", ["wandb", "trackio"])
+def test_completions_go_to_wandb_and_trackio_as_a_table(tmp_path, monkeypatch, name):
+    fake = _FakeRunModule(name)
+    fake.Table = _FakeTable
+    monkeypatch.setitem(sys.modules, name, fake)
+    with Trackers([name], tmp_path) as trackers:
+        trackers.log_completions(ROWS, step=4)
+    _, (kind, logged, step), _ = fake.calls
+    table = logged["completions"]
+    assert (kind, step, table.columns) == ("log", 4, ["step", "prompt", "completion", "reward", "correct"])
+    assert table.data[0] == [4, "2+2?", "4", 1.0, 1.0]  # a chat prompt as its last message's text
+    missing = table.data[1][3]
+    assert table.data[1][:3] == [4, "a|b", "x\ny"]
+    assert missing is None or (name == "trackio" and missing != missing)  # no reward (a DataFrame holds it as NaN)
+
+
+def test_a_tracker_without_a_table_type_is_said_once(tmp_path, monkeypatch, caplog):
+    fake = _FakeRunModule("trackio")
+    monkeypatch.setitem(sys.modules, "trackio", fake)
+    with Trackers(["trackio"], tmp_path) as trackers:
+        trackers.log_completions(ROWS, step=1)
+        trackers.log_completions(ROWS, step=2)
+    assert [c[0] for c in fake.calls] == ["init", "finish"]
+    assert [r.message for r in caplog.records].count(next(r.message for r in caplog.records)) == 1
+    assert "has no Table type" in caplog.records[0].message
+
+
+def test_completions_go_to_tensorboard_as_markdown(tmp_path, monkeypatch):
+    texts = []
+
+    class Writer:
+        def __init__(self, log_dir):
+            pass
+
+        def add_text(self, tag, text, global_step):
+            texts.append((tag, text, global_step))
+
+        def flush(self):
+            pass
+
+        def close(self):
+            pass
+
+    fake_tb = types.ModuleType("torch.utils.tensorboard")
+    fake_tb.SummaryWriter = Writer
+    monkeypatch.setitem(sys.modules, "tensorboard", types.ModuleType("tensorboard"))
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake_tb)
+    with Trackers(["tensorboard"], tmp_path) as trackers:
+        trackers.log_completions(ROWS, step=4)
+    assert texts == [("completions", (
+        "| step | prompt | completion | reward | correct |\n"
+        "|---|---|---|---|---|\n"
+        "| 4 | 2+2? | 4 | 1 | 1 |\n"
+        "| 4 | a\\|b | x<br>y |  |  |"
+    ), 4)]
+
+
+def test_run_log_samples_reach_the_tracker_every_sample_step(tmp_path, monkeypatch):
+    from grpo.runlog import RunLog
+
+    fake = _FakeRunModule("wandb")
+    fake.Table = _FakeTable
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    cfg = Config(output_dir=str(tmp_path / "run"))
+    cfg.logging.report_to = ["wandb"]
+    run = RunLog(cfg)
+    run.start()
+    run.start_training(0)
+    prompts = ["p0", "p0", "p1", "p1"]
+    run.samples(2, prompts, ["a", "b", "c", "d"], [0.5, 0.0, 1.0, 1.0], group_size=2,
+                reward_columns={"correct": [0.0, 0.0, 1.0, 1.0], "reward": [0.5, 0.0, 0.0, 0.0]})
+    run.close()
+    (table,) = [c[1]["completions"] for c in fake.calls if c[0] == "log"]
+    assert table.columns == ["step", "prompt", "completion", "reward", "correct", "reward (reward)"]
+    assert table.data == [[2, "p0", "a", 0.5, 0.0, 0.5], [2, "p1", "c", 1.0, 1.0, 0.0]]  # one per group
+    import json
+
+    lines = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert lines[1] == {"step": 2, "prompt": "p1", "completion": "c", "reward": 1.0,
+                        "rewards": {"correct": 1.0, "reward": 0.0}}

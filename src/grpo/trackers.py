@@ -6,12 +6,18 @@ listed in `logging.report_to`, so an empty list costs nothing:
 
     trackers = Trackers.from_config(cfg)
     trackers.log({"reward": 0.5, "kl": 0.01}, step=1)
+    trackers.log_completions([{"step": 1, "prompt": "2+2=", "completion": "4", "reward": 1.0}], step=1)
     trackers.close()
+
+`log_completions` sends the sample completions the run log prints (every
+`logging.sample_every` steps) as a table: a `wandb.Table` and a `trackio.Table`
+under the key `completions`, and a markdown table in TensorBoard's text tab.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -21,6 +27,10 @@ from grpo.config import Config, ConfigError
 BACKENDS = ("tensorboard", "wandb", "trackio")
 PIP_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
 PROJECT = "grpo"
+COMPLETIONS = "completions"
+"""The key (wandb, trackio) and tag (TensorBoard) of the sample completions' table."""
+
+log = logging.getLogger(__name__)
 
 
 def _missing(name: str, error: ImportError) -> ConfigError:
@@ -41,6 +51,33 @@ def _numbers(metrics: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def _cell(value: Any) -> Any:
+    """A table cell: text and finite numbers as they are, NaN (a missing reward) as None,
+    chat messages as their last message's text."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, list) and value and all(isinstance(m, dict) and "content" in m for m in value):
+        return str(value[-1]["content"])
+    if value is None or isinstance(value, (str, int, float)):
+        return value
+    return str(value)
+
+
+def markdown_table(columns: list[str], data: list[list]) -> str:
+    """A markdown table (TensorBoard's text tab renders it); a cell's `|` and newlines escaped."""
+
+    def text(value: Any) -> str:
+        if value is None:
+            return ""
+        if isinstance(value, float):
+            value = f"{value:.4g}"
+        return str(value).replace("\\", "\\\\").replace("|", "\\|").replace("\r", "").replace("\n", "<br>")
+
+    lines = ["| " + " | ".join(map(text, columns)) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(map(text, row)) + " |" for row in data]
+    return "\n".join(lines)
+
+
 class _TensorBoard:
     def __init__(self, log_dir: Path):
         try:
@@ -56,6 +93,10 @@ class _TensorBoard:
             self.writer.add_scalar(key, value, global_step=step)
         self.writer.flush()
 
+    def log_table(self, columns: list[str], data: list[list], step: int) -> None:
+        self.writer.add_text(COMPLETIONS, markdown_table(columns, data), global_step=step)
+        self.writer.flush()
+
     def close(self) -> None:
         self.writer.close()
 
@@ -69,9 +110,27 @@ class _InitLogFinish:
         except ImportError as e:
             raise _missing(name, e) from None
         self.run = self.module.init(project=PROJECT, name=run_name, config=config)
+        self._said_no_table = False
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.module.log(metrics, step=step)
+
+    def log_table(self, columns: list[str], data: list[list], step: int) -> None:
+        table_type = getattr(self.module, "Table", None)
+        if table_type is None:
+            if not self._said_no_table:
+                self._said_no_table = True
+                log.warning("%s %s has no Table type: the sample completions are not sent to it (samples.jsonl has "
+                            "them); upgrade it for a completions table", self.module.__name__,
+                            getattr(self.module, "__version__", ""))
+            return
+        if self.module.__name__ == "trackio":  # trackio's Table takes its column names from a DataFrame only
+            import pandas
+
+            table = table_type(dataframe=pandas.DataFrame(data, columns=columns))
+        else:
+            table = table_type(columns=columns, data=data)
+        self.module.log({COMPLETIONS: table}, step=step)
 
     def close(self) -> None:
         self.module.finish()
@@ -118,6 +177,16 @@ class Trackers:
         numbers = _numbers(metrics)
         for backend in self.backends.values():
             backend.log(numbers, step)
+
+    def log_completions(self, rows: list[dict[str, Any]], step: int) -> None:
+        """A table of sample completions: one row per completion, its columns the rows' keys in
+        order of first appearance (step, prompt, completion, reward, then each reward function's)."""
+        if not self.backends or not rows:
+            return
+        columns = list(dict.fromkeys(key for row in rows for key in row))
+        data = [[_cell(row.get(key)) for key in columns] for row in rows]
+        for backend in self.backends.values():
+            backend.log_table(columns, data, step)
 
     def close(self) -> None:
         backends, self.backends = self.backends, {}

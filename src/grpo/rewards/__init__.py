@@ -80,7 +80,7 @@ CONFIGURED: dict[str, Callable[[RewardsConfig], RewardFn]] = {
 }
 """Built-in rewards made from the rewards section's settings (math_forms, math_timeout)."""
 
-CALL_ARGUMENTS = {"prompts", "completions", "completion_ids"}
+CALL_ARGUMENTS = {"prompts", "completions", "completion_ids", "trainer_state"}
 
 
 def overlong_reward(max_length: int, buffer: int) -> RewardFn:
@@ -178,6 +178,7 @@ class RewardSet:
     _executor: RewardExecutor | None = field(default=None, init=False, repr=False, compare=False)
     _since_step: defaultdict = field(default_factory=lambda: defaultdict(Counter), init=False, repr=False, compare=False)
     _seen: Counter = field(default_factory=Counter, init=False, repr=False, compare=False)
+    _trainer_state: object = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def from_config(
@@ -233,10 +234,16 @@ class RewardSet:
             self._executor = RewardExecutor(self.names, self.funcs, self.timeout, self.workers, self.isolation)
         return self._executor
 
-    def score(self, prompts: list, completions: list, completion_ids: list[list[int]], rows: list[dict]) -> torch.Tensor:
-        """[N, K] rewards, NaN where missing. `rows` are the dataset rows, one per completion."""
+    def score(self, prompts: list, completions: list, completion_ids: list[list[int]], rows: list[dict],
+              trainer_state: object = None) -> torch.Tensor:
+        """[N, K] rewards, NaN where missing. `rows` are the dataset rows, one per completion.
+        `trainer_state` (TRL's keyword: global_step, max_steps, epoch) goes to every function; left
+        out (an evaluation), the last one given; none is passed before any was."""
+        self._trainer_state = trainer_state if trainer_state is not None else self._trainer_state
         columns = {key: [r.get(key) for r in rows] for key in rows[0] if key != "prompt"}
         inputs = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **columns}
+        if self._trainer_state is not None:
+            inputs["trainer_state"] = self._trainer_state
         out = torch.full((len(completions), len(self.funcs)), float("nan"))
         for k, calls in enumerate(self.executor(inputs, len(completions))):
             for call in calls:

@@ -173,7 +173,8 @@ class RewardExecutor:
         # A reward that bounds each of its items (the code rewards: each program by the sandbox's
         # timeout) always returns; a batch-wide limit would only throw its finished work away.
         deadline = math.inf if getattr(fn, "bounds_itself", False) else time.monotonic() + self.timeout
-        inputs = {key: list(values) for key, values in inputs.items()}  # functions running side by side share no list
+        # functions running side by side share no list (trainer_state, one object, is not a list)
+        inputs = {key: list(values) if isinstance(values, list) else values for key, values in inputs.items()}
         outcome: list[Call] = []
         done = threading.Event()
 
@@ -234,7 +235,7 @@ class RewardExecutor:
     def _send(self, w: "_Worker", pending: deque, inputs: dict[str, list]) -> None:
         k, a, b = task = pending.popleft()
         try:
-            w.conn.send((k, {key: values[a:b] for key, values in inputs.items()}, b - a))
+            w.conn.send((k, {key: values[a:b] if isinstance(values, list) else values for key, values in inputs.items()}, b - a))
         except OSError:  # it died while idle (killed from outside): not this chunk's fault
             pending.appendleft(task)
             self._replace(w)

@@ -5,6 +5,9 @@
     jsonl        rows from data.train_file / data.eval_file; scored like arithmetic when
                  every held-out row has an integer `answer`, otherwise by the configured
                  reward functions alone (their mean on the held-out rows)
+    hf           rows of any dataset `datasets` reads (grpo.tasks.hf): a .json/.jsonl/.parquet/
+                 .csv file, a save_to_disk directory or a hub dataset, columns renamed by
+                 data.columns; scored like jsonl
     gsm8k, math  GSM8K-style {question, answer: "... #### N"} or MATH-style {problem,
                  solution with \\boxed{...}} rows from a .jsonl/.parquet file or hub dataset
                  (grpo.tasks.math_tasks), the gold answer extracted at load time; scored by
