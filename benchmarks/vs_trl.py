@@ -3,6 +3,7 @@
     python benchmarks/vs_trl.py                                # Gemma-3-270M, fp32
     python benchmarks/vs_trl.py --precision both               # fp32, then bf16 autocast
     python benchmarks/vs_trl.py --model tiny --precision both  # CI-sized, about a minute
+    python benchmarks/vs_trl.py --precision bf16 --lora 16     # full fine-tuning, then LoRA r=16
 
 Each side runs in its own child process (this script again, with `--side trl`
 or `--side grpo`), so that its peak memory is its own. A child builds its
@@ -14,6 +15,14 @@ machine fall on both sides alike, and takes medians over all measured steps.
 One step = one generation batch (4 prompts x 4 completions, each exactly
 max_completion_length tokens, EOS ignored) + one optimizer step on it. See
 benchmarks/README.md for what each column measures and how to read it.
+
+`--lora R` adds LoRA rows after the full fine-tuning ones: the same rank, alpha
+(`--lora-alpha`) and target modules (peft's all-linear) on both sides, TRL
+through `GRPOTrainer(peft_config=peft.LoraConfig(...))`, grpo through
+`model.lora`. In LoRA rows the update's FLOP count is 2x forward instead of 3x
+(no gradient for the frozen base weights; the adapters' own products are not
+counted), and "peak-state" subtracts gradients and Adam moments of the trainable
+(adapter) weights only.
 """
 
 from __future__ import annotations
@@ -117,9 +126,11 @@ def _resolve_device(name: str) -> str:
 
 
 def model_shape(model) -> dict:
-    """What the FLOP count needs from the model; shared (tied) weights counted once."""
+    """What the FLOP count needs from the model; shared (tied) weights counted once, LoRA
+    adapters left out (the base model's shape, the same for both sides)."""
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    params = list(model.parameters())  # deduplicated: a tied embedding appears once
+    # deduplicated: a tied embedding appears once
+    params = [p for name, p in model.named_parameters() if "lora_" not in name]
     total = sum(p.numel() for p in params)
     emb = model.get_input_embeddings().weight
     out = model.get_output_embeddings().weight
@@ -173,10 +184,21 @@ def sequence_forward_flops(shape: dict, prompt_len: int, completion_len: int) ->
     return linear + attention + logits
 
 
-def step_flops(shape: dict, prompt_lengths: list[int], completion_lengths: list[int]) -> tuple[float, float]:
-    """(generation FLOPs, update FLOPs) of one step: every sequence prefilled and trained on in full."""
+def step_flops(shape: dict, prompt_lengths: list[int], completion_lengths: list[int],
+               update_passes: float = 3.0) -> tuple[float, float]:
+    """(generation FLOPs, update FLOPs) of one step: every sequence prefilled and trained on in full.
+    The update is forward + backward: 3 forwards with weight gradients, 2 without (LoRA's frozen base)."""
     forward = sum(sequence_forward_flops(shape, p, c) for p, c in zip(prompt_lengths, completion_lengths))
-    return forward, 3.0 * forward
+    return forward, update_passes * forward
+
+
+def trainable_bytes(model) -> int:
+    """Bytes of the weights the optimizer updates (all of them, or the LoRA adapters)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def lora_label(spec: dict) -> str:
+    return f"LoRA r={spec['lora_r']}, alpha={spec['lora_alpha']:g}, all-linear" if spec.get("lora_r") else "full fine-tuning"
 
 
 def measure_peak_flops(dtype_name: str, device: str, size: int, repeats: int) -> tuple[float, str]:
@@ -332,10 +354,11 @@ def _set_threads(spec: dict) -> None:
         torch.set_num_threads(spec["threads"])
 
 
-def _side_result(rec, shape: dict, probe, setup_s: float, optimizer, autocast: str) -> dict:
+def _side_result(rec, shape: dict, probe, setup_s: float, optimizer, autocast: str, trained_bytes: int) -> dict:
     """What a child reports to the parent (the same fields for both sides)."""
     return {
         "shape": shape,
+        "trainable_bytes": trained_bytes,
         "steps": rec.steps,
         "memory": rec.memory,
         "compute_dtypes": probe.report(),
@@ -419,6 +442,14 @@ def run_trl(spec: dict, out_dir: Path) -> dict:
         def on_step_end(self, args, state, control, **kwargs):
             rec.end(state.global_step - 1)
 
+    peft_config = None
+    if spec.get("lora_r"):
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(
+            r=spec["lora_r"], lora_alpha=spec["lora_alpha"], lora_dropout=0.0, target_modules="all-linear",
+            bias="none", task_type="CAUSAL_LM",
+        )
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=[arithmetic_correct],
@@ -426,6 +457,7 @@ def run_trl(spec: dict, out_dir: Path) -> dict:
         train_dataset=dataset,
         processing_class=tokenizer,
         callbacks=[StepTimer()],
+        peft_config=peft_config,
     )
     generate_and_score = trainer._generate_and_score_completions
 
@@ -448,7 +480,8 @@ def run_trl(spec: dict, out_dir: Path) -> dict:
     rec.after_load()
     setup_s = time.perf_counter() - t_setup
     trainer.train()
-    return _side_result(rec, shape, probe, setup_s, trainer.optimizer, str(getattr(trainer.accelerator, "mixed_precision", None)))
+    return _side_result(rec, shape, probe, setup_s, trainer.optimizer, str(getattr(trainer.accelerator, "mixed_precision", None)),
+                        trainable_bytes(trainer.model))
 
 
 def run_grpo(spec: dict, out_dir: Path) -> dict:
@@ -466,7 +499,12 @@ def run_grpo(spec: dict, out_dir: Path) -> dict:
     cfg = grpo_config.from_dict(
         {
             "output_dir": str(out_dir),
-            "model": {"name": spec["model_dir"], "dtype": "float32"},
+            "model": {
+                "name": spec["model_dir"],
+                "dtype": "float32",
+                "lora": {"r": spec.get("lora_r", 0), "alpha": spec.get("lora_alpha", 16.0), "dropout": 0.0,
+                         "target_modules": ["all-linear"]},
+            },
             "data": {"chat_template": "never", "seed": spec["data_seed"]},
             "rollout": {
                 "num_generations": NUM_GENERATIONS,
@@ -523,7 +561,8 @@ def run_grpo(spec: dict, out_dir: Path) -> dict:
         ro = batch.rollout
         rec.lengths = (ro.prompt_mask.sum(-1).tolist(), ro.completion_mask.sum(-1).tolist())
         rec.end(index)
-    return _side_result(rec, shape, probe, setup_s, trainer.state.optimizer, "bf16" if cfg.training.bf16 else "no")
+    return _side_result(rec, shape, probe, setup_s, trainer.state.optimizer, "bf16" if cfg.training.bf16 else "no",
+                        trainable_bytes(trainer.model))
 
 
 def child_main(args) -> int:
@@ -606,11 +645,11 @@ def run_child(side: str, spec: dict, workdir: Path, label: str, verbose: bool) -
     return result
 
 
-def summarize_side(results: list[dict], shape: dict, peak_flops: float, device: str) -> dict:
+def summarize_side(results: list[dict], shape: dict, peak_flops: float, device: str, lora: bool = False) -> dict:
     measured = [s for r in results for s in r["steps"] if not s["warmup"]]
     gen_flops, upd_flops, rates = [], [], []
     for s in measured:
-        g, u = step_flops(shape, s["prompt_lengths"], s["completion_lengths"])
+        g, u = step_flops(shape, s["prompt_lengths"], s["completion_lengths"], 2.0 if lora else 3.0)
         gen_flops.append(g)
         upd_flops.append(u)
         rates.append((g + u) / s["step_s"])
@@ -618,12 +657,14 @@ def summarize_side(results: list[dict], shape: dict, peak_flops: float, device: 
     if device == "cuda":
         peak = max(m.get("train_peak_cuda_gb", math.nan) for m in mems)
         transient = max(m["train_peak_cuda_gb"] - m["steady_cuda_gb"] for m in mems)
-        over_state = max(m["train_peak_cuda_gb"] - 4 * shape["param_bytes"] / GB for m in mems)
+        over_state = max(m["train_peak_cuda_gb"] - (shape["param_bytes"] + 3 * r["trainable_bytes"]) / GB
+                         for m, r in zip(mems, results))
     else:
         peak = max(m["process_peak_rss_gb"] for m in mems)
         transient = max(m["train_peak_rss_gb"] - m["steady_rss_gb"] for m in mems)
         # on top of the trainer as built (libraries + weights): grads + Adam's two moments (fp32, like the weights)
-        over_state = max(m["train_peak_rss_gb"] - m["after_load_rss_gb"] - 3 * shape["param_bytes"] / GB for m in mems)
+        over_state = max(m["train_peak_rss_gb"] - m["after_load_rss_gb"] - 3 * r["trainable_bytes"] / GB
+                         for m, r in zip(mems, results))
     step_s = _median([s["step_s"] for s in measured])
     generate_s = _median([s["generate_s"] for s in measured])
     update_s = _median([s["update_s"] for s in measured])
@@ -652,6 +693,7 @@ def summarize_side(results: list[dict], shape: dict, peak_flops: float, device: 
         "hwm_reset": all(m.get("hwm_reset") for m in mems),
         "memory_per_process": mems,
         "setup_s": [r["setup_s"] for r in results],
+        "trainable_bytes": results[0]["trainable_bytes"],
     }
 
 
@@ -682,18 +724,19 @@ def _ratio(a, b):
     return a / b
 
 
-def run_precision(precision: str, base_spec: dict, args, workdir: Path, peak_flops: float) -> dict:
-    spec = dict(base_spec, precision=precision)
+def run_precision(precision: str, base_spec: dict, args, workdir: Path, peak_flops: float, lora_r: int = 0) -> dict:
+    spec = dict(base_spec, precision=precision, lora_r=lora_r)
     results = {side: [] for side in SIDES}
+    mode = f"lora{lora_r}" if lora_r else "full"
     for r in range(args.repeats):
         order = SIDES if r % 2 == 0 else SIDES[::-1]  # TRL, grpo, then grpo, TRL (ABBA)
         for side in order:
-            print(f"[{precision}] repeat {r + 1}/{args.repeats}: {side} ...", end="", file=sys.stderr, flush=True)
-            res = run_child(side, spec, workdir, f"{precision}-{side}-{r}", args.verbose)
+            print(f"[{precision}, {mode}] repeat {r + 1}/{args.repeats}: {side} ...", end="", file=sys.stderr, flush=True)
+            res = run_child(side, spec, workdir, f"{precision}-{mode}-{side}-{r}", args.verbose)
             print(f" {res['wall_s']:.1f} s", file=sys.stderr, flush=True)
             results[side].append(res)
     shape = results["grpo"][0]["shape"]
-    summary = {side: summarize_side(results[side], shape, peak_flops, spec["device"]) for side in SIDES}
+    summary = {side: summarize_side(results[side], shape, peak_flops, spec["device"], bool(lora_r)) for side in SIDES}
     summary["ratio"] = {
         k: _ratio(summary["grpo"][k], summary["trl"][k])
         for k in ("step_s", "generate_s", "update_s", "peak_gb", "transient_gb", "peak_over_state_gb", "gflops", "pct_of_peak")
@@ -701,6 +744,7 @@ def run_precision(precision: str, base_spec: dict, args, workdir: Path, peak_flo
     same_work = summary["trl"]["tokens_per_step"] == summary["grpo"]["tokens_per_step"]
     return {
         "precision": precision,
+        "mode": mode,
         "spec": spec,
         "peak_flops": peak_flops,
         "shape": shape,
@@ -737,7 +781,7 @@ def print_report(run: dict, machine: dict, command: str) -> None:
     p = run["precision"]
     precision_text = "fp32 weights and compute" if p == "fp32" else "fp32 master weights, bf16 autocast"
     print()
-    print(f"## grpo vs TRL GRPOTrainer: {spec['model_label']}, {p} ({precision_text})")
+    print(f"## grpo vs TRL GRPOTrainer: {spec['model_label']}, {p} ({precision_text}), {lora_label(spec)}")
     print()
     print(format_table(summary, spec["device"]))
     print()
@@ -749,7 +793,8 @@ def print_report(run: dict, machine: dict, command: str) -> None:
     )
     print(
         f"settings: {NUM_PROMPTS} prompts x {NUM_GENERATIONS} completions, exactly {spec['max_completion_length']} "
-        f"completion tokens each (EOS ignored), loss_type={spec['loss_type']}, beta=0, lr={spec['learning_rate']}, "
+        f"completion tokens each (EOS ignored), {lora_label(spec)} on both sides, loss_type={spec['loss_type']}, beta=0, "
+        f"lr={spec['learning_rate']}, "
         f"temperature=1.0, seed={spec['seed']}, 1 optimizer step per generation batch "
         f"(TRL: 16 completions per forward/backward; grpo: training.microbatch_tokens={spec['microbatch_tokens']}"
         f"{' (no split)' if not spec['microbatch_tokens'] else ''}); "
@@ -764,8 +809,9 @@ def print_report(run: dict, machine: dict, command: str) -> None:
     )
     gflop = summary["grpo"]["step_gflop"]
     tokens = ", ".join(f"{s}: {summary[s]['tokens_per_step']}" for s in SIDES)
+    passes = "2x forward update (no base weight gradients)" if spec.get("lora_r") else "3x forward update"
     print(
-        f"work: {gflop:.2f} GFLOP per step (1x forward generation + 3x forward update, attention included); "
+        f"work: {gflop:.2f} GFLOP per step (1x forward generation + {passes}, attention included); "
         f"tokens per step {tokens}" + ("" if run["same_tokens_per_step"] else "  <-- DIFFERENT WORK")
     )
     print(f"peak: {run['peak_flops'] / 1e9:.1f} GFLOP/s (best {p} matmul, {run['peak_kernel']}, measured in this run)")
@@ -778,6 +824,26 @@ def print_report(run: dict, machine: dict, command: str) -> None:
     if not all(summary[s]["hwm_reset"] for s in SIDES) and spec["device"] == "cpu":
         print("note: VmHWM could not be reset, so peak RSS includes model loading")
     print(f"command: {command}")
+
+
+def print_lora_comparison(full: dict, adapted: dict) -> None:
+    """LoRA against full fine-tuning, per side, from the same run."""
+    keys = [("step_s", "step s"), ("generate_s", "generate s"), ("update_s", "update s"), ("peak_gb", "peak GB")]
+    rows = []
+    for side, label in (("trl", "TRL"), ("grpo", "grpo")):
+        f, a = full["summary"][side], adapted["summary"][side]
+        rows.append([f"{label} full"] + [_fmt(f[k], 3) for k, _ in keys])
+        rows.append([f"{label} LoRA"] + [_fmt(a[k], 3) for k, _ in keys])
+        rows.append([f"{label} LoRA/full"] + [_fmt(_ratio(a[k], f[k]), 2) for k, _ in keys])
+    rows.append(["grpo/TRL, LoRA"] + [_fmt(adapted["summary"]["ratio"].get(k), 2) for k, _ in keys])
+    cols = [""] + [c for _, c in keys]
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    line = lambda cells: "| " + " | ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+    sep = "|" + "|".join(("-" * (w + 1) + ":") if i else "-" * (w + 2) for i, w in enumerate(widths)) + "|"
+    print()
+    print(f"## LoRA ({lora_label(adapted['spec'])}) against full fine-tuning, {full['precision']}")
+    print()
+    print("\n".join([line(cols), sep] + [line(r) for r in rows]))
 
 
 def parent_main(args) -> int:
@@ -808,25 +874,33 @@ def parent_main(args) -> int:
             "threads": threads,
             "device": device,
             "microbatch_tokens": args.microbatch_tokens,
+            "lora_alpha": args.lora_alpha,
         }
         machine = machine_info(device, threads)
         size = args.peak_size or (8192 if device == "cuda" else 2048)
         peaks = {p: measure_peak_flops(p, device, size, 5) for p in precisions}
         runs = {}
+        ranks = [0] + ([args.lora] if args.lora else [])  # full fine-tuning, then LoRA
         for p in precisions:
-            runs[p] = run_precision(p, base_spec, args, workdir, peaks[p][0])
-            runs[p]["peak_kernel"] = peaks[p][1]
+            for rank in ranks:
+                key = f"{p}-lora{rank}" if rank else p
+                runs[key] = run_precision(p, base_spec, args, workdir, peaks[p][0], rank)
+                runs[key]["peak_kernel"] = peaks[p][1]
         # the peak again after the runs (a shared machine can be faster at either end); keep the best
         for p in precisions:
             peak, kernel = measure_peak_flops(p, device, size, 3)
-            if peak > runs[p]["peak_flops"]:
-                runs[p]["peak_flops"], runs[p]["peak_kernel"] = peak, kernel
-                for side in SIDES:
-                    s = runs[p]["summary"][side]
-                    s["pct_of_peak"] = 100.0 * s["gflops"] * 1e9 / peak
-        for p in precisions:
-            print_report(runs[p], machine, command)
-    out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"vs_trl-{args.precision}-{label}.json"
+            for run in runs.values():
+                if run["precision"] == p and peak > run["peak_flops"]:
+                    run["peak_flops"], run["peak_kernel"] = peak, kernel
+                    for side in SIDES:
+                        s = run["summary"][side]
+                        s["pct_of_peak"] = 100.0 * s["gflops"] * 1e9 / peak
+        for run in runs.values():
+            print_report(run, machine, command)
+        if args.lora:
+            for p in precisions:
+                print_lora_comparison(runs[p], runs[f"{p}-lora{args.lora}"])
+    out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"vs_trl-{args.precision}-{label}{f'-lora{args.lora}' if args.lora else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "command": command,
@@ -845,6 +919,8 @@ def parent_main(args) -> int:
             for p, r in runs.items()
         },
     }
+    for key, r in runs.items():
+        payload["runs"][key]["mode"] = r["mode"]
     out.write_text(json.dumps(payload, indent=1) + "\n")
     print(f"\nresults: {out}")
     return 0
@@ -865,6 +941,9 @@ def parse_args(argv=None):
         help="grpo's training.microbatch_tokens (0: all 16 completions in one forward/backward, as TRL does)",
     )
     ap.add_argument("--loss-type", default="dapo", choices=("dapo", "grpo", "bnpo", "dr_grpo"))
+    ap.add_argument("--lora", type=int, default=0, metavar="R",
+                    help="also run LoRA with rank R on both sides (peft, all-linear), after full fine-tuning")
+    ap.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA alpha of --lora (both sides)")
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--threads", type=int, default=None, help="torch threads in both children (default: torch's default)")
     ap.add_argument("--peak-size", type=int, default=None, help="matmul size for the peak (default 2048 CPU, 8192 CUDA)")
@@ -879,6 +958,8 @@ def parse_args(argv=None):
         ap.error("--warmup must be >= 1 (the state held between steps is read after the warm-up)")
     if args.steps < 1 or args.repeats < 1:
         ap.error("--steps and --repeats must be >= 1")
+    if args.lora < 0 or args.lora_alpha <= 0:
+        ap.error("--lora must be >= 0 (0: full fine-tuning only) and --lora-alpha > 0")
     return args
 
 

@@ -2,6 +2,10 @@
 
     output_dir/checkpoint-N/  (and final/)
       model.safetensors, config.json   the policy (loadable with from_pretrained)
+        or, with LoRA (model.lora.r > 0):
+      adapter_model.safetensors, adapter_config.json   the adapter only (peft's files;
+                       load with PeftModel.from_pretrained(base model, this directory),
+                       or write a merged model with `grpo export DIR --out OUT --merge`)
       tokenizer files
       train_state.pt   Trainer.state_dict(): step and token counters, optimizer, scheduler,
                        every RNG, the prompt sampler, reward failure counts, and the
@@ -38,6 +42,8 @@ from grpo.config import ConfigError
 log = logging.getLogger(__name__)
 
 MANIFEST, STATE, CONFIG = "manifest.json", "train_state.pt", "config.yaml"
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+"""peft's files: a LoRA run's checkpoint holds its adapter, not the base weights."""
 FINAL = "final"
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 _LEFTOVER = re.compile(r"\.(checkpoint-\d+|final)\.(tmp|old)-\d+")
@@ -101,8 +107,14 @@ def save_checkpoint(directory: Path, model, tokenizer, state: dict[str, Any] | N
     """Model + tokenizer (loadable with from_pretrained), the train state (`Trainer.state_dict()`)
     and the resolved config, atomically, with a manifest that records `step`."""
 
+    from grpo import lora
+
     def write(tmp: Path) -> None:
-        model.save_pretrained(tmp, safe_serialization=True)
+        wrapper = lora.peft_model(model)
+        if wrapper is not None:  # the adapter only: the base model is the one the run started from
+            wrapper.save_pretrained(tmp, selected_adapters=[lora.POLICY_ADAPTER], safe_serialization=True)
+        else:
+            model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         if state is not None:
             torch.save(state, tmp / STATE)
@@ -191,10 +203,26 @@ class Checkpoint:
     def step(self) -> int:
         return self.state["train"]["step"]
 
+    @property
+    def has_adapter(self) -> bool:
+        return (self.path / ADAPTER_CONFIG).is_file()
+
     def load_weights(self, model: torch.nn.Module) -> None:
-        """The policy's saved weights into `model` (of the same architecture), in place."""
+        """The policy's saved weights into `model` (of the same architecture), in place; a LoRA
+        checkpoint's adapter into the adapter of `model` (adapted the same way)."""
         from safetensors.torch import load_file
 
+        from grpo import lora
+
+        if self.has_adapter or lora.is_adapted(model):
+            if not (self.has_adapter and lora.is_adapted(model)):
+                held = "a LoRA adapter" if self.has_adapter else "full weights"
+                raise ConfigError(
+                    f"--resume {self.path}: the checkpoint holds {held}, the model {'has none' if self.has_adapter else 'has an adapter'}; "
+                    "resume with the model and model.lora settings the run started with"
+                )
+            lora.load_adapter_state(model, load_file(self.path / ADAPTER_WEIGHTS), what=f"--resume {self.path}")
+            return
         weights: dict[str, torch.Tensor] = {}
         for file in sorted(self.path.glob("*.safetensors")):
             weights.update(load_file(file))

@@ -190,7 +190,10 @@ def packed_for_decoding(model: torch.nn.Module, rows: int):
 
 def use_cpu_linear(model: torch.nn.Module) -> int:
     """Switch every plain nn.Linear in `model` to CPULinear, in place; returns how many.
-    Subclasses (LoRA, quantized layers) are left alone."""
+    Subclasses (quantized layers) are left alone. peft's LoRA layers are not Linear
+    subclasses but hold the original plain nn.Linear as their `base_layer`, and their
+    adapters' A and B as plain nn.Linear too: all of these are switched, so an adapted
+    model's base products run through oneDNN as they did before the adapter."""
     count = 0
     for module in model.modules():
         if type(module) is torch.nn.Linear:

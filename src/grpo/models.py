@@ -19,6 +19,12 @@ minute the conversion takes:
     >>> eos_token_ids(model, tok)
     [1, 106]                        # <eos>, <end_of_turn>
 
+With `model.lora.quantize: 4bit | 8bit` (QLoRA, CUDA only) the base model is loaded
+quantized by bitsandbytes through transformers' BitsAndBytesConfig (4-bit: NF4 with
+double quantization, bf16 compute), onto the training device; grpo.lora then
+prepares it for adapters (peft's prepare_model_for_kbit_training). LoRA itself is
+applied by the trainer (grpo.lora.apply_lora), to a model loaded here or passed in.
+
 The cache entry is named after the file's name and a hash of its size,
 modification time and first MiB, so an edited or replaced file is converted
 again. It is written into a temporary directory next to it and renamed into
@@ -85,13 +91,21 @@ def load_model_and_tokenizer(cfg: ModelConfig, device: torch.device | str = "cpu
     if not name:
         raise ConfigError("model.name: empty; set it to tiny, gemma-3-270m, a .gguf file, a local directory or a hub id")
 
+    quantize = cfg.lora.quantize
+    if quantize != "none" and name == TINY_MODEL:
+        raise ConfigError(
+            f"model.lora.quantize: {quantize} loads the base model quantized through from_pretrained; the tiny model is "
+            "built in memory: set model.lora.quantize: none, or model.name to a model directory or hub id"
+        )
+    load_kwargs = _quantized_loading(quantize, dtype, device) if quantize != "none" else {}
+
     if name == TINY_MODEL:
         from grpo import tiny
 
         tokenizer = tiny.char_tokenizer()
         model = tiny.tiny_model(tokenizer, cfg.tiny_hidden_size, cfg.tiny_num_layers, seed=0, dtype=dtype)
     elif name == EMBEDDED_MODEL:
-        model, tokenizer = _load_dir(convert_gguf(embedded_gguf_path(), cfg.cache_dir), dtype)
+        model, tokenizer = _load_dir(convert_gguf(embedded_gguf_path(), cfg.cache_dir), dtype, **load_kwargs)
     elif name.endswith(".gguf"):
         path = Path(name).expanduser()
         if not path.is_file():
@@ -99,9 +113,9 @@ def load_model_and_tokenizer(cfg: ModelConfig, device: torch.device | str = "cpu
                 f"model.name: GGUF file {name} does not exist; set model.name to the path of an existing .gguf file "
                 f"(or to {EMBEDDED_MODEL}, the embedded model)"
             )
-        model, tokenizer = _load_dir(convert_gguf(path, cfg.cache_dir), dtype)
+        model, tokenizer = _load_dir(convert_gguf(path, cfg.cache_dir), dtype, **load_kwargs)
     elif Path(name).expanduser().is_dir():
-        model, tokenizer = _load_local(_checkpoint_dir(Path(name).expanduser(), cfg), dtype)
+        model, tokenizer = _load_local(_checkpoint_dir(Path(name).expanduser(), cfg), dtype, **load_kwargs)
     elif _looks_like_path(name):
         raise ConfigError(
             f"model.name: {name} looks like a local path but does not exist; set model.name to a directory written "
@@ -109,7 +123,7 @@ def load_model_and_tokenizer(cfg: ModelConfig, device: torch.device | str = "cpu
             f"or {EMBEDDED_MODEL} / {TINY_MODEL}"
         )
     else:
-        model, tokenizer = _load_hub(name, cfg, dtype)
+        model, tokenizer = _load_hub(name, cfg, dtype, **load_kwargs)
 
     # a NaN weight would otherwise show up only as a sampling error at the first generation
     bad = next((n for n, p in model.named_parameters() if not bool(torch.isfinite(p).all())), None)
@@ -119,9 +133,32 @@ def load_model_and_tokenizer(cfg: ModelConfig, device: torch.device | str = "cpu
             "load another checkpoint (grpo never writes one like this)"
         )
     _prepare_tokenizer(tokenizer)
-    model = model.to(device)
+    if not quantize_loaded(model):  # bitsandbytes placed a quantized model on its device already
+        model = model.to(device)
     model.eval()
     return model, tokenizer
+
+
+def quantize_loaded(model) -> bool:
+    """Whether `model` was loaded quantized (QLoRA's base: bitsandbytes layers, not movable with .to)."""
+    return getattr(model, "hf_quantizer", None) is not None
+
+
+def _quantized_loading(quantize: str, dtype: torch.dtype, device) -> dict:
+    """from_pretrained's arguments for a bitsandbytes-quantized base (model.lora.quantize, QLoRA):
+    4-bit NF4 with double quantization and bf16 compute, as in the QLoRA paper, or 8-bit."""
+    from transformers import BitsAndBytesConfig
+
+    if quantize == "4bit":
+        quantization = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16 if dtype == torch.float32 else dtype,
+        )
+    else:
+        quantization = BitsAndBytesConfig(load_in_8bit=True)
+    device = torch.device(device)
+    index = device.index if device.index is not None else 0
+    return {"quantization_config": quantization, "device_map": {"": index}}
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -272,10 +309,11 @@ def write_converted_gguf(gguf_path: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
-def _load_dir(directory: Path, dtype: torch.dtype, **kwargs):
+def _load_dir(directory: Path, dtype: torch.dtype, quantization_config=None, device_map=None, **kwargs):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype, **kwargs)
+    quantized = {"quantization_config": quantization_config, "device_map": device_map} if quantization_config else {}
+    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype, **quantized, **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(str(directory), **kwargs)
     return model, tokenizer
 
@@ -284,7 +322,7 @@ _WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.in
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt", "special_tokens_map.json")
 
 
-def _load_local(directory: Path, dtype: torch.dtype):
+def _load_local(directory: Path, dtype: torch.dtype, **load_kwargs):
     """_load_dir for a local directory, where a broken file gets a message naming it and the fix
     (transformers' own errors name neither the file nor what to do)."""
     config = directory / "config.json"
@@ -311,7 +349,7 @@ def _load_local(directory: Path, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype, **load_kwargs)
     except Exception as e:  # a truncated or corrupt file: safetensors' and torch's errors have no file name
         raise ConfigError(
             f"model.name: cannot load the weights in {directory} ({', '.join(weights)}): {type(e).__name__}: "
@@ -343,6 +381,12 @@ def _checkpoint_dir(directory: Path, cfg: ModelConfig) -> Path:
     """A save_pretrained directory as it is, or the conversion of the one .gguf file in it."""
     if (directory / "config.json").is_file():
         return directory
+    if (directory / "adapter_config.json").is_file():
+        raise ConfigError(
+            f"model.name: {directory} holds a LoRA adapter (a LoRA run's checkpoint), not a whole model; write a "
+            f"merged model with `grpo export {directory} --out DIR --merge` and set model.name to DIR, or load it "
+            "with peft: PeftModel.from_pretrained(base_model, directory)"
+        )
     ggufs = sorted(directory.glob("*.gguf"))
     if len(ggufs) == 1:
         return convert_gguf(ggufs[0], cfg.cache_dir)
@@ -365,7 +409,7 @@ def _looks_like_path(name: str) -> bool:
     return len(parts) == 2 and Path(parts[0]).exists()
 
 
-def _load_hub(name: str, cfg: ModelConfig, dtype: torch.dtype):
+def _load_hub(name: str, cfg: ModelConfig, dtype: torch.dtype, **load_kwargs):
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
 
@@ -378,7 +422,7 @@ def _load_hub(name: str, cfg: ModelConfig, dtype: torch.dtype):
         ) from e
     kwargs = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
     try:
-        return _load_dir(name, dtype, **kwargs)
+        return _load_dir(name, dtype, **load_kwargs, **kwargs)
     except OSError as e:  # transformers reports missing files and failed downloads as OSError
         revision = f" (revision {cfg.revision})" if cfg.revision else ""
         raise ConfigError(

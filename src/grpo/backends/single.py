@@ -77,7 +77,8 @@ class SingleProcess:
         return True
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        model = model.to(self.device)
+        if getattr(model, "hf_quantizer", None) is None:  # a QLoRA base is placed by bitsandbytes, and cannot move
+            model = model.to(self.device)
         prepare_for_device(model, self.cfg.model)
         if self.cfg.training.gradient_checkpointing:
             if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x

@@ -21,6 +21,12 @@ The transformers engine uses it for CPU rollouts in bf16 where it applies
 (`rollout.decoding: auto` and `fused_decoding_applies`); every other case
 (CUDA, float32, other architectures, `rollout.decoding: plain`) decodes through
 transformers' modules.
+
+With a LoRA adapter (grpo.lora) the decoder packs each adapted layer's merged
+weight, W + scale * B @ A, computed when it is built (at the start of each
+rollout, when the packed copies are made anyway) from the layer's current
+adapter; the model itself is left untouched, and decoding costs what it costs
+without an adapter.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # the same in the four architectures
 
-from grpo import kernels
+from grpo import kernels, lora
 from grpo.attention import grouped_attention
 
 # config.model_type -> RMS-norm style: Gemma scales by (1 + w) and rounds after;
@@ -58,10 +64,11 @@ def unsupported_reason(model) -> str | None:
     for layer in body.layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         names = ("q_proj", "k_proj", "v_proj", "o_proj")
-        if attn is None or mlp is None or not all(isinstance(getattr(attn, n, None), torch.nn.Linear) for n in names):
-            return "unexpected module layout"
-        if not all(isinstance(getattr(mlp, n, None), torch.nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")):
-            return "unexpected MLP layout"
+        # a LoRA layer computes its merged weight when it is plain LoRA (no DoRA or other variant)
+        if attn is None or mlp is None or not all(lora.plain_lora_linear(getattr(attn, n, None)) for n in names):
+            return "unexpected module layout (or a LoRA variant)"
+        if not all(lora.plain_lora_linear(getattr(mlp, n, None)) for n in ("gate_proj", "up_proj", "down_proj")):
+            return "unexpected MLP layout (or a LoRA variant)"
         if attn.o_proj.bias is not None or any(getattr(mlp, n).bias is not None for n in ("gate_proj", "up_proj", "down_proj")):
             return "output or MLP biases"
     if not isinstance(model.get_output_embeddings(), torch.nn.Linear):
@@ -77,10 +84,11 @@ def fused_decoding_applies(model, compute_dtype: torch.dtype) -> bool:
         return False
     if unsupported_reason(model) is not None or not kernels.packing_available():
         return False
+    adapters = lora.adapter_sublayers(model)  # merged into their layer's packed weight, never used alone
     return all(
         isinstance(m, kernels.CPULinear) and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
         for m in model.modules()
-        if isinstance(m, torch.nn.Linear)
+        if isinstance(m, torch.nn.Linear) and id(m) not in adapters
     )
 
 
@@ -105,12 +113,14 @@ class _Product:
         return F.linear(x, self.weight, self.bias)
 
 
-def _cat_linear(*layers: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The weights (and biases) of layers that read the same input, stacked: one product for all."""
-    weight = torch.cat([m.weight for m in layers])
-    if all(m.bias is None for m in layers):
+def _cat_linear(*layers: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weights (and biases) of layers that read the same input, stacked: one product for all.
+    A LoRA layer contributes its merged weight W + scale * B @ A (grpo.lora.merged_linear)."""
+    merged = [lora.merged_linear(m) for m in layers]
+    weight = torch.cat([w for w, _ in merged])
+    if all(b is None for _, b in merged):
         return weight, None
-    bias = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in layers])
+    bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in merged])
     return weight, bias
 
 
@@ -192,9 +202,9 @@ class FusedDecoder:
                 self.layers.append(
                     _Layer(
                         qkv=product(*_cat_linear(a.q_proj, a.k_proj, a.v_proj)),
-                        o=product(a.o_proj.weight),
+                        o=product(*_cat_linear(a.o_proj)),
                         gate_up=product(*_cat_linear(m.gate_proj, m.up_proj)),
-                        down=product(m.down_proj.weight),
+                        down=product(*_cat_linear(m.down_proj)),
                         input_norm=_Norm(layer.input_layernorm, style),
                         post_attention_norm=_Norm(layer.post_attention_layernorm, style),
                         pre_mlp_norm=_Norm(layer.pre_feedforward_layernorm, style) if sandwich else None,
