@@ -358,8 +358,8 @@ def test_a_registered_estimator_is_what_the_step_uses(tokenizer, tmp_path):
 
 
 def test_unknown_engine_fails_before_the_model_loads(tokenizer, tmp_path):
-    with pytest.raises(config.ConfigError, match="rollout.engine: 'vllm' is not one of hf"):
-        make_trainer(tokenizer, tmp_path, ["rollout.engine=vllm"])
+    with pytest.raises(config.ConfigError, match="rollout.engine: 'sglang' is not one of hf"):
+        make_trainer(tokenizer, tmp_path, ["rollout.engine=sglang"])
 
 
 def test_jsonl_task_without_answers_trains_and_evaluates_by_its_rewards(tokenizer, tmp_path, capsys):

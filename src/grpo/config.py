@@ -33,6 +33,66 @@ from grpo.registry import ConfigError  # noqa: F401 (grpo.config.ConfigError is 
 
 
 @dataclass
+class LoraConfig:
+    r: int = 0
+    """Rank of the LoRA adapters (through peft). 0: LoRA off, every weight trains.
+    With r > 0 only the adapters train, and the KL reference is the base model with
+    the adapter switched off (no second copy of the model)."""
+    alpha: float = 16.0
+    """LoRA's alpha: the adapter's output is scaled by alpha / r."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input while training, in [0, 1)."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Layers that get an adapter: ["all-linear"] (peft's name for every Linear layer
+    but the output layer) or module names such as [q_proj, v_proj]."""
+    quantize: str = "none"
+    """none | 4bit | 8bit: hold the frozen base model quantized through bitsandbytes
+    (QLoRA). CUDA with the bitsandbytes package only; needs r > 0."""
+
+    def check(self, cfg: "Config") -> None:
+        if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 0:
+            raise ConfigError(f"model.lora.r: must be an integer >= 0 (0 turns LoRA off), got {self.r!r}")
+        if not self.alpha > 0:
+            raise ConfigError(f"model.lora.alpha: must be > 0 (the adapter is scaled by alpha / r), got {self.alpha!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.lora.dropout: must be in [0, 1), got {self.dropout!r}")
+        targets = self.target_modules
+        if not isinstance(targets, list) or not targets or not all(isinstance(t, str) and t for t in targets):
+            raise ConfigError(
+                f"model.lora.target_modules: must be a non-empty list of module names or [all-linear], got {targets!r}"
+            )
+        if "all-linear" in targets and len(targets) > 1:
+            raise ConfigError(
+                f"model.lora.target_modules: all-linear already names every Linear layer; give it alone or list "
+                f"module names instead, got {targets!r}"
+            )
+        _choice("model.lora.quantize", self.quantize, ("none", "4bit", "8bit"))
+        if self.quantize != "none":
+            self._check_quantize(cfg)
+
+    def _check_quantize(self, cfg: "Config") -> None:
+        import importlib.util
+
+        fix = "set model.lora.quantize: none (LoRA on an unquantized base runs everywhere)"
+        if self.r == 0:
+            raise ConfigError(
+                f"model.lora.quantize: {self.quantize} freezes the base model, so it needs adapters to train: "
+                "set model.lora.r > 0 (e.g. 16), or model.lora.quantize: none"
+            )
+        if cfg.training.device == "cpu":
+            raise ConfigError(f"model.lora.quantize: {self.quantize} (QLoRA) is GPU-only (bitsandbytes on CUDA), "
+                              f"and training.device is cpu; {fix}")
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(f"model.lora.quantize: {self.quantize} (QLoRA) is GPU-only (bitsandbytes on CUDA), and "
+                              f"no CUDA device is available here; {fix}")
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise ConfigError(f"model.lora.quantize: {self.quantize} needs the bitsandbytes package, which is not "
+                              f"installed: pip install bitsandbytes; or {fix}")
+
+
+@dataclass
 class ModelConfig:
     name: str = "gemma-3-270m"
     """Policy model: a hub id, a local directory, a `.gguf` file, `gemma-3-270m`
@@ -59,9 +119,12 @@ class ModelConfig:
     """Hidden size of the `tiny` model."""
     tiny_num_layers: int = 2
     """Layers of the `tiny` model."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters (peft) instead of training every weight; QLoRA with `quantize`."""
 
     def check(self, cfg: "Config", world_size: int = 1) -> None:
         _choice("model.dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        self.lora.check(cfg)
 
 
 @dataclass
@@ -97,12 +160,15 @@ class DataConfig:
     task: str = "arithmetic"
     """`arithmetic` (built-in, the seed's task), `jsonl` (rows from `train_file`), `gsm8k`
     or `math` (GSM8K- or MATH-style rows from `train_file`), `code` (built-in short Python
-    functions, HumanEval-style) or `humaneval` (HumanEval's 164 problems, for `grpo eval`
-    only); see grpo.tasks."""
+    functions, HumanEval-style), `humaneval` (HumanEval's 164 problems, for `grpo eval`
+    only) or `hf` (rows of any dataset `datasets` reads: a local file, a `save_to_disk`
+    directory or a hub dataset); see grpo.tasks."""
     train_file: str | None = None
     """JSONL file of training rows for task `jsonl`: each row has `prompt_column` and
     any other columns, which reward functions receive as keyword arguments. For gsm8k
-    and math: a .jsonl or .parquet file, or a hub dataset `name[:subset[:split]]`."""
+    and math: a .jsonl or .parquet file, or a hub dataset `name[:subset[:split]]`. For hf:
+    a .json/.jsonl/.parquet/.csv file, a directory written by `save_to_disk` (or holding
+    data files), or a hub dataset `name[:subset[:split]]` (needs the network)."""
     eval_file: str | None = None
     """Held-out rows, in the same form as `train_file` (a hub dataset's split defaults to `test`)."""
     instruction: str = "{question}\n\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -110,6 +176,14 @@ class DataConfig:
     (GSM8K) or problem (MATH); other braces are kept as written."""
     prompt_column: str = "prompt"
     """Column holding the prompt: a string, or a list of chat messages."""
+    train_split: str = "train"
+    """Task hf: the split of train_file to train on, when it has splits (a hub dataset or a
+    saved DatasetDict); a split named in `name:subset:split` wins."""
+    eval_split: str = "test"
+    """Task hf: the split of eval_file to hold out, as `train_split`."""
+    columns: list[str] = field(default_factory=list)
+    """Task hf: renames, `dataset_column=row_key` (e.g. ["question=prompt", "final=answer"]),
+    applied before `prompt_column` is looked up; reward functions get the new names."""
     chat_template: str = "auto"
     """`auto`: use the tokenizer's chat template when it has one; `never`: plain text."""
     few_shot: str | None = None
@@ -125,6 +199,27 @@ class DataConfig:
             self.arithmetic.check()
         if self.task == "jsonl" and not self.train_file:
             raise ConfigError("data.train_file: task 'jsonl' needs a JSONL file of rows; set data.train_file=path/to/train.jsonl")
+        if self.task == "hf":
+            if not self.train_file:
+                raise ConfigError(
+                    "data.train_file: task 'hf' needs its rows; set data.train_file to a .jsonl/.parquet/.csv file, "
+                    "a save_to_disk directory or a hub dataset name[:subset[:split]]"
+                )
+            for key in ("train_split", "eval_split"):
+                if not getattr(self, key).strip():
+                    raise ConfigError(f"data.{key}: empty; name a split (e.g. train, test, validation)")
+        targets: set[str] = set()
+        for i, rename in enumerate(self.columns):
+            source, sep, target = rename.partition("=")
+            if not (sep and source.strip() and target.strip()):
+                raise ConfigError(
+                    f"data.columns[{i}]: {rename!r} is not `dataset_column=row_key`; write e.g. data.columns=[question=prompt]"
+                )
+            if target.strip() in targets:
+                raise ConfigError(f"data.columns[{i}]: two columns renamed to {target.strip()!r}; give each its own name")
+            targets.add(target.strip())
+        if self.columns and self.task != "hf":
+            raise ConfigError(f"data.columns: renames columns for task 'hf' only, not {self.task!r}; remove it")
         if self.task in ("gsm8k", "math"):
             if not self.train_file:
                 raise ConfigError(
@@ -133,6 +228,35 @@ class DataConfig:
                 )
             if "{question}" not in self.instruction:
                 raise ConfigError("data.instruction: must contain {question}, where the question goes")
+
+
+@dataclass
+class VLLMConfig:
+    """Settings of the `vllm` rollout engine (rollout.engine: vllm, grpo.rollout.vllm): a vLLM
+    engine in the training process, on the policy's device, its weights pushed after each
+    optimizer step."""
+
+    gpu_memory_utilization: float = 0.3
+    """Fraction of the GPU's memory vLLM may hold (its weights, activations and KV cache); the
+    rest is training's, in the same process. The CPU build reads it as the fraction of the
+    machine's memory to reserve, which must be free at start: there, prefer kv_cache_gb."""
+    kv_cache_gb: float | None = None
+    """KV cache size in GiB, instead of what gpu_memory_utilization leaves for it; None: vLLM
+    sizes it from gpu_memory_utilization."""
+    enforce_eager: bool = False
+    """Run vLLM's model eagerly: no CUDA graphs and no torch.compile, so a faster start and
+    slower decoding (on the CPU it also skips a long compile)."""
+    sleep_mode: bool = True
+    """On CUDA, free vLLM's weights and KV cache while the update runs (vLLM's sleep mode;
+    the weights come back with the next sync). Nothing to free on the CPU build."""
+
+    def check(self) -> None:
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(
+                f"rollout.vllm.gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.kv_cache_gb is not None:
+            _positive("rollout.vllm.kv_cache_gb", self.kv_cache_gb)
 
 
 @dataclass
@@ -156,15 +280,25 @@ class RolloutConfig:
     few-shot examples, so a base model does not write the next example)."""
     engine: str = "hf"
     """Generation engine (grpo.registry.ROLLOUT_ENGINES): `hf`, transformers' model with
-    grpo's prefix sharing and compaction."""
+    grpo's prefix sharing and compaction; `vllm`, a vLLM engine in the training process
+    (needs the vllm package; settings under rollout.vllm)."""
     decoding: str = "auto"
     """How the `hf` engine runs a decoding step: `fused` (grpo.rollout.fused: fewer, larger
     operations; Gemma 3 and the Llama family on the CPU), `plain` (transformers' modules),
     or `auto`: fused where it applies (CPU, training.bf16, a supported architecture with
     model.cpu_kernels), plain elsewhere."""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """The `vllm` engine's settings (read only when rollout.engine is vllm)."""
 
     def check(self, cfg: "Config", world_size: int = 1) -> None:
         registry.ROLLOUT_ENGINES.check(self.engine)
+        self.vllm.check()
+        if self.engine == "vllm" and cfg.model.lora.quantize != "none":
+            raise ConfigError(
+                f"rollout.engine: vllm pushes the policy's merged weights into vLLM, which cannot be done for "
+                f"a quantized base (model.lora.quantize={cfg.model.lora.quantize}); set model.lora.quantize: none, "
+                "or rollout.engine: hf"
+            )
         _choice("rollout.decoding", self.decoding, registry.DECODING)
         if self.num_generations < 2:
             raise ConfigError(
@@ -297,8 +431,38 @@ class RewardsConfig:
             )
 
 
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    # GRPO as DeepSeekMath ran it: group-normalised advantages, a per-sequence mean, a KL penalty
+    "grpo": {"algorithm": {"advantage_estimator": "grpo", "scale_rewards": "group", "loss_type": "grpo",
+                           "epsilon": 0.2, "epsilon_high": 0.2, "beta": 0.04, "importance_sampling_level": "token"}},
+    # Dr. GRPO (Liu et al. 2025): no std scaling, a fixed-length normaliser, no KL
+    "dr_grpo": {"algorithm": {"advantage_estimator": "dr_grpo", "scale_rewards": "none", "loss_type": "dr_grpo",
+                              "epsilon": 0.2, "epsilon_high": 0.2, "beta": 0.0, "importance_sampling_level": "token"}},
+    # DAPO (Yu et al. 2025): clip-higher, token-level mean, dynamic sampling, no KL, the soft
+    # overlong penalty over the last fifth of the completion length (their 4k of 20k)
+    "dapo": {"algorithm": {"advantage_estimator": "grpo", "scale_rewards": "group", "loss_type": "dapo",
+                           "epsilon": 0.2, "epsilon_high": 0.28, "beta": 0.0, "dynamic_sampling": True,
+                           "importance_sampling_level": "token"},
+             "rewards": {"overlong_buffer": "max_completion_length / 5"}},
+    # GSPO (Zheng et al. 2025): the sequence-level ratio, with its much narrower clipping range
+    "gspo": {"algorithm": {"advantage_estimator": "grpo", "scale_rewards": "group", "loss_type": "grpo",
+                           "importance_sampling_level": "sequence", "epsilon": 3e-4, "epsilon_high": 4e-4, "beta": 0.0}},
+}
+"""algorithm.preset -> the settings each paper used, per section. A key the user sets (in the file or
+as an override) wins over its preset's value (`apply_preset`)."""
+
+ROLLOUT_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
 @dataclass
 class AlgorithmConfig:
+    preset: str | None = None
+    """A paper's combination of the settings below: `grpo` (DeepSeekMath: group scaling,
+    per-sequence mean, epsilon 0.2, beta 0.04), `dr_grpo` (no std scaling, the dr_grpo
+    normaliser, beta 0), `dapo` (clip-higher 0.2/0.28, token-level mean, dynamic sampling,
+    beta 0, the soft overlong penalty over the last fifth of max_completion_length) or `gspo`
+    (sequence-level ratio, epsilon 3e-4/4e-4, beta 0). Keys set beside it override it; the
+    resolved values are printed at start and saved in the run directory's config.yaml."""
     beta: float = 0.0
     """KL coefficient. 0 (TRL's default) loads no reference model; DeepSeekMath used 0.04."""
     kl_estimator: str = "k3"
@@ -310,13 +474,44 @@ class AlgorithmConfig:
     delta: float | None = None
     """Cap on the unclipped ratio (two-sided clipping); None disables. Must be > 1 + epsilon_high."""
     advantage_estimator: str = "grpo"
-    """How rewards become advantages (grpo.registry.ADVANTAGE_ESTIMATORS): `grpo`,
-    group-relative, scaled as `scale_rewards` says."""
+    """How rewards become advantages (grpo.registry.ADVANTAGE_ESTIMATORS): `grpo`
+    (group-relative, scaled as `scale_rewards` says), `dr_grpo` (group mean only), `rloo`
+    (leave-one-out group baseline), `reinforce_pp` (REINFORCE++: the batch's mean and std),
+    or `gae` (PPO: per-token advantages from a learned critic, see `gamma`, `lam`, `critic_*`)."""
     scale_rewards: str = "group"
-    """group (GRPO), batch, or none (Dr. GRPO)."""
+    """For the `grpo` estimator: group (GRPO), batch, or none (Dr. GRPO)."""
     policy_loss: str = "clipped"
     """Per-token objective (grpo.registry.POLICY_LOSSES): `clipped`, the PPO-style clipped
-    surrogate at `importance_sampling_level`, with `epsilon`, `epsilon_high` and `delta`."""
+    surrogate at `importance_sampling_level`, with `epsilon`, `epsilon_high` and `delta`;
+    `cispo` (MiniMax-M1: the clipped importance weight, detached, times A log pi); `sapo`
+    (a soft, sigmoid-gated ratio instead of hard clipping; `sapo_temperature_*`)."""
+    sapo_temperature_pos: float = 1.0
+    """SAPO's gate temperature for tokens with positive advantage (TRL's default)."""
+    sapo_temperature_neg: float = 1.05
+    """SAPO's gate temperature for tokens with negative advantage (TRL's default)."""
+    top_entropy_quantile: float = 1.0
+    """Train only on the highest-entropy tokens: 0.2 keeps the top 20% by the policy's entropy
+    (Wang et al. 2025, "Beyond the 80/20 rule"); 1.0 keeps every token."""
+    entropy_mask_scope: str = "completion"
+    """Where `top_entropy_quantile`'s threshold is taken: `completion` (each completion's own
+    tokens; independent of how the batch is split) or `batch` (the tokens of one forward pass, as TRL)."""
+    rollout_correction: str = "none"
+    """Truncated importance sampling between the engine that sampled and the policy the update
+    starts from (a different precision or engine gives slightly different logprobs):
+    none, token_truncate, token_mask, sequence_truncate or sequence_mask (TRL's modes). The
+    mismatch is logged either way (rollout/logprob_diff_mean, _max, rollout/is_ratio)."""
+    rollout_correction_cap: float = 3.0
+    """Upper bound of the correction's ratio: truncate modes cap at it, mask modes drop what exceeds it."""
+    gamma: float = 1.0
+    """`gae`: discount per token."""
+    lam: float = 0.95
+    """`gae`: GAE's lambda (1.0: Monte-Carlo returns minus the value baseline)."""
+    critic_learning_rate: float = 1e-5
+    """`gae`: learning rate of the critic (a value head on a copy of the policy's trunk, own AdamW)."""
+    value_clip: float | None = 0.2
+    """`gae`: the value loss's clipping range around the values before the update; None: unclipped."""
+    whiten_advantages: bool = True
+    """`gae`: normalise the batch's token advantages to mean 0 and std 1, as PPO does."""
     loss_type: str = "dapo"
     """How per-token losses are summed into the batch's loss (grpo.registry.LOSS_AGGREGATIONS):
     grpo, bnpo, dr_grpo or dapo (TRL's default)."""
@@ -336,6 +531,8 @@ class AlgorithmConfig:
     """Most generation rounds per step when dynamic_sampling is on."""
 
     def check(self, cfg: "Config", world_size: int = 1) -> None:
+        if self.preset is not None:
+            _choice("algorithm.preset", self.preset, tuple(PRESETS))
         registry.ADVANTAGE_ESTIMATORS.check(self.advantage_estimator)
         registry.POLICY_LOSSES.check(self.policy_loss)
         registry.LOSS_AGGREGATIONS.check(self.loss_type)
@@ -363,6 +560,34 @@ class AlgorithmConfig:
         if not 0 < self.ref_sync_alpha <= 1:
             raise ConfigError(f"algorithm.ref_sync_alpha: must be in (0, 1], got {self.ref_sync_alpha}")
         _positive("algorithm.max_sampling_rounds", self.max_sampling_rounds)
+        if self.policy_loss == "cispo" and cfg.epsilon_high <= 1:
+            raise ConfigError(
+                f"algorithm.epsilon_high: is CISPO's cap on the importance weight itself (as in TRL), so "
+                f"{cfg.epsilon_high} would scale every token's weight down to it; set algorithm.epsilon_high=5.0 "
+                "(MiniMax-M1's and TRL's recommendation) or another cap > 1"
+            )
+        if self.advantage_estimator == "gae" and getattr(getattr(cfg.model, "lora", None), "r", 0):
+            raise ConfigError(
+                "algorithm.advantage_estimator: gae's critic is a full copy of the policy's trunk, which is not built "
+                "for a LoRA policy (model.lora.r > 0); train PPO without LoRA (model.lora.r=0) or use a critic-free estimator"
+            )
+        _positive("algorithm.sapo_temperature_pos", self.sapo_temperature_pos)
+        _positive("algorithm.sapo_temperature_neg", self.sapo_temperature_neg)
+        if not 0 < self.top_entropy_quantile <= 1:
+            raise ConfigError(
+                f"algorithm.top_entropy_quantile: must be in (0, 1] (the fraction of tokens kept, 1.0 keeps all), got {self.top_entropy_quantile}"
+            )
+        _choice("algorithm.entropy_mask_scope", self.entropy_mask_scope, ("completion", "batch"))
+        _choice("algorithm.rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
+        if self.rollout_correction_cap <= 1:
+            raise ConfigError(f"algorithm.rollout_correction_cap: must be > 1 (a bound on importance ratios), got {self.rollout_correction_cap}")
+        if not 0 <= self.gamma <= 1:
+            raise ConfigError(f"algorithm.gamma: must be in [0, 1], got {self.gamma}")
+        if not 0 <= self.lam <= 1:
+            raise ConfigError(f"algorithm.lam: must be in [0, 1], got {self.lam}")
+        _positive("algorithm.critic_learning_rate", self.critic_learning_rate)
+        if self.value_clip is not None:
+            _positive("algorithm.value_clip", self.value_clip)
 
 
 @dataclass
@@ -610,6 +835,7 @@ def from_dict(data: dict[str, Any], overrides: list[str] | tuple[str, ...] = ())
     for text in overrides:
         key, value = parse_override(text)
         _set_dotted(data, key, value)
+    apply_preset(data)
     cfg = _build(Config, data, "")
     validate(cfg)
     return cfg
@@ -642,6 +868,51 @@ def _reward_files_beside(cfg: Config, base: Path) -> None:
             spec = f"{base / target}:{name}"
         funcs.append(spec)
     cfg.rewards.funcs = funcs
+
+
+def _preset_name(data: dict[str, Any]) -> Any:
+    algorithm = data.get("algorithm")
+    return algorithm.get("preset") if isinstance(algorithm, dict) else None
+
+
+def _preset_value(value: Any, data: dict[str, Any]) -> Any:
+    if value == "max_completion_length / 5":
+        rollout = data.get("rollout") if isinstance(data.get("rollout"), dict) else {}
+        length = rollout.get("max_completion_length", RolloutConfig.max_completion_length)
+        return max(1, length // 5) if isinstance(length, int) and not isinstance(length, bool) else None
+    return value
+
+
+def apply_preset(data: dict[str, Any]) -> None:
+    """Fill in `algorithm.preset`'s settings for the keys `data` (a config as read, overrides
+    applied) does not set itself: what the user wrote always wins. An unknown preset is left
+    for the algorithm section's check to refuse by name."""
+    name = _preset_name(data)
+    if name not in PRESETS:
+        return
+    for section, values in PRESETS[name].items():
+        node = data.setdefault(section, {})
+        if not isinstance(node, dict):
+            continue  # _build names the section that is not a mapping
+        for key, value in values.items():
+            if key not in node:
+                node[key] = _preset_value(value, data)
+
+
+def describe_preset(cfg: Config) -> str | None:
+    """One line for the start of a run: the preset and the values its keys resolved to,
+    those set apart from the preset marked as overridden."""
+    name = cfg.algorithm.preset
+    if name is None:
+        return None
+    data = cfg.to_dict()
+    parts = []
+    for section, values in PRESETS[name].items():
+        for key, value in values.items():
+            resolved = data[section][key]
+            mark = "" if resolved == _preset_value(value, data) else " (overridden)"
+            parts.append(f"{section}.{key}={resolved}{mark}")
+    return f"algorithm.preset {name}: " + ", ".join(parts)
 
 
 def save(cfg: Config, path: str | Path) -> None:

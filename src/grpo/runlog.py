@@ -117,6 +117,9 @@ class RunLog:
             redone = self.cfg.eval.after and step == self.cfg.training.max_steps
             cut_back(self.dir / "eval.jsonl", step, keep=lambda row: not (redone and row.get("label") == "after"))
         config_module.save(self.cfg, self.dir / "config.yaml")
+        preset = config_module.describe_preset(self.cfg)
+        if preset:  # what the preset resolved to, so a run's algorithm is never a guess
+            self._print(preset)
         self.trackers = Trackers.from_config(self.cfg)
         self._metrics = open(self.dir / "metrics.jsonl", "a")
 
@@ -133,15 +136,23 @@ class RunLog:
         self.trackers.log(metrics, metrics["step"])
         self.progress.update(metrics["step"], metrics)
 
-    def samples(self, step: int, prompts: list, texts: list[str], rewards: list[float], group_size: int, per_step: int = 4) -> None:
-        """A few (prompt, completion, reward) examples, one per group, to samples.jsonl and the console."""
+    def samples(self, step: int, prompts: list, texts: list[str], rewards: list[float], group_size: int, per_step: int = 4,
+                reward_columns: dict[str, list[float]] | None = None) -> None:
+        """A few (prompt, completion, reward) examples, one per group, to samples.jsonl, the console and
+        the trackers (a completions table); `reward_columns`: each reward function's values, by name."""
         if not self.is_main:
             return
+        table = []
         with open(self.dir / "samples.jsonl", "a") as f:
             for i in range(0, min(len(texts), per_step * group_size), group_size):
                 prompt = prompts[i][-1]["content"] if isinstance(prompts[i], list) else prompts[i]
                 record = {"step": step, "prompt": prompt, "completion": texts[i], "reward": _json_float(rewards[i])}
-                f.write(json.dumps(record) + "\n")
+                each = {name: _json_float(values[i]) for name, values in (reward_columns or {}).items()}
+                f.write(json.dumps({**record, "rewards": each} if each else record) + "\n")
+                # a function named like a fixed column keeps its own column
+                table.append({**record, **{(f"{name} (reward)" if name in record else name): v for name, v in each.items()}})
+        if self.trackers is not None:
+            self.trackers.log_completions(table, step)
         self.progress.sample(texts[0], _json_float(rewards[0]))
 
     def evaluation(self, label: str, step: int, num_rows: int, num_batches: int,

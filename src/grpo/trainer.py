@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
@@ -27,9 +28,11 @@ from grpo import algorithm, checkpoint, faults
 from grpo.backends import create_backend
 from grpo.batching import GenerationBatch, groups_with_spread, keep_groups_with_spread
 from grpo.config import Config, ConfigError
+from grpo.critic import Critic
 from grpo.data import PromptEncoder, Row, check_columns, is_conversational
 from grpo.evaluate import EvalResult, Evaluator
 from grpo.metrics import PhaseTimer, batch_metrics
+from grpo.lora import apply_lora
 from grpo.models import context_length, load_model_and_tokenizer
 from grpo.reference import create_reference
 from grpo.registry import ADVANTAGE_ESTIMATORS
@@ -42,7 +45,10 @@ from grpo.state import TrainState
 from grpo.stop_signals import StopSignals
 from grpo.tasks import Task, load_task
 from grpo.tasks.scorers import AnswerScorer, RewardScorer, has_integer_answers
-from grpo.update import Skips, TrainingDiverged, batch_logprobs, check_finite_weights, policy_update
+from grpo.update import (
+    Skips, TrainingDiverged, batch_logprobs, batch_values, check_finite_weights, critic_update, gae_batch_advantages,
+    policy_update,
+)
 
 
 class Trainer:
@@ -99,10 +105,13 @@ class Trainer:
         self.rewards.start()  # a reward function that its worker processes cannot load fails here
         if model is None:
             model, tokenizer = load_model_and_tokenizer(cfg.model, self.backend.device)
+        # LoRA (model.lora.r > 0) before the device preparation, so its CPU kernels reach the base layers
+        model = apply_lora(model, cfg.model.lora, cfg.training.seed)
         self.model, self.tokenizer = self.backend.prepare_model(model), tokenizer
         self.reference = create_reference(cfg.algorithm, self.model, restore["reference"] if restore else None)
         if self.resumed is not None:  # after the reference: unless saved, it is a copy of the starting model
             self.resumed.load_weights(self.model)
+        self.critic = self._critic(restore)
         self.engine = create_engine(cfg.rollout.engine, self.model, tokenizer, cfg)
         d, r = cfg.data, cfg.rollout
         self.prompts = PromptEncoder(tokenizer, d.chat_template == "auto", d.few_shot, r.max_prompt_length)
@@ -167,7 +176,8 @@ class Trainer:
         return batch
 
     def update(self, batch: GenerationBatch, timer: PhaseTimer | None = None) -> dict[str, float]:
-        """Old and reference logprobs, then num_iterations optimizer passes over `batch`."""
+        """Old and reference logprobs, then num_iterations optimizer passes over `batch`; with a
+        critic (gae), its values and GAE's advantages first and its own passes after."""
         cfg, timer = self.cfg, timer or PhaseTimer()
         with timer("reference"):
             old_logp = batch_logprobs(self.model, batch, cfg, self.backend) if cfg.algorithm.num_iterations > 1 else None
@@ -175,17 +185,35 @@ class Trainer:
             if self.reference.enabled:
                 with self.reference.module() as reference:
                     ref_logp = batch_logprobs(reference, batch, cfg, self.backend)
+        if self.critic is not None:
+            with timer("values"):
+                old_values = batch_values(self.critic.model, batch, cfg, self.backend)
+                batch.advantages, returns = gae_batch_advantages(batch, old_values, cfg)
         with timer("update"):
             s = self.state
-            return policy_update(self.model, s.optimizer, s.scheduler, batch, old_logp, ref_logp, cfg, self.backend, self.skips)
+            stats = policy_update(self.model, s.optimizer, s.scheduler, batch, old_logp, ref_logp, cfg, self.backend, self.skips)
+        if self.critic is not None:
+            with timer("critic"):
+                stats.update(critic_update(self.critic, batch, old_values, returns, cfg, self.backend))
+        return stats
 
     def encode(self, rows: list[Row]) -> list[list[int]]:
         return self.prompts(rows)
 
     def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         a = self.cfg.algorithm
+        if self.critic is not None:
+            # gae's advantages are per token and need the critic's values: `update` computes them
+            return torch.zeros_like(rewards)
         estimator = ADVANTAGE_ESTIMATORS.get(a.advantage_estimator)
         return estimator(rewards, self.cfg.rollout.num_generations, scale_rewards=a.scale_rewards)
+
+    def _critic(self, restore: dict[str, Any] | None) -> Critic | None:
+        """PPO's critic for the `gae` estimator (a copy of the policy's trunk, or the saved one)."""
+        a = self.cfg.algorithm
+        if a.advantage_estimator != "gae":
+            return None
+        return Critic(self.model, a.critic_learning_rate, self.cfg.training, restore.get("critic") if restore else None)
 
     def score(self, rows: list[Row], rollout) -> GenerationBatch:
         """The rewards and advantages of a rollout of `rows` (one group of G per row)."""
@@ -198,7 +226,7 @@ class Trainer:
             [{"role": "assistant", "content": text}] if is_conversational(row) else text
             for row, text in zip(group_rows, texts)
         ]
-        rewards_per_func = self.rewards.score(prompts, completions, ids, group_rows)
+        rewards_per_func = self.rewards.score(prompts, completions, ids, group_rows, self.trainer_state())
         rewards = algorithm.combine_rewards(rewards_per_func, self.rewards.weights)
         loss_mask = rollout.completion_mask.clone()
         if self.cfg.algorithm.mask_truncated_completions:
@@ -206,6 +234,14 @@ class Trainer:
         return GenerationBatch(
             group_rows, prompts, completions, texts, rollout, rewards_per_func, rewards, self.advantages(rewards), loss_mask
         )
+
+    def trainer_state(self) -> SimpleNamespace:
+        """What TRL passes reward functions as `trainer_state`, under its attribute names: optimizer
+        steps (a grpo step is num_iterations of them) and the fractional epoch. A SimpleNamespace,
+        so it pickles to reward functions in worker processes."""
+        mu, sampler = self.cfg.algorithm.num_iterations, self.state.sampler
+        return SimpleNamespace(global_step=self.state.step * mu, max_steps=self.cfg.training.max_steps * mu,
+                               epoch=sampler.epoch + sampler.position / sampler.num_rows)
 
     def step_metrics(self, batch: GenerationBatch, update_stats: dict, timer: PhaseTimer) -> dict[str, float]:
         ro = batch.rollout
@@ -247,7 +283,8 @@ class Trainer:
                     history.append(metrics)
                     step = self.state.step
                     if cfg.logging.sample_every and (step == 1 or step % cfg.logging.sample_every == 0):
-                        log.samples(step, batch.prompts, batch.completion_texts, batch.rewards.tolist(), cfg.rollout.num_generations)
+                        log.samples(step, batch.prompts, batch.completion_texts, batch.rewards.tolist(), cfg.rollout.num_generations,
+                                    reward_columns={name: batch.rewards_per_func[:, k].tolist() for k, name in enumerate(self.rewards.names)})
                     if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.training.max_steps:
                         self.evaluate(f"step {step}")
                     faults.reached("logged")
@@ -286,6 +323,7 @@ class Trainer:
             "reward_failures": dict(self.rewards.failures),
             "skips": {"consecutive": self.skips.consecutive, "total": self.skips.total},
             "reference": self.reference.state_dict(),
+            "critic": self.critic.state_dict() if self.critic is not None else None,
         }
 
     def _save_last_good(self) -> str:
@@ -299,7 +337,8 @@ class Trainer:
         return f"the last good state is saved in {directory} (resume from it with --resume after changing the cause)"
 
     def save(self, directory: Path) -> Path:
-        """A checkpoint (grpo.checkpoint) of this step, to resume from or load with from_pretrained."""
+        """A checkpoint (grpo.checkpoint) of this step, to resume from or load with from_pretrained
+        (with LoRA: the adapter only, for PeftModel.from_pretrained or `grpo export --merge`)."""
         check_finite_weights(self.model, f"write {directory}")  # a checkpoint with NaN weights is never written
         state = self.state_dict()
         a = self.cfg.algorithm

@@ -28,7 +28,7 @@ import torch
 
 from grpo import algorithm
 from grpo.batching import GenerationBatch, microbatches, minibatches
-from grpo.config import Config
+from grpo.config import Config, ConfigError
 from grpo.logprobs import completion_logprobs
 
 
@@ -126,6 +126,30 @@ def batch_logprobs(model, batch: GenerationBatch, cfg: Config, backend) -> torch
     return out
 
 
+def rollout_correction(cfg: Config) -> algorithm.RolloutCorrection | None:
+    """algorithm.rollout_correction as the loss takes it (`token_truncate` -> level token, mode
+    truncate); None when it is off."""
+    a = cfg.algorithm
+    if a.rollout_correction == "none":
+        return None
+    level, mode = a.rollout_correction.split("_")
+    return algorithm.RolloutCorrection(level=level, mode=mode, cap=a.rollout_correction_cap)
+
+
+def _rows_advantages(advantages: torch.Tensor, rows: torch.Tensor, width: int) -> torch.Tensor:
+    """The advantages of `rows`: one per completion [n], or per token [n, width] (gae)."""
+    return advantages[rows] if advantages.dim() == 1 else advantages[rows, :width]
+
+
+def _accumulate(sums: dict[str, float], stats: dict[str, torch.Tensor]) -> None:
+    for key, value in stats.items():
+        value = float(value)
+        if key.endswith("_max"):
+            sums[key] = max(sums.get(key, value), value)
+        else:
+            sums[key] = sums.get(key, 0.0) + value
+
+
 def policy_update(
     model, optimizer, scheduler, batch: GenerationBatch, old_logp, ref_logp, cfg: Config, backend, skips: Skips | None = None
 ) -> dict[str, float]:
@@ -138,6 +162,13 @@ def policy_update(
     num_tokens = backend.sum(batch.loss_mask.sum().item())
     num_sequences = int(backend.sum(len(batch)))
     sums = {"kl": 0.0, "clip_low": 0.0, "clip_high": 0.0, "clip_region": 0.0, "entropy": 0.0, "loss": 0.0}
+    sampling_logp = batch.rollout.sampling_logprobs
+    correction = rollout_correction(cfg)
+    if correction is not None and sampling_logp is None:
+        raise ConfigError(
+            f"algorithm.rollout_correction={a.rollout_correction}: the rollout engine {cfg.rollout.engine!r} did not "
+            "report the logprobs it sampled with; set algorithm.rollout_correction=none"
+        )
     grad_norms = []
     norms = [  # the same for every pass: counted once
         dict(num_sequences=num_sequences, num_tokens=num_tokens, num_minibatches=len(pieces),
@@ -153,12 +184,23 @@ def policy_update(
                 logp, entropy = rows_logprobs(model, batch, rows, cfg, backend, grad=True)
                 width = logp.shape[1]
                 mask = batch.loss_mask[rows, :width]
+                high_entropy = (
+                    algorithm.entropy_mask(entropy.detach(), mask, a.top_entropy_quantile, a.entropy_mask_scope)
+                    if a.top_entropy_quantile < 1.0 else None
+                )
                 loss, stats = algorithm.policy_loss(
                     logp,
                     old_logp[rows, :width] if old_logp is not None else None,
-                    batch.advantages[rows].to(backend.device),
+                    _rows_advantages(batch.advantages, rows, width).to(backend.device),
                     mask,
                     objective=a.policy_loss,
+                    sapo_temperature_pos=a.sapo_temperature_pos,
+                    sapo_temperature_neg=a.sapo_temperature_neg,
+                    entropy_mask=high_entropy,
+                    # the engine's logprobs, against the policy the update starts from (old_logp,
+                    # or logp itself on a single pass: the weights have not moved yet)
+                    sampling_logp=sampling_logp[rows, :width].to(backend.device) if sampling_logp is not None else None,
+                    correction=correction,
                     loss_type=a.loss_type,
                     epsilon_low=a.epsilon,
                     epsilon_high=cfg.epsilon_high,
@@ -171,10 +213,11 @@ def policy_update(
                     **norm,
                 )
                 sums["entropy"] += algorithm.masked_sum(entropy, mask).item()
+                if high_entropy is not None:
+                    sums["entropy_kept"] = sums.get("entropy_kept", 0.0) + algorithm.masked_sum(high_entropy.float(), mask).item()
                 loss.backward()
                 pass_loss += loss.item()
-                for key, value in stats.items():
-                    sums[key] += value.item()
+                _accumulate(sums, stats)
         sums["loss"] += pass_loss
         grad_norm = backend.clip_grad_norm(model, cfg.training.max_grad_norm)  # the norm before clipping
         grad_norms.append(grad_norm)
@@ -201,4 +244,102 @@ def policy_update(
     }
     if a.beta > 0:
         out["kl"] = sums["kl"] / passes
+    if sampling_logp is not None and "logprob_diff_sum" in sums:
+        out["rollout/logprob_diff_mean"] = sums["logprob_diff_sum"] / passes
+        out["rollout/logprob_diff_max"] = sums["logprob_diff_max"]
+        out["rollout/is_ratio"] = sums["is_ratio_sum"] / passes
+        if correction is not None:
+            out["rollout/is_weight"] = sums["is_weight_sum"] / passes
+            out["rollout/is_capped_ratio"] = sums["is_capped"] / passes
+    if a.top_entropy_quantile < 1.0:
+        out["entropy/kept_ratio"] = sums["entropy_kept"] / passes
     return out
+
+
+# --------------------------------------------------------------------------
+# PPO's critic (advantage_estimator: gae)
+# --------------------------------------------------------------------------
+
+
+def rows_values(value_model, batch: GenerationBatch, rows: torch.Tensor, cfg: Config, backend, grad: bool) -> torch.Tensor:
+    """V [len(rows), width] of the completions `rows` under the critic, width = their longest."""
+    ro = batch.rollout
+    prompt_ids, prompt_mask = trim_left(ro.prompt_ids[rows], ro.prompt_mask[rows])
+    width = max(1, int(ro.completion_mask[rows].sum(-1).max()))
+    context = contextlib.nullcontext() if grad else torch.no_grad()
+    with context, backend.autocast():
+        return value_model.values(prompt_ids, prompt_mask, ro.completion_ids[rows, :width], ro.completion_mask[rows, :width])
+
+
+def batch_values(value_model, batch: GenerationBatch, cfg: Config, backend) -> torch.Tensor:
+    """V [N, T] of every completion position before the update (GAE's values, the value clip's centre)."""
+    out = torch.zeros(len(batch), batch.rollout.completion_ids.shape[1], device=backend.device)
+    value_model.eval()
+    try:
+        for pieces in split(batch, cfg):
+            for rows in pieces:
+                values = rows_values(value_model, batch, rows, cfg, backend, grad=False)
+                out[rows, : values.shape[1]] = values
+    finally:
+        value_model.train()
+    return out
+
+
+def gae_batch_advantages(batch: GenerationBatch, values: torch.Tensor, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's per-token advantages and returns [N, T] of a batch from the critic's values: the
+    outcome reward on each completion's last token, GAE, then (by default) whitened over the
+    tokens that count. A completion without a reward (every function failed) leaves the loss."""
+    a = cfg.algorithm
+    rewards = batch.rewards.to(values.device)
+    batch.loss_mask[~torch.isfinite(rewards).to(batch.loss_mask.device)] = 0
+    mask = batch.rollout.completion_mask.to(values.device)
+    token_rewards = algorithm.outcome_token_rewards(rewards, mask)
+    advantages, returns = algorithm.gae_advantages(token_rewards, values, mask, a.gamma, a.lam)
+    if a.whiten_advantages:
+        advantages = algorithm.masked_whiten(advantages, batch.loss_mask.to(values.device))
+    return advantages, returns
+
+
+def critic_update(critic, batch: GenerationBatch, old_values: torch.Tensor, returns: torch.Tensor, cfg: Config, backend) -> dict[str, float]:
+    """num_iterations passes of the critic's own optimizer over the batch: the clipped value loss,
+    a mean over every counted token of the batch (so the split does not change it)."""
+    a, model = cfg.algorithm, critic.model
+    pieces = split(batch, cfg)
+    num_tokens = max(1.0, backend.sum(batch.loss_mask.sum().item()))
+    params = [p for p in model.parameters() if p.requires_grad]
+    losses, grad_norms = [], []
+    model.train()
+    for _ in range(a.num_iterations):
+        critic.optimizer.zero_grad(set_to_none=True)
+        pass_loss = 0.0
+        for minibatch in pieces:
+            for rows in minibatch:
+                values = rows_values(model, batch, rows, cfg, backend, grad=True)
+                width = values.shape[1]
+                mask = batch.loss_mask[rows, :width].to(values.device)
+                per_token = algorithm.clipped_value_loss(
+                    values, old_values[rows, :width], returns[rows, :width], mask, a.value_clip
+                )
+                loss = (per_token * mask).sum() / num_tokens
+                loss.backward()
+                pass_loss += loss.item()
+        if cfg.training.max_grad_norm > 0:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.training.max_grad_norm))
+        else:
+            grad_norm = float(torch.sqrt(sum((p.grad.float() ** 2).sum() for p in params if p.grad is not None)))
+        if math.isfinite(pass_loss) and math.isfinite(grad_norm):
+            critic.optimizer.step()
+        else:
+            log.warning("critic update skipped: loss %s, gradient norm %s", pass_loss, grad_norm)
+        losses.append(pass_loss)
+        grad_norms.append(grad_norm)
+    mask = batch.loss_mask.to(old_values.device).bool()
+    v, r = old_values[mask], returns[mask]
+    explained = 1.0 - float((r - v).var() / r.var()) if r.numel() > 1 and float(r.var()) > 0 else float("nan")
+    return {
+        "critic/value_loss": sum(losses) / len(losses),
+        "critic/grad_norm": sum(grad_norms) / len(grad_norms),
+        "critic/values_mean": float(v.mean()) if v.numel() else float("nan"),
+        "critic/returns_mean": float(r.mean()) if r.numel() else float("nan"),
+        "critic/explained_variance": explained,
+    }

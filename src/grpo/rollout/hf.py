@@ -57,14 +57,39 @@ def sample_next_token(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
 ) -> torch.Tensor:
     """Pick one token per row from next-token logits [B, V] -> [B]."""
+    return sample_with_logprobs(logits, params, generator)[0]
+
+
+def sample_with_logprobs(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Pick one token per row from next-token logits [B, V]: (tokens [B], their logprobs [B]).
+
+    The logprob is the token's under softmax(logits / temperature), before top-k and top-p,
+    which is what the update computes (grpo.logprobs), so the two can be compared for the
+    rollout correction. None for greedy decoding (evaluation), which nothing compares.
+    """
     if params.temperature == 0:
         best, index = logits.max(dim=-1)
         if bool(torch.isnan(best).any()):  # max and argmax pick a NaN when a row has one
             raise NonFiniteProbabilities(_NON_FINITE)
-        return index
+        return index, None
     scores = logits.float()
     if params.temperature != 1.0:
         scores = scores / params.temperature
+    filtered = bool(params.top_k and params.top_k < scores.shape[-1]) or params.top_p < 1.0
+    if not filtered:
+        probs = torch.softmax(scores, dim=-1)
+        tokens = sample_from(probs, generator)
+        # the probabilities at hand are the unfiltered ones: no second pass over the vocabulary
+        return tokens, torch.log(probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1))
+    log_total = torch.logsumexp(scores, dim=-1)
+    tokens = _sample_filtered(scores, params, generator)  # filters copies: `scores` stays whole
+    return tokens, scores.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - log_total
+
+
+def _sample_filtered(scores: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """A token per row from temperature-scaled scores [B, V] under top-k and top-p."""
     if params.top_k and params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k, dim=-1).values[:, -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -217,6 +242,7 @@ def _generate(
         logits = steps(full_ids, full_mask, positions.repeat_interleave(G, 0))
 
     tokens = torch.full((N, params.max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+    token_logprobs = torch.zeros(N, params.max_new_tokens, device=device) if params.temperature > 0 else None
     done = torch.zeros(N, dtype=torch.bool, device=device)
     lengths = torch.zeros(N, dtype=torch.long, device=device)
     active = torch.arange(N, device=device)  # batch row of each cache row
@@ -225,9 +251,11 @@ def _generate(
     next_pos = full_mask.sum(-1)  # position id of each cache row's next token
 
     for t in range(params.max_new_tokens):
-        new = sample_next_token(logits, params, generator)
+        new, new_logprobs = sample_with_logprobs(logits, params, generator)
         rows = active[alive]
         tokens[rows, t] = new[alive]
+        if token_logprobs is not None:
+            token_logprobs[rows, t] = new_logprobs[alive]
         lengths[rows] += 1
         if not params.ignore_eos:
             finished = alive & torch.isin(new, eos)
@@ -251,12 +279,15 @@ def _generate(
     steps = torch.arange(width, device=device).unsqueeze(0)
     completion_mask = (steps < lengths.unsqueeze(1)).long()
     tokens = tokens.masked_fill(completion_mask == 0, pad_token_id)
+    if token_logprobs is not None:
+        token_logprobs = token_logprobs[:, :width] * completion_mask
     return Rollout(
         prompt_ids=full_ids,
         prompt_mask=full_mask,
         completion_ids=tokens,
         completion_mask=completion_mask,
         truncated=~done,
+        sampling_logprobs=token_logprobs,
     )
 
 

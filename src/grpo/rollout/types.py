@@ -32,6 +32,10 @@ class Rollout:
     """[N, T] 1 for generated tokens up to and including the first EOS."""
     truncated: torch.Tensor
     """[N] bool: True when no EOS came within max_new_tokens."""
+    sampling_logprobs: torch.Tensor | None = None
+    """[N, T] float32: each completion token's logprob under the distribution the engine sampled
+    it from (softmax of logits / temperature, before top-k/top-p), 0 at padding; None when the
+    engine does not report them (greedy decoding). The update compares them with its own."""
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -47,6 +51,7 @@ class Rollout:
             self.completion_ids[rows],
             self.completion_mask[rows],
             self.truncated[rows],
+            None if self.sampling_logprobs is None else self.sampling_logprobs[rows],
         )
 
     @staticmethod
@@ -67,4 +72,7 @@ class Rollout:
             torch.cat([right(p.completion_ids, lc, pad_token_id) for p in parts]),
             torch.cat([right(p.completion_mask, lc, 0) for p in parts]),
             torch.cat([p.truncated for p in parts]),
+            # kept only when every part has them (an engine reports them for all its rollouts or none)
+            torch.cat([right(p.sampling_logprobs, lc, 0) for p in parts])
+            if all(p.sampling_logprobs is not None for p in parts) else None,
         )
