@@ -185,7 +185,8 @@ CHANGES = {
     "num_generations": (4, {}), "max_completion_length": (64, {}), "max_prompt_length": (128, {}),
     "temperature": (0.7, {}), "top_p": (0.9, {}), "top_k": (50, {}),
     "beta": (0.04, {}), "epsilon": (0.1, {}), "epsilon_high": (0.28, {}), "delta": (2.0, {}),
-    "loss_type": ("grpo", {}), "scale_rewards": (False, {}), "importance_sampling_level": ("sequence", {}),
+    "loss_type": ("grpo", {}), "sapo_temperature_pos": (2.0, {}), "sapo_temperature_neg": (2.0, {}),
+    "top_entropy_quantile": (0.2, {}), "scale_rewards": (False, {}), "importance_sampling_level": ("sequence", {}),
     "num_iterations": (2, {}), "mask_truncated_completions": (True, {}), "reward_weights": ([2.0], {}),
     "sync_ref_model": (True, {"beta": 0.04}), "ref_model_sync_steps": (64, {"beta": 0.04, "sync_ref_model": True}),
     "ref_model_mixup_alpha": (0.9, {"beta": 0.04, "sync_ref_model": True}),
@@ -195,6 +196,7 @@ CHANGES = {
     "max_steps": (7, {}), "num_train_epochs": (1.0, {}), "seed": (1, {}), "data_seed": (7, {}),
     "bf16": (False, {}), "gradient_checkpointing": (False, {}), "activation_checkpointing": (False, {}),
     "trust_remote_code": (True, {}), "use_cpu": (True, {}), "logging_steps": (1, {}), "report_to": ("tensorboard", {}),
+    "log_completions": (True, {}),
     "run_name": ("r", {}), "save_strategy": ("no", {}), "save_steps": (20, {}), "save_total_limit": (2, {}),
     "eval_strategy": ("steps", {}), "eval_steps": (5, {"eval_strategy": "steps"}), "per_device_eval_batch_size": (4, {}),
 }
@@ -278,7 +280,7 @@ def test_refused_and_ignored_fields():
     # grpo's own check, naming the GRPOConfig fields that set the key
     with pytest.raises(ConfigError, match="GRPOConfig: num_generations"):
         GRPOConfig(num_generations=3).to_config(10)
-    with pytest.raises(NotImplementedError, match="LoRA"):
+    with pytest.raises(TypeError, match="peft_config must be a peft.LoraConfig"):
         GRPOTrainer("tiny", lambda completions, **kw: [0.0] * len(completions), train_dataset=[{"prompt": "x"}],
                     peft_config=object())
 
@@ -402,3 +404,163 @@ def test_no_args_is_trls_default_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     trainer = GRPOTrainer("tiny", lambda completions, **kw: [0.0] * len(completions), train_dataset=[{"prompt": "1+1="}] * 3)
     assert trainer.config.output_dir == "tiny-GRPO" and trainer.config.training.max_steps == 9  # 3 epochs of 3 prompts, 1 a step
+
+
+# ---------------------------------------------------------------- log_completions, IterableDataset, trainer_state, peft_config
+
+TINY = ["model.tiny_hidden_size=32", "model.tiny_num_layers=1", "rewards.isolation=thread"]
+
+
+def test_log_completions_is_samples_every_logging_step():
+    assert GRPOConfig(max_steps=1).to_config().logging.sample_every == 0  # TRL's default: none
+    cfg = GRPOConfig(max_steps=20, log_completions=True, logging_steps=4, num_iterations=2).to_config()
+    assert cfg.logging.sample_every == 2  # every 4 optimizer steps = every 2 grpo steps
+
+
+def _stream(count=None):
+    import itertools
+
+    from datasets import IterableDataset
+
+    def rows():
+        for a in itertools.count() if count is None else range(count):
+            yield {"prompt": f"{a % 10}+1=", "answer": a % 10 + 1, "index": a}
+
+    return IterableDataset.from_generator(rows)
+
+
+def test_iterable_dataset_is_read_as_far_as_the_run_goes(tmp_path):
+    seen = []
+
+    def index_reward(completions, index, **kw):
+        seen.extend(index)
+        return [float(len(c)) for c in completions]
+
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), num_generations=2, per_device_train_batch_size=4,
+                      max_completion_length=3, max_steps=3, grpo_overrides=[*TINY, "eval.num_problems=3"])
+    # an endless stream: 3 steps x 2 prompts are taken, and 3 held-out rows
+    trainer = GRPOTrainer("tiny", index_reward, args=args, train_dataset=_stream(), eval_dataset=_stream())
+    assert [r["index"] for r in trainer.trainer.task.train_rows] == list(range(6))
+    assert [r["index"] for r in trainer.trainer.task.eval_rows] == [0, 1, 2]
+    trainer.train()
+    assert sorted(set(seen)) == list(range(6)) and len(seen) == 12  # each row once, in G copies
+    with pytest.raises(ValueError, match="IterableDataset.*set GRPOConfig.max_steps"):
+        GRPOTrainer("tiny", index_reward, args=GRPOConfig(output_dir=str(tmp_path / "b")), train_dataset=_stream(4))
+    with pytest.raises(ValueError, match="yielded no rows"):
+        GRPOTrainer("tiny", index_reward, args=args, train_dataset=_stream(0))
+    with pytest.raises(ValueError, match="eval_dataset is an IterableDataset of more than 10000 rows"):
+        GRPOTrainer("tiny", index_reward, args=GRPOConfig(output_dir=str(tmp_path / "c"), max_steps=1,
+                                                          grpo_overrides=TINY),
+                    train_dataset=_stream(4), eval_dataset=_stream())
+    short = GRPOTrainer("tiny", index_reward, args=args, train_dataset=_stream(4))
+    assert len(short.trainer.task.train_rows) == 4  # a shorter stream: gone through again, as epochs
+
+
+def step_reward(completions, trainer_state, **kwargs):
+    """A reward function as TRL's docs write one: shaped by the trainer's progress."""
+    return [float(trainer_state.global_step) + trainer_state.epoch / 100 for _ in completions]
+
+
+def test_reward_functions_get_trainer_state_in_worker_processes(tmp_path):
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), num_generations=2, per_device_train_batch_size=4,
+                      max_completion_length=3, max_steps=6, num_iterations=2,
+                      grpo_overrides=["model.tiny_hidden_size=32", "model.tiny_num_layers=1", "rewards.isolation=process",
+                                      "rewards.workers=1", "logging.sample_every=0"])
+    rows = [{"prompt": f"{a}+1="} for a in range(4)]  # 2 prompts a step: an epoch is 2 steps
+    trainer = GRPOTrainer("tiny", step_reward, args=args, train_dataset=rows)
+    assert trainer.trainer.rewards.executor.in_worker(0)  # pickled to a worker, not run in a thread
+    trainer.train()
+    means = [row["rewards/step_reward/mean"] for row in trainer.state.log_history]
+    # optimizer steps before each grpo step (num_iterations 2 each), and the epoch reached by its prompts
+    assert means == pytest.approx([0 + 0.005, 2 + 0.01, 4 + 0.015])
+
+
+def test_peft_config_maps_onto_model_lora():
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.05, target_modules=["v_proj", "q_proj"], task_type="CAUSAL_LM")
+    keys = trl_api.lora_keys(lora)
+    assert keys == {"model.lora.r": 4, "model.lora.alpha": 8.0, "model.lora.dropout": 0.05,
+                    "model.lora.target_modules": ["q_proj", "v_proj"]}
+    cfg = GRPOConfig(max_steps=1).to_config(extra=keys)
+    assert (cfg.model.lora.r, cfg.model.lora.alpha, cfg.model.lora.dropout, cfg.model.lora.target_modules) == (
+        4, 8.0, 0.05, ["q_proj", "v_proj"])
+    assert trl_api.lora_keys(LoraConfig(target_modules="all-linear"))["model.lora.target_modules"] == ["all-linear"]
+    tokenizer = char_tokenizer()  # None: peft's choice for the architecture (Llama: q_proj, v_proj)
+    targets = trl_api.lora_keys(LoraConfig(), tiny_model(tokenizer, hidden_size=32, num_layers=1))["model.lora.target_modules"]
+    assert targets == ["q_proj", "v_proj"]
+    for settings, named in [({"use_dora": True}, "use_dora=True"), ({"bias": "all"}, "bias='all'"),
+                            ({"modules_to_save": ["lm_head"]}, "modules_to_save="), ({"use_rslora": True}, "use_rslora"),
+                            ({"init_lora_weights": "gaussian"}, "init_lora_weights='gaussian'"),
+                            ({"rank_pattern": {"q_proj": 2}}, "rank_pattern=")]:
+        with pytest.raises(ConfigError, match=f"peft_config sets {named}"):
+            trl_api.lora_keys(LoraConfig(**settings))
+    with pytest.raises(ConfigError, match="task_type=SEQ_CLS"):
+        trl_api.lora_keys(LoraConfig(task_type="SEQ_CLS"))
+    with pytest.raises(ConfigError, match="regular expression"):
+        trl_api.lora_keys(LoraConfig(target_modules=r".*\.q_proj"))
+
+
+def test_peft_config_trains_only_the_adapter(tmp_path):
+    from peft import LoraConfig
+
+    tokenizer = char_tokenizer()
+    model = tiny_model(tokenizer, hidden_size=32, num_layers=1, seed=4)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), num_generations=4, per_device_train_batch_size=8,
+                      max_completion_length=4, max_steps=2, learning_rate=0.05, lr_scheduler_type="constant",
+                      grpo_overrides=["rewards.isolation=thread", "logging.sample_every=0"])
+    rows = [{"prompt": f"{a}+{a}="} for a in range(4)]
+    trainer = GRPOTrainer(model, lambda completions, **kw: [float(c.count("1")) - len(c) / 4 for c in completions],
+                          args=args, train_dataset=rows, processing_class=tokenizer,
+                          peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    assert trainer.config.model.lora.r == 4
+    trainer.train()
+    adapter = {n: p for n, p in trainer.model.named_parameters() if "lora_" in n}
+    assert adapter and all(p.requires_grad for p in adapter.values())
+    assert any(p.abs().max() > 0 for n, p in adapter.items() if "lora_B" in n)  # B starts at 0: it learned
+    for name, p in trainer.model.named_parameters():
+        if "lora_" not in name:
+            assert not p.requires_grad and torch.equal(p.detach(), before[name.replace(".base_layer", "")]), name
+
+
+def test_log_completions_sends_a_table_to_wandb(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    logged = []
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kw: object()
+    fake.log = lambda metrics, step=None: logged.append((metrics, step))
+    fake.finish = lambda: None
+
+    class Table:
+        def __init__(self, columns, data):
+            self.columns, self.data = columns, data
+
+    fake.Table = Table
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), num_generations=2, per_device_train_batch_size=4,
+                      max_completion_length=3, max_steps=2, logging_steps=2, log_completions=True, report_to="wandb",
+                      grpo_overrides=TINY)
+    GRPOTrainer("tiny", lambda completions, **kw: [1.0] * len(completions), args=args,
+                train_dataset=[{"prompt": f"{a}="} for a in range(4)]).train()
+    tables = [(m["completions"], step) for m, step in logged if "completions" in m]
+    assert [step for _, step in tables] == [1, 2]  # the first step, then every logging_steps
+    table = tables[-1][0]
+    assert table.columns[:4] == ["step", "prompt", "completion", "reward"] and len(table.data) == 2  # one per group
+    assert all(row[0] == 2 and row[3] == 1.0 for row in table.data)
+
+
+@pytest.mark.parametrize("loss_type, policy_loss, aggregation", [
+    ("cispo", "cispo", "dapo"), ("sapo", "sapo", "grpo"), ("dr_grpo", "clipped", "dr_grpo"), ("dapo", "clipped", "dapo"),
+])
+def test_trl_loss_type_splits_into_policy_loss_and_aggregation(loss_type, policy_loss, aggregation):
+    extra = {"epsilon_high": 5.0} if loss_type == "cispo" else {}  # CISPO's cap, as TRL's docs advise
+    cfg = GRPOConfig(loss_type=loss_type, **extra).to_config(num_rows=100)
+    assert (cfg.algorithm.policy_loss, cfg.algorithm.loss_type) == (policy_loss, aggregation)
+
+
+def test_top_entropy_quantile_keeps_trls_scope():
+    cfg = GRPOConfig(top_entropy_quantile=0.2).to_config(num_rows=100)
+    assert (cfg.algorithm.top_entropy_quantile, cfg.algorithm.entropy_mask_scope) == (0.2, "batch")

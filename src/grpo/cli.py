@@ -1,4 +1,4 @@
-"""`grpo train | eval | report`."""
+"""`grpo train | eval | report | export | config show | init`."""
 
 from __future__ import annotations
 
@@ -152,10 +152,80 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config_show(args: argparse.Namespace) -> int:
+    from grpo import config
+    from grpo.config_docs import commented_yaml
+
+    path, overrides = _config_and_overrides(args.words)
+    cfg = config.load(path, overrides)  # validated as `grpo train` would: the same errors
+    source = f"{path}" if path else "the defaults"
+    header = f"grpo config, resolved from {source}" + (f" with {' '.join(overrides)}" if overrides else "")
+    print(commented_yaml(cfg, header), end="")
+    return 0
+
+
+def _config_and_overrides(words: list[str]) -> tuple[str | None, list[str]]:
+    """`[CONFIG] [key=value ...]`: the first word is the config file unless it is an override."""
+    if words and "=" not in words[0]:
+        return words[0], list(words[1:])
+    return None, list(words)
+
+
+def _init(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from grpo import config
+    from grpo.config_docs import commented_yaml
+
+    path = Path(args.path)
+    if path.exists() and not args.force:
+        raise ConfigError(f"grpo init: {path} already exists; choose another path, or pass --force to overwrite it")
+    header = (
+        "A grpo run: every key at its default, its meaning above it. Change what you need (delete\n"
+        f"the rest if you like: a missing key takes its default), then run `grpo train {path}`;\n"
+        "`grpo config show " + str(path) + " key=value ...` prints the resolved result."
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(commented_yaml(config.from_dict({}), header))
+    print(f"wrote {path}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    checkpoint = Path(args.checkpoint).expanduser()
+    if not checkpoint.is_dir():
+        raise ConfigError(f"grpo export: {checkpoint} is not a directory; pass a checkpoint directory written by "
+                          "the trainer (e.g. runs/grpo/final)")
+    try:
+        from grpo.export import export_checkpoint
+    except ImportError as error:
+        print(f"grpo: export: not available in this installation ({error})", file=sys.stderr)
+        return 2
+    written = export_checkpoint(checkpoint, Path(args.out).expanduser(), args.merge)
+    print(f"wrote {written if written is not None else args.out}")
+    return 0
+
+
+def _train_help() -> str:
+    from grpo.config_docs import SECTIONS
+
+    width = max(map(len, SECTIONS))
+    lines = ["config sections (set any key as section.key=value after CONFIG):"]
+    for name, (what, example) in SECTIONS.items():
+        lines.append(f"  {name:<{width}}  {what}")
+        lines.append(f"  {'':<{width}}    e.g. {example}")
+    lines += ["", "`grpo config show CONFIG [overrides]` prints every key with its meaning and resolved value;",
+              "`grpo init PATH` writes a starter config with every key at its default."]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="grpo", description="GRPO training from verifiable rewards")
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train a model with GRPO")
+    train = sub.add_parser("train", help="train a model with GRPO", epilog=_train_help(),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     train.add_argument("config", help="YAML config file (see examples/)")
     train.add_argument("overrides", nargs="*", help="section.key=value, e.g. training.max_steps=50")
     train.add_argument("--resume", nargs="?", const=LATEST, metavar="PATH",
@@ -170,6 +240,21 @@ def main(argv: list[str] | None = None) -> int:
     report = sub.add_parser("report", help="plots and a markdown report of a run directory")
     report.add_argument("run_dir", help="the run's output_dir (holds metrics.jsonl)")
     report.set_defaults(run=_report)
+    export = sub.add_parser("export", help="a checkpoint as a model directory: the merged model or the LoRA adapter")
+    export.add_argument("checkpoint", help="a checkpoint directory written by the trainer (e.g. runs/grpo/final)")
+    export.add_argument("--out", required=True, metavar="DIR", help="where to write the exported model")
+    export.add_argument("--merge", action="store_true", help="merge a LoRA adapter into the base model's weights")
+    export.set_defaults(run=_export)
+    conf = sub.add_parser("config", help="show the resolved config, each key with its meaning")
+    conf_sub = conf.add_subparsers(dest="config_command", required=True)
+    show = conf_sub.add_parser("show", help="print the resolved config (validated as train does) as commented YAML")
+    show.add_argument("words", nargs="*", metavar="[CONFIG] [section.key=value ...]",
+                      help="a YAML config file (none: the defaults), then overrides")
+    show.set_defaults(run=_config_show)
+    init = sub.add_parser("init", help="write a starter config: every key at its default, its meaning above it")
+    init.add_argument("path", nargs="?", default="grpo.yaml", help="the file to write (default: grpo.yaml)")
+    init.add_argument("--force", action="store_true", help="overwrite the file if it exists")
+    init.set_defaults(run=_init)
     # overrides may come after an option too (`grpo eval CFG --checkpoint DIR key=val`): argparse's
     # intermixed parsing does not work with subcommands, so the key=value words it leaves are taken here
     args, extra = parser.parse_known_args(argv)

@@ -8,8 +8,9 @@ into grpo's `Config` through `MAPPING`, the one table of which TRL field sets
 which grpo key. A TRL field outside the table is either listed in `NO_EFFECT`
 (accepted, named in a warning) or refused by name with what to use instead:
 a setting is never dropped silently. `GRPOTrainer` turns TRL's arguments
-(model object or name, reward callables or model ids, a datasets.Dataset or
-rows) into `grpo.trainer.Trainer`'s and delegates to it.
+(model object or name, reward callables or model ids, a datasets.Dataset,
+IterableDataset or rows, a peft LoraConfig) into `grpo.trainer.Trainer`'s and
+delegates to it.
 
 Units: TRL counts `max_steps`, `save_steps`, `logging_steps` and `eval_steps`
 in optimizer steps; a grpo step is one generation batch, which is
@@ -63,6 +64,12 @@ class _Fields:
     epsilon_high: float | None = None
     delta: float | None = None
     loss_type: str = "dapo"
+    """TRL's one name for grpo's two choices: cispo and sapo set algorithm.policy_loss (with the
+    aggregation TRL uses with each, dapo and grpo); the others are aggregations of `clipped`."""
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    top_entropy_quantile: float = 1.0
+    """Taken over the tokens of one forward pass, as TRL does (algorithm.entropy_mask_scope=batch)."""
     scale_rewards: str | bool = "group"
     importance_sampling_level: str = "token"
     num_iterations: int = 1
@@ -107,6 +114,9 @@ class _Fields:
     logging_steps: float = 10
     """The console line's interval (metrics.jsonl and log_history get every step)."""
     report_to: str | list[str] = "none"
+    log_completions: bool = False
+    """Sample completions (one per group, four groups) to the console, samples.jsonl and the
+    wandb/trackio/TensorBoard completions table every logging_steps (grpo's logging.sample_every)."""
     run_name: str | None = None
     save_strategy: str = "steps"
     """no, steps or epoch (final/ is always written at the end)."""
@@ -174,14 +184,22 @@ class GRPOConfig(_Fields):
             return max(1, math.ceil(value * self.steps(num_rows)))
         return max(1, math.ceil(value / self._mu))
 
-    def to_config(self, num_rows: int | None = None) -> Config:
-        """grpo's Config for these settings; `num_rows`: the training set's size (for epochs)."""
+    def to_config(self, num_rows: int | None = None, extra: dict[str, Any] | None = None) -> Config:
+        """grpo's Config for these settings; `num_rows`: the training set's size (for epochs);
+        `extra`: more grpo keys (dotted) from GRPOTrainer's own arguments (peft_config's);
+        grpo_overrides still win over both."""
         self._check()
         data: dict[str, Any] = {}
         for name, (key, convert) in MAPPING.items():
             value = convert(self, num_rows) if convert else getattr(self, name)
             if value is not _UNSET:
                 _set_dotted(data, key, value)
+        for key, derive in DERIVED.items():
+            value = derive(self)
+            if value is not _UNSET:
+                _set_dotted(data, key, value)
+        for key, value in (extra or {}).items():
+            _set_dotted(data, key, value)
         try:
             return config_module.from_dict(data, self.grpo_overrides)
         except ConfigError as error:
@@ -236,6 +254,16 @@ def _warmup(a: GRPOConfig, n) -> int:
     return int(a.warmup_steps)
 
 
+LOSS_TYPE_AGGREGATION = {"cispo": "dapo", "sapo": "grpo"}
+"""TRL loss types that are a policy loss in grpo, and the aggregation TRL uses with each."""
+
+DERIVED: dict[str, Callable[[GRPOConfig], Any]] = {
+    # keys set by no single TRL field: TRL's loss_type also picks the per-token objective,
+    # and its entropy threshold is over one forward pass's tokens
+    "algorithm.policy_loss": lambda a: a.loss_type if a.loss_type in LOSS_TYPE_AGGREGATION else "clipped",
+    "algorithm.entropy_mask_scope": lambda a: "batch" if a.top_entropy_quantile < 1 else _UNSET,
+}
+
 MAPPING: dict[str, tuple[str, Callable[[GRPOConfig, int | None], Any] | None]] = {
     # TRL field: (grpo key, how its value is computed; None: the field's value as it is)
     "output_dir": ("output_dir", lambda a, n: a.output_dir or "trainer_output"),
@@ -250,7 +278,10 @@ MAPPING: dict[str, tuple[str, Callable[[GRPOConfig, int | None], Any] | None]] =
     "epsilon": ("algorithm.epsilon", None),
     "epsilon_high": ("algorithm.epsilon_high", None),
     "delta": ("algorithm.delta", None),
-    "loss_type": ("algorithm.loss_type", None),
+    "loss_type": ("algorithm.loss_type", lambda a, n: LOSS_TYPE_AGGREGATION.get(a.loss_type, a.loss_type)),
+    "sapo_temperature_pos": ("algorithm.sapo_temperature_pos", None),
+    "sapo_temperature_neg": ("algorithm.sapo_temperature_neg", None),
+    "top_entropy_quantile": ("algorithm.top_entropy_quantile", None),
     # TRL reads True/False as group/none
     "scale_rewards": ("algorithm.scale_rewards", lambda a, n: {True: "group", False: "none"}.get(a.scale_rewards, a.scale_rewards)),
     "importance_sampling_level": ("algorithm.importance_sampling_level", None),
@@ -283,6 +314,9 @@ MAPPING: dict[str, tuple[str, Callable[[GRPOConfig, int | None], Any] | None]] =
     "use_cpu": ("training.device", lambda a, n: "cpu" if a.use_cpu else "auto"),
     "logging_steps": ("logging.log_every", lambda a, n: a._in_steps(a.logging_steps, n, "steps", "logging_steps")),
     "report_to": ("logging.report_to", _report_to),
+    # TRL logs completions every logging_steps when asked, and none otherwise
+    "log_completions": ("logging.sample_every",
+                        lambda a, n: a._in_steps(a.logging_steps, n, "steps", "logging_steps") if a.log_completions else 0),
     "run_name": ("logging.run_name", None),
     "save_strategy": ("training.save_steps", lambda a, n: a._in_steps(a.save_steps, n, a.save_strategy, "save_steps")),
     "save_steps": ("training.save_steps", lambda a, n: a._in_steps(a.save_steps, n, a.save_strategy, "save_steps")),
@@ -311,7 +345,7 @@ NO_EFFECT = {
     "local_rank", "dataloader_num_workers", "dataloader_pin_memory", "dataloader_drop_last",
     "dataloader_persistent_workers", "dataloader_prefetch_factor", "remove_unused_columns",
     "logging_strategy", "logging_first_step", "logging_dir", "log_level", "log_level_replica", "disable_tqdm",
-    "log_completions", "num_completions_to_print", "log_unique_prompts", "log_on_each_node",
+    "num_completions_to_print", "log_unique_prompts", "log_on_each_node",
     "skip_memory_metrics", "do_train", "do_eval", "do_predict", "project", "trackio_space_id",
     "save_only_model", "save_on_each_node", "save_safetensors", "include_num_input_tokens_seen",
     "average_tokens_across_devices",
@@ -321,7 +355,6 @@ NO_EFFECT = {
 
 _HINTS = {
     "fp16": "train in bf16 (bf16=True, the default) or load the model in float16 (grpo_overrides=['model.dtype=float16'])",
-    "peft_config": "LoRA is not built yet; train all weights",
     "lr_scheduler_kwargs": "use lr_scheduler_type constant, linear or cosine with warmup_steps",
     "warmup_ratio": "use warmup_steps (a float below 1 is a fraction of the run)",
     "model_init_kwargs": "load the model yourself and pass it, or set grpo_overrides=['model.dtype=bfloat16']",
@@ -329,7 +362,7 @@ _HINTS = {
     "generation_kwargs": "use temperature, top_p, top_k, max_completion_length, or grpo_overrides=['rollout.stop_strings=[...]']",
     "min_p": "use top_p or top_k", "repetition_penalty": "use temperature, top_p or top_k",
     "multi_objective_aggregation": "rewards are summed with reward_weights, then normalised (TRL's default)",
-    "top_entropy_quantile": "not implemented", "entropy_coef": "not implemented",
+    "entropy_coef": "not implemented",
     "deepspeed": "one device only for now", "fsdp": "one device only for now",
     "auto_find_batch_size": "set per_device_train_batch_size yourself",
 }
@@ -364,8 +397,16 @@ class GRPOTrainer:
     `model`: a model object (then `processing_class` is its tokenizer, or is loaded from the
     model's `name_or_path`) or a name or path for grpo's loader. `reward_funcs`: a callable,
     a grpo reward name, a reward model's id or path, or a list of them. `train_dataset`: a
-    datasets.Dataset, a list of row dicts or a .jsonl path, with a `prompt` column (text or
-    chat messages) and any columns the reward functions take."""
+    datasets.Dataset or IterableDataset, a list of row dicts or a .jsonl path, with a `prompt`
+    column (text or chat messages) and any columns the reward functions take; reward
+    functions also get `trainer_state` (global_step, max_steps, epoch), as in TRL.
+    `peft_config`: a peft.LoraConfig, trained as grpo's LoRA (model.lora).
+
+    An IterableDataset is read up front, as far as one run goes: its first max_steps x
+    prompts-per-step rows (max_steps is then required, as in TRL), drawn in a shuffled order
+    like a Dataset's; a stream that ends sooner is gone through again, epoch after epoch,
+    and an empty one is an error. A held-out IterableDataset is read to eval.num_problems
+    rows (grpo_overrides), or whole up to EVAL_STREAM_LIMIT rows."""
 
     def __init__(
         self,
@@ -388,8 +429,6 @@ class GRPOTrainer:
             )
         if unknown:
             raise TypeError(f"GRPOTrainer: unknown argument(s) {', '.join(sorted(unknown))}")
-        if peft_config is not None:
-            raise NotImplementedError("GRPOTrainer: peft_config: LoRA is not built in grpo yet (a later issue); pass peft_config=None to train all weights")
         if callbacks:
             raise NotImplementedError("GRPOTrainer: callbacks are not supported; read trainer.state.log_history or metrics.jsonl after train()")
         if optimizers != (None, None):
@@ -406,9 +445,20 @@ class GRPOTrainer:
             name = model if isinstance(model, (str, Path)) else getattr(model, "name_or_path", "") or "model"
             args = GRPOConfig(output_dir=f"{Path(str(name)).name}-GRPO")
         self.args = args
-        train_rows = _rows(train_dataset, "train_dataset")
-        eval_rows = _rows(eval_dataset, "eval_dataset") if eval_dataset is not None else None
-        self.config = self.args.to_config(len(train_rows))
+        lora = lora_keys(peft_config, model) if peft_config is not None else None
+        if _is_iterable_dataset(train_dataset):
+            if args.max_steps <= 0:
+                raise ValueError(
+                    "GRPOTrainer: train_dataset is an IterableDataset, which has no length to count epochs in; "
+                    "set GRPOConfig.max_steps"
+                )
+            self.config = self.args.to_config(None, lora)
+            c = self.config
+            train_rows = _take(train_dataset, "train_dataset", c.training.max_steps * (c.generation_batch_size() // c.rollout.num_generations))
+        else:
+            train_rows = _rows(train_dataset, "train_dataset")
+            self.config = self.args.to_config(len(train_rows), lora)
+        eval_rows = _eval_rows(eval_dataset, self.config)
         if isinstance(model, (str, Path)):
             self.config.model.name = str(model)
             model = None
@@ -523,7 +573,109 @@ def _rows(dataset, what: str) -> list[dict]:
         return dataset.to_list()
     if isinstance(dataset, list) and all(isinstance(row, dict) for row in dataset):
         return [dict(row) for row in dataset]
-    raise TypeError(f"GRPOTrainer: {what} must be a datasets.Dataset, a list of dicts or a .jsonl path, got {type(dataset).__name__}")
+    raise TypeError(f"GRPOTrainer: {what} must be a datasets.Dataset or IterableDataset, a list of dicts or a .jsonl path, got {type(dataset).__name__}")
+
+
+EVAL_STREAM_LIMIT = 10_000
+"""The most held-out rows read from an IterableDataset without eval.num_problems: one that
+goes on past it may be endless, and is refused."""
+
+
+def _is_iterable_dataset(dataset) -> bool:
+    datasets = sys.modules.get("datasets")  # not imported: then it cannot be one
+    return datasets is not None and isinstance(dataset, datasets.IterableDataset)
+
+
+def _take(dataset, what: str, count: int) -> list[dict]:
+    """The first `count` rows of an IterableDataset (fewer when it ends sooner)."""
+    import itertools
+
+    rows = [dict(row) for row in itertools.islice(iter(dataset), count)]
+    if not rows:
+        raise ValueError(f"GRPOTrainer: {what} (an IterableDataset) yielded no rows")
+    return rows
+
+
+def _eval_rows(dataset, cfg: Config) -> list[dict] | None:
+    if dataset is None:
+        return None
+    if not _is_iterable_dataset(dataset):
+        return _rows(dataset, "eval_dataset")
+    wanted = cfg.eval.num_problems
+    rows = _take(dataset, "eval_dataset", wanted or EVAL_STREAM_LIMIT + 1)
+    if wanted is None and len(rows) > EVAL_STREAM_LIMIT:
+        raise ValueError(
+            f"GRPOTrainer: eval_dataset is an IterableDataset of more than {EVAL_STREAM_LIMIT} rows (maybe endless); "
+            "say how many to hold out with GRPOConfig(grpo_overrides=['eval.num_problems=N'])"
+        )
+    return rows
+
+
+# --------------------------------------------------------------------------
+# peft_config: a peft.LoraConfig as grpo's model.lora
+# --------------------------------------------------------------------------
+
+LORA_MAPPING = {"r": "model.lora.r", "lora_alpha": "model.lora.alpha", "lora_dropout": "model.lora.dropout",
+                "target_modules": "model.lora.target_modules"}
+"""LoraConfig field -> the grpo key it sets."""
+
+LORA_DESCRIPTIVE = {"task_type", "peft_type", "peft_version", "auto_mapping", "base_model_name_or_path", "runtime_config"}
+"""LoraConfig fields peft fills in itself or that describe the wrapper rather than the adapter
+(task_type is checked on its own). Any other field off peft's default is refused by name."""
+
+
+def lora_keys(peft_config, model=None) -> dict[str, Any]:
+    """The grpo keys (model.lora.*) a peft.LoraConfig stands for; a ConfigError naming each of
+    its settings that grpo's plain LoRA does not honour (DoRA, biases, rank patterns, ...)."""
+    import peft
+
+    if not isinstance(peft_config, peft.LoraConfig):
+        raise TypeError(f"GRPOTrainer: peft_config must be a peft.LoraConfig (grpo trains LoRA adapters), "
+                        f"got {type(peft_config).__name__}")
+    task = peft_config.task_type
+    if task is not None and str(getattr(task, "value", task)) != "CAUSAL_LM":
+        raise ConfigError(f"GRPOTrainer: peft_config.task_type={task!s}: grpo trains causal language models; "
+                          "use task_type='CAUSAL_LM' or leave it unset")
+    default = peft.LoraConfig()
+    refused = [f.name for f in dataclasses.fields(peft_config)
+               if f.name not in LORA_MAPPING and f.name not in LORA_DESCRIPTIVE
+               and getattr(peft_config, f.name) != getattr(default, f.name)]
+    if refused:
+        settings = ", ".join(f"{name}={getattr(peft_config, name)!r}" for name in refused)
+        raise ConfigError(
+            f"GRPOTrainer: peft_config sets {settings}, which grpo's LoRA does not implement (plain adapters from "
+            "r, lora_alpha, lora_dropout and target_modules); leave them at peft's defaults"
+        )
+    return {
+        "model.lora.r": peft_config.r,
+        "model.lora.alpha": float(peft_config.lora_alpha),
+        "model.lora.dropout": float(peft_config.lora_dropout),
+        "model.lora.target_modules": _lora_targets(peft_config.target_modules, model),
+    }
+
+
+def _lora_targets(targets, model) -> list[str]:
+    if isinstance(targets, str):
+        if targets == "all-linear":
+            return ["all-linear"]
+        raise ConfigError(
+            f"GRPOTrainer: peft_config.target_modules={targets!r}: a string other than 'all-linear' is a regular "
+            "expression in peft, which grpo does not take; list the module names instead (e.g. ['q_proj', 'v_proj'])"
+        )
+    if targets is not None:
+        return sorted(targets)  # peft keeps a list as a set: no order to keep
+    # peft's own choice for the architecture, as get_peft_model makes it
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
+
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in PEFT_DEFAULTS:
+        return sorted(PEFT_DEFAULTS[model_type])
+    warnings.warn(
+        "GRPOTrainer: peft_config.target_modules=None and the model's type is not known here (peft picks per "
+        "architecture): adapting every Linear layer (target_modules='all-linear'); set target_modules to choose",
+        stacklevel=4,
+    )
+    return ["all-linear"]
 
 
 def _tokenizer_of(model):
