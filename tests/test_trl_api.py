@@ -186,7 +186,10 @@ CHANGES = {
     "temperature": (0.7, {}), "top_p": (0.9, {}), "top_k": (50, {}),
     "beta": (0.04, {}), "epsilon": (0.1, {}), "epsilon_high": (0.28, {}), "delta": (2.0, {}),
     "loss_type": ("grpo", {}), "sapo_temperature_pos": (2.0, {}), "sapo_temperature_neg": (2.0, {}),
-    "top_entropy_quantile": (0.2, {}), "scale_rewards": (False, {}), "importance_sampling_level": ("sequence", {}),
+    "top_entropy_quantile": (0.2, {}), "use_vllm": (True, {}), "vllm_enable_sleep_mode": (True, {"use_vllm": True}),
+    "vllm_gpu_memory_utilization": (0.5, {"use_vllm": True}), "vllm_importance_sampling_correction": (False, {"use_vllm": True}),
+    "vllm_importance_sampling_mode": ("token_truncate", {"use_vllm": True}),
+    "vllm_importance_sampling_clip_max": (2.0, {"use_vllm": True}), "scale_rewards": (False, {}), "importance_sampling_level": ("sequence", {}),
     "num_iterations": (2, {}), "mask_truncated_completions": (True, {}), "reward_weights": ([2.0], {}),
     "sync_ref_model": (True, {"beta": 0.04}), "ref_model_sync_steps": (64, {"beta": 0.04, "sync_ref_model": True}),
     "ref_model_mixup_alpha": (0.9, {"beta": 0.04, "sync_ref_model": True}),
@@ -206,9 +209,11 @@ def test_every_field_is_mapped_and_every_mapped_field_is_tested():
     fields = {f.name for f in dataclasses.fields(GRPOConfig)}
     assert set(MAPPING) == fields - set(trl_api.CHECKED_ONLY)
     assert set(CHANGES) == set(MAPPING)
-    default = config_module.Config()
-    keys = {f"{s.name}.{f.name}" for s in dataclasses.fields(default) if dataclasses.is_dataclass(getattr(default, s.name))
-            for f in dataclasses.fields(getattr(default, s.name))} | {"output_dir", "overwrite_output_dir"}
+    def dotted(node, prefix=""):
+        for key, value in node.items():
+            yield from dotted(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"]
+
+    keys = set(dotted(config_module.Config().to_dict()))  # every key of every (nested) section
     assert {key for key, _ in MAPPING.values()} <= keys
 
 
@@ -264,14 +269,14 @@ def test_refused_and_ignored_fields():
         GRPOConfig(entropy_coef=0.1)
     with pytest.raises(TypeError, match="`not_a_field`"):
         GRPOConfig(not_a_field=1)
-    with pytest.warns(UserWarning, match="use_vllm.*vllm_server_port|vllm_server_port.*use_vllm"):
+    with pytest.warns(UserWarning, match="vllm_server_port"):
         args = GRPOConfig(use_vllm=True, vllm_server_port=9000)
-    assert args.ignored == {"use_vllm": True, "vllm_server_port": 9000}
+    assert args.ignored == {"vllm_server_port": 9000} and args.use_vllm  # use_vllm is grpo's vllm engine
     with pytest.raises(ConfigError, match="generation_batch_size"):
         GRPOConfig(generation_batch_size=32).to_config(10)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        GRPOConfig(use_vllm=False, push_to_hub=False)  # switches left off: nothing to warn about
+        GRPOConfig(push_to_hub=False, hub_always_push=False)  # switches left off: nothing to warn about
     for field_name, value in [("shuffle_dataset", False), ("disable_dropout", True), ("steps_per_generation", 4)]:
         with pytest.raises(ConfigError, match=field_name):
             GRPOConfig(**{field_name: value}).to_config(10)
@@ -564,3 +569,16 @@ def test_trl_loss_type_splits_into_policy_loss_and_aggregation(loss_type, policy
 def test_top_entropy_quantile_keeps_trls_scope():
     cfg = GRPOConfig(top_entropy_quantile=0.2).to_config(num_rows=100)
     assert (cfg.algorithm.top_entropy_quantile, cfg.algorithm.entropy_mask_scope) == (0.2, "batch")
+
+
+def test_vllm_fields_map_onto_the_vllm_engine_and_trls_correction():
+    cfg = GRPOConfig(use_vllm=True).to_config(num_rows=100)
+    assert cfg.rollout.engine == "vllm"
+    # TRL 1.16 corrects for vLLM's sampling by default: sequence-level, ratios above 3 masked
+    assert (cfg.algorithm.rollout_correction, cfg.algorithm.rollout_correction_cap) == ("sequence_mask", 3.0)
+    plain = GRPOConfig().to_config(num_rows=100)
+    assert (plain.rollout.engine, plain.algorithm.rollout_correction) == ("hf", "none")
+    with pytest.raises(ConfigError, match="vllm_mode='server'.*colocated"):
+        GRPOConfig(vllm_mode="server").to_config(num_rows=100)
+    with pytest.raises(ConfigError, match="vllm_importance_sampling_clip_min"):
+        GRPOConfig(use_vllm=True, vllm_importance_sampling_clip_min=0.5).to_config(num_rows=100)

@@ -142,9 +142,10 @@ class Trainer:
         self.rewards.step_failures()  # the set-up's checks or an evaluation between steps
         batch = self.collect_batch(timer)  # prompts -> engine.generate -> rewards -> advantages -> filter
         faults.reached("step")
+        self.engine.sleep()  # the engine's memory (vLLM's weights and KV cache on CUDA) is the update's now
         stats = self.update(batch, timer)  # old / reference logprobs -> num_iterations optimizer passes
         with timer("sync"):
-            self.engine.sync_weights(self.model)
+            self.engine.sync_weights(self.model)  # the new weights, into an engine woken by it if asleep
             self.state.step += 1
             if a.ref_sync_steps and self.state.step % a.ref_sync_steps == 0:
                 self.reference.sync(self.model, a.ref_sync_alpha)

@@ -69,6 +69,18 @@ class _Fields:
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
     top_entropy_quantile: float = 1.0
+    # generation with vLLM (grpo's `vllm` engine, colocated in the training process)
+    use_vllm: bool = False
+    vllm_mode: str = "colocate"
+    """Only colocate: grpo's vllm engine runs in the training process (no server)."""
+    vllm_enable_sleep_mode: bool = False
+    vllm_gpu_memory_utilization: float = 0.3
+    vllm_importance_sampling_correction: bool = True
+    """With use_vllm, as in TRL: algorithm.rollout_correction = vllm_importance_sampling_mode."""
+    vllm_importance_sampling_mode: str = "sequence_mask"
+    vllm_importance_sampling_clip_max: float | None = 3.0
+    vllm_importance_sampling_clip_min: float | None = None
+    """Only None (grpo's correction has an upper bound only)."""
     """Taken over the tokens of one forward pass, as TRL does (algorithm.entropy_mask_scope=batch)."""
     scale_rewards: str | bool = "group"
     importance_sampling_level: str = "token"
@@ -226,6 +238,17 @@ class GRPOConfig(_Fields):
                 "GRPOConfig.disable_dropout=True is not implemented; build the model with dropout 0 "
                 "(e.g. from_pretrained(name, attention_dropout=0.0)) and pass it"
             )
+        if self.vllm_mode != "colocate":
+            raise ConfigError(
+                f"GRPOConfig.vllm_mode={self.vllm_mode!r}: grpo's vllm engine runs colocated in the training process "
+                "(no vLLM server); use vllm_mode='colocate' (TRL's default)"
+            )
+        if self.use_vllm and self.vllm_importance_sampling_correction and self.vllm_importance_sampling_clip_max is None:
+            raise ConfigError("GRPOConfig.vllm_importance_sampling_clip_max=None: grpo's correction needs an upper bound; "
+                              "set it (TRL's default is 3.0) or vllm_importance_sampling_correction=False")
+        if self.vllm_importance_sampling_clip_min is not None:
+            raise ConfigError("GRPOConfig.vllm_importance_sampling_clip_min: grpo's correction has an upper bound only; "
+                              "leave it None")
         if self.optim not in ("adamw_torch_fused", "adamw_torch"):
             raise ConfigError(f"GRPOConfig.optim={self.optim!r}: grpo trains with AdamW only; use adamw_torch_fused or adamw_torch")
         if self.save_strategy == "best" or self.eval_strategy not in ("no", "steps", "epoch"):
@@ -246,6 +269,10 @@ def _report_to(a: GRPOConfig, n) -> list[str]:
 
 def _ref_sync(a: GRPOConfig, n):
     return math.ceil(a.ref_model_sync_steps / a._mu) if a.sync_ref_model else _UNSET
+
+
+def _correction(a: GRPOConfig) -> str:
+    return a.vllm_importance_sampling_mode if a.use_vllm and a.vllm_importance_sampling_correction else "none"
 
 
 def _warmup(a: GRPOConfig, n) -> int:
@@ -282,6 +309,16 @@ MAPPING: dict[str, tuple[str, Callable[[GRPOConfig, int | None], Any] | None]] =
     "sapo_temperature_pos": ("algorithm.sapo_temperature_pos", None),
     "sapo_temperature_neg": ("algorithm.sapo_temperature_neg", None),
     "top_entropy_quantile": ("algorithm.top_entropy_quantile", None),
+    "use_vllm": ("rollout.engine", lambda a, n: "vllm" if a.use_vllm else "hf"),
+    # the vllm engine's settings, set only when it is used (the engine's own defaults otherwise)
+    "vllm_enable_sleep_mode": ("rollout.vllm.sleep_mode", lambda a, n: a.vllm_enable_sleep_mode if a.use_vllm else _UNSET),
+    "vllm_gpu_memory_utilization": ("rollout.vllm.gpu_memory_utilization",
+                                    lambda a, n: a.vllm_gpu_memory_utilization if a.use_vllm else _UNSET),
+    # TRL corrects for vLLM's sampling only when it generates with vLLM
+    "vllm_importance_sampling_correction": ("algorithm.rollout_correction", lambda a, n: _correction(a)),
+    "vllm_importance_sampling_mode": ("algorithm.rollout_correction", lambda a, n: _correction(a)),
+    "vllm_importance_sampling_clip_max": ("algorithm.rollout_correction_cap",
+                                          lambda a, n: a.vllm_importance_sampling_clip_max if a.use_vllm else _UNSET),
     # TRL reads True/False as group/none
     "scale_rewards": ("algorithm.scale_rewards", lambda a, n: {True: "group", False: "none"}.get(a.scale_rewards, a.scale_rewards)),
     "importance_sampling_level": ("algorithm.importance_sampling_level", None),
@@ -327,16 +364,15 @@ MAPPING: dict[str, tuple[str, Callable[[GRPOConfig, int | None], Any] | None]] =
 }
 """Every GRPOConfig field, and the grpo key it sets, but CHECKED_ONLY's."""
 
-CHECKED_ONLY = ("generation_batch_size", "steps_per_generation", "shuffle_dataset", "disable_dropout", "optim", "grpo_overrides")
+CHECKED_ONLY = ("generation_batch_size", "steps_per_generation", "shuffle_dataset", "disable_dropout", "optim", "vllm_mode",
+                "vllm_importance_sampling_clip_min", "grpo_overrides")
 """Fields that set no key: grpo has one value for each (refused otherwise, in `_check`), and grpo_overrides."""
 
 NO_EFFECT = {
     # generation servers and kernels grpo does not have; its own engine generates
-    "use_vllm", "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_server_base_url",
+    "vllm_model_impl", "vllm_server_base_url",
     "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
-    "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size",
-    "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
-    "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min", "vllm_importance_sampling_cap",
+    "vllm_max_model_length", "vllm_tensor_parallel_size", "vllm_importance_sampling_cap",
     "use_transformers_paged", "use_transformers_continuous_batching", "cache_implementation", "use_cache",
     "ds3_gather_for_generation", "pad_to_multiple_of", "use_liger_kernel", "torch_compile", "tf32",
     # the Hub, distributed launchers, dataloaders and console verbosity
