@@ -26,12 +26,13 @@ SECTIONS: dict[str, tuple[str, str]] = {
               "model.name=Qwen/Qwen2.5-0.5B-Instruct"),
     "data": ("the task and its rows: arithmetic, jsonl, hf, gsm8k, math, code; prompt column, chat template",
              "data.task=jsonl data.train_file=train.jsonl"),
-    "rollout": ("generation: completions per prompt (G), max_completion_length, temperature, top_p, top_k, stop strings",
-                "rollout.num_generations=8"),
+    "rollout": ("generation: the engine (hf, vllm), completions per prompt (G), max_completion_length, temperature, "
+                "top_p, top_k, stop strings", "rollout.num_generations=8"),
     "rewards": ("reward functions (built-in names, file.py:function, reward_model:PATH), weights, timeouts, sandbox",
                 "rewards.funcs=[math_answer,think_format]"),
-    "algorithm": ("the objective: KL beta, clipping epsilon, loss_type, scale_rewards, num_iterations, DAPO's options",
-                  "algorithm.beta=0.04"),
+    "algorithm": ("the objective: a paper's preset (grpo, dr_grpo, dapo, gspo), the advantage estimator (gae: PPO "
+                  "with a critic), policy loss, KL beta, clipping, loss_type, rollout correction",
+                  "algorithm.preset=dapo"),
     "training": ("optimisation: max_steps, batch sizes, learning rate and schedule, bf16, checkpoints, device",
                  "training.max_steps=50"),
     "eval": ("held-out evaluation before, during and after training: decoding temperatures, problems, batch size",
