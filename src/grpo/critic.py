@@ -46,6 +46,13 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
 
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        """The trunk's (a copy of the policy's, training.gradient_checkpointing included): read by
+        completion_hidden_states, which takes the plain path for checkpointed layers."""
+        body = self.body
+        return bool(getattr(body, "is_activation_checkpointing", getattr(body, "is_gradient_checkpointing", False)))
+
     def values(self, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
         """V [N, T] (float32) at the positions that predict each completion token, 0 at padding."""
         hidden = completion_hidden_states(self, prompt_ids, prompt_mask, completion_ids, completion_mask)
