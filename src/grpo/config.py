@@ -443,13 +443,14 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "dapo": {"algorithm": {"advantage_estimator": "grpo", "scale_rewards": "group", "loss_type": "dapo",
                            "epsilon": 0.2, "epsilon_high": 0.28, "beta": 0.0, "dynamic_sampling": True,
                            "importance_sampling_level": "token"},
-             "rewards": {"overlong_buffer": "max_completion_length / 5"}},
+             "rewards": {"overlong_buffer": lambda data: _fifth_of_completion_length(data)}},
     # GSPO (Zheng et al. 2025): the sequence-level ratio, with its much narrower clipping range
     "gspo": {"algorithm": {"advantage_estimator": "grpo", "scale_rewards": "group", "loss_type": "grpo",
                            "importance_sampling_level": "sequence", "epsilon": 3e-4, "epsilon_high": 4e-4, "beta": 0.0}},
 }
-"""algorithm.preset -> the settings each paper used, per section. A key the user sets (in the file or
-as an override) wins over its preset's value (`apply_preset`)."""
+"""algorithm.preset -> the settings each paper used, per section; a value may be a function of the
+config as read (dapo's overlong buffer follows max_completion_length). A key the user sets (in the
+file or as an override) wins over its preset's value (`apply_preset`)."""
 
 ROLLOUT_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
@@ -875,12 +876,16 @@ def _preset_name(data: dict[str, Any]) -> Any:
     return algorithm.get("preset") if isinstance(algorithm, dict) else None
 
 
+def _fifth_of_completion_length(data: dict[str, Any]) -> int | None:
+    """DAPO's overlong buffer, 4k of its 20k tokens: a fifth of this config's max_completion_length
+    (None when that is not an integer: the rollout section's check names it)."""
+    rollout = data.get("rollout") if isinstance(data.get("rollout"), dict) else {}
+    length = rollout.get("max_completion_length", RolloutConfig.max_completion_length)
+    return max(1, length // 5) if isinstance(length, int) and not isinstance(length, bool) else None
+
+
 def _preset_value(value: Any, data: dict[str, Any]) -> Any:
-    if value == "max_completion_length / 5":
-        rollout = data.get("rollout") if isinstance(data.get("rollout"), dict) else {}
-        length = rollout.get("max_completion_length", RolloutConfig.max_completion_length)
-        return max(1, length // 5) if isinstance(length, int) and not isinstance(length, bool) else None
-    return value
+    return value(data) if callable(value) else value
 
 
 def apply_preset(data: dict[str, Any]) -> None:

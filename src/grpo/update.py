@@ -306,7 +306,6 @@ def critic_update(critic, batch: GenerationBatch, old_values: torch.Tensor, retu
     a, model = cfg.algorithm, critic.model
     pieces = split(batch, cfg)
     num_tokens = max(1.0, backend.sum(batch.loss_mask.sum().item()))
-    params = [p for p in model.parameters() if p.requires_grad]
     losses, grad_norms = [], []
     model.train()
     for _ in range(a.num_iterations):
@@ -323,10 +322,7 @@ def critic_update(critic, batch: GenerationBatch, old_values: torch.Tensor, retu
                 loss = (per_token * mask).sum() / num_tokens
                 loss.backward()
                 pass_loss += loss.item()
-        if cfg.training.max_grad_norm > 0:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.training.max_grad_norm))
-        else:
-            grad_norm = float(torch.sqrt(sum((p.grad.float() ** 2).sum() for p in params if p.grad is not None)))
+        grad_norm = backend.clip_grad_norm(model, cfg.training.max_grad_norm)  # the norm before clipping
         if math.isfinite(pass_loss) and math.isfinite(grad_norm):
             critic.optimizer.step()
         else:
