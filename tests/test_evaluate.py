@@ -103,7 +103,7 @@ class ScriptedEngine:
         self.tokenizer, self.script, self.calls = tokenizer, script, 0
         self.eos_token_ids, self.pad_token_id = [tokenizer.eos_token_id], tokenizer.pad_token_id
 
-    def generate(self, prompts, G, params, generator=None):
+    def generate(self, prompts, G, params, seeds=None):
         assert G == 1
         self.calls += 1
         texts = [self.script[self.tokenizer.decode(p, skip_special_tokens=True)] for p in prompts]

@@ -67,7 +67,7 @@ def test_greedy_matches_transformers_generate(model, tokenizer):
 def test_rollout_shapes_mask_and_truncation(model, tokenizer):
     prompts = _prompts(tokenizer)
     gen = torch.Generator().manual_seed(0)
-    r = _gen(model, tokenizer, prompts, 4, SamplingParams(10, temperature=1.0), generator=gen)
+    r = _gen(model, tokenizer, prompts, 4, SamplingParams(10, temperature=1.0), seeds=gen)
     assert r.completion_ids.shape[0] == 12 and r.prompt_ids.shape[0] == 12
     # rows i*G..i*G+G-1 share prompt i
     for i in range(3):
@@ -87,11 +87,30 @@ def test_ignore_eos_generates_exact_length(model, tokenizer):
 
 def test_sampling_is_deterministic_given_generator(model, tokenizer):
     params = SamplingParams(12, temperature=1.0, top_p=0.9, top_k=20)
-    a = _gen(model, tokenizer, _prompts(tokenizer), 3, params, generator=torch.Generator().manual_seed(5))
-    b = _gen(model, tokenizer, _prompts(tokenizer), 3, params, generator=torch.Generator().manual_seed(5))
-    c = _gen(model, tokenizer, _prompts(tokenizer), 3, params, generator=torch.Generator().manual_seed(6))
+    a = _gen(model, tokenizer, _prompts(tokenizer), 3, params, seeds=torch.Generator().manual_seed(5))
+    b = _gen(model, tokenizer, _prompts(tokenizer), 3, params, seeds=torch.Generator().manual_seed(5))
+    c = _gen(model, tokenizer, _prompts(tokenizer), 3, params, seeds=torch.Generator().manual_seed(6))
     assert torch.equal(a.completion_ids, b.completion_ids)
     assert not torch.equal(a.completion_ids, c.completion_ids)
+
+
+def test_a_prompts_completions_depend_on_its_seed_not_its_batch(model, tokenizer):
+    """What makes a data-parallel run sample what one process samples: each prompt's G
+    completions come from its own seed, whatever other prompts share the batch (and however
+    long they run), with prefix sharing and compaction on or off."""
+    params = SamplingParams(10, temperature=1.0)
+    prompts = _prompts(tokenizer)
+    seeds = [11, 22, 33][: len(prompts)]
+    whole = _gen(model, tokenizer, prompts, 3, params, seeds=seeds)
+    for i in range(len(prompts)):
+        alone = _gen(model, tokenizer, [prompts[i]], 3, params, seeds=[seeds[i]], compact=i % 2 == 0)
+        rows = slice(3 * i, 3 * i + 3)
+        width = alone.completion_ids.shape[1]
+        assert torch.equal(alone.completion_ids, whole.completion_ids[rows, :width]), i
+        assert torch.equal(alone.completion_mask, whole.completion_mask[rows, :width]), i
+        torch.testing.assert_close(alone.sampling_logprobs, whole.sampling_logprobs[rows, :width], rtol=0, atol=1e-5)
+    other = _gen(model, tokenizer, prompts, 3, params, seeds=[seeds[0] + 1, *seeds[1:]])
+    assert not torch.equal(other.completion_ids[:3], whole.completion_ids[:3])  # the seed does decide
 
 
 def test_top_k_and_top_p_restrict_support():

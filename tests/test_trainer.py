@@ -160,14 +160,23 @@ def test_same_seed_same_run(tokenizer, tmp_path):
     assert [[h[k] for k in keys] for h in a] == [[h[k] for k in keys] for h in b]
 
 
+def third_of_first_characters(prompts, completions, **kwargs):
+    """1 for a third of all first characters: a reward a random model earns, so groups have spread."""
+    texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+    return [float(bool(t) and ord(t[0]) % 3 == 0) for t in texts]
+
+
 def test_num_iterations_and_clipping(tokenizer, tmp_path):
     """With several passes per batch the ratio moves away from 1 and clipping engages."""
     trainer = make_trainer(
         tokenizer, tmp_path,
         ["training.max_steps=2", "algorithm.num_iterations=4", "training.learning_rate=0.01", "algorithm.epsilon=0.05",
          "training.per_device_train_batch_size=32", "rollout.max_completion_length=3"],
+        # a reward a random model earns a third of the time: groups with spread, so the ratio moves
+        reward_funcs={"third": third_of_first_characters},
     )
     history = trainer.train()
+    assert all(h["frac_reward_zero_std"] < 1 for h in history)
     assert any(h["clip_ratio/region_mean"] > 0 for h in history)
 
 
@@ -175,6 +184,7 @@ def test_reference_sync_replaces_reference(tokenizer, tmp_path):
     trainer = make_trainer(
         tokenizer, tmp_path,
         ["training.max_steps=2", "algorithm.beta=0.04", "algorithm.ref_sync_steps=2", "training.per_device_train_batch_size=32"],
+        reward_funcs={"third": third_of_first_characters},  # a learning signal, so the weights move
     )
     before = {n: p.clone() for n, p in trainer.reference.model.named_parameters()}
     trainer.train()

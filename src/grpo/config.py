@@ -649,6 +649,14 @@ class TrainingConfig:
                 f"{lower} or {lower + G} (e.g. training.per_device_train_batch_size="
                 f"{max(1, lower // (self.gradient_accumulation_steps * world_size))}) or change num_generations"
             )
+        local = self.per_device_train_batch_size * self.gradient_accumulation_steps
+        if world_size > 1 and local % G != 0:
+            raise ConfigError(
+                f"training.per_device_train_batch_size x gradient_accumulation_steps = {local} completions per rank is "
+                f"not a multiple of rollout.num_generations={G}: each of the {world_size} ranks generates whole groups "
+                f"(a group never straddles ranks); make it "
+                + (f"{local - local % G} or {local - local % G + G}" if local > G else f"{G}")
+            )
         _positive("training.max_steps", self.max_steps)
         _positive("training.learning_rate", self.learning_rate, allow_zero=True)
         _positive("training.warmup_steps", self.warmup_steps, allow_zero=True)

@@ -35,6 +35,7 @@ from grpo.data import Row, encode_prompts, is_conversational
 from grpo.metrics import nanmean
 from grpo.rewards.arithmetic import completion_text
 from grpo.rollout import SamplingParams
+from grpo.rollout.types import prompt_seeds
 
 NUM_SAMPLES = 3
 """(prompt, completion, ...) examples kept in each EvalResult."""
@@ -144,11 +145,17 @@ def evaluate(
     label: str = "eval",
     step: int = 0,
     progress=None,
+    backend=None,
 ) -> list[EvalResult]:
     """One completion per row per temperature (0 = greedy) from `engine` (a
     grpo.rollout.RolloutEngine); one EvalResult per temperature, scored by `scorer`
     (grpo.tasks.Scorer) and by `reward_set` (a grpo.rewards.RewardSet) when given.
     `progress`, when given, is told of each generated batch (`progress.update(1)`).
+
+    Each row is sampled with its own seed (drawn from `seed`), so the completions do not
+    depend on eval.batch_size or on how the rows are shared out. With a data-parallel
+    `backend` each rank generates its contiguous share of the rows; rank 0 gathers and
+    scores them all and returns the results, the other ranks return [].
     """
     if not rows:
         raise ConfigError("no held-out rows to evaluate; set data.arithmetic.num_eval > 0 or data.eval_file")
@@ -156,15 +163,18 @@ def evaluate(
         raise ConfigError(f"eval.batch_size: must be > 0, got {batch_size}")
     scorer.check(rows)  # fail before any generation
     _, prompt_ids = encode_prompts(rows, tokenizer, use_chat_template, few_shot, max_prompt_length)
+    world, rank = (backend.world_size, backend.rank) if backend is not None else (1, 0)
+    mine = shard(len(rows), world, rank)
     results = []
     for temperature in temperatures:
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=float(temperature))
-        generator = torch.Generator(device=engine.device).manual_seed(seed)
+        seeds = prompt_seeds(torch.Generator().manual_seed(seed), len(rows))[mine]
+        local_ids = prompt_ids[mine]
         texts: list[str] = []
         ids: list[list[int]] = []
         truncated: list[bool] = []
-        for start in range(0, len(rows), batch_size):
-            rollout = engine.generate(prompt_ids[start : start + batch_size], 1, params, generator)
+        for start in range(0, len(local_ids), batch_size):
+            rollout = engine.generate(local_ids[start : start + batch_size], 1, params, seeds[start : start + batch_size])
             batch_ids = [
                 c[m.bool()].tolist() for c, m in zip(rollout.completion_ids.cpu(), rollout.completion_mask.cpu())
             ]
@@ -173,8 +183,19 @@ def evaluate(
             truncated += rollout.truncated.cpu().tolist()
             if progress is not None:
                 progress.update(1)
+        if world > 1:  # every rank's share, in rank order: the rows' order
+            parts = backend.all_gather_object((texts, ids, truncated))
+            texts, ids, truncated = ([x for part in parts for x in part[k]] for k in range(3))
+            if rank != 0:
+                continue
         results.append(_result(label, step, float(temperature), rows, texts, ids, truncated, scorer, reward_set))
     return results
+
+
+def shard(num_rows: int, world_size: int, rank: int) -> slice:
+    """The contiguous share of `num_rows` rows that rank `rank` of `world_size` evaluates (sizes
+    differ by at most one)."""
+    return slice(rank * num_rows // world_size, (rank + 1) * num_rows // world_size)
 
 
 def _result(label, step, temperature, rows, texts, ids, truncated, scorer, reward_set) -> EvalResult:
@@ -221,7 +242,7 @@ class Evaluator:
         print(format_table(before, after))
     """
 
-    def __init__(self, cfg: Config, engine, tokenizer, rows: list[Row], scorer, reward_set=None):
+    def __init__(self, cfg: Config, engine, tokenizer, rows: list[Row], scorer, reward_set=None, backend=None):
         e = cfg.eval
         if e.num_problems is not None:
             rows = rows[: e.num_problems]
@@ -232,14 +253,15 @@ class Evaluator:
             )
         scorer.check(rows)
         self.cfg, self.engine, self.tokenizer, self.rows = cfg, engine, tokenizer, rows
-        self.scorer, self.reward_set = scorer, reward_set
+        self.scorer, self.reward_set, self.backend = scorer, reward_set, backend
         self.max_new_tokens = e.max_completion_length or cfg.rollout.max_completion_length
 
     @property
     def num_batches(self) -> int:
-        """Generation batches of one evaluation (every temperature)."""
-        e = self.cfg.eval
-        return len(e.temperatures) * math.ceil(len(self.rows) / e.batch_size)
+        """Generation batches of one evaluation (every temperature), on this rank."""
+        e, b = self.cfg.eval, self.backend
+        rows = shard(len(self.rows), b.world_size, b.rank) if b is not None else slice(0, len(self.rows))
+        return len(e.temperatures) * math.ceil((rows.stop - rows.start) / e.batch_size)
 
     def __call__(self, label: str, step: int, progress=None) -> list[EvalResult]:
         cfg = self.cfg
@@ -259,6 +281,7 @@ class Evaluator:
             label=label,
             step=step,
             progress=progress,
+            backend=self.backend,
         )
 
 

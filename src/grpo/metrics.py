@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -42,14 +43,45 @@ def nanmean(x: torch.Tensor) -> float:
     return float(x[present].mean()) if present.any() else math.nan
 
 
-def batch_metrics(batch: GenerationBatch, group_size: int, reward_names: list[str], failures: dict[str, int],
+@dataclass
+class Outcome:
+    """What a step's metrics read of its generation batch: per completion, the rewards, lengths
+    and truncated flags; and how dynamic sampling filled it."""
+
+    rewards: torch.Tensor  # [N]
+    rewards_per_func: torch.Tensor  # [N, K]
+    lengths: torch.Tensor  # [N]
+    truncated: torch.Tensor  # [N] bool
+    sampling_rounds: int = 1
+    zero_std_groups_kept: int = 0
+
+    @classmethod
+    def of(cls, batch: GenerationBatch, backend=None) -> "Outcome":
+        """The batch's outcome; with a backend, every rank's completions (whole groups each) in
+        rank order, so that the metrics are the global batch's."""
+        columns = (batch.rewards, batch.rewards_per_func, batch.rollout.lengths, batch.rollout.truncated)
+        if backend is not None:
+            columns = tuple(backend.gather_rows(c)[0] for c in columns)
+        return cls(*columns, batch.sampling_rounds, batch.zero_std_groups_kept)
+
+
+def sum_counts(parts: list[dict]) -> dict:
+    """Count dictionaries (nested: name -> kind -> count) added key by key, e.g. every rank's."""
+    total: dict = {}
+    for part in parts:
+        for key, value in part.items():
+            total[key] = sum_counts([total.get(key, {}), value]) if isinstance(value, dict) else total.get(key, 0) + value
+    return total
+
+
+def batch_metrics(batch: Outcome, group_size: int, reward_names: list[str], failures: dict[str, int],
                   dynamic_sampling: bool, step_failures: dict[str, dict[str, int]] | None = None,
                   sandbox: dict[str, int] | None = None) -> dict[str, float]:
     """Rewards, their spread within groups, completion lengths, and dynamic sampling's rounds;
     the step's failed reward calls (`step_failures`: name -> errors, timeouts) beside the run's
     `failures`, and the step's sandbox outcomes (`sandbox`: status -> count)."""
-    lengths = batch.rollout.lengths.float()
-    truncated = batch.rollout.truncated
+    lengths = batch.lengths.float()
+    truncated = batch.truncated
     group_std = algorithm.group_reward_std(batch.rewards, group_size)
     m = {
         "reward": nanmean(batch.rewards),

@@ -31,13 +31,14 @@ from grpo.config import Config, ConfigError
 from grpo.critic import Critic
 from grpo.data import PromptEncoder, Row, check_columns, is_conversational
 from grpo.evaluate import EvalResult, Evaluator
-from grpo.metrics import PhaseTimer, batch_metrics
+from grpo.metrics import Outcome, PhaseTimer, batch_metrics, sum_counts
 from grpo.lora import apply_lora
 from grpo.models import context_length, load_model_and_tokenizer
 from grpo.reference import create_reference
 from grpo.registry import ADVANTAGE_ESTIMATORS
 from grpo.rewards import RewardSet
 from grpo.rollout import SamplingParams, create_engine
+from grpo.rollout.types import prompt_seeds
 from grpo.rollout.hf import NonFiniteProbabilities
 from grpo.runlog import RunLog
 from grpo.sandbox import take_counts
@@ -93,7 +94,8 @@ class Trainer:
         check_columns(self.task.eval_rows, "held-out rows")
         self.rewards = RewardSet.from_config(
             cfg.rewards, cfg.rollout.max_completion_length, columns, reward_funcs,
-            failures=restore["reward_failures"] if restore else None,
+            # saved as the run's totals over every rank: rank 0 carries them on, the others count anew
+            failures=restore["reward_failures"] if restore and self.backend.is_main else None,
         )
         e = cfg.eval
         wants_eval = e.before or e.after or e.every > 0
@@ -123,13 +125,18 @@ class Trainer:
         self.skips = Skips(cfg.training.max_consecutive_skips, **skips)  # skipped non-finite updates, in a row and in all
         self.state = TrainState.create(
             cfg, self.backend.make_optimizer(self.model), len(self.task.train_rows), self.backend.device,
-            restore=restore["train"] if restore else None,
+            restore=_this_ranks_state(restore["train"], self.backend) if restore else None,
         )
         self.evaluator = (
-            Evaluator(cfg, self.engine, tokenizer, self.task.eval_rows, self.task.scorer, self.rewards)
+            Evaluator(cfg, self.engine, tokenizer, self.task.eval_rows, self.task.scorer, self.rewards, self.backend)
             if wants_eval else None
         )
-        self.num_prompts = cfg.generation_batch_size() // cfg.rollout.num_generations
+        world, rank = self.backend.world_size, self.backend.rank
+        self.num_prompts = cfg.generation_batch_size(world) // cfg.rollout.num_generations
+        """Groups per step, over all ranks."""
+        share = self.num_prompts // world  # a whole number of groups each (config.TrainingConfig.check)
+        self.shard = slice(rank * share, (rank + 1) * share)
+        """This rank's groups of each round: every rank draws the same prompts and seeds, and keeps these."""
         r = cfg.rollout
         self.sampling = SamplingParams(r.max_completion_length, r.temperature, r.top_p, r.top_k, r.ignore_eos)
 
@@ -158,13 +165,14 @@ class Trainer:
         rounds: list[GenerationBatch] = []
         while not rounds or (
             a.dynamic_sampling
-            and sum(int(groups_with_spread(b, G).sum()) for b in rounds) < self.num_prompts
+            and self.backend.sum(sum(int(groups_with_spread(b, G).sum()) for b in rounds)) < self.num_prompts
             and len(rounds) < a.max_sampling_rounds
         ):
-            rows = self.state.sampler.take(self.task.train_rows, self.num_prompts)
+            rows = self.state.sampler.take(self.task.train_rows, self.num_prompts)[self.shard]
+            seeds = prompt_seeds(self.state.generator, self.num_prompts)[self.shard]
             with timer("generate"):
                 try:
-                    rollout = self.engine.generate(self.encode(rows), G, self.sampling, self.state.generator)
+                    rollout = self.engine.generate(self.encode(rows), G, self.sampling, seeds)
                 except NonFiniteProbabilities as error:  # e.g. a learning rate so high the weights blew up
                     raise TrainingDiverged(f"generation at step {self.state.step}: {error}") from error
             with timer("rewards"):
@@ -172,7 +180,12 @@ class Trainer:
         if not a.dynamic_sampling:
             return rounds[0]
         with timer("filter"):
-            batch = keep_groups_with_spread(rounds, self.num_prompts, G, self.engine.pad_token_id)
+            # every rank's flags, so that the groups kept are those one process would keep
+            spread = [
+                [flag for flags in self.backend.all_gather_object(groups_with_spread(b, G).tolist()) for flag in flags]
+                for b in rounds
+            ]
+            batch = keep_groups_with_spread(rounds, self.num_prompts, G, self.engine.pad_token_id, spread, self.shard.start)
             batch.advantages = self.advantages(batch.rewards)  # "batch" scaling needs the final batch
         return batch
 
@@ -189,7 +202,7 @@ class Trainer:
         if self.critic is not None:
             with timer("values"):
                 old_values = batch_values(self.critic.model, batch, cfg, self.backend)
-                batch.advantages, returns = gae_batch_advantages(batch, old_values, cfg)
+                batch.advantages, returns = gae_batch_advantages(batch, old_values, cfg, self.backend)
         with timer("update"):
             s = self.state
             stats = policy_update(self.model, s.optimizer, s.scheduler, batch, old_logp, ref_logp, cfg, self.backend, self.skips)
@@ -202,12 +215,15 @@ class Trainer:
         return self.prompts(rows)
 
     def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+        """The estimator's advantages of this rank's `rewards`, computed over every rank's (whole
+        groups each), so that "batch" scaling and the batch-wide estimators see the global batch."""
         a = self.cfg.algorithm
         if self.critic is not None:
             # gae's advantages are per token and need the critic's values: `update` computes them
             return torch.zeros_like(rewards)
         estimator = ADVANTAGE_ESTIMATORS.get(a.advantage_estimator)
-        return estimator(rewards, self.cfg.rollout.num_generations, scale_rewards=a.scale_rewards)
+        everyone, mine = self.backend.gather_rows(rewards)
+        return estimator(everyone, self.cfg.rollout.num_generations, scale_rewards=a.scale_rewards)[mine]
 
     def _critic(self, restore: dict[str, Any] | None) -> Critic | None:
         """PPO's critic for the `gae` estimator (a copy of the policy's trunk, or the saved one)."""
@@ -245,16 +261,24 @@ class Trainer:
                                epoch=sampler.epoch + sampler.position / sampler.num_rows)
 
     def step_metrics(self, batch: GenerationBatch, update_stats: dict, timer: PhaseTimer) -> dict[str, float]:
-        ro = batch.rollout
-        tokens = int(ro.completion_mask.sum() + ro.prompt_mask.sum())
+        """The step's metrics over every rank (the update's come reduced already); the phases'
+        times are this rank's."""
+        ro, b = batch.rollout, self.backend
+        tokens = int(b.sum(int(ro.completion_mask.sum() + ro.prompt_mask.sum())))
         self.state.tokens_seen += tokens
         r = self.rewards
+        # the counts of every rank: the run's reward failures, the step's, the sandbox's, truncated prompts
+        failures, step_failures, sandbox, truncated = (
+            sum_counts(parts) for parts in zip(*b.all_gather_object(
+                (dict(r.failures), r.step_failures(), take_counts(), {"prompts": self.prompts.take_truncated()})
+            ))
+        )
         return {
             "step": self.state.step,
-            **batch_metrics(batch, self.cfg.rollout.num_generations, r.names, r.failures, self.cfg.algorithm.dynamic_sampling,
-                            r.step_failures(), take_counts()),
+            **batch_metrics(Outcome.of(batch, b), self.cfg.rollout.num_generations, r.names, failures,
+                            self.cfg.algorithm.dynamic_sampling, step_failures, sandbox),
             **update_stats,
-            "prompts/truncated": self.prompts.take_truncated(),
+            "prompts/truncated": truncated["prompts"],
             "learning_rate": self.state.scheduler.get_last_lr()[0],
             "num_tokens": self.state.tokens_seen,
             **timer.metrics(tokens),
@@ -273,7 +297,7 @@ class Trainer:
                 # a resumed run's "before" evaluation was made by the run it continues (eval.jsonl keeps it)
                 before = self.evaluate("before") if cfg.eval.before and self.resumed is None else None
                 log.start_training(self.state.step)
-                while self.state.step < cfg.training.max_steps and not stop.signum:
+                while self.state.step < cfg.training.max_steps and not self._stop_signal(stop):
                     try:
                         metrics, batch = self.train_step()
                     except TrainingDiverged as error:
@@ -284,21 +308,21 @@ class Trainer:
                     history.append(metrics)
                     step = self.state.step
                     if cfg.logging.sample_every and (step == 1 or step % cfg.logging.sample_every == 0):
-                        log.samples(step, batch.prompts, batch.completion_texts, batch.rewards.tolist(), cfg.rollout.num_generations,
-                                    reward_columns={name: batch.rewards_per_func[:, k].tolist() for k, name in enumerate(self.rewards.names)})
+                        self._log_samples(step, batch)
                     if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.training.max_steps:
                         self.evaluate(f"step {step}")
                     faults.reached("logged")
                     # last, so that a checkpoint's step has all its logs: resuming cuts them back to it
-                    if (cfg.training.save_steps and step % cfg.training.save_steps == 0) or stop.signum:
+                    if (cfg.training.save_steps and step % cfg.training.save_steps == 0) or self._stop_signal(stop):
                         self.save(log.dir / f"checkpoint-{step}")
-                        checkpoint.prune(log.dir, cfg.training.save_total_limit)
-                if stop.signum:
-                    self.stopped_by = stop.signum
+                        if self.backend.is_main:
+                            checkpoint.prune(log.dir, cfg.training.save_total_limit)
+                if self._stop_signal(stop):
+                    self.stopped_by = self._stop_signal(stop)
                     return history
                 self.save(log.dir / checkpoint.FINAL)
-                if stop.signum:  # came during the save: the evaluation after is left to a resumed run
-                    self.stopped_by = stop.signum
+                if self._stop_signal(stop):  # came during the save: the evaluation after is left to a resumed run
+                    self.stopped_by = self._stop_signal(stop)
                     return history
                 if cfg.eval.after:
                     after = self.evaluate("after")
@@ -310,6 +334,21 @@ class Trainer:
         log.report()
         return history
 
+    def _log_samples(self, step: int, batch: GenerationBatch) -> None:
+        """A few of the step's completions (from every rank's groups, in rank order) to samples.jsonl."""
+        names = self.rewards.names
+        mine = (batch.prompts, batch.completion_texts, batch.rewards.tolist(), batch.rewards_per_func.T.tolist())
+        parts = self.backend.all_gather_object(mine) if self.backend.world_size > 1 else [mine]
+        prompts, texts, rewards = ([x for part in parts for x in part[k]] for k in range(3))
+        columns = {name: [x for part in parts for x in part[3][k]] for k, name in enumerate(names)}
+        self.log.samples(step, prompts, texts, rewards, self.cfg.rollout.num_generations, reward_columns=columns)
+
+    def _stop_signal(self, stop: StopSignals) -> int | None:
+        """The signal that stops the run, if any rank has had one: every rank stops after the same step."""
+        if self.backend.world_size == 1:
+            return stop.signum
+        return max(s or 0 for s in self.backend.all_gather_object(stop.signum)) or None
+
     def evaluate(self, label: str) -> list[EvalResult]:
         """Held-out evaluation (greedy and sampled, as configured); results go to eval.jsonl."""
         if self.evaluator is None:
@@ -319,9 +358,12 @@ class Trainer:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything besides the policy's weights that continues this run exactly (`restore=`)."""
+        train = self.state.state_dict()
+        if self.backend.world_size > 1:  # each rank's own random streams (dropout, reward functions' draws)
+            train["rng"] = {"per_rank": self.backend.all_gather_object(train["rng"])}
         return {
-            "train": self.state.state_dict(),
-            "reward_failures": dict(self.rewards.failures),
+            "train": train,
+            "reward_failures": sum_counts(self.backend.all_gather_object(dict(self.rewards.failures))),
             "skips": {"consecutive": self.skips.consecutive, "total": self.skips.total},
             "reference": self.reference.state_dict(),
             "critic": self.critic.state_dict() if self.critic is not None else None,
@@ -341,12 +383,25 @@ class Trainer:
         """A checkpoint (grpo.checkpoint) of this step, to resume from or load with from_pretrained
         (with LoRA: the adapter only, for PeftModel.from_pretrained or `grpo export --merge`)."""
         check_finite_weights(self.model, f"write {directory}")  # a checkpoint with NaN weights is never written
-        state = self.state_dict()
+        state = self.state_dict()  # on every rank: it gathers what each rank holds
         a = self.cfg.algorithm
         if not (a.ref_sync_steps and self.state.step >= a.ref_sync_steps):
             state["reference"] = None  # still a copy of the starting model, which a resumed run copies again
-        self.saved = checkpoint.save_checkpoint(directory, self.model, self.tokenizer, state, self.cfg, step=self.state.step)
+        if self.backend.is_main:  # the ranks' weights are the same: rank 0 writes them
+            checkpoint.save_checkpoint(directory, self.model, self.tokenizer, state, self.cfg, step=self.state.step)
+        self.backend.barrier()  # no rank goes on (or resumes) before the checkpoint is whole
+        self.saved = directory
         return self.saved
+
+
+def _this_ranks_state(train: dict[str, Any], backend) -> dict[str, Any]:
+    """A saved train state with this rank's random streams: its own when the run had as many
+    ranks, else rank 0's (a run resumed on another number of ranks continues the rest exactly)."""
+    rng = train["rng"]
+    if "per_rank" in rng:
+        per_rank = rng["per_rank"]
+        rng = per_rank[backend.rank] if len(per_rank) == backend.world_size else per_rank[0]
+    return {**train, "rng": rng}
 
 
 def _task(cfg: Config, train_rows: list[Row] | None, eval_rows: list[Row] | None) -> Task:

@@ -161,6 +161,7 @@ def policy_update(
     pieces = split(batch, cfg)
     num_tokens = backend.sum(batch.loss_mask.sum().item())
     num_sequences = int(backend.sum(len(batch)))
+    num_minibatches = int(backend.sum(len(pieces)))  # bnpo averages over every rank's minibatches
     sums = {"kl": 0.0, "clip_low": 0.0, "clip_high": 0.0, "clip_region": 0.0, "entropy": 0.0, "loss": 0.0}
     sampling_logp = batch.rollout.sampling_logprobs
     correction = rollout_correction(cfg)
@@ -171,7 +172,7 @@ def policy_update(
         )
     grad_norms = []
     norms = [  # the same for every pass: counted once
-        dict(num_sequences=num_sequences, num_tokens=num_tokens, num_minibatches=len(pieces),
+        dict(num_sequences=num_sequences, num_tokens=num_tokens, num_minibatches=num_minibatches,
              minibatch_tokens=batch.loss_mask[torch.cat(minibatch)].sum().item())
         for minibatch in pieces
     ]
@@ -218,7 +219,9 @@ def policy_update(
                 loss.backward()
                 pass_loss += loss.item()
                 _accumulate(sums, stats)
+        pass_loss = backend.sum(pass_loss)  # every rank's share: the loss, and the same verdict everywhere
         sums["loss"] += pass_loss
+        backend.reduce_gradients(model)  # summed over the ranks: each rank's shares were normalised globally
         grad_norm = backend.clip_grad_norm(model, cfg.training.max_grad_norm)  # the norm before clipping
         grad_norms.append(grad_norm)
         if math.isfinite(pass_loss) and math.isfinite(grad_norm):
@@ -231,6 +234,9 @@ def policy_update(
             skipped += 1
             skips.record(True, f"loss {pass_loss}, gradient norm {grad_norm}")
     backend.after_update()
+    loss_total = sums.pop("loss")  # already summed over the ranks, pass by pass
+    sums = backend.reduce_stats(sums)
+    sums["loss"] = loss_total
     passes = a.num_iterations * max(1.0, num_tokens)
     out = {
         "loss": sums["loss"] / a.num_iterations,
@@ -285,7 +291,7 @@ def batch_values(value_model, batch: GenerationBatch, cfg: Config, backend) -> t
     return out
 
 
-def gae_batch_advantages(batch: GenerationBatch, values: torch.Tensor, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
+def gae_batch_advantages(batch: GenerationBatch, values: torch.Tensor, cfg: Config, backend=None) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's per-token advantages and returns [N, T] of a batch from the critic's values: the
     outcome reward on each completion's last token, GAE, then (by default) whitened over the
     tokens that count. A completion without a reward (every function failed) leaves the loss."""
@@ -296,7 +302,10 @@ def gae_batch_advantages(batch: GenerationBatch, values: torch.Tensor, cfg: Conf
     token_rewards = algorithm.outcome_token_rewards(rewards, mask)
     advantages, returns = algorithm.gae_advantages(token_rewards, values, mask, a.gamma, a.lam)
     if a.whiten_advantages:
-        advantages = algorithm.masked_whiten(advantages, batch.loss_mask.to(values.device))
+        counted = batch.loss_mask.to(values.device)
+        # the mean and std of every rank's counted tokens (data parallel), as one process would whiten
+        population = backend.gather_rows(advantages[counted.bool()])[0] if backend is not None else None
+        advantages = algorithm.masked_whiten(advantages, counted, population=population)
     return advantages, returns
 
 
@@ -322,6 +331,8 @@ def critic_update(critic, batch: GenerationBatch, old_values: torch.Tensor, retu
                 loss = (per_token * mask).sum() / num_tokens
                 loss.backward()
                 pass_loss += loss.item()
+        pass_loss = backend.sum(pass_loss)
+        backend.reduce_gradients(model)
         grad_norm = backend.clip_grad_norm(model, cfg.training.max_grad_norm)  # the norm before clipping
         if math.isfinite(pass_loss) and math.isfinite(grad_norm):
             critic.optimizer.step()
@@ -330,7 +341,7 @@ def critic_update(critic, batch: GenerationBatch, old_values: torch.Tensor, retu
         losses.append(pass_loss)
         grad_norms.append(grad_norm)
     mask = batch.loss_mask.to(old_values.device).bool()
-    v, r = old_values[mask], returns[mask]
+    v, r = backend.gather_rows(old_values[mask])[0], backend.gather_rows(returns[mask])[0]  # every rank's tokens
     explained = 1.0 - float((r - v).var() / r.var()) if r.numel() > 1 and float(r.var()) > 0 else float("nan")
     return {
         "critic/value_loss": sum(losses) / len(losses),

@@ -102,8 +102,10 @@ def gae_advantages(
     return advantages.to(values.dtype), returns.to(values.dtype)
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """PPO's advantage normalisation: (x - mean) / (std + eps) over the entries where mask is 1.
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, population: torch.Tensor | None = None) -> torch.Tensor:
+    """PPO's advantage normalisation: (x - mean) / (std + eps) over the entries where mask is 1
+    (or, when given, with the mean and std of `population`, a 1-D tensor: e.g. the masked entries
+    of every rank of a data-parallel run).
 
     The std is Bessel-corrected (divide by n - 1), as TRL's and verl's
     masked_whiten; with a single masked entry it is 0 (and x - mean is 0).
@@ -115,9 +117,12 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> tor
     """
     m = mask.double()
     xd = x.double()
-    n = m.sum()
-    mean = (xd * m).sum() / n.clamp(min=1.0)
-    var = (((xd - mean) ** 2) * m).sum() / (n - 1).clamp(min=1.0)
+    if population is None:
+        population = xd[mask.bool()]
+    p = population.double()
+    n = torch.tensor(float(p.numel()), dtype=torch.float64)
+    mean = p.sum() / n.clamp(min=1.0)
+    var = ((p - mean) ** 2).sum() / (n - 1).clamp(min=1.0)
     return ((xd - mean) / (var.sqrt() + eps) * m).to(x.dtype)
 
 

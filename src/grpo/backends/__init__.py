@@ -3,10 +3,11 @@
 The training loop (grpo.trainer) never asks which device or how many
 processes: it asks its backend to prepare the model, build the optimizer,
 open the compute autocast, say where the output layer's weight gradient goes,
-clip gradients, count over all ranks, and tidy up after an update. Today
-there is one backend, a single process on one device (`single.SingleProcess`,
-with the CPU mechanisms inside it); a distributed backend (torchrun data
-parallelism, FSDP2) implements the same methods and is picked here at start-up.
+clip gradients, count and gather over all ranks, and tidy up after an update.
+There are two: a single process on one device (`single.SingleProcess`, with the
+CPU mechanisms inside it) and data parallelism over torchrun's processes
+(`distributed.DataParallel`, the same plus the collectives), picked here at
+start-up from WORLD_SIZE.
 """
 
 from __future__ import annotations
@@ -47,18 +48,46 @@ class Backend(Protocol):
     def sum(self, value: float) -> float:
         """`value` summed over all ranks (the global normalisers of the loss)."""
 
+    def reduce_stats(self, sums: dict[str, float]) -> dict[str, float]:
+        """Each value summed over all ranks (`*_max` keys: the largest)."""
+
+    def any(self, flag: bool) -> bool:
+        """Whether `flag` is true on some rank (the same answer on every rank)."""
+
+    def all_gather_object(self, value) -> list:
+        """Every rank's `value`, in rank order."""
+
+    def gather_rows(self, tensor: torch.Tensor) -> tuple[torch.Tensor, slice]:
+        """Every rank's rows concatenated in rank order, and the slice that holds this rank's."""
+
+    def reduce_gradients(self, model: torch.nn.Module) -> None:
+        """Sum the gradients over all ranks (after a pass's backward, before clipping)."""
+
+    def broadcast_module(self, module: torch.nn.Module) -> None:
+        """Rank 0's parameters and buffers on every rank."""
+
+    def barrier(self) -> None:
+        """Wait for every rank."""
+
     def after_update(self) -> None:
         """Called after each update, before the next rollout."""
 
 
+def world_size() -> int:
+    """Processes in this run (torchrun's WORLD_SIZE; 1 without torchrun)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise ConfigError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not a number; start with torchrun") from None
+
+
 def create_backend(cfg: Config) -> Backend:
-    """The backend for this process, chosen at start-up."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size > 1:
-        raise ConfigError(
-            f"WORLD_SIZE={world_size}: several processes (torchrun) are not supported yet; "
-            "run a single process (`grpo train CONFIG`)"
-        )
+    """The backend for this process, chosen at start-up: data parallel under torchrun
+    (WORLD_SIZE > 1), else one process."""
+    if world_size() > 1:
+        from grpo.backends.distributed import DataParallel
+
+        return DataParallel(cfg)
     from grpo.backends.single import SingleProcess
 
     return SingleProcess(cfg)

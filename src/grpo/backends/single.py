@@ -11,9 +11,9 @@ What it does differently on the CPU (each measured, see docs/performance.md):
 - after each update the freed heap goes back to the OS (grpo.memory), so the
   next rollout's buffers do not stack on the update's.
 
-Under DDP the last three need care (the sink writes .grad outside autograd's
-hooks, so a data-parallel backend must reduce that weight's gradient itself, or
-not use the sink); that is why they live here and not in the loop.
+The data-parallel backend (grpo.backends.distributed) keeps all of them: it
+sums gradients after the backward passes, when the sink's and the sparse rows'
+contributions are already in the dense .grad.
 """
 
 from __future__ import annotations
@@ -118,8 +118,30 @@ class SingleProcess:
             return float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
         return float(torch.sqrt(sum((p.grad.float() ** 2).sum() for p in model.parameters() if p.grad is not None)))
 
+    # the collectives of grpo.backends.distributed.DataParallel, for one rank
     def sum(self, value: float) -> float:
         return value
+
+    def reduce_stats(self, sums: dict[str, float]) -> dict[str, float]:
+        return dict(sums)
+
+    def any(self, flag: bool) -> bool:
+        return bool(flag)
+
+    def all_gather_object(self, value):
+        return [value]
+
+    def gather_rows(self, tensor: torch.Tensor) -> tuple[torch.Tensor, slice]:
+        return tensor, slice(0, len(tensor))
+
+    def reduce_gradients(self, model: torch.nn.Module) -> None:
+        pass
+
+    def broadcast_module(self, module: torch.nn.Module) -> None:
+        pass
+
+    def barrier(self) -> None:
+        pass
 
     def after_update(self) -> None:
         if self.device.type == "cpu":

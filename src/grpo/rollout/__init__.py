@@ -1,6 +1,6 @@
 """Generation engines behind one interface (grpo.rollout.base.RolloutEngine).
 
-An engine's `generate(prompts, G, params, generator)` returns a `Rollout`: for
+An engine's `generate(prompts, G, params, seeds)` returns a `Rollout`: for
 each prompt, G completions as token ids with a mask and a truncated flag. The
 transformers engine (`hf.py`, `rollout.engine: hf`) is the default; engines are
 named in grpo.registry.ROLLOUT_ENGINES and built with `create_engine`.

@@ -13,23 +13,25 @@ from typing import Protocol
 
 import torch
 
-from grpo.rollout.types import Rollout, SamplingParams
+from grpo.rollout.types import Rollout, SamplingParams, Seeds
 
 
 class RolloutEngine(Protocol):
     eos_token_ids: list[int]
     pad_token_id: int
     device: torch.device
-    """Where its generators draw (a torch.Generator for `generate` is made on this device)."""
+    """Where it generates."""
 
     def generate(
         self,
         prompts: list[list[int]],
         num_generations: int,
         params: SamplingParams,
-        generator: torch.Generator | None = None,
+        seeds: Seeds = None,
     ) -> Rollout:
-        """`num_generations` completions of each prompt (token ids), group-major."""
+        """`num_generations` completions of each prompt (token ids), group-major. `seeds`: one
+        sampling seed per prompt, or a torch.Generator to draw them from
+        (grpo.rollout.types.prompt_seeds); a prompt's completions depend on its seed only."""
 
     def sync_weights(self, policy: torch.nn.Module) -> None:
         """The policy changed (an optimizer step, a restore): generate from its new weights."""

@@ -23,7 +23,7 @@ import torch
 from grpo import kernels, logprobs
 from grpo.config import ConfigError
 from grpo.rollout.fused import FusedDecoder, fused_decoding_applies, unsupported_reason
-from grpo.rollout.types import Rollout, SamplingParams
+from grpo.rollout.types import Rollout, SamplingParams, Seeds, prompt_seeds
 from grpo.backends.single import bf16_autocast
 
 
@@ -61,9 +61,11 @@ def sample_next_token(
 
 
 def sample_with_logprobs(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Pick one token per row from next-token logits [B, V]: (tokens [B], their logprobs [B]).
+    The draw uses `uniforms` [B, 2] in [0, 1) when given (`sample_from`), else numbers from `generator`.
 
     The logprob is the token's under softmax(logits / temperature), before top-k and top-p,
     which is what the update computes (grpo.logprobs), so the two can be compared for the
@@ -80,15 +82,16 @@ def sample_with_logprobs(
     filtered = bool(params.top_k and params.top_k < scores.shape[-1]) or params.top_p < 1.0
     if not filtered:
         probs = torch.softmax(scores, dim=-1)
-        tokens = sample_from(probs, generator)
+        tokens = sample_from(probs, generator, uniforms)
         # the probabilities at hand are the unfiltered ones: no second pass over the vocabulary
         return tokens, torch.log(probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1))
     log_total = torch.logsumexp(scores, dim=-1)
-    tokens = _sample_filtered(scores, params, generator)  # filters copies: `scores` stays whole
+    tokens = _sample_filtered(scores, params, generator, uniforms)  # filters copies: `scores` stays whole
     return tokens, scores.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - log_total
 
 
-def _sample_filtered(scores: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+def _sample_filtered(scores: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+                     uniforms: torch.Tensor | None) -> torch.Tensor:
     """A token per row from temperature-scaled scores [B, V] under top-k and top-p."""
     if params.top_k and params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k, dim=-1).values[:, -1:]
@@ -100,12 +103,15 @@ def _sample_filtered(scores: torch.Tensor, params: SamplingParams, generator: to
         drop = (probs.cumsum(-1) - probs) >= params.top_p
         sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
         scores = torch.full_like(scores, float("-inf")).scatter(-1, order, sorted_scores)
-    return sample_from(torch.softmax(scores, dim=-1), generator)
+    return sample_from(torch.softmax(scores, dim=-1), generator, uniforms)
 
 
-def sample_from(weights: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_from(
+    weights: torch.Tensor, generator: torch.Generator | None = None, uniforms: torch.Tensor | None = None
+) -> torch.Tensor:
     """One index per row of `weights` [B, V] (non-negative, each row with a positive sum),
-    drawn with probability proportional to its weight.
+    drawn with probability proportional to its weight, from two uniform numbers per row:
+    `uniforms` [B, 2] when given, else drawn from `generator`.
 
     Inverse-CDF sampling in two levels: a block of CDF_BLOCK entries by the
     blocks' totals, then an entry of that block by its weights, each with its
@@ -126,7 +132,7 @@ def sample_from(weights: torch.Tensor, generator: torch.Generator | None = None)
     total = block_cdf[:, -1]
     if not bool((torch.isfinite(total) & (total > 0)).all()):
         raise NonFiniteProbabilities(_NON_FINITE)
-    u = torch.rand(B, 2, generator=generator, device=weights.device)
+    u = uniforms if uniforms is not None else torch.rand(B, 2, generator=generator, device=weights.device)
     b = first_exceeding(block_cdf, u[:, :1])
     index = b * block + torch.arange(block, device=weights.device)  # [B, block]: the chosen block's entries
     inside = index < V
@@ -142,6 +148,14 @@ def first_exceeding(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     total = cdf[:, -1:]
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, target, right=True)
+
+
+def prompt_noise(seeds: list[int], num_generations: int, max_new_tokens: int, device) -> torch.Tensor:
+    """[P x G, max_new_tokens, 2]: the uniform numbers each completion's tokens are drawn with
+    (`sample_from`), from its prompt's seed alone. Drawn up front on the CPU: 2 numbers a token,
+    a few kilobytes a rollout, and the same on any device."""
+    parts = [torch.rand(num_generations, max_new_tokens, 2, generator=torch.Generator().manual_seed(s)) for s in seeds]
+    return torch.cat(parts).to(device) if parts else torch.zeros(0, max_new_tokens, 2, device=device)
 
 
 class TransformersSteps:
@@ -196,7 +210,7 @@ def generate(
     *,
     eos_token_ids: list[int] | tuple[int, ...],
     pad_token_id: int,
-    generator: torch.Generator | None = None,
+    seeds: Seeds = None,
     share_prefix: bool = True,
     compact: bool = True,
     stop: StopStrings | None = None,
@@ -205,13 +219,15 @@ def generate(
     """Sample `num_generations` completions for each tokenised prompt.
 
     prompts: P lists of token ids. Returns a Rollout with N = P x G rows,
-    group-major. `share_prefix` and `compact` only change the cost.
+    group-major. `seeds`: one per prompt (or a generator to draw them from,
+    grpo.rollout.types.prompt_seeds); a prompt's G completions depend on its seed
+    and not on the batch around it. `share_prefix` and `compact` only change the cost.
     `fused`: decode with grpo.rollout.fused.FusedDecoder (in bf16 from packed
     weights under CPU bf16 autocast, else in the weights' dtype with plain
     products); False: transformers' modules.
     """
     rows = len(prompts) * num_generations
-    args = (model, prompts, num_generations, params, eos_token_ids, pad_token_id, generator, share_prefix, compact, stop)
+    args = (model, prompts, num_generations, params, eos_token_ids, pad_token_id, seeds, share_prefix, compact, stop)
     if fused:
         bf16 = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
         max_length = max((len(p) for p in prompts), default=0) + params.max_new_tokens
@@ -222,7 +238,7 @@ def generate(
 
 
 def _generate(
-    steps, model, prompts, num_generations, params, eos_token_ids, pad_token_id, generator, share_prefix, compact, stop
+    steps, model, prompts, num_generations, params, eos_token_ids, pad_token_id, seeds, share_prefix, compact, stop
 ) -> Rollout:
     device = next(model.parameters()).device
     G = num_generations
@@ -241,6 +257,7 @@ def _generate(
     else:
         logits = steps(full_ids, full_mask, positions.repeat_interleave(G, 0))
 
+    noise = prompt_noise(prompt_seeds(seeds, len(prompts)), G, params.max_new_tokens, device) if params.temperature > 0 else None
     tokens = torch.full((N, params.max_new_tokens), pad_token_id, dtype=torch.long, device=device)
     token_logprobs = torch.zeros(N, params.max_new_tokens, device=device) if params.temperature > 0 else None
     done = torch.zeros(N, dtype=torch.bool, device=device)
@@ -251,7 +268,7 @@ def _generate(
     next_pos = full_mask.sum(-1)  # position id of each cache row's next token
 
     for t in range(params.max_new_tokens):
-        new, new_logprobs = sample_with_logprobs(logits, params, generator)
+        new, new_logprobs = sample_with_logprobs(logits, params, uniforms=noise[active, t] if noise is not None else None)
         rows = active[alive]
         tokens[rows, t] = new[alive]
         if token_logprobs is not None:
@@ -333,7 +350,7 @@ class TransformersEngine:
         compute_dtype = torch.bfloat16 if self.bf16 else self.model.get_output_embeddings().weight.dtype
         return fused_decoding_applies(self.model, compute_dtype)
 
-    def generate(self, prompts, num_generations, params, generator=None) -> Rollout:
+    def generate(self, prompts, num_generations, params, seeds: Seeds = None) -> Rollout:
         was_training = self.model.training
         self.model.eval()
         try:
@@ -341,7 +358,7 @@ class TransformersEngine:
                 return generate(
                     self.model, prompts, num_generations, params,
                     eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id,
-                    generator=generator, stop=self.stop, fused=self.uses_fused_decoding(),
+                    seeds=seeds, stop=self.stop, fused=self.uses_fused_decoding(),
                 )
         finally:
             self.model.train(was_training)

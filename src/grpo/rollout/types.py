@@ -1,8 +1,31 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
+
+SEED_BOUND = 2**62
+"""Per-prompt sampling seeds are drawn below this (vLLM adds a completion's index to its
+request's seed; the hf engine seeds a CPU generator with it)."""
+
+Seeds = Sequence[int] | torch.Generator | None
+"""What an engine's `generate` samples with: one seed per prompt, a generator to draw them from,
+or None (drawn from torch's global generator)."""
+
+
+def prompt_seeds(seeds: Seeds, num_prompts: int) -> list[int]:
+    """One sampling seed per prompt. A prompt's completions depend on its seed alone, never on
+    which other prompts share its batch, so a group sampled on any rank of a data-parallel run,
+    or in a batch of any size, comes out the same as in one process."""
+    if seeds is None or isinstance(seeds, torch.Generator):
+        generator = seeds
+        device = generator.device if generator is not None else "cpu"
+        return torch.randint(0, SEED_BOUND, (num_prompts,), generator=generator, device=device).tolist()
+    seeds = [int(s) for s in seeds]
+    if len(seeds) != num_prompts:
+        raise ValueError(f"{len(seeds)} sampling seeds for {num_prompts} prompts: one per prompt")
+    return seeds
 
 
 @dataclass(frozen=True)

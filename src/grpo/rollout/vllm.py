@@ -9,8 +9,8 @@ tensors directly.
 
 - `generate` maps grpo's SamplingParams onto vLLM's one to one: temperature,
   top_p, top_k (0 = off), max_tokens, ignore_eos, rollout.stop_strings, the
-  policy's eos ids as stop tokens; one request per prompt with n = G, whose
-  seed is drawn from the trainer's generator (vLLM gives the i-th of the G
+  policy's eos ids as stop tokens; one request per prompt with n = G and the
+  prompt's seed (grpo.rollout.types.prompt_seeds; vLLM gives the i-th of the G
   completions seed + i), so a run is reproducible from training.seed. Greedy
   decoding (temperature 0, evaluation) asks for one completion and repeats it.
 - `Rollout.sampling_logprobs` are vLLM's logprobs of each sampled token; the
@@ -42,7 +42,7 @@ import torch
 
 from grpo.config import ConfigError
 from grpo.rollout.hf import _NON_FINITE, NonFiniteProbabilities, left_pad
-from grpo.rollout.types import Rollout, SamplingParams
+from grpo.rollout.types import Rollout, SamplingParams, Seeds, prompt_seeds
 
 _INSTALL = (
     "install it with `pip install vllm` (or `pip install 'grpo[vllm]'`) on a GPU machine; for the "
@@ -53,9 +53,6 @@ log = logging.getLogger(__name__)
 
 CPU_STEP_TOKENS = 4096
 """Tokens vLLM's CPU build schedules per step by default (max_num_batched_tokens)."""
-
-SEED_BOUND = 2**62
-"""Seeds are drawn below this: vLLM adds the completion's index to a request's seed."""
 
 
 def import_vllm():
@@ -296,14 +293,11 @@ class VLLMEngine:
             logprobs=None if greedy else 0,  # 0: the sampled token's logprob only
         )
 
-    def generate(self, prompts, num_generations, params: SamplingParams, generator=None) -> Rollout:
+    def generate(self, prompts, num_generations, params: SamplingParams, seeds: Seeds = None) -> Rollout:
         if self.asleep:
             self.wake()
         G, greedy = num_generations, params.temperature == 0
-        if generator is not None and not greedy:
-            seeds = torch.randint(0, SEED_BOUND, (len(prompts),), generator=generator, device=generator.device).tolist()
-        else:
-            seeds = [None] * len(prompts)
+        seeds = [None] * len(prompts) if greedy else prompt_seeds(seeds, len(prompts))
         requests = [self._prompt(prompt_token_ids=list(p)) for p in prompts]
         with process_state_kept(self.device):
             outputs = self.llm.generate(

@@ -1,0 +1,11 @@
+"""Trains each config named on the command line, one after another, in this torchrun process
+(tests/test_distributed.py starts it once for all its cases: a torchrun launch costs seconds)."""
+
+import sys
+
+from grpo import config
+from grpo.trainer import Trainer
+
+if __name__ == "__main__":
+    for path in sys.argv[1:]:
+        Trainer(config.load(path)).train()

@@ -1,0 +1,168 @@
+"""Data parallelism: `torchrun --nproc_per_node 2` (gloo, CPU) computes the run one process
+computes on the same global batch and seed: the same completions, rewards, metrics and
+evaluation, and weights equal to float tolerance, for the grpo and dapo losses, with and
+without dynamic sampling; a distributed run killed mid-run and resumed ends exactly where the
+uninterrupted one does.
+
+The 2-process runs are one torchrun launch of tests/distributed_driver.py for every case (a
+launch costs seconds of imports), plus a killed and a resumed `torchrun -m grpo train`."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from grpo import config
+from grpo.batching import choose_groups
+from grpo.config import ConfigError
+from grpo.evaluate import shard
+from grpo.metrics import sum_counts
+from grpo.trainer import Trainer
+
+HERE = Path(__file__).resolve().parent
+TIMING = ("time/", "tokens_per_second")
+
+REWARDS = '''
+def third(completions, **kwargs):
+    """1 for a third of all first characters: groups with spread and groups without."""
+    texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+    return [float(bool(t) and ord(t[0]) % 3 == 0) for t in texts]
+'''
+
+BASE = {
+    "model": {"name": "tiny", "tiny_hidden_size": 32, "tiny_num_layers": 1},
+    "data": {"chat_template": "never", "arithmetic": {
+        "operands": [[1, 4], [1, 4]], "operators": ["+"], "instruction": "{expression}=", "num_train": 200, "num_eval": 6}},
+    "rollout": {"num_generations": 4, "max_completion_length": 3, "temperature": 1.0},
+    "rewards": {"isolation": "thread"},
+    # 16 completions a step: one process with minibatches of 16, or 2 ranks of 8 (2 groups each)
+    "training": {"max_steps": 4, "per_device_train_batch_size": 16, "learning_rate": 0.003, "save_steps": 1},
+    "eval": {"after": True, "temperatures": [0.0, 1.0]},
+    "logging": {"log_every": 100, "sample_every": 2},
+}
+
+CASES = {
+    # the grpo loss with a KL reference, two passes per batch and batch-wide reward scaling
+    "grpo": ["algorithm.loss_type=grpo", "algorithm.beta=0.04", "algorithm.num_iterations=2",
+             "algorithm.scale_rewards=batch"],
+    "grpo_dynamic": ["algorithm.loss_type=grpo", "algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=3"],
+    "dapo": ["algorithm.loss_type=dapo"],
+    # the preset: dapo's loss, clip-higher, overlong penalty and dynamic sampling
+    "dapo_dynamic": ["algorithm.preset=dapo", "algorithm.max_sampling_rounds=3"],
+}
+
+TWO_RANKS = ["training.per_device_train_batch_size=8"]
+
+
+def _config(tmp: Path, name: str, overrides: list[str]) -> Path:
+    rewards = tmp / "rewards.py"
+    rewards.write_text(REWARDS)
+    cfg = config.from_dict({**BASE, "output_dir": str(tmp / name), "rewards": {**BASE["rewards"], "funcs": [f"{rewards}:third"]}},
+                           overrides)
+    path = tmp / f"{name}.yaml"
+    config.save(cfg, path)
+    return path
+
+
+def _torchrun(args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Every case trained on 2 ranks (and the resume case's uninterrupted run): name -> run dir."""
+    tmp = tmp_path_factory.mktemp("two_ranks")
+    paths = [_config(tmp, name, overrides + TWO_RANKS) for name, overrides in CASES.items()]
+    done = _torchrun([str(HERE / "distributed_driver.py"), *map(str, paths)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {name: tmp / name for name in CASES}
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _assert_close_metrics(got: list[dict], expected: list[dict]) -> None:
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected):
+        keys = {k for k in b if not k.startswith(TIMING)}
+        assert {k for k in a if not k.startswith(TIMING)} == keys
+        for k in keys:
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-5, nan_ok=True), (a["step"], k)
+
+
+def _assert_close_weights(got: Path, expected: Path, atol: float) -> None:
+    a, b = load_file(got / "final" / "model.safetensors"), load_file(expected / "final" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=atol, msg=name)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_two_ranks_compute_one_process_run(name, two_ranks, tmp_path):
+    one = tmp_path / name
+    Trainer(config.load(_config(tmp_path, name, CASES[name]))).train()
+    two = two_ranks[name]
+    # the same completions and rewards: the samples, the evaluation, every count in the metrics
+    samples = _rows(two / "samples.jsonl")
+    if "dynamic" in name:  # the same groups are kept, but one process lists them round by round, 2 ranks rank by rank
+        assert len(samples) == len(_rows(one / "samples.jsonl"))
+    else:
+        assert samples == _rows(one / "samples.jsonl")
+    assert _rows(two / "eval.jsonl") == _rows(one / "eval.jsonl")
+    _assert_close_metrics(_rows(two / "metrics.jsonl"), _rows(one / "metrics.jsonl"))
+    _assert_close_weights(two, one, atol=1e-5)
+    history = _rows(one / "metrics.jsonl")
+    assert any(h["reward_std"] > 0 for h in history) and history[-1]["grad_norm"] > 0  # it did learn something
+    if "dynamic" in name:  # dynamic sampling drew more than one round at least once
+        assert max(h["sampling/rounds"] for h in history) > 1
+
+
+def test_distributed_resume_is_exact(two_ranks, tmp_path):
+    """Both ranks SIGKILLed after step 3 is logged (its checkpoint not yet written), then
+    `torchrun -m grpo train --resume`: the same logs and bitwise the same weights as the
+    uninterrupted 2-rank run."""
+    path = _config(tmp_path, "dapo_dynamic", CASES["dapo_dynamic"] + TWO_RANKS)
+    killed = _torchrun(["-m", "grpo", "train", str(path)], env={"GRPO_KILL_AT": "logged:3"})
+    assert killed.returncode != 0
+    run = tmp_path / "dapo_dynamic"
+    assert (run / "checkpoint-2").is_dir() and not (run / "final").exists()
+    resumed = _torchrun(["-m", "grpo", "train", str(path), "--resume"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.stdout.count("run directory:") == 1  # rank 0 alone speaks
+    expected = two_ranks["dapo_dynamic"]
+    untimed = lambda rows: [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]  # noqa: E731
+    for log in ("metrics.jsonl", "samples.jsonl", "eval.jsonl"):
+        assert untimed(_rows(run / log)) == untimed(_rows(expected / log)), log
+    _assert_close_weights(run, expected, atol=0)
+
+
+def test_a_group_never_straddles_ranks():
+    cfg = config.from_dict({**BASE, "output_dir": "/tmp/unused", "rewards": {"isolation": "thread"}})
+    config.validate(cfg, 2)  # 16 completions a rank: 4 whole groups each
+    cfg.training.per_device_train_batch_size = 6  # 2 ranks' 12 completions are 3 groups, but not 1.5 a rank
+    with pytest.raises(ConfigError, match="a group never straddles ranks.*make it 4 or 8"):
+        config.validate(cfg, 2)
+    cfg.training.per_device_train_batch_size = 2
+    with pytest.raises(ConfigError, match="per_device_train_batch_size x gradient_accumulation_steps = 2 .*make it 4$"):
+        config.validate(cfg, 2)
+
+
+def test_dynamic_sampling_choice_in_global_order():
+    # groups with spread first, in the order drawn (round by round, rank by rank), then the rest
+    assert choose_groups([[False, True], [True, True]], 2) == ([(0, 1), (1, 0)], 0)
+    assert choose_groups([[False, True], [False, False]], 3) == ([(0, 1), (0, 0), (1, 0)], 2)
+
+
+def test_counts_and_shards():
+    assert sum_counts([{"a": 1, "b": {"errors": 2}}, {"a": 3, "b": {"errors": 1, "timeouts": 4}}]) == {
+        "a": 4, "b": {"errors": 3, "timeouts": 4}}
+    assert [shard(7, 2, r) for r in range(2)] == [slice(0, 3), slice(3, 7)]
+    assert [shard(1, 2, r) for r in range(2)] == [slice(0, 0), slice(0, 1)]
