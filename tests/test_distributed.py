@@ -142,6 +142,9 @@ def test_distributed_resume_is_exact(two_ranks, tmp_path):
     for log in ("metrics.jsonl", "samples.jsonl", "eval.jsonl"):
         assert untimed(_rows(run / log)) == untimed(_rows(expected / log)), log
     _assert_close_weights(run, expected, atol=0)
+    # one process cannot continue it: the global batch would change
+    with pytest.raises(ConfigError, match=r"ran on 2 process\(es\), this one has 1.*torchrun --nproc_per_node 2"):
+        Trainer(config.load(path, ["overwrite_output_dir=true"]), resume=run / "checkpoint-2")
 
 
 def test_a_group_never_straddles_ranks():

@@ -80,6 +80,8 @@ class Trainer:
         self.resumed = checkpoint.load_checkpoint(Path(resume), cfg) if resume is not None else None
         if self.resumed is not None:
             restore = self.resumed.state
+        if restore is not None:
+            _check_same_world_size(restore.get("world_size", 1), self.backend.world_size)
         self.log = RunLog(cfg, self.backend.is_main, resume=self.resumed)
         self.stopped_by: int | None = None
         """The signal (SIGINT, SIGTERM) that stopped `train` early, after a checkpoint."""
@@ -362,6 +364,7 @@ class Trainer:
         if self.backend.world_size > 1:  # each rank's own random streams (dropout, reward functions' draws)
             train["rng"] = {"per_rank": self.backend.all_gather_object(train["rng"])}
         return {
+            "world_size": self.backend.world_size,
             "train": train,
             "reward_failures": sum_counts(self.backend.all_gather_object(dict(self.rewards.failures))),
             "skips": {"consecutive": self.skips.consecutive, "total": self.skips.total},
@@ -394,14 +397,21 @@ class Trainer:
         return self.saved
 
 
+def _check_same_world_size(saved: int, now: int) -> None:
+    """A run continues on as many processes as it ran on: the global batch is per_device_train_batch_size
+    x gradient_accumulation_steps x world size, and a resumed run's config cannot change."""
+    if saved != now:
+        how = "as one process (`grpo train CONFIG --resume`)" if saved == 1 else f"with `torchrun --nproc_per_node {saved}` (in all)"
+        raise ConfigError(
+            f"the run being resumed ran on {saved} process(es), this one has {now}: its global batch "
+            f"(training.per_device_train_batch_size x gradient_accumulation_steps x world size) would change; resume it {how}"
+        )
+
+
 def _this_ranks_state(train: dict[str, Any], backend) -> dict[str, Any]:
-    """A saved train state with this rank's random streams: its own when the run had as many
-    ranks, else rank 0's (a run resumed on another number of ranks continues the rest exactly)."""
+    """A saved train state with this rank's own random streams (a run resumes on as many ranks)."""
     rng = train["rng"]
-    if "per_rank" in rng:
-        per_rank = rng["per_rank"]
-        rng = per_rank[backend.rank] if len(per_rank) == backend.world_size else per_rank[0]
-    return {**train, "rng": rng}
+    return {**train, "rng": rng["per_rank"][backend.rank] if "per_rank" in rng else rng}
 
 
 def _task(cfg: Config, train_rows: list[Row] | None, eval_rows: list[Row] | None) -> Task:
