@@ -223,9 +223,7 @@ class Checkpoint:
                 )
             lora.load_adapter_state(model, load_file(self.path / ADAPTER_WEIGHTS), what=f"--resume {self.path}")
             return
-        weights: dict[str, torch.Tensor] = {}
-        for file in sorted(self.path.glob("*.safetensors")):
-            weights.update(load_file(file))
+        weights = self.weights(model)
         result = model.load_state_dict(weights, strict=False)
         current = model.state_dict()
         loaded = {current[k].data_ptr() for k in weights if k in current}
@@ -236,6 +234,22 @@ class Checkpoint:
                 f"--resume {self.path}: its weights do not fit model.name's model (missing {missing[:3]}, "
                 f"unexpected {result.unexpected_keys[:3]}); resume with the model the run started from"
             )
+
+
+    def weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The checkpoint's full weights by name (a weights checkpoint, not an adapter), each a name of `model`'s."""
+        from safetensors.torch import load_file
+
+        weights: dict[str, torch.Tensor] = {}
+        for file in sorted(self.path.glob("*.safetensors")):
+            weights.update(load_file(file))
+        unexpected = sorted(set(weights) - set(model.state_dict()))
+        if unexpected:
+            raise ConfigError(
+                f"--resume {self.path}: its weights do not fit model.name's model (unexpected {unexpected[:3]}); "
+                "resume with the model the run started from"
+            )
+        return weights
 
 
 def load_checkpoint(path: Path, cfg) -> Checkpoint:

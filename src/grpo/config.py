@@ -633,9 +633,16 @@ class TrainingConfig:
     run (grpo.update.TrainingDiverged)."""
     device: str = "auto"
     """auto (cuda if available, else cpu), cpu or cuda."""
+    sharding: str = "none"
+    """none: under torchrun every rank holds the whole model (data parallel); fsdp: the
+    parameters, gradients and optimizer state are sharded over the ranks with FSDP2
+    (`fully_shard` per decoder layer), gathered whole for each rollout."""
 
     def check(self, cfg: "Config", world_size: int = 1) -> None:
         _choice("training.lr_scheduler_type", self.lr_scheduler_type, registry.LR_SCHEDULES)
+        _choice("training.sharding", self.sharding, ("none", "fsdp"))
+        if self.sharding == "fsdp":
+            _check_fsdp(cfg, world_size)
         _choice("training.device", self.device, ("auto", "cpu", "cuda"))
         _positive("training.per_device_train_batch_size", self.per_device_train_batch_size)
         _positive("training.gradient_accumulation_steps", self.gradient_accumulation_steps)
@@ -666,6 +673,22 @@ class TrainingConfig:
         _positive("training.save_steps", self.save_steps, allow_zero=True)
         _positive("training.save_total_limit", self.save_total_limit, allow_zero=True)
         _positive("training.max_consecutive_skips", self.max_consecutive_skips)
+
+
+def _check_fsdp(cfg: "Config", world_size: int) -> None:
+    """What FSDP sharding does not cover yet, refused with the way out."""
+    refused = [
+        (cfg.model.lora.r > 0, "model.lora.r > 0 (LoRA)", "set model.lora.r=0"),
+        (cfg.algorithm.beta > 0, "algorithm.beta > 0 (the KL reference is not sharded yet)", "set algorithm.beta=0"),
+        (cfg.algorithm.advantage_estimator == "gae", "advantage_estimator=gae (the critic is not sharded yet)",
+         "use another estimator"),
+        (cfg.rollout.engine != "hf", f"rollout.engine={cfg.rollout.engine}", "set rollout.engine=hf"),
+        (cfg.rollout.decoding == "fused", "rollout.decoding=fused (it reads the weights outside the model's forward)",
+         "set rollout.decoding=auto"),
+    ]
+    for bad, what, fix in refused:
+        if bad:
+            raise ConfigError(f"training.sharding=fsdp does not support {what} yet; {fix}, or set training.sharding=none")
 
 
 @dataclass

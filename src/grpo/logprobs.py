@@ -338,7 +338,27 @@ def completion_logprobs(
     (right-padded) -> logp [N, T], entropy [N, T], zero where the mask is 0.
     Logits are divided by the sampling temperature, as TRL does, so that the
     ratio compares the distribution the tokens were drawn from.
+
+    A model sharded with FSDP2 carries this computation as its own method
+    (`FSDP_METHOD`, registered as a forward method by grpo.backends.distributed), so that
+    FSDP gathers the parameters it reads outside the decoder layers' forward passes
+    (embedding, final norm, output weight) and reduces their gradients.
     """
+    sharded = getattr(model, FSDP_METHOD, None)
+    if sharded is not None:
+        return sharded(prompt_ids, prompt_mask, completion_ids, completion_mask, temperature=temperature,
+                       chunk_size=chunk_size, vocab_block=vocab_block, share_prompts=share_prompts,
+                       weight_grad_sink=weight_grad_sink)
+    return _completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature=temperature,
+                                chunk_size=chunk_size, vocab_block=vocab_block, share_prompts=share_prompts,
+                                weight_grad_sink=weight_grad_sink)
+
+
+FSDP_METHOD = "grpo_completion_logprobs"
+
+
+def _completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *, temperature, chunk_size,
+                         vocab_block, share_prompts, weight_grad_sink) -> tuple[torch.Tensor, torch.Tensor]:
     hidden = completion_hidden_states(model, prompt_ids, prompt_mask, completion_ids, completion_mask, share_prompts)
     keep = completion_mask.bool()
     softcap = getattr(model.config, "final_logit_softcapping", None)

@@ -63,7 +63,10 @@ class TrainState:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     sampler: PromptSampler
     generator: torch.Generator
-    """Draws the completions' tokens (the rollout engine samples with it)."""
+    """Draws the per-prompt sampling seeds (grpo.rollout.types.prompt_seeds)."""
+    optimizer_state: Any = None
+    """What saves and loads the optimizer's state (`state_dict`, `load_state_dict`): the optimizer
+    itself, or the backend's stand-in for it (FSDP: the state of every shard, gathered)."""
 
     @classmethod
     def create(
@@ -73,8 +76,10 @@ class TrainState:
         num_rows: int,
         device: torch.device,
         restore: dict[str, Any] | None = None,
+        optimizer_state: Any = None,
     ) -> "TrainState":
-        """A run's state at step 0 (seeded from `cfg`), or at the step `restore` was saved at."""
+        """A run's state at step 0 (seeded from `cfg`), or at the step `restore` was saved at.
+        `optimizer_state`: see the field (default: the optimizer)."""
         t = cfg.training
         total_updates = t.max_steps * cfg.algorithm.num_iterations
         scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -84,9 +89,9 @@ class TrainState:
         torch.manual_seed(t.seed)
         generator = torch.Generator(device=device).manual_seed(t.seed)
         sampler = PromptSampler(num_rows, cfg.data.seed, state=restore["sampler"] if restore else None)
-        state = cls(0, 0, optimizer, scheduler, sampler, generator)
+        state = cls(0, 0, optimizer, scheduler, sampler, generator, optimizer_state or optimizer)
         if restore is not None:
-            optimizer.load_state_dict(restore["optimizer"])
+            state.optimizer_state.load_state_dict(restore["optimizer"])
             scheduler.load_state_dict(restore["scheduler"])
             generator.set_state(restore["generator"])
             restore_rng(restore["rng"])
@@ -97,7 +102,7 @@ class TrainState:
         return {
             "step": self.step,
             "tokens_seen": self.tokens_seen,
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": self.optimizer_state.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "sampler": self.sampler.state_dict(),
             "generator": self.generator.get_state(),

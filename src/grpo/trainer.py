@@ -114,7 +114,7 @@ class Trainer:
         self.model, self.tokenizer = self.backend.prepare_model(model), tokenizer
         self.reference = create_reference(cfg.algorithm, self.model, restore["reference"] if restore else None)
         if self.resumed is not None:  # after the reference: unless saved, it is a copy of the starting model
-            self.resumed.load_weights(self.model)
+            self.backend.load_weights(self.resumed, self.model)
         self.critic = self._critic(restore)
         self.engine = create_engine(cfg.rollout.engine, self.model, tokenizer, cfg)
         d, r = cfg.data, cfg.rollout
@@ -125,9 +125,11 @@ class Trainer:
             self.prompts.check_fits(self.task.eval_rows, eval_length, context_length(self.model), "held-out rows")
         skips = restore.get("skips", {}) if restore else {}
         self.skips = Skips(cfg.training.max_consecutive_skips, **skips)  # skipped non-finite updates, in a row and in all
+        optimizer = self.backend.make_optimizer(self.model)
         self.state = TrainState.create(
-            cfg, self.backend.make_optimizer(self.model), len(self.task.train_rows), self.backend.device,
+            cfg, optimizer, len(self.task.train_rows), self.backend.device,
             restore=_this_ranks_state(restore["train"], self.backend) if restore else None,
+            optimizer_state=self.backend.optimizer_state(self.model, optimizer),
         )
         self.evaluator = (
             Evaluator(cfg, self.engine, tokenizer, self.task.eval_rows, self.task.scorer, self.rewards, self.backend)
@@ -172,7 +174,7 @@ class Trainer:
         ):
             rows = self.state.sampler.take(self.task.train_rows, self.num_prompts)[self.shard]
             seeds = prompt_seeds(self.state.generator, self.num_prompts)[self.shard]
-            with timer("generate"):
+            with timer("generate"), self.backend.generation(self.model):
                 try:
                     rollout = self.engine.generate(self.encode(rows), G, self.sampling, seeds)
                 except NonFiniteProbabilities as error:  # e.g. a learning rate so high the weights blew up
@@ -356,7 +358,8 @@ class Trainer:
         if self.evaluator is None:
             raise ConfigError("evaluation needs held-out rows (data.arithmetic.num_eval > 0 or data.eval_file)")
         ev, step = self.evaluator, self.state.step
-        return self.log.evaluation(label, step, len(ev.rows), ev.num_batches, lambda progress: ev(label, step, progress))
+        with self.backend.generation(self.model):
+            return self.log.evaluation(label, step, len(ev.rows), ev.num_batches, lambda progress: ev(label, step, progress))
 
     def state_dict(self) -> dict[str, Any]:
         """Everything besides the policy's weights that continues this run exactly (`restore=`)."""
@@ -390,8 +393,9 @@ class Trainer:
         a = self.cfg.algorithm
         if not (a.ref_sync_steps and self.state.step >= a.ref_sync_steps):
             state["reference"] = None  # still a copy of the starting model, which a resumed run copies again
+        model = self.backend.savable_model(self.model)  # FSDP: gathered whole on rank 0
         if self.backend.is_main:  # the ranks' weights are the same: rank 0 writes them
-            checkpoint.save_checkpoint(directory, self.model, self.tokenizer, state, self.cfg, step=self.state.step)
+            checkpoint.save_checkpoint(directory, model, self.tokenizer, state, self.cfg, step=self.state.step)
         self.backend.barrier()  # no rank goes on (or resumes) before the checkpoint is whole
         self.saved = directory
         return self.saved

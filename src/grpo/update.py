@@ -68,7 +68,10 @@ class Skips:
 def check_finite_weights(model, what: str) -> None:
     """Raises TrainingDiverged naming the first parameter that holds NaN or inf (before `what`, a save)."""
     for name, p in model.named_parameters():
-        if not bool(torch.isfinite(p).all()):
+        finite = torch.isfinite(p).all()
+        if hasattr(finite, "full_tensor"):  # a parameter sharded by FSDP: every rank's shard (a collective)
+            finite = finite.full_tensor()
+        if not bool(finite):
             raise TrainingDiverged(
                 f"refusing to {what}: parameter {name} holds NaN or inf, so these weights would be useless; "
                 "lower training.learning_rate (and keep training.max_grad_norm > 0) and train again"
@@ -88,6 +91,18 @@ def split(batch: GenerationBatch, cfg: Config) -> list[list[torch.Tensor]]:
         microbatches(batch.rollout, rows, cfg.training.microbatch_tokens)
         for rows in minibatches(batch.rollout.lengths.tolist(), G, size)
     ]
+
+
+NO_ROWS = torch.zeros(0, dtype=torch.long)
+
+
+def evened(pieces: list[list[torch.Tensor]], backend) -> list[list[torch.Tensor]]:
+    """`pieces` and, when the backend needs every rank to run as many forward/backward passes
+    (FSDP: each is a collective), one more minibatch of empty micro-batches (NO_ROWS) to make
+    up this rank's difference to the busiest rank; an empty one runs `backend.idle_pass`."""
+    count = sum(len(m) for m in pieces)
+    missing = backend.passes_needed(count) - count
+    return pieces + [[NO_ROWS] * missing] if missing else pieces
 
 
 def rows_logprobs(model, batch: GenerationBatch, rows: torch.Tensor, cfg: Config, backend, grad: bool):
@@ -117,8 +132,11 @@ def batch_logprobs(model, batch: GenerationBatch, cfg: Config, backend) -> torch
     model.eval()
     out = torch.zeros(len(batch), batch.rollout.completion_ids.shape[1], device=backend.device)
     try:
-        for pieces in split(batch, cfg):
+        for pieces in evened(split(batch, cfg), backend):
             for rows in pieces:
+                if not len(rows):
+                    backend.idle_pass(model, grad=False)
+                    continue
                 logp, _ = rows_logprobs(model, batch, rows, cfg, backend, grad=False)
                 out[rows, : logp.shape[1]] = logp
     finally:
@@ -171,6 +189,7 @@ def policy_update(
             "report the logprobs it sampled with; set algorithm.rollout_correction=none"
         )
     grad_norms = []
+    pieces = evened(pieces, backend)  # after counting the minibatches: padding is not one
     norms = [  # the same for every pass: counted once
         dict(num_sequences=num_sequences, num_tokens=num_tokens, num_minibatches=num_minibatches,
              minibatch_tokens=batch.loss_mask[torch.cat(minibatch)].sum().item())
@@ -182,6 +201,9 @@ def policy_update(
         pass_loss = 0.0
         for minibatch, norm in zip(pieces, norms):
             for rows in minibatch:
+                if not len(rows):
+                    backend.idle_pass(model, grad=True)
+                    continue
                 logp, entropy = rows_logprobs(model, batch, rows, cfg, backend, grad=True)
                 width = logp.shape[1]
                 mask = batch.loss_mask[rows, :width]

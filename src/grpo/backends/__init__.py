@@ -69,6 +69,25 @@ class Backend(Protocol):
     def barrier(self) -> None:
         """Wait for every rank."""
 
+    def generation(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
+        """Around every rollout and evaluation: the model whole for generating (FSDP gathers its shards)."""
+
+    def optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        """What saves and loads the optimizer's state in checkpoints (`state_dict`, `load_state_dict`)."""
+
+    def load_weights(self, saved, model: torch.nn.Module) -> None:
+        """A checkpoint's (grpo.checkpoint.Checkpoint) weights into the prepared model."""
+
+    def passes_needed(self, count: int) -> int:
+        """How many forward (and backward) passes this rank must run for `count` of its own: the
+        busiest rank's count when each pass is a collective (FSDP), else `count`."""
+
+    def idle_pass(self, model: torch.nn.Module, grad: bool) -> None:
+        """A pass that changes nothing (no rows, zero gradient) but joins the others' collectives."""
+
+    def savable_model(self, model: torch.nn.Module) -> torch.nn.Module | None:
+        """The model to write into a checkpoint, on the rank that writes (FSDP: an unsharded copy on rank 0)."""
+
     def after_update(self) -> None:
         """Called after each update, before the next rollout."""
 
@@ -88,6 +107,9 @@ def create_backend(cfg: Config) -> Backend:
         from grpo.backends.distributed import DataParallel
 
         return DataParallel(cfg)
+    if cfg.training.sharding != "none":
+        raise ConfigError(f"training.sharding={cfg.training.sharding} shards over torchrun's processes: start with "
+                          "`torchrun --nproc_per_node N -m grpo train CONFIG`, or set training.sharding=none")
     from grpo.backends.single import SingleProcess
 
     return SingleProcess(cfg)

@@ -30,18 +30,35 @@ reduction does not overlap the backward pass.
 
 Only rank 0 writes the run directory and the console (`is_main`); every rank
 reads the checkpoint it resumes from.
+
+`training.sharding: fsdp` shards the parameters, gradients and AdamW's state
+with FSDP2: `fully_shard` on each decoder layer and on the whole model (its
+embedding, final norm and output layer). FSDP then sums the gradients itself
+(reduce-scatter, as a mean, which `reduce_gradients` turns into the sum the
+globally normalised loss needs); the logprobs run as the model's registered FSDP
+forward method (grpo.logprobs.FSDP_METHOD), because they read the output
+weight outside any module's forward (each call one pass of the decoder: no
+prompt sharing, so every micro-batch costs every rank the same collectives);
+for generation every shard is gathered
+once and kept whole until the rollout ends (`generation`), so that ranks whose
+completions end at different steps never wait on each other's all-gathers.
+The CPU mechanisms that touch `.grad` or read weights directly (the gradient
+sink, the sparse embedding gradient, oneDNN's packed weights, fused decoding)
+are off under FSDP.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import types
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from grpo.backends.single import SingleProcess
+from grpo.backends.single import SingleProcess, adamw, enable_checkpointing
 from grpo.config import Config, ConfigError, validate
 
 # gradients are reduced in flat buckets of at most this many elements (a float32 bucket: 256 MB)
@@ -78,6 +95,7 @@ class DataParallel(SingleProcess):
             self.device = torch.device("cuda", self.local_rank)
         else:
             self.device = torch.device("cpu")
+        self.fsdp = cfg.training.sharding == "fsdp"
         init_process_group(self.device.type)
         # on the CPU the collectives run on CPU tensors; with NCCL they must live on the GPU
         self._comm_device = self.device if self.device.type == "cuda" else torch.device("cpu")
@@ -87,9 +105,79 @@ class DataParallel(SingleProcess):
         return self.rank == 0
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        model = super().prepare_model(model)
-        self.broadcast_module(model)
-        return model
+        if not self.fsdp:
+            model = super().prepare_model(model)
+            self.broadcast_module(model)
+            return model
+        model = model.to(self.device)
+        enable_checkpointing(model, self.cfg.training.gradient_checkpointing)
+        self.broadcast_module(model)  # every rank shards the same weights
+        return shard_with_fsdp(model)
+
+    def make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        if not self.fsdp:
+            return super().make_optimizer(model)
+        return adamw(model, self.cfg.training, self.device)  # over the shards; FSDP allocates their gradients
+
+    def output_grad_sink(self, model: torch.nn.Module) -> torch.Tensor | None:
+        return None if self.fsdp else super().output_grad_sink(model)
+
+    def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> float:
+        if not self.fsdp:
+            return super().clip_grad_norm(model, max_norm)
+        # the norm over every rank's shards (DTensors); an infinite maximum measures without clipping
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    @contextlib.contextmanager
+    def generation(self, model: torch.nn.Module):
+        if not self.fsdp:
+            yield
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        for unit in units:
+            unit.unshard()
+        model.set_reshard_after_forward(False)  # whole until the rollout ends: no collective per decoding step
+        try:
+            yield
+        finally:
+            model.set_reshard_after_forward(True)
+            for unit in units:
+                unit.reshard()
+
+    def optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        return FullOptimizerState(model, optimizer) if self.fsdp else optimizer
+
+    def load_weights(self, saved, model: torch.nn.Module) -> None:
+        if not self.fsdp:
+            return saved.load_weights(model)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        # every rank reads the whole checkpoint and keeps its shards
+        set_model_state_dict(model, saved.weights(model), options=StateDictOptions(full_state_dict=True, strict=False))
+
+    def passes_needed(self, count: int) -> int:
+        if not self.fsdp:
+            return count
+        return max(self.all_gather_object(count))
+
+    def idle_pass(self, model: torch.nn.Module, grad: bool) -> None:
+        """One token through the model, and a backward of zero times it: the same all-gathers
+        and reduce-scatters as a real micro-batch, without changing a gradient."""
+        from grpo.logprobs import completion_logprobs
+
+        one = torch.ones(1, 1, dtype=torch.long, device=self.device)
+        with contextlib.nullcontext() if grad else torch.no_grad(), self.autocast():
+            logp, _ = completion_logprobs(model, one, one, one, one)
+        if grad:
+            (logp.sum() * 0.0).backward()
+
+    def savable_model(self, model: torch.nn.Module) -> torch.nn.Module | None:
+        if not self.fsdp:
+            return model
+        return unsharded_copy(model)
 
     def broadcast_module(self, module: torch.nn.Module) -> None:
         """Rank 0's parameters and buffers on every rank (a model loaded or initialised anywhere
@@ -104,7 +192,15 @@ class DataParallel(SingleProcess):
                     tensor.data.copy_(copy)
 
     def reduce_gradients(self, model: torch.nn.Module) -> None:
-        """Sum every trainable parameter's gradient over the ranks (a missing one counts as zeros)."""
+        """Sum every trainable parameter's gradient over the ranks (a missing one counts as zeros).
+        Under FSDP its backward has reduce-scattered them already, as a mean: times the world
+        size, a sum (FSDP's own switch to a sum needs a reduction gloo lacks)."""
+        if self.fsdp:
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(self.world_size)
+            return
         params = [p for p in model.parameters() if p.requires_grad]
         for p in params:
             if p.grad is None:
@@ -174,6 +270,69 @@ class DataParallel(SingleProcess):
 
     def barrier(self) -> None:
         dist.barrier()
+
+
+def shard_with_fsdp(model: torch.nn.Module) -> torch.nn.Module:
+    """FSDP2 over the decoder layers and the whole model, gradients summed (not averaged), and
+    grpo's logprobs registered as a forward method (grpo.logprobs.FSDP_METHOD)."""
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    from grpo.logprobs import FSDP_METHOD, _completion_logprobs
+
+    body = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    layers = getattr(body, "layers", None)
+    if layers is None:
+        raise ConfigError(f"training.sharding=fsdp: {type(model).__name__} has no decoder layers at "
+                          f"{model.base_model_prefix}.layers to shard; set training.sharding=none")
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(model)
+    def logprobs(self, *args, share_prompts: bool = True, **kwargs):
+        # one decoder pass per call, whatever the rows (shared prompts would make it two for some
+        # micro-batches and one for others, and the ranks' all-gathers would no longer pair up)
+        return _completion_logprobs(self, *args, share_prompts=False, **kwargs)
+
+    setattr(model, FSDP_METHOD, types.MethodType(logprobs, model))
+    register_fsdp_forward_method(model, FSDP_METHOD)
+    return model
+
+
+class FullOptimizerState:
+    """An FSDP optimizer's state as checkpoints hold it: whole (every shard gathered, keyed by
+    parameter name), so that it does not depend on how the ranks split the parameters."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.model, self.optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+def unsharded_copy(model: torch.nn.Module) -> torch.nn.Module | None:
+    """On rank 0, the FSDP model's weights gathered into a plain (unsharded, CPU) model of its
+    transformers class, to save with save_pretrained; None on the other ranks. Every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import FSDPModule
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() != 0:
+        return None
+    cls = next(c for c in type(model).__mro__[1:] if not issubclass(c, FSDPModule) and issubclass(c, torch.nn.Module))
+    with torch.device("meta"):
+        plain = cls(model.config)
+    plain.load_state_dict(state, assign=True, strict=False)
+    plain.tie_weights()
+    missing = [name for name, p in plain.named_parameters() if p.is_meta]
+    if missing:
+        raise RuntimeError(f"the gathered FSDP state has no {missing[:3]}: cannot write the checkpoint")
+    return plain
 
 
 def close() -> None:

@@ -64,6 +64,29 @@ def sparse_tied_embedding_gradient(model) -> None:
         embedding.sparse = True
 
 
+def enable_checkpointing(model, enabled: bool) -> None:
+    """training.gradient_checkpointing (non-reentrant), and the KV cache on for generation."""
+    if enabled:
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = True
+
+
+def adamw(model, t, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters, as training.* (`t`) configures it."""
+    return torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=t.learning_rate,
+        betas=(t.adam_beta1, t.adam_beta2),
+        eps=t.adam_epsilon,
+        weight_decay=t.weight_decay,
+        # one kernel per tensor, no temporaries the size of the model
+        fused=device.type in ("cpu", "cuda"),
+    )
+
+
 class SingleProcess:
     world_size = 1
     rank = 0
@@ -80,26 +103,12 @@ class SingleProcess:
         if getattr(model, "hf_quantizer", None) is None:  # a QLoRA base is placed by bitsandbytes, and cannot move
             model = model.to(self.device)
         prepare_for_device(model, self.cfg.model)
-        if self.cfg.training.gradient_checkpointing:
-            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
-                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = True
+        enable_checkpointing(model, self.cfg.training.gradient_checkpointing)
         sparse_tied_embedding_gradient(model)
         return model
 
     def make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
-        t = self.cfg.training
-        optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad],
-            lr=t.learning_rate,
-            betas=(t.adam_beta1, t.adam_beta2),
-            eps=t.adam_epsilon,
-            weight_decay=t.weight_decay,
-            # one kernel per tensor, no temporaries the size of the model
-            fused=self.device.type in ("cpu", "cuda"),
-        )
+        optimizer = adamw(model, self.cfg.training, self.device)
         # gradients live for the whole run and are zeroed in place (no re-allocation each step)
         for p in model.parameters():
             if p.requires_grad:
@@ -142,6 +151,24 @@ class SingleProcess:
 
     def barrier(self) -> None:
         pass
+
+    def generation(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        return optimizer
+
+    def load_weights(self, saved, model: torch.nn.Module) -> None:
+        saved.load_weights(model)
+
+    def passes_needed(self, count: int) -> int:
+        return count
+
+    def idle_pass(self, model: torch.nn.Module, grad: bool) -> None:
+        raise AssertionError("only a sharded backend pads its passes")
+
+    def savable_model(self, model: torch.nn.Module) -> torch.nn.Module | None:
+        return model
 
     def after_update(self) -> None:
         if self.device.type == "cpu":

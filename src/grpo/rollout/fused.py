@@ -40,6 +40,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # the
 
 from grpo import kernels, lora
 from grpo.attention import grouped_attention
+from grpo.logprobs import FSDP_METHOD
 
 # config.model_type -> RMS-norm style: Gemma scales by (1 + w) and rounds after;
 # the Llama family rounds to the input dtype, then scales by w
@@ -52,6 +53,8 @@ def unsupported_reason(model) -> str | None:
     kind = getattr(config, "model_type", None)
     if kind not in NORM_STYLES:
         return f"architecture {kind!r}"
+    if getattr(model, FSDP_METHOD, None) is not None:  # its weights are whole only inside FSDP's gathers
+        return "parameters sharded by FSDP"
     if getattr(config, "attn_logit_softcapping", None) is not None:
         return "attention logit soft-capping"
     if getattr(config, "use_bidirectional_attention", False):
