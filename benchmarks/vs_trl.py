@@ -4,6 +4,7 @@
     python benchmarks/vs_trl.py --precision both               # fp32, then bf16 autocast
     python benchmarks/vs_trl.py --model tiny --precision both  # CI-sized, about a minute
     python benchmarks/vs_trl.py --precision bf16 --lora 16     # full fine-tuning, then LoRA r=16
+    python benchmarks/vs_trl.py --precision bf16 --vllm        # + grpo with rollout.engine=vllm
 
 Each side runs in its own child process (this script again, with `--side trl`
 or `--side grpo`), so that its peak memory is its own. A child builds its
@@ -23,11 +24,23 @@ through `GRPOTrainer(peft_config=peft.LoraConfig(...))`, grpo through
 (no gradient for the frozen base weights; the adapters' own products are not
 counted), and "peak-state" subtracts gradients and Adam moments of the trainable
 (adapter) weights only.
+
+`--vllm` adds a third side, `grpo-vllm`: grpo's Trainer as on the grpo side with
+rollout.engine=vllm (VLLM_SETTINGS), measured the same way (its own child
+processes, in the same alternation, the same work and medians). vllm is not in
+the main venv, so its children run with `--vllm-python` (default
+.venv-vllm/bin/python, built by `make .venv-vllm/.dev`); the trl and grpo sides
+keep this interpreter. Each grpo step, on both grpo sides, is what
+Trainer.train_step does: collect_batch, engine.sleep(), update, then
+engine.sync_weights (for vLLM the weight push, counted in "update"; nothing for
+the hf engine). Not with --model tiny on the CPU (vLLM's CPU attention does not
+support its head size, 16).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import math
@@ -44,8 +57,19 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 GB = 1024**3
 SIDES = ("trl", "grpo")
+VLLM_SIDE = "grpo-vllm"
+"""grpo with rollout.engine: vllm (--vllm), run by the interpreter of a venv with vllm in it."""
+LABELS = {"trl": "TRL", "grpo": "grpo", VLLM_SIDE: VLLM_SIDE}
+RATIOS = (("grpo", "trl"), (VLLM_SIDE, "trl"), (VLLM_SIDE, "grpo"))
+"""The ratio rows of the table (numerator, denominator), those whose sides ran."""
 PRECISIONS = ("fp32", "bf16")
 DEV_HINT = 'pip install -e ".[dev]"'
+VLLM_VENV = REPO / ".venv-vllm"
+VLLM_HINT = "make .venv-vllm/.dev"
+VLLM_SETTINGS = {"kv_cache_gb": 1.0, "enforce_eager": True}
+"""rollout.vllm of the grpo-vllm side: vLLM's CPU build needs a fixed KV cache size (1 GiB holds
+Gemma-3-270M's longest sequence, which vLLM requires at start); eager, as tests/test_vllm_engine.py
+runs it (no torch.compile of the model)."""
 
 # Work per step; both sides get exactly these values.
 NUM_PROMPTS = 4
@@ -255,7 +279,10 @@ class _DtypeProbe:
             target.register_forward_hook(self._hook)
 
     def _hook(self, module, args, output):
-        self.seen.setdefault(self.phase, set()).add(str(output.dtype).replace("torch.", ""))
+        self.record(self.phase, output.dtype)
+
+    def record(self, phase: str, dtype) -> None:
+        self.seen.setdefault(phase, set()).add(str(dtype).replace("torch.", ""))
 
     def watch_fused_decoding(self) -> None:
         """grpo's CPU bf16 rollouts compute through grpo.rollout.fused's products, not the
@@ -354,9 +381,17 @@ def _set_threads(spec: dict) -> None:
         torch.set_num_threads(spec["threads"])
 
 
+def _versions() -> dict[str, str | None]:
+    """The versions of the libraries a side ran with (the vLLM side's venv has its own); None
+    for one the side did not import."""
+    return {name: getattr(sys.modules.get(name), "__version__", None) for name in ("torch", "transformers", "trl", "vllm")}
+
+
 def _side_result(rec, shape: dict, probe, setup_s: float, optimizer, autocast: str, trained_bytes: int) -> dict:
-    """What a child reports to the parent (the same fields for both sides)."""
+    """What a child reports to the parent (the same fields for every side)."""
     return {
+        "python": sys.executable,
+        "versions": _versions(),
         "shape": shape,
         "trainable_bytes": trained_bytes,
         "steps": rec.steps,
@@ -484,7 +519,7 @@ def run_trl(spec: dict, out_dir: Path) -> dict:
                         trainable_bytes(trainer.model))
 
 
-def run_grpo(spec: dict, out_dir: Path) -> dict:
+def run_grpo(spec: dict, out_dir: Path, engine: str = "hf") -> dict:
     rec = _Recorder(spec)
     import torch  # noqa: F401
 
@@ -513,6 +548,8 @@ def run_grpo(spec: dict, out_dir: Path) -> dict:
                 "top_p": 1.0,
                 "top_k": 0,
                 "ignore_eos": True,
+                "engine": engine,
+                "vllm": VLLM_SETTINGS,  # read only by the vllm engine
             },
             "rewards": {"funcs": ["arithmetic_correct"]},
             "algorithm": {
@@ -545,6 +582,8 @@ def run_grpo(spec: dict, out_dir: Path) -> dict:
     shape = model_shape(trainer.model)
     probe = _DtypeProbe(trainer.model)
     probe.watch_fused_decoding()
+    if engine == "vllm":  # vLLM generates with its own copy of the model, not the policy's modules
+        probe.record("generate", trainer.engine.llm.llm_engine.model_config.dtype)
     rec.after_load()
     setup_s = time.perf_counter() - t_setup
     for index in range(W + S):
@@ -556,7 +595,9 @@ def run_grpo(spec: dict, out_dir: Path) -> dict:
         _sync(spec["device"])
         rec.generate_s = time.perf_counter() - t0
         probe.phase = "update"
+        trainer.engine.sleep()  # as Trainer.train_step: nothing to do for the hf engine and on the CPU
         trainer.update(batch)  # logprobs, loss, backward, clipping, optimizer.step(), scheduler.step()
+        trainer.engine.sync_weights(trainer.model)  # vllm: the new weights pushed into vLLM's copy
         trainer.state.step += 1
         ro = batch.rollout
         rec.lengths = (ro.prompt_mask.sum(-1).tolist(), ro.completion_mask.sum(-1).tolist())
@@ -569,7 +610,7 @@ def child_main(args) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     spec = json.loads(Path(args.spec).read_text())
-    run = run_trl if args.side == "trl" else run_grpo
+    run = {"trl": run_trl, "grpo": run_grpo, VLLM_SIDE: functools.partial(run_grpo, engine="vllm")}[args.side]
     with tempfile.TemporaryDirectory(prefix=f"vs_trl-{args.side}-") as tmp:
         result = run(spec, Path(tmp))
     result["side"] = args.side
@@ -626,12 +667,31 @@ def prepare_model(name: str, workdir: Path) -> tuple[Path, str]:
     )
 
 
-def run_child(side: str, spec: dict, workdir: Path, label: str, verbose: bool) -> dict:
+def vllm_interpreter(python: str | None, device: str, model: str) -> str:
+    """The interpreter that runs the grpo-vllm side: --vllm-python, or .venv-vllm's."""
+    if model == "tiny" and device == "cpu":
+        raise BenchmarkError(
+            "--vllm: vLLM's CPU attention does not support the tiny model's head size (16); "
+            "use --model gemma-3-270m (or a save_pretrained directory with head size 32 or more)"
+        )
+    path = (Path(python) if python else VLLM_VENV / "bin" / "python").absolute()  # not resolved: a venv's python is a link
+    if not path.is_file():
+        raise BenchmarkError(
+            f"--vllm: no Python interpreter at {path}; build the vllm venv with `{VLLM_HINT}` "
+            "(or pass --vllm-python PATH, an interpreter with vllm and grpo installed)"
+        )
+    probe = "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None or u.find_spec('grpo') is None)"
+    if subprocess.run([str(path), "-c", probe]).returncode != 0:
+        raise BenchmarkError(f"--vllm: {path} cannot import vllm and grpo; build the vllm venv with `{VLLM_HINT}`")
+    return str(path)
+
+
+def run_child(side: str, spec: dict, workdir: Path, label: str, verbose: bool, python: str) -> dict:
     spec_path = workdir / f"spec-{label}.json"
     result_path = workdir / f"result-{label}.json"
     spec_path.write_text(json.dumps(spec))
     result_path.unlink(missing_ok=True)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--side", side, "--spec", str(spec_path), "--result", str(result_path)]
+    cmd = [python, str(Path(__file__).resolve()), "--side", side, "--spec", str(spec_path), "--result", str(result_path)]
     env = dict(os.environ, HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"))
     env.setdefault("TRANSFORMERS_VERBOSITY", "error")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -703,15 +763,13 @@ def _fmt(x: float, digits: int = 2) -> str:
     return f"{x:.{digits}f}"
 
 
-def format_table(summary: dict, device: str) -> str:
+def format_table(summary: dict, sides: tuple[str, ...], device: str) -> str:
     mem = "peak GPU GB" if device == "cuda" else "peak RSS GB"
     cols = ["", "step s", "generate s", "update s", mem, "transient GB", "peak-state GB", "GFLOP/s", "% of peak"]
     keys = ["step_s", "generate_s", "update_s", "peak_gb", "transient_gb", "peak_over_state_gb", "gflops", "pct_of_peak"]
     digits = [3, 3, 3, 2, 2, 2, 1, 2]
-    rows = []
-    for side, label in (("trl", "TRL"), ("grpo", "grpo")):
-        rows.append([label] + [_fmt(summary[side][k], d) for k, d in zip(keys, digits)])
-    rows.append(["grpo/TRL"] + [_fmt(summary["ratio"].get(k), 2) for k in keys])
+    rows = [[LABELS[side]] + [_fmt(summary[side][k], d) for k, d in zip(keys, digits)] for side in sides]
+    rows += [[label] + [_fmt(ratio.get(k), 2) for k in keys] for label, ratio in summary["ratios"].items()]
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
     line = lambda cells: "| " + " | ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))) + " |"
     sep = "|" + "|".join(("-" * (w + 1) + ":") if i else "-" * (w + 2) for i, w in enumerate(widths)) + "|"
@@ -724,27 +782,34 @@ def _ratio(a, b):
     return a / b
 
 
-def run_precision(precision: str, base_spec: dict, args, workdir: Path, peak_flops: float, lora_r: int = 0) -> dict:
+def run_precision(precision: str, base_spec: dict, args, workdir: Path, peak_flops: float, interpreters: dict[str, str],
+                  lora_r: int = 0) -> dict:
+    """Every side of `interpreters` (side -> the Python that runs its children), --repeats times."""
     spec = dict(base_spec, precision=precision, lora_r=lora_r)
-    results = {side: [] for side in SIDES}
+    sides = tuple(interpreters)
+    results = {side: [] for side in sides}
     mode = f"lora{lora_r}" if lora_r else "full"
     for r in range(args.repeats):
-        order = SIDES if r % 2 == 0 else SIDES[::-1]  # TRL, grpo, then grpo, TRL (ABBA)
+        order = sides if r % 2 == 0 else sides[::-1]  # TRL, grpo, then grpo, TRL (ABBA)
         for side in order:
             print(f"[{precision}, {mode}] repeat {r + 1}/{args.repeats}: {side} ...", end="", file=sys.stderr, flush=True)
-            res = run_child(side, spec, workdir, f"{precision}-{mode}-{side}-{r}", args.verbose)
+            res = run_child(side, spec, workdir, f"{precision}-{mode}-{side}-{r}", args.verbose, interpreters[side])
             print(f" {res['wall_s']:.1f} s", file=sys.stderr, flush=True)
             results[side].append(res)
     shape = results["grpo"][0]["shape"]
-    summary = {side: summarize_side(results[side], shape, peak_flops, spec["device"], bool(lora_r)) for side in SIDES}
-    summary["ratio"] = {
-        k: _ratio(summary["grpo"][k], summary["trl"][k])
-        for k in ("step_s", "generate_s", "update_s", "peak_gb", "transient_gb", "peak_over_state_gb", "gflops", "pct_of_peak")
+    summary = {side: summarize_side(results[side], shape, peak_flops, spec["device"], bool(lora_r)) for side in sides}
+    summary["ratios"] = {
+        f"{LABELS[a]}/{LABELS[b]}": {
+            k: _ratio(summary[a][k], summary[b][k])
+            for k in ("step_s", "generate_s", "update_s", "peak_gb", "transient_gb", "peak_over_state_gb", "gflops", "pct_of_peak")
+        }
+        for a, b in RATIOS if a in sides and b in sides
     }
-    same_work = summary["trl"]["tokens_per_step"] == summary["grpo"]["tokens_per_step"]
+    same_work = len({tuple(summary[side]["tokens_per_step"]) for side in sides}) == 1
     return {
         "precision": precision,
         "mode": mode,
+        "sides": sides,
         "spec": spec,
         "peak_flops": peak_flops,
         "shape": shape,
@@ -777,13 +842,13 @@ def machine_info(device: str, threads: int) -> dict:
 
 
 def print_report(run: dict, machine: dict, command: str) -> None:
-    spec, summary, shape = run["spec"], run["summary"], run["shape"]
+    spec, summary, shape, sides = run["spec"], run["summary"], run["shape"], run["sides"]
     p = run["precision"]
     precision_text = "fp32 weights and compute" if p == "fp32" else "fp32 master weights, bf16 autocast"
     print()
     print(f"## grpo vs TRL GRPOTrainer: {spec['model_label']}, {p} ({precision_text}), {lora_label(spec)}")
     print()
-    print(format_table(summary, spec["device"]))
+    print(format_table(summary, sides, spec["device"]))
     print()
     print(
         f"machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']} ({machine['torch_threads']} thread{'s' if machine['torch_threads'] != 1 else ''}), "
@@ -791,6 +856,11 @@ def print_report(run: dict, machine: dict, command: str) -> None:
         + (f" ({machine['gpu']})" if machine.get("gpu") else "")
         + (f", load average {machine['load_average']:.1f} at start" if machine.get("load_average") is not None else "")
     )
+    if VLLM_SIDE in sides:
+        raw = run["raw"][VLLM_SIDE][0]
+        versions = ", ".join(f"{m} {v}" for m, v in raw["versions"].items() if v)
+        settings = ", ".join(f"{k}={v}" for k, v in VLLM_SETTINGS.items())
+        print(f"{VLLM_SIDE}: grpo's Trainer with rollout.engine=vllm ({settings}), run by {raw['python']} ({versions})")
     print(
         f"settings: {NUM_PROMPTS} prompts x {NUM_GENERATIONS} completions, exactly {spec['max_completion_length']} "
         f"completion tokens each (EOS ignored), {lora_label(spec)} on both sides, loss_type={spec['loss_type']}, beta=0, "
@@ -808,7 +878,7 @@ def print_report(run: dict, machine: dict, command: str) -> None:
         + ", loaded by both sides with AutoModelForCausalLM.from_pretrained (float32)"
     )
     gflop = summary["grpo"]["step_gflop"]
-    tokens = ", ".join(f"{s}: {summary[s]['tokens_per_step']}" for s in SIDES)
+    tokens = ", ".join(f"{s}: {summary[s]['tokens_per_step']}" for s in sides)
     passes = "2x forward update (no base weight gradients)" if spec.get("lora_r") else "3x forward update"
     print(
         f"work: {gflop:.2f} GFLOP per step (1x forward generation + {passes}, attention included); "
@@ -817,11 +887,11 @@ def print_report(run: dict, machine: dict, command: str) -> None:
     print(f"peak: {run['peak_flops'] / 1e9:.1f} GFLOP/s (best {p} matmul, {run['peak_kernel']}, measured in this run)")
     dt = "; ".join(
         f"{s}: " + ", ".join(f"{ph} {'/'.join(d)}" for ph, d in summary[s]["compute_dtypes"].items() if ph != "setup")
-        for s in SIDES
+        for s in sides
     )
-    print(f"compute dtype of a decoder Linear: {dt}")
-    print("optimizer: " + ", ".join(f"{s}: {summary[s]['optimizer']}" for s in SIDES))
-    if not all(summary[s]["hwm_reset"] for s in SIDES) and spec["device"] == "cpu":
+    print(f"compute dtype of a decoder Linear: {dt}" + (f" ({VLLM_SIDE}'s generate: vLLM's model dtype)" if VLLM_SIDE in sides else ""))
+    print("optimizer: " + ", ".join(f"{s}: {summary[s]['optimizer']}" for s in sides))
+    if not all(summary[s]["hwm_reset"] for s in sides) and spec["device"] == "cpu":
         print("note: VmHWM could not be reset, so peak RSS includes model loading")
     print(f"command: {command}")
 
@@ -830,12 +900,12 @@ def print_lora_comparison(full: dict, adapted: dict) -> None:
     """LoRA against full fine-tuning, per side, from the same run."""
     keys = [("step_s", "step s"), ("generate_s", "generate s"), ("update_s", "update s"), ("peak_gb", "peak GB")]
     rows = []
-    for side, label in (("trl", "TRL"), ("grpo", "grpo")):
-        f, a = full["summary"][side], adapted["summary"][side]
+    for side in full["sides"]:
+        f, a, label = full["summary"][side], adapted["summary"][side], LABELS[side]
         rows.append([f"{label} full"] + [_fmt(f[k], 3) for k, _ in keys])
         rows.append([f"{label} LoRA"] + [_fmt(a[k], 3) for k, _ in keys])
         rows.append([f"{label} LoRA/full"] + [_fmt(_ratio(a[k], f[k]), 2) for k, _ in keys])
-    rows.append(["grpo/TRL, LoRA"] + [_fmt(adapted["summary"]["ratio"].get(k), 2) for k, _ in keys])
+    rows += [[f"{name}, LoRA"] + [_fmt(ratio.get(k), 2) for k, _ in keys] for name, ratio in adapted["summary"]["ratios"].items()]
     cols = [""] + [c for _, c in keys]
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
     line = lambda cells: "| " + " | ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))) + " |"
@@ -851,6 +921,9 @@ def parent_main(args) -> int:
     import torch
 
     device = _resolve_device(args.device)
+    interpreters = dict.fromkeys(SIDES, sys.executable)  # side -> the Python that runs its children
+    if args.vllm:
+        interpreters[VLLM_SIDE] = vllm_interpreter(args.vllm_python, device, args.model)
     # tiny matrices: one thread (thread hand-offs cost more than the arithmetic); otherwise torch's default
     threads = args.threads or (1 if args.model == "tiny" else torch.get_num_threads())
     torch.set_num_threads(threads)
@@ -884,7 +957,7 @@ def parent_main(args) -> int:
         for p in precisions:
             for rank in ranks:
                 key = f"{p}-lora{rank}" if rank else p
-                runs[key] = run_precision(p, base_spec, args, workdir, peaks[p][0], rank)
+                runs[key] = run_precision(p, base_spec, args, workdir, peaks[p][0], interpreters, rank)
                 runs[key]["peak_kernel"] = peaks[p][1]
         # the peak again after the runs (a shared machine can be faster at either end); keep the best
         for p in precisions:
@@ -892,7 +965,7 @@ def parent_main(args) -> int:
             for run in runs.values():
                 if run["precision"] == p and peak > run["peak_flops"]:
                     run["peak_flops"], run["peak_kernel"] = peak, kernel
-                    for side in SIDES:
+                    for side in run["sides"]:
                         s = run["summary"][side]
                         s["pct_of_peak"] = 100.0 * s["gflops"] * 1e9 / peak
         for run in runs.values():
@@ -949,8 +1022,12 @@ def parse_args(argv=None):
     ap.add_argument("--peak-size", type=int, default=None, help="matmul size for the peak (default 2048 CPU, 8192 CUDA)")
     ap.add_argument("--out", default=None, help="JSON results (default benchmarks/results/vs_trl-<precision>-<model>.json)")
     ap.add_argument("--verbose", action="store_true", help="show the children's output")
+    ap.add_argument("--vllm", action="store_true",
+                    help=f"also run a {VLLM_SIDE} side: grpo with rollout.engine=vllm, in the vllm venv ({VLLM_HINT})")
+    ap.add_argument("--vllm-python", default=None, metavar="PATH",
+                    help="the interpreter of the --vllm side (default .venv-vllm/bin/python); needs vllm and grpo")
     # internal: one side in a child process
-    ap.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
+    ap.add_argument("--side", choices=(*SIDES, VLLM_SIDE), help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
