@@ -198,6 +198,11 @@ def test_a_group_never_straddles_ranks():
     cfg.training.per_device_train_batch_size = 6  # 2 ranks' 12 completions are 3 groups, but not 1.5 a rank
     with pytest.raises(ConfigError, match="a group never straddles ranks.*make it 4 or 8"):
         config.validate(cfg, 2)
+    cfg.training.per_device_train_batch_size = 16
+    cfg.rollout.engine = "vllm"
+    with pytest.raises(ConfigError, match="rollout.engine: vllm .* does not run under torchrun"):
+        config.validate(cfg, 2)
+    cfg.rollout.engine = "hf"
     cfg.training.per_device_train_batch_size = 2
     with pytest.raises(ConfigError, match="per_device_train_batch_size x gradient_accumulation_steps = 2 .*make it 4$"):
         config.validate(cfg, 2)

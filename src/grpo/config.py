@@ -299,6 +299,11 @@ class RolloutConfig:
                 f"a quantized base (model.lora.quantize={cfg.model.lora.quantize}); set model.lora.quantize: none, "
                 "or rollout.engine: hf"
             )
+        if self.engine == "vllm" and world_size > 1:
+            raise ConfigError(
+                "rollout.engine: vllm runs in one process on the first visible GPU and starts its own process "
+                f"group; it does not run under torchrun ({world_size} processes) yet: use rollout.engine: hf there"
+            )
         _choice("rollout.decoding", self.decoding, registry.DECODING)
         if self.num_generations < 2:
             raise ConfigError(
