@@ -405,7 +405,8 @@ def _check_same_world_size(saved: int, now: int) -> None:
     """A run continues on as many processes as it ran on: the global batch is per_device_train_batch_size
     x gradient_accumulation_steps x world size, and a resumed run's config cannot change."""
     if saved != now:
-        how = "as one process (`grpo train CONFIG --resume`)" if saved == 1 else f"with `torchrun --nproc_per_node {saved}` (in all)"
+        how = ("as one process (`grpo train CONFIG --resume`)" if saved == 1
+               else f"on {saved} processes in all (e.g. `torchrun --nproc_per_node {saved} -m grpo train CONFIG --resume`)")
         raise ConfigError(
             f"the run being resumed ran on {saved} process(es), this one has {now}: its global batch "
             f"(training.per_device_train_batch_size x gradient_accumulation_steps x world size) would change; resume it {how}"
