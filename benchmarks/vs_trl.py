@@ -624,12 +624,12 @@ def child_main(args) -> int:
 # ----------------------------------------------------------------------------
 
 
-def check_dependencies() -> None:
-    missing = [m for m in ("trl", "datasets", "accelerate") if importlib.util.find_spec(m) is None]
+def check_dependencies(sides: tuple[str, ...]) -> None:
+    missing = [m for m in ("trl", "datasets", "accelerate") if "trl" in sides and importlib.util.find_spec(m) is None]
     if missing:
         raise BenchmarkError(
             f"the benchmark runs TRL's GRPOTrainer as the peer and needs {', '.join(missing)}, "
-            f"which {'is' if len(missing) == 1 else 'are'} not installed: {DEV_HINT}"
+            f"which {'is' if len(missing) == 1 else 'are'} not installed: {DEV_HINT} (or leave it out: --sides grpo)"
         )
     if importlib.util.find_spec("grpo") is None:
         raise BenchmarkError(f"the grpo package is not importable: run from the repository's venv ({DEV_HINT})")
@@ -796,7 +796,7 @@ def run_precision(precision: str, base_spec: dict, args, workdir: Path, peak_flo
             res = run_child(side, spec, workdir, f"{precision}-{mode}-{side}-{r}", args.verbose, interpreters[side])
             print(f" {res['wall_s']:.1f} s", file=sys.stderr, flush=True)
             results[side].append(res)
-    shape = results["grpo"][0]["shape"]
+    shape = next(iter(results.values()))[0]["shape"]
     summary = {side: summarize_side(results[side], shape, peak_flops, spec["device"], bool(lora_r)) for side in sides}
     summary["ratios"] = {
         f"{LABELS[a]}/{LABELS[b]}": {
@@ -917,11 +917,15 @@ def print_lora_comparison(full: dict, adapted: dict) -> None:
 
 
 def parent_main(args) -> int:
-    check_dependencies()
+    sides = tuple(side for side in SIDES if side in args.sides.split(","))
+    unknown = set(args.sides.split(",")) - set(SIDES)
+    if unknown or not sides:
+        raise BenchmarkError(f"--sides {args.sides}: a comma-separated list of {', '.join(SIDES)}")
+    check_dependencies(sides)
     import torch
 
     device = _resolve_device(args.device)
-    interpreters = dict.fromkeys(SIDES, sys.executable)  # side -> the Python that runs its children
+    interpreters = dict.fromkeys(sides, sys.executable)  # side -> the Python that runs its children
     if args.vllm:
         interpreters[VLLM_SIDE] = vllm_interpreter(args.vllm_python, device, args.model)
     # tiny matrices: one thread (thread hand-offs cost more than the arithmetic); otherwise torch's default
@@ -1022,6 +1026,8 @@ def parse_args(argv=None):
     ap.add_argument("--peak-size", type=int, default=None, help="matmul size for the peak (default 2048 CPU, 8192 CUDA)")
     ap.add_argument("--out", default=None, help="JSON results (default benchmarks/results/vs_trl-<precision>-<model>.json)")
     ap.add_argument("--verbose", action="store_true", help="show the children's output")
+    ap.add_argument("--sides", default=",".join(SIDES),
+                    help="which of trl,grpo to run (default both; e.g. grpo where TRL is not installed)")
     ap.add_argument("--vllm", action="store_true",
                     help=f"also run a {VLLM_SIDE} side: grpo with rollout.engine=vllm, in the vllm venv ({VLLM_HINT})")
     ap.add_argument("--vllm-python", default=None, metavar="PATH",
