@@ -237,7 +237,7 @@ def test_a_weight_missing_from_the_push_is_an_error(tokenizer, monkeypatch):
     fast = engine_module.VLLMEngine(model, tokenizer, make_cfg())
     every = engine_module.policy_weights
     monkeypatch.setattr(engine_module, "policy_weights",
-                        lambda policy: ((n, w) for n, w in every(policy) if n != "model.norm.weight"))
+                        lambda policy, dtype=None: ((n, w) for n, w in every(policy, dtype) if n != "model.norm.weight"))
     with pytest.raises(engine_module.WeightsNotLoaded, match=r"rollout\.engine: vllm: .*model\.norm\.weight"):
         fast.sync_weights(model)
 

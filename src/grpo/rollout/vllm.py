@@ -89,11 +89,17 @@ def sampling_logprob_mode(temperature: float, top_p: float, top_k: int) -> tuple
     return "processed_logprobs", False
 
 
-def policy_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def policy_weights(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every weight of `model` under its transformers names, as vLLM's
-    loaders read them; for a LoRA-adapted model (peft's layers in place), each adapted
-    Linear's weight merged with its active adapters (W + scale * B @ A) and the adapters
-    themselves left out."""
+    loaders read them, floating-point ones in `dtype` when given (vLLM's own: it would cast
+    each one anyway, with a warning per tensor); for a LoRA-adapted model (peft's layers in
+    place), each adapted Linear's weight merged with its active adapters (W + scale * B @ A)
+    and the adapters themselves left out."""
+    for name, tensor in _policy_tensors(model):
+        yield name, tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+
+
+def _policy_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     from grpo.lora import is_adapted, lora_layers, merged_linear
 
     state = model.state_dict(keep_vars=False)
@@ -250,10 +256,13 @@ class VLLMEngine:
                 extra["max_num_batched_tokens"] = max(CPU_STEP_TOKENS, context)
         if settings.kv_cache_gb is not None:
             extra["kv_cache_memory_bytes"] = int(settings.kv_cache_gb * 2**30)
+        dtype = vllm_dtype(model, cfg.training.bf16)
+        self.weight_dtype = getattr(torch, dtype)
+        """What vLLM computes in: the weights are pushed in it."""
         with process_state_kept(device):
             self.llm = vllm.LLM(
                 model=self._files.name,
-                dtype=vllm_dtype(model, cfg.training.bf16),
+                dtype=dtype,
                 load_format="dummy",
                 generation_config="vllm",  # no sampling defaults from the model: grpo's settings only
                 seed=cfg.training.seed,
@@ -360,7 +369,7 @@ class VLLMEngine:
         reload_log.addHandler(report)
         reload_log.setLevel(logging.WARNING)  # heard even where vLLM's logging is set quieter
         try:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": policy_weights(policy)})
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": policy_weights(policy, self.weight_dtype)})
         finally:
             reload_log.removeHandler(report)
             reload_log.setLevel(level)
