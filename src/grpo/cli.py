@@ -53,7 +53,7 @@ def _train(args: argparse.Namespace) -> int:
     from grpo.update import TrainingDiverged
 
     resume = _resume_from(args.resume, cfg) if args.resume is not None else None
-    again = " ".join(["grpo train", str(args.config), *args.overrides, "--resume"])
+    again = " ".join([_launcher(), str(args.config), *args.overrides, "--resume"])
     try:
         trainer = Trainer(cfg, resume=resume)
         trainer.train()
@@ -67,6 +67,8 @@ def _train(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # Ctrl-C during set-up, before training began
         print("grpo: interrupted before training began", file=sys.stderr)
         return 128 + signal.SIGINT
+    if trainer.stopped_by is not None and not trainer.backend.is_main:
+        return 128 + trainer.stopped_by  # rank 0 says what happened
     if trainer.stopped_by is not None:
         saved = f"saved in {trainer.saved}" if trainer.saved else "no step trained, nothing new saved"
         print(f"grpo: stopped by {signal.Signals(trainer.stopped_by).name} at step {trainer.state.step}, {saved}; "
@@ -80,6 +82,19 @@ def _train(args: argparse.Namespace) -> int:
     if trainer.backend.is_main:
         print(f"run directory: {cfg.output_dir}")
     return 0
+
+
+def _launcher() -> str:
+    """The command that started this run: `grpo train`, or torchrun's for its processes."""
+    import os
+
+    world = os.environ.get("WORLD_SIZE", "1")
+    if world == "1":
+        return "grpo train"
+    local = os.environ.get("LOCAL_WORLD_SIZE", world)
+    if local == world:
+        return f"torchrun --nproc_per_node {world} -m grpo train"
+    return f"torchrun <the same flags on every node, {world} processes in all> -m grpo train"
 
 
 def _eval(args: argparse.Namespace) -> int:

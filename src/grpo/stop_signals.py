@@ -32,6 +32,8 @@ class StopSignals:
         if self.signum is not None:
             raise Interrupted(signum)
         self.signum = signum
+        if os.environ.get("RANK", "0") != "0":  # under torchrun every rank gets it: rank 0 says so
+            return
         # os.write: no print's locks inside a signal handler
         os.write(2, f"\ngrpo: {signal.Signals(signum).name} received: stopping after this step with a checkpoint "
                     "(send it again to stop at once)\n".encode())
