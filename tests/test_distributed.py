@@ -56,6 +56,9 @@ CASES = {
     "dapo_dynamic": ["algorithm.preset=dapo", "algorithm.max_sampling_rounds=3"],
     # a tied output layer: its sparse embedding rows and the output layer's gradient sink under the gradient sum
     "tied": ["algorithm.loss_type=dapo", "model.name=TIED"],
+    # LoRA (only the adapters' gradients summed; the reference is the adapter disabled) and PPO's critic
+    "lora": ["algorithm.loss_type=dapo", "model.lora.r=4", "algorithm.beta=0.04", "training.learning_rate=0.01"],
+    "gae": ["algorithm.advantage_estimator=gae"],
     # FSDP2: old logprobs (two passes), micro-batches by a token budget, dynamic sampling's uneven ranks
     "fsdp_grpo_dynamic": ["algorithm.loss_type=grpo", "algorithm.num_iterations=2", "algorithm.scale_rewards=batch",
                           "algorithm.dynamic_sampling=true", "training.microbatch_tokens=20"],
@@ -129,7 +132,12 @@ def _assert_close_weights(got: Path, expected: Path, atol: float, mean_atol: flo
     """Every weight within `atol`, and each tensor's mean difference within `mean_atol`. AdamW turns a
     float-sized error in a near-zero gradient into up to a learning rate's step (here 3e-3), so a few
     elements may move by 1e-5; a gradient that is wrong moves most of a tensor's elements."""
-    a, b = load_file(got / "final" / "model.safetensors"), load_file(expected / "final" / "model.safetensors")
+    def weights(run: Path) -> dict:  # the model's, or a LoRA run's adapter
+        files = sorted((run / "final").glob("*.safetensors"))
+        assert files, run
+        return {name: t for f in files for name, t in load_file(f).items()}
+
+    a, b = weights(got), weights(expected)
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=atol, msg=name)
