@@ -17,6 +17,25 @@ One step = one generation batch (4 prompts x 4 completions, each exactly
 max_completion_length tokens, EOS ignored) + one optimizer step on it. See
 benchmarks/README.md for what each column measures and how to read it.
 
+A second table per run gives each side's roofline: the time each phase would take
+at this machine's limits, both measured in the same run (at the start and at the
+end, the best kept): the matmul peak of the precision (measure_peak_flops) and the
+memory bandwidth, a 1 GiB streaming read (measure_bandwidth), with the torch
+threads the sides use. From the model shape and each measured step's token counts
+(step_roofline):
+
+    generate = prefill FLOPs / peak
+             + sum over decode steps t = 1 .. T-1 of max(FLOPs_t / peak, bytes_t / bandwidth)
+    bytes_t  = E * (N_non_embedding + hidden * vocab)                  every weight, once per step
+             + E * 2 * kv_width * sum_rows sum_layers min(p + t, window)  K and V the rows attend to
+    update   = update FLOPs / peak;   step = generate + update
+
+E is the bytes per element of the generation dtype: 2 under --precision bf16, 4
+otherwise (on the grpo-vllm side, vLLM's model dtype). The output layer is read once
+per step (with tied embeddings it is the embedding matrix; the input lookup is not
+counted); kv_width = key heads x head dim. The table shows the measured times as
+multiples of these.
+
 `--lora R` adds LoRA rows after the full fine-tuning ones: the same rank, alpha
 (`--lora-alpha`) and target modules (peft's all-linear) on both sides, TRL
 through `GRPOTrainer(peft_config=peft.LoraConfig(...))`, grpo through
@@ -75,6 +94,9 @@ runs it (no torch.compile of the model)."""
 NUM_PROMPTS = 4
 NUM_GENERATIONS = 4
 DEFAULT_COMPLETION_LENGTH = {"gemma-3-270m": 64, "tiny": 16}
+BANDWIDTH_BYTES = 1 << 30
+"""The streaming read of measure_bandwidth: 1 GiB, several times the last-level cache of the machines
+it has run on (300 MiB L3 on the 2-core Xeon)."""
 
 
 class BenchmarkError(RuntimeError):
@@ -162,6 +184,7 @@ def model_shape(model) -> dict:
     non_embedding = total - emb.numel() - (0 if tied else out.numel())
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     layers = cfg.num_hidden_layers
     window = getattr(cfg, "sliding_window", None)
     layer_types = getattr(cfg, "layer_types", None) or ["full_attention"] * layers
@@ -174,6 +197,7 @@ def model_shape(model) -> dict:
         "vocab_size": out.shape[0],
         "num_layers": layers,
         "attention_width": heads * head_dim,  # query heads x head dim
+        "kv_width": kv_heads * head_dim,  # key (or value) heads x head dim: one layer's K (or V) per position
         "layer_windows": windows,
         "tied_embeddings": tied,
         "param_bytes": sum(p.numel() * p.element_size() for p in params),
@@ -216,6 +240,36 @@ def step_flops(shape: dict, prompt_lengths: list[int], completion_lengths: list[
     return forward, update_passes * forward
 
 
+def decode_bytes(shape: dict, contexts: list[int], element_bytes: int) -> float:
+    """Bytes one decode step reads: every weight once (the rows share the step's matmuls) plus each
+    row's KV cache. Weights: the decoder layers and the output layer (hidden x vocab; with tied
+    embeddings the same matrix, read once; the input embedding lookup reads one row per token, not
+    counted). KV cache: K and V of every layer for the `contexts[i]` keys row i attends to (at most a
+    sliding layer's window)."""
+    weights = shape["non_embedding_params"] + shape["hidden_size"] * shape["vocab_size"]
+    keys = sum(min(ctx, window or ctx) for ctx in contexts for window in shape["layer_windows"])
+    return element_bytes * (weights + 2 * shape["kv_width"] * keys)
+
+
+def step_roofline(shape: dict, prompt_lengths: list[int], completion_lengths: list[int], element_bytes: int,
+                  peak_flops: float, bandwidth: float, update_passes: float = 3.0) -> tuple[float, float]:
+    """(generation s, update s) of one step at the machine's limits. Generation: the prefill (every
+    prompt, up to the first completion token's logits) at the matmul peak, then each decode step t
+    (feeding completion token t, so a row attends to p + t keys) at the slower of its FLOPs / peak
+    and its bytes read (decode_bytes) / bandwidth. Update: its FLOPs / peak."""
+    rows = list(zip(prompt_lengths, completion_lengths))
+    prefill = sum(sequence_forward_flops(shape, p, 1) for p, _ in rows)
+    generate = prefill / peak_flops
+    for t in range(1, max(completion_lengths, default=0)):
+        active = [(p, c) for p, c in rows if c > t]
+        # one more position per row: the difference of two forward counts
+        flops = sum(sequence_forward_flops(shape, p, t + 1) - sequence_forward_flops(shape, p, t) for p, _ in active)
+        read = decode_bytes(shape, [p + t for p, _ in active], element_bytes)
+        generate += max(flops / peak_flops, read / bandwidth)
+    _, update = step_flops(shape, prompt_lengths, completion_lengths, update_passes)
+    return generate, update / peak_flops
+
+
 def trainable_bytes(model) -> int:
     """Bytes of the weights the optimizer updates (all of them, or the LoRA adapters)."""
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
@@ -255,6 +309,31 @@ def measure_peak_flops(dtype_name: str, device: str, size: int, repeats: int) ->
         results[name] = 2.0 * size**3 / best
     name = max(results, key=results.get)
     return results[name], name
+
+
+def measure_bandwidth(device: str, nbytes: int = BANDWIDTH_BYTES, repeats: int = 5) -> float:
+    """Best-of-`repeats` bytes/s of a streaming read: the sum of a float32 tensor of `nbytes`
+    (larger than the caches), with the torch threads the sides use."""
+    import torch
+
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    inner = 10 if device == "cuda" else 1
+    x.sum()  # warm-up (pages, thread pool, kernels)
+    _sync(device)
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            x.sum()
+        _sync(device)
+        best = min(best, (time.perf_counter() - t0) / inner)
+    return x.numel() * x.element_size() / best
+
+
+def measure_limits(precisions, device: str, size: int, repeats: int) -> dict:
+    """{precision: (matmul FLOP/s, its kernel, memory bytes/s)}, measured now."""
+    bandwidth = measure_bandwidth(device, repeats=repeats)
+    return {p: (*measure_peak_flops(p, device, size, repeats), bandwidth) for p in precisions}
 
 
 # ----------------------------------------------------------------------------
@@ -705,8 +784,14 @@ def run_child(side: str, spec: dict, workdir: Path, label: str, verbose: bool, p
     return result
 
 
-def summarize_side(results: list[dict], shape: dict, peak_flops: float, device: str, lora: bool = False) -> dict:
-    measured = [s for r in results for s in r["steps"] if not s["warmup"]]
+def _measured(results: list[dict]) -> list[dict]:
+    """The measured (not warm-up) steps of a side's processes."""
+    return [s for r in results for s in r["steps"] if not s["warmup"]]
+
+
+def summarize_side(results: list[dict], shape: dict, device: str, lora: bool = False) -> dict:
+    """A side's medians and memory; what depends on the machine's limits is added by apply_limits."""
+    measured = _measured(results)
     gen_flops, upd_flops, rates = [], [], []
     for s in measured:
         g, u = step_flops(shape, s["prompt_lengths"], s["completion_lengths"], 2.0 if lora else 3.0)
@@ -737,7 +822,6 @@ def summarize_side(results: list[dict], shape: dict, peak_flops: float, device: 
         "transient_gb": transient,
         "peak_over_state_gb": over_state,
         "gflops": gflops,
-        "pct_of_peak": 100.0 * gflops * 1e9 / peak_flops,
         "generate_gflops": _median([f / s["generate_s"] for f, s in zip(gen_flops, measured)]) / 1e9,
         "update_gflops": _median([f / s["update_s"] for f, s in zip(upd_flops, measured)]) / 1e9,
         "step_gflop": _median([g + u for g, u in zip(gen_flops, upd_flops)]) / 1e9,
@@ -770,6 +854,23 @@ def format_table(summary: dict, sides: tuple[str, ...], device: str) -> str:
     digits = [3, 3, 3, 2, 2, 2, 1, 2]
     rows = [[LABELS[side]] + [_fmt(summary[side][k], d) for k, d in zip(keys, digits)] for side in sides]
     rows += [[label] + [_fmt(ratio.get(k), 2) for k in keys] for label, ratio in summary["ratios"].items()]
+    return _markdown_table(cols, rows)
+
+
+def format_roofline(summary: dict, sides: tuple[str, ...]) -> str:
+    """Per side: the phases' times at the roofline, and the measured times as multiples of them."""
+    phases = ("generate", "update", "step")
+    cols = ["", "generation dtype"] + [f"roofline {ph} s" for ph in phases] + [f"{ph} / roofline" for ph in phases]
+    rows = []
+    for side in sides:
+        roof = summary[side]["roofline"]
+        rows.append([LABELS[side], roof["generation_dtype"]] + [_fmt(roof[f"{ph}_s"], 4) for ph in phases]
+                    + [_fmt(roof[f"{ph}_multiple"], 1) for ph in phases])
+    return _markdown_table(cols, rows)
+
+
+def _markdown_table(cols: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table: the first column left-aligned, the others right-aligned."""
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
     line = lambda cells: "| " + " | ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))) + " |"
     sep = "|" + "|".join(("-" * (w + 1) + ":") if i else "-" * (w + 2) for i, w in enumerate(widths)) + "|"
@@ -782,7 +883,7 @@ def _ratio(a, b):
     return a / b
 
 
-def run_precision(precision: str, base_spec: dict, args, workdir: Path, peak_flops: float, interpreters: dict[str, str],
+def run_precision(precision: str, base_spec: dict, args, workdir: Path, interpreters: dict[str, str],
                   lora_r: int = 0) -> dict:
     """Every side of `interpreters` (side -> the Python that runs its children), --repeats times."""
     spec = dict(base_spec, precision=precision, lora_r=lora_r)
@@ -797,25 +898,60 @@ def run_precision(precision: str, base_spec: dict, args, workdir: Path, peak_flo
             print(f" {res['wall_s']:.1f} s", file=sys.stderr, flush=True)
             results[side].append(res)
     shape = next(iter(results.values()))[0]["shape"]
-    summary = {side: summarize_side(results[side], shape, peak_flops, spec["device"], bool(lora_r)) for side in sides}
-    summary["ratios"] = {
-        f"{LABELS[a]}/{LABELS[b]}": {
-            k: _ratio(summary[a][k], summary[b][k])
-            for k in ("step_s", "generate_s", "update_s", "peak_gb", "transient_gb", "peak_over_state_gb", "gflops", "pct_of_peak")
-        }
-        for a, b in RATIOS if a in sides and b in sides
-    }
+    summary = {side: summarize_side(results[side], shape, spec["device"], bool(lora_r)) for side in sides}
     same_work = len({tuple(summary[side]["tokens_per_step"]) for side in sides}) == 1
     return {
         "precision": precision,
         "mode": mode,
         "sides": sides,
         "spec": spec,
-        "peak_flops": peak_flops,
         "shape": shape,
         "same_tokens_per_step": same_work,
         "summary": summary,
         "raw": results,
+    }
+
+
+def generation_dtype(side: str, summary_side: dict, precision: str) -> str:
+    """The dtype of the weights and KV cache in the decode roofline: the precision's (bfloat16 under
+    --precision bf16, float32 otherwise), the same for the trl and grpo sides whatever they actually
+    computed in (the footer shows that); on the grpo-vllm side, vLLM's model dtype."""
+    vllm_dtype = summary_side["compute_dtypes"].get("generate") if side == VLLM_SIDE else None
+    return vllm_dtype[0] if vllm_dtype else {"fp32": "float32", "bf16": "bfloat16"}[precision]
+
+
+def apply_limits(run: dict, peak_flops: float, peak_kernel: str, bandwidth: float) -> None:
+    """Add what depends on the machine's limits to a run: % of peak, the roofline per side and the
+    ratio rows."""
+    import torch
+
+    run.update(peak_flops=peak_flops, peak_kernel=peak_kernel, bandwidth=bandwidth)
+    passes = 2.0 if run["spec"].get("lora_r") else 3.0
+    summary, shape = run["summary"], run["shape"]
+    for side in run["sides"]:
+        s = summary[side]
+        s["pct_of_peak"] = 100.0 * s["gflops"] * 1e9 / peak_flops
+        dtype = generation_dtype(side, s, run["precision"])
+        element = getattr(torch, dtype).itemsize
+        steps = _measured(run["raw"][side])
+        roofs = [step_roofline(shape, st["prompt_lengths"], st["completion_lengths"], element, peak_flops, bandwidth, passes)
+                 for st in steps]
+        roof = {"generate_s": _median([g for g, _ in roofs]), "update_s": _median([u for _, u in roofs]),
+                "step_s": _median([g + u for g, u in roofs])}
+        last = [p + c - 1 for p, c in zip(steps[0]["prompt_lengths"], steps[0]["completion_lengths"])]
+        s["roofline"] = {
+            "generation_dtype": dtype,
+            "decode_weight_bytes": decode_bytes(shape, [], element),
+            "last_decode_kv_bytes": decode_bytes(shape, last, element) - decode_bytes(shape, [], element),
+            **roof,
+            **{k[:-2] + "_multiple": _ratio(s[k], v) for k, v in roof.items()},
+        }
+    summary["ratios"] = {
+        f"{LABELS[a]}/{LABELS[b]}": {
+            k: _ratio(summary[a][k], summary[b][k])
+            for k in ("step_s", "generate_s", "update_s", "peak_gb", "transient_gb", "peak_over_state_gb", "gflops", "pct_of_peak")
+        }
+        for a, b in RATIOS if a in run["sides"] and b in run["sides"]
     }
 
 
@@ -850,6 +986,8 @@ def print_report(run: dict, machine: dict, command: str) -> None:
     print()
     print(format_table(summary, sides, spec["device"]))
     print()
+    print(format_roofline(summary, sides))
+    print()
     print(
         f"machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']} ({machine['torch_threads']} thread{'s' if machine['torch_threads'] != 1 else ''}), "
         f"transformers {machine['transformers']}, trl {machine['trl']}, device {spec['device']}"
@@ -869,7 +1007,7 @@ def print_report(run: dict, machine: dict, command: str) -> None:
         f"(TRL: 16 completions per forward/backward; grpo: training.microbatch_tokens={spec['microbatch_tokens']}"
         f"{' (no split)' if not spec['microbatch_tokens'] else ''}); "
         f"{spec['warmup']} warm-up + {spec['steps']} measured steps per process, {spec['repeats']} process pairs "
-        f"(ABBA order) -> medians over {summary['grpo']['measured_steps']} steps per side"
+        f"(ABBA order) -> medians over {summary[sides[0]]['measured_steps']} steps per side"
     )
     print(
         f"model: {shape['model_type']}, {shape['total_params'] / 1e6:.1f}M params "
@@ -877,14 +1015,29 @@ def print_report(run: dict, machine: dict, command: str) -> None:
         + ("grpo.tiny's model, saved once with save_pretrained" if spec["model_label"] == "tiny" else f"from {spec['model_dir']}")
         + ", loaded by both sides with AutoModelForCausalLM.from_pretrained (float32)"
     )
-    gflop = summary["grpo"]["step_gflop"]
+    gflop = summary[sides[0]]["step_gflop"]
     tokens = ", ".join(f"{s}: {summary[s]['tokens_per_step']}" for s in sides)
     passes = "2x forward update (no base weight gradients)" if spec.get("lora_r") else "3x forward update"
     print(
         f"work: {gflop:.2f} GFLOP per step (1x forward generation + {passes}, attention included); "
         f"tokens per step {tokens}" + ("" if run["same_tokens_per_step"] else "  <-- DIFFERENT WORK")
     )
-    print(f"peak: {run['peak_flops'] / 1e9:.1f} GFLOP/s (best {p} matmul, {run['peak_kernel']}, measured in this run)")
+    print(
+        f"limits (measured in this run, best of start and end): peak {run['peak_flops'] / 1e9:.1f} GFLOP/s "
+        f"(best {p} matmul, {run['peak_kernel']}), memory bandwidth {run['bandwidth'] / 1e9:.1f} GB/s "
+        f"(streaming read of {BANDWIDTH_BYTES / GB:g} GiB)"
+    )
+    reads = {}  # text -> the sides it describes
+    for s in sides:
+        r = summary[s]["roofline"]
+        text = (f"{r['decode_weight_bytes'] / 1e6:.1f} MB of {r['generation_dtype']} weights + up to "
+                f"{r['last_decode_kv_bytes'] / 1e6:.2f} MB of KV cache")
+        reads.setdefault(text, []).append(LABELS[s])
+    roof = "; ".join(text if len(reads) == 1 else f"{', '.join(names)}: {text}" for text, names in reads.items())
+    print(
+        "roofline: generate = prefill FLOPs / peak + per decode step max(FLOPs / peak, bytes read / bandwidth); "
+        f"update = FLOPs / peak; bytes read per decode step ({roof})"
+    )
     dt = "; ".join(
         f"{s}: " + ", ".join(f"{ph} {'/'.join(d)}" for ph, d in summary[s]["compute_dtypes"].items() if ph != "setup")
         for s in sides
@@ -906,14 +1059,10 @@ def print_lora_comparison(full: dict, adapted: dict) -> None:
         rows.append([f"{label} LoRA"] + [_fmt(a[k], 3) for k, _ in keys])
         rows.append([f"{label} LoRA/full"] + [_fmt(_ratio(a[k], f[k]), 2) for k, _ in keys])
     rows += [[f"{name}, LoRA"] + [_fmt(ratio.get(k), 2) for k, _ in keys] for name, ratio in adapted["summary"]["ratios"].items()]
-    cols = [""] + [c for _, c in keys]
-    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
-    line = lambda cells: "| " + " | ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))) + " |"
-    sep = "|" + "|".join(("-" * (w + 1) + ":") if i else "-" * (w + 2) for i, w in enumerate(widths)) + "|"
     print()
     print(f"## LoRA ({lora_label(adapted['spec'])}) against full fine-tuning, {full['precision']}")
     print()
-    print("\n".join([line(cols), sep] + [line(r) for r in rows]))
+    print(_markdown_table([""] + [c for _, c in keys], rows))
 
 
 def parent_main(args) -> int:
@@ -955,23 +1104,18 @@ def parent_main(args) -> int:
         }
         machine = machine_info(device, threads)
         size = args.peak_size or (8192 if device == "cuda" else 2048)
-        peaks = {p: measure_peak_flops(p, device, size, 5) for p in precisions}
+        before = measure_limits(precisions, device, size, 5)
         runs = {}
         ranks = [0] + ([args.lora] if args.lora else [])  # full fine-tuning, then LoRA
         for p in precisions:
             for rank in ranks:
-                key = f"{p}-lora{rank}" if rank else p
-                runs[key] = run_precision(p, base_spec, args, workdir, peaks[p][0], interpreters, rank)
-                runs[key]["peak_kernel"] = peaks[p][1]
-        # the peak again after the runs (a shared machine can be faster at either end); keep the best
-        for p in precisions:
-            peak, kernel = measure_peak_flops(p, device, size, 3)
-            for run in runs.values():
-                if run["precision"] == p and peak > run["peak_flops"]:
-                    run["peak_flops"], run["peak_kernel"] = peak, kernel
-                    for side in run["sides"]:
-                        s = run["summary"][side]
-                        s["pct_of_peak"] = 100.0 * s["gflops"] * 1e9 / peak
+                runs[f"{p}-lora{rank}" if rank else p] = run_precision(p, base_spec, args, workdir, interpreters, rank)
+        # the limits again after the runs (a shared machine can be faster at either end); keep the best of each
+        after = measure_limits(precisions, device, size, 3)
+        for run in runs.values():
+            b, a = before[run["precision"]], after[run["precision"]]
+            peak, kernel, _ = max(b, a, key=lambda m: m[0])
+            apply_limits(run, peak, kernel, max(b[2], a[2]))
         for run in runs.values():
             print_report(run, machine, command)
         if args.lora:
@@ -983,11 +1127,13 @@ def parent_main(args) -> int:
         "command": command,
         "machine": machine,
         "matmul_size": size,
+        "bandwidth_bytes": BANDWIDTH_BYTES,
         "runs": {
             p: {
                 "settings": {k: v for k, v in r["spec"].items()},
                 "peak_flops": r["peak_flops"],
                 "peak_kernel": r["peak_kernel"],
+                "bandwidth": r["bandwidth"],
                 "shape": r["shape"],
                 "same_tokens_per_step": r["same_tokens_per_step"],
                 "summary": r["summary"],

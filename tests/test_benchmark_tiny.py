@@ -35,11 +35,12 @@ def test_vs_trl_tiny(tmp_path):
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "grpo/TRL" in proc.stdout
+    assert "roofline generate s" in proc.stdout and "memory bandwidth" in proc.stdout
 
     result = json.loads(out.read_text())
     assert set(result["runs"]) == {"fp32", "bf16"}
     for precision, run in result["runs"].items():
-        assert run["peak_flops"] > 0
+        assert run["peak_flops"] > 0 and run["bandwidth"] > 0
         assert run["same_tokens_per_step"], precision  # both sides did the same work
         for side in ("trl", "grpo"):
             s = run["summary"][side]
@@ -51,3 +52,9 @@ def test_vs_trl_tiny(tmp_path):
             expected = "bfloat16" if precision == "bf16" else "float32"
             assert s["compute_dtypes"]["generate"] == [expected]
             assert s["compute_dtypes"]["update"] == [expected]
+            roof = s["roofline"]  # the times at the machine's limits, and the measured times as multiples
+            assert roof["generation_dtype"] == expected
+            for key in ("generate_s", "update_s", "step_s", "generate_multiple", "update_multiple", "step_multiple",
+                        "decode_weight_bytes", "last_decode_kv_bytes"):
+                assert roof[key] > 0, (precision, side, key, roof[key])
+            assert roof["step_s"] == pytest.approx(roof["generate_s"] + roof["update_s"])
