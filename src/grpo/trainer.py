@@ -301,7 +301,9 @@ class Trainer:
                 # a resumed run's "before" evaluation was made by the run it continues (eval.jsonl keeps it)
                 before = self.evaluate("before") if cfg.eval.before and self.resumed is None else None
                 log.start_training(self.state.step)
-                while self.state.step < cfg.training.max_steps and not self._stop_signal(stop):
+                signum = None
+                # asked again after each step's checkpoint: a signal during the save stops the loop there
+                while self.state.step < cfg.training.max_steps and not (signum := self._stop_signal(stop)):
                     try:
                         metrics, batch = self.train_step()
                     except TrainingDiverged as error:
@@ -316,17 +318,19 @@ class Trainer:
                     if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.training.max_steps:
                         self.evaluate(f"step {step}")
                     faults.reached("logged")
+                    signum = self._stop_signal(stop)  # under torchrun a collective: asked where it decides
                     # last, so that a checkpoint's step has all its logs: resuming cuts them back to it
-                    if (cfg.training.save_steps and step % cfg.training.save_steps == 0) or self._stop_signal(stop):
+                    if (cfg.training.save_steps and step % cfg.training.save_steps == 0) or signum:
                         self.save(log.dir / f"checkpoint-{step}")
                         if self.backend.is_main:
                             checkpoint.prune(log.dir, cfg.training.save_total_limit)
-                if self._stop_signal(stop):
-                    self.stopped_by = self._stop_signal(stop)
+                if signum:
+                    self.stopped_by = signum
                     return history
                 self.save(log.dir / checkpoint.FINAL)
-                if self._stop_signal(stop):  # came during the save: the evaluation after is left to a resumed run
-                    self.stopped_by = self._stop_signal(stop)
+                signum = self._stop_signal(stop)
+                if signum:  # came during the save: the evaluation after is left to a resumed run
+                    self.stopped_by = signum
                     return history
                 if cfg.eval.after:
                     after = self.evaluate("after")
@@ -341,16 +345,15 @@ class Trainer:
     def _log_samples(self, step: int, batch: GenerationBatch) -> None:
         """A few of the step's completions (from every rank's groups, in rank order) to samples.jsonl."""
         names = self.rewards.names
-        mine = (batch.prompts, batch.completion_texts, batch.rewards.tolist(), batch.rewards_per_func.T.tolist())
-        parts = self.backend.all_gather_object(mine) if self.backend.world_size > 1 else [mine]
+        parts = self.backend.all_gather_object(
+            (batch.prompts, batch.completion_texts, batch.rewards.tolist(), batch.rewards_per_func.T.tolist())
+        )
         prompts, texts, rewards = ([x for part in parts for x in part[k]] for k in range(3))
         columns = {name: [x for part in parts for x in part[3][k]] for k, name in enumerate(names)}
         self.log.samples(step, prompts, texts, rewards, self.cfg.rollout.num_generations, reward_columns=columns)
 
     def _stop_signal(self, stop: StopSignals) -> int | None:
         """The signal that stops the run, if any rank has had one: every rank stops after the same step."""
-        if self.backend.world_size == 1:
-            return stop.signum
         return max(s or 0 for s in self.backend.all_gather_object(stop.signum)) or None
 
     def evaluate(self, label: str) -> list[EvalResult]:

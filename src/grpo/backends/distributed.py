@@ -58,7 +58,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from grpo.backends.single import SingleProcess, adamw, enable_checkpointing
+from grpo.backends.single import SingleProcess, adamw, enable_checkpointing, resolve_device
 from grpo.config import Config, ConfigError, validate
 
 # gradients are reduced in flat buckets of at most this many elements (a float32 bucket: 256 MB)
@@ -80,12 +80,7 @@ class DataParallel(SingleProcess):
         self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         validate(cfg, self.world_size)  # the batch's split over the ranks, before any process waits on another
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        device = cfg.training.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device == "cuda":
-            if not torch.cuda.is_available():
-                raise ConfigError("training.device: cuda requested but no CUDA device is available; use training.device=cpu")
+        if resolve_device(cfg.training.device).type == "cuda":
             if self.local_rank >= torch.cuda.device_count():
                 raise ConfigError(
                     f"LOCAL_RANK={self.local_rank} but this node has {torch.cuda.device_count()} GPUs: "
