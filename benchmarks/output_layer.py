@@ -9,7 +9,8 @@ each caused, and checksums of the results (logp, hidden-state and weight
 gradients) so that two versions of the code can be compared for speed and
 results in one look. The model FLOPs are 2 x tokens x vocabulary x hidden per
 product: one in the forward, three in the backward (recomputed logits, hidden
-gradient, weight gradient).
+gradient, weight gradient). `--compiled` runs each tile's element-wise work as
+compiled kernels (grpo.tile_math); the first repeat then includes the compile.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=262_144)
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="bf16")
     parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--compiled", action="store_true", help="the tiles' element-wise work as compiled kernels")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -51,7 +53,7 @@ def main() -> None:
         f0, t0 = _faults(), time.perf_counter()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
             logp, _ = logprobs.token_logprobs_from_hidden(
-                hidden, layer, targets, weight_grad_sink=layer.weight.grad)
+                hidden, layer, targets, weight_grad_sink=layer.weight.grad, compiled=args.compiled)
         f1, t1 = _faults(), time.perf_counter()
         (logp * upstream).sum().backward()
         f2, t2 = _faults(), time.perf_counter()

@@ -16,6 +16,7 @@ import math
 
 import torch
 
+from grpo import tile_math
 from grpo.kernels import linear_nt, onednn_applies
 
 
@@ -44,8 +45,8 @@ class _TileBuffers:
     backward 1.64-1.69 -> 1.54-1.61 s, minor page faults per forward 66,000 -> 1,000.
     """
 
-    def __init__(self, device: torch.device):
-        self.device, self.flat = device, {}
+    def __init__(self, device: torch.device, tile=tile_math.EAGER):
+        self.device, self.flat, self.tile = device, {}, tile
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         size = math.prod(shape)
@@ -56,7 +57,11 @@ class _TileBuffers:
 
     def cast(self, name: str, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """x in `dtype` (x itself when it already is)."""
-        return x if x.dtype == dtype else self.get(name, tuple(x.shape), dtype).copy_(x)
+        if x.dtype == dtype:
+            return x
+        out = self.get(name, tuple(x.shape), dtype)
+        self.tile.cast_into(out, x)
+        return out
 
     def product(self, name: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """a @ b.T, into buffer `name`; float32 CPU products go through oneDNN
@@ -64,22 +69,6 @@ class _TileBuffers:
         if onednn_applies(a, b):
             return linear_nt(a, b)
         return linear_nt(a, b, out=self.get(name, (a.shape[0], b.shape[0]), a.dtype))
-
-
-def _logits(product: torch.Tensor, bias, softcap, temperature, buffers: _TileBuffers):
-    """Tempered float32 logits of one tile from its product, and tanh(u / softcap) when
-    soft-capping (the backward needs it). In buffer "z", or in `product` itself when
-    that is float32 (it is then modified)."""
-    z = buffers.cast("z", product, torch.float32)
-    if bias is not None:
-        z += bias
-    tanh = None
-    if softcap:
-        tanh = torch.tanh(z / softcap)
-        z = tanh * softcap
-    if temperature != 1.0:
-        z /= temperature
-    return z, tanh
 
 
 def _tiles(n: int, hidden: int, vocab: int, chunk_size: int, block: int | None, device_type: str):
@@ -91,10 +80,10 @@ def _tiles(n: int, hidden: int, vocab: int, chunk_size: int, block: int | None, 
             yield slice(t0, t1), slice(v0, min(v0 + width, vocab))
 
 
-def _targets_in(targets: torch.Tensor, vs: slice) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows whose target lies in the vocabulary slice, and the target's column in it."""
-    rows = ((targets >= vs.start) & (targets < vs.stop)).nonzero().squeeze(1)
-    return rows, targets[rows] - vs.start
+def _target_columns(targets: torch.Tensor, vs: slice) -> torch.Tensor:
+    """Each row's target as a column of the vocabulary slice, -1 where it lies outside it."""
+    inside = (targets >= vs.start) & (targets < vs.stop)
+    return torch.where(inside, targets - vs.start, -1)
 
 
 class _TiledTokenLogprobs(torch.autograd.Function):
@@ -109,15 +98,17 @@ class _TiledTokenLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, softcap, chunk_size, block, compute_dtype, weight_grad_sink):
+    def forward(ctx, hidden, weight, bias, targets, temperature, softcap, chunk_size, block, compute_dtype, weight_grad_sink,
+                compiled):
         n, V = hidden.shape[0], weight.shape[0]
         dev = hidden.device
         # running max m, S = sum exp(z - m), U = sum exp(z - m) (z - m), per token
         m = torch.full((n,), float("-inf"), device=dev)
         S = torch.zeros(n, device=dev)
         U = torch.zeros(n, device=dev)
-        target_z = torch.empty(n, device=dev)
-        buffers = _TileBuffers(dev)
+        target_z = torch.zeros(n, device=dev)
+        tile = tile_math.kernels(compiled)
+        buffers = _TileBuffers(dev, tile)
         with torch.autocast(dev.type, enabled=False):
             b = bias.float() if bias is not None else None
             h_all = hidden.to(compute_dtype)
@@ -125,27 +116,16 @@ class _TiledTokenLogprobs(torch.autograd.Function):
                 # the weight is cast one block at a time (no vocabulary-sized copy in bf16)
                 w = buffers.cast("w", weight[vs], compute_dtype)
                 product = buffers.product("low", h_all[ts], w)
-                z, _ = _logits(product, b[vs] if b is not None else None, softcap, temperature, buffers)
-                rows, cols = _targets_in(targets[ts], vs)
-                target_z[ts][rows] = z[rows, cols]
-                m_old = m[ts]
-                m_new = torch.maximum(m_old, z.amax(-1))
-                z -= m_new[:, None]  # z - m_new
-                e = torch.exp(z, out=buffers.get("e", tuple(z.shape), torch.float32))
-                # rescale the running sums from m_old to m_new (shift is -inf on the first block, where S = U = 0)
-                shift = m_old - m_new
-                c = shift.exp()
-                block_S = e.sum(-1)
-                block_U = e.mul_(z).sum(-1)  # in place: a batched dot product is 2x slower
-                U[ts] = c * (U[ts] + torch.nan_to_num(shift) * S[ts]) + block_U
-                S[ts] = c * S[ts] + block_S
-                m[ts] = m_new
+                m[ts], S[ts], U[ts], target_z[ts] = tile.forward(
+                    product, b[vs] if b is not None else None, _target_columns(targets[ts], vs),
+                    m[ts], S[ts], U[ts], target_z[ts], softcap, temperature, buffers,
+                )
         lse = m + S.log()
         logp = target_z - lse
         # entropy = lse - sum p z = log S - U / S
         entropy = S.log() - U / S
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
-        ctx.settings = (temperature, softcap, chunk_size, block, compute_dtype)
+        ctx.settings = (temperature, softcap, chunk_size, block, compute_dtype, compiled)
         ctx.weight_grad_sink = weight_grad_sink
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
@@ -153,7 +133,7 @@ class _TiledTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
-        temperature, softcap, chunk_size, block, compute_dtype = ctx.settings
+        temperature, softcap, chunk_size, block, compute_dtype, compiled = ctx.settings
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         sink = ctx.weight_grad_sink
         n, V = hidden.shape[0], weight.shape[0]
@@ -169,7 +149,8 @@ class _TiledTokenLogprobs(torch.autograd.Function):
             grad_w = None
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=dev) if need_b else None
         g_all = grad_logp.float()
-        buffers = _TileBuffers(dev)
+        tile = tile_math.kernels(compiled)
+        buffers = _TileBuffers(dev, tile)
         with torch.autocast(dev.type, enabled=False):
             b = bias.float() if bias is not None else None
             h_all = hidden.to(compute_dtype)
@@ -177,19 +158,12 @@ class _TiledTokenLogprobs(torch.autograd.Function):
                 h = h_all[ts]
                 w = buffers.cast("w", weight[vs], compute_dtype)
                 product = buffers.product("low", h, w)
-                z, tanh = _logits(product, b[vs] if b is not None else None, softcap, temperature, buffers)
-                g = g_all[ts]
-                # d logp / dz = onehot(target) - softmax(z), softmax from the saved lse
-                gz = z.sub_(lse[ts, None]).exp_().mul_(-g[:, None])
-                rows, cols = _targets_in(targets[ts], vs)
-                gz[rows, cols] += g[rows]
-                if temperature != 1.0:
-                    gz /= temperature
-                if softcap:
-                    gz.mul_(1.0 - tanh * tanh)
+                gz, column_sums = tile.backward(
+                    product, b[vs] if b is not None else None, _target_columns(targets[ts], vs), lse[ts], g_all[ts],
+                    softcap, temperature, compute_dtype, need_b, buffers,
+                )
                 if need_b:
-                    grad_b[vs] += gz.sum(0)
-                gz = buffers.cast("low", gz, compute_dtype)  # the product in "low" is no longer needed
+                    grad_b[vs] += column_sums
                 if need_h:
                     grad_h[ts] += buffers.product("grad_h", gz, w.t())
                 if grad_w is not None:
@@ -197,18 +171,12 @@ class _TiledTokenLogprobs(torch.autograd.Function):
                     if ts.start == 0 and sink is None:
                         grad_w[vs] = part
                     else:
-                        grad_w[vs] += part
+                        tile.accumulate(grad_w[vs], part)
         return (
             grad_h.to(hidden.dtype) if need_h else None,
             grad_w.to(weight.dtype) if need_w and sink is None else None,
             grad_b.to(bias.dtype) if need_b else None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
+            *([None] * 8),  # targets and the settings
         )
 
 
@@ -222,6 +190,7 @@ def token_logprobs_from_hidden(
     chunk_size: int = 4096,
     vocab_block: int | None = None,
     weight_grad_sink: torch.Tensor | None = None,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logp [n] of `targets` and entropy [n] from final hidden states [n, H].
 
@@ -234,7 +203,10 @@ def token_logprobs_from_hidden(
     This saves a vocabulary x hidden buffer per backward, and, for a weight
     tied to the input embedding, the out-of-place sum autograd makes of the two
     gradients of one tensor. Only for callers that own the backward (the
-    trainer): `torch.autograd.grad` would not see this part of the gradient."""
+    trainer): `torch.autograd.grad` would not see this part of the gradient.
+
+    `compiled`: each tile's element-wise work runs as torch.compile'd kernels
+    (grpo.tile_math) instead of eagerly; the same values to float tolerance."""
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
         compute_dtype = torch.get_autocast_dtype(device_type)
@@ -249,7 +221,7 @@ def token_logprobs_from_hidden(
             )
     return _TiledTokenLogprobs.apply(
         hidden, weight, output_layer.bias, targets, float(temperature), softcap, int(chunk_size),
-        vocab_block, compute_dtype, weight_grad_sink,
+        vocab_block, compute_dtype, weight_grad_sink, compiled,
     )
 
 
@@ -331,6 +303,7 @@ def completion_logprobs(
     vocab_block: int | None = None,
     share_prompts: bool = True,
     weight_grad_sink: torch.Tensor | None = None,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log pi(o_t | q, o_<t) and entropy for every completion token.
 
@@ -348,17 +321,17 @@ def completion_logprobs(
     if sharded is not None:
         return sharded(prompt_ids, prompt_mask, completion_ids, completion_mask, temperature=temperature,
                        chunk_size=chunk_size, vocab_block=vocab_block, share_prompts=share_prompts,
-                       weight_grad_sink=weight_grad_sink)
+                       weight_grad_sink=weight_grad_sink, compiled=compiled)
     return _completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature=temperature,
                                 chunk_size=chunk_size, vocab_block=vocab_block, share_prompts=share_prompts,
-                                weight_grad_sink=weight_grad_sink)
+                                weight_grad_sink=weight_grad_sink, compiled=compiled)
 
 
 FSDP_METHOD = "grpo_completion_logprobs"
 
 
 def _completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *, temperature, chunk_size,
-                         vocab_block, share_prompts, weight_grad_sink) -> tuple[torch.Tensor, torch.Tensor]:
+                         vocab_block, share_prompts, weight_grad_sink, compiled) -> tuple[torch.Tensor, torch.Tensor]:
     hidden = completion_hidden_states(model, prompt_ids, prompt_mask, completion_ids, completion_mask, share_prompts)
     keep = completion_mask.bool()
     softcap = getattr(model.config, "final_logit_softcapping", None)
@@ -371,6 +344,7 @@ def _completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, complet
         chunk_size=chunk_size,
         vocab_block=vocab_block,
         weight_grad_sink=weight_grad_sink,
+        compiled=compiled,
     )
     logp = torch.zeros(completion_ids.shape, dtype=torch.float32, device=hidden.device)
     entropy = torch.zeros(completion_ids.shape, dtype=torch.float32, device=hidden.device)

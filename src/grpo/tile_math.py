@@ -1,0 +1,222 @@
+"""The element-wise work of one output-layer tile, as single fused kernels (torch.compile).
+
+grpo.logprobs computes log-probabilities one tile of logits at a time: a
+product of a chunk of hidden states with a block of the output weight, then
+element-wise work over that product (the log-sum-exp and entropy sums in the
+forward pass, the softmax gradient in the backward pass). In eager PyTorch
+that work is a chain of separate operations, each a full pass over the tile
+(cast, max, subtract, exp, sums; cast, subtract, exp, scale, cast), and on a
+CPU with AMX the chain costs several times the product itself. Here each
+chain is written once as a plain function of tensors and compiled by
+torch.compile (inductor: vectorised C++ with OpenMP on the CPU) into one or
+two passes over the tile. Measured on a 2-core Intel Xeon with AMX, a 640 x
+6,553 bf16 tile: forward work 10-37 ms eager -> 2.5 ms compiled, backward
+28-46 ms -> 3.0 ms, against 7.5 ms for the tile's product.
+
+`forward_tile` and `backward_tile` are the definition, and what is compiled;
+`kernels(compiled)` returns the compiled kernels, or the same math as eager
+operations written in place into reused buffers (the fastest eager form). Compiled kernels take dynamic shapes (one compile for
+every tile size) and are cached by inductor on disk across runs
+(TORCHINDUCTOR_CACHE_DIR, by default under /tmp): the first run of a machine
+pays a compile of about 20 s, later runs under a second.
+
+Conventions (one tile: rows r of a token chunk, columns c of a vocabulary block):
+    product [r, c]    hidden @ weight_block.T in the compute dtype (bf16 or float32)
+    z       [r, c]    float32 logits: (softcap * tanh((product + bias) / softcap)) / temperature
+    column  [r]       the column of the row's target token in this block, -1 when it lies elsewhere
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from types import SimpleNamespace
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def _logits(product, bias, softcap, temperature):
+    """float32 logits of the tile, and tanh(u / softcap) when soft-capping (else None). `softcap`
+    and `temperature` may be 0-d tensors (so that compiled kernels take them as inputs rather
+    than compiling once per value); dividing by a temperature of 1 is exact."""
+    z = product.float()
+    if bias is not None:
+        z = z + bias
+    tanh = None
+    if softcap is not None:
+        tanh = torch.tanh(z / softcap)
+        z = tanh * softcap
+    return z / temperature, tanh
+
+
+def forward_tile(product, bias, column, m, S, U, target_z, softcap, temperature):
+    """The running statistics of the online log-sum-exp, updated with one tile.
+
+    m: running max of z; S = sum exp(z - m); U = sum exp(z - m) (z - m); target_z: the
+    target's logit, starting at 0 (a row whose target lies in this block adds it here). Returns the
+    updated (m, S, U, target_z). m starts at -inf and S = U = 0, where the rescaling
+    factor exp(m_old - m_new) is 0 and its shift term is dropped (nan_to_num)."""
+    z, _ = _logits(product, bias, softcap, temperature)
+    m_new = torch.maximum(m, z.amax(-1))
+    zs = z - m_new[:, None]
+    e = torch.exp(zs)
+    shift = m - m_new
+    c = torch.exp(shift)
+    S_new = c * S + e.sum(-1)
+    U_new = c * (U + torch.nan_to_num(shift) * S) + (e * zs).sum(-1)
+    hit = torch.arange(z.shape[1], device=z.device)[None, :] == column[:, None]
+    target_new = target_z + torch.where(hit, z, 0.0).sum(-1)
+    return m_new, S_new, U_new, target_new
+
+
+def _grad_logits(product, bias, column, lse, grad, softcap, temperature):
+    """float32 d loss / d product of one tile: d logp / d z = onehot(target) - softmax(z), the
+    softmax from the saved lse, times the incoming gradient of each row's logp; then through
+    the temperature and the softcap."""
+    z, tanh = _logits(product, bias, softcap, temperature)
+    p = torch.exp(z - lse[:, None])
+    hit = torch.arange(z.shape[1], device=z.device)[None, :] == column[:, None]
+    gz = grad[:, None] * (hit.to(torch.float32) - p) / temperature
+    if softcap is not None:
+        gz = gz * (1.0 - tanh * tanh)
+    return gz
+
+
+def backward_tile(product, bias, column, lse, grad, softcap, temperature, out_dtype: torch.dtype):
+    """d loss / d product of one tile, in `out_dtype` (the dtype of the products that follow)."""
+    return _grad_logits(product, bias, column, lse, grad, softcap, temperature).to(out_dtype)
+
+
+def backward_tile_with_bias(product, bias, column, lse, grad, softcap, temperature, out_dtype):
+    """backward_tile, and the tile's float32 column sums of the gradient (the bias gradient)."""
+    gz = _grad_logits(product, bias, column, lse, grad, softcap, temperature)
+    return gz.to(out_dtype), gz.sum(0)
+
+
+# -- eager: the same math in place, into the pass's buffers ---------------------------------
+# Run op by op, the functions above would allocate a tile-sized temporary per operation (with
+# first-touch page faults on the CPU), which costs as much again as the work; these write into
+# `buffers` (grpo.logprobs._TileBuffers: get(name, shape, dtype), cast(name, x, dtype)) and
+# modify the product. tests/test_tile_math.py checks both against each other.
+
+
+def _logits_in_place(product, bias, softcap, temperature, buffers):
+    z = buffers.cast("z", product, torch.float32)  # product itself when it is float32 (then modified)
+    if bias is not None:
+        z += bias
+    tanh = None
+    if softcap:
+        tanh = torch.tanh(z / softcap)
+        z = tanh * softcap
+    if temperature != 1.0:
+        z /= temperature
+    return z, tanh
+
+
+def _forward_in_place(product, bias, column, m, S, U, target_z, softcap, temperature, buffers):
+    z, _ = _logits_in_place(product, bias, softcap, temperature, buffers)
+    rows = (column >= 0).nonzero().squeeze(1)
+    target_z = target_z.clone()
+    target_z[rows] += z[rows, column[rows]]
+    m_new = torch.maximum(m, z.amax(-1))
+    z -= m_new[:, None]
+    e = torch.exp(z, out=buffers.get("e", tuple(z.shape), torch.float32))
+    shift = m - m_new
+    c = shift.exp()
+    block_S = e.sum(-1)
+    block_U = e.mul_(z).sum(-1)  # in place: a batched dot product is 2x slower
+    return m_new, c * S + block_S, c * (U + torch.nan_to_num(shift) * S) + block_U, target_z
+
+
+def _backward_in_place(product, bias, column, lse, grad, softcap, temperature, out_dtype, with_bias, buffers):
+    z, tanh = _logits_in_place(product, bias, softcap, temperature, buffers)
+    gz = z.sub_(lse[:, None]).exp_().mul_(-grad[:, None])
+    rows = (column >= 0).nonzero().squeeze(1)
+    gz[rows, column[rows]] += grad[rows]
+    if temperature != 1.0:
+        gz /= temperature
+    if softcap:
+        gz.mul_(1.0 - tanh * tanh)
+    sums = gz.sum(0) if with_bias else None
+    return buffers.cast("low", gz, out_dtype), sums  # the product in "low" is no longer needed
+
+
+def cast_into(out, x):
+    """out[...] = x in out's dtype (the weight block's cast to the compute dtype)."""
+    out.copy_(x)
+
+
+def accumulate(acc, part):
+    """acc += part, part in another dtype (a bf16 weight-gradient block into the float32 gradient)."""
+    acc.add_(part)
+
+
+EAGER = SimpleNamespace(forward=_forward_in_place, backward=_backward_in_place, cast_into=cast_into, accumulate=accumulate)
+
+
+@functools.cache
+def _compiled_functions() -> tuple:
+    compile_ = functools.partial(torch.compile, dynamic=True)
+    return (compile_(forward_tile), compile_(backward_tile), compile_(backward_tile_with_bias), compile_(cast_into),
+            compile_(accumulate))
+
+
+def _scalars(softcap, temperature, device) -> tuple:
+    """softcap (None when off) and temperature as 0-d tensors: inputs of the compiled kernels."""
+    softcap = torch.tensor(float(softcap), device=device) if softcap else None
+    return softcap, torch.tensor(float(temperature), device=device)
+
+
+def _forward_compiled(product, bias, column, m, S, U, target_z, softcap, temperature, buffers):
+    softcap, temperature = _scalars(softcap, temperature, product.device)
+    return _compiled_functions()[0](product, bias, column, m, S, U, target_z, softcap, temperature)
+
+
+def _backward_compiled(product, bias, column, lse, grad, softcap, temperature, out_dtype, with_bias, buffers):
+    _, backward, backward_with_bias, _, _ = _compiled_functions()
+    softcap, temperature = _scalars(softcap, temperature, product.device)
+    if with_bias:
+        return backward_with_bias(product, bias, column, lse, grad, softcap, temperature, out_dtype)
+    return backward(product, bias, column, lse, grad, softcap, temperature, out_dtype), None
+
+
+def _cast_into_compiled(out, x):
+    _compiled_functions()[3](out, x)
+
+
+def _accumulate_compiled(acc, part):
+    _compiled_functions()[4](acc, part)
+
+
+COMPILED = SimpleNamespace(forward=_forward_compiled, backward=_backward_compiled, cast_into=_cast_into_compiled,
+                           accumulate=_accumulate_compiled)
+
+
+def kernels(compiled: bool) -> SimpleNamespace:
+    """The tile functions, `forward(product, bias, column, m, S, U, target_z, softcap, temperature,
+    buffers)` -> (m, S, U, target_z) and `backward(product, bias, column, lse, grad, softcap,
+    temperature, out_dtype, with_bias, buffers)` -> (gradient in out_dtype, its float32 column
+    sums or None): compiled kernels, or eager operations in place."""
+    return COMPILED if compiled else EAGER
+
+
+@functools.cache
+def compile_works(device_type: str) -> str | None:
+    """None when compiled tile kernels build and agree with the eager ones on `device_type`
+    (probed once per process on a small tile), else why not: the reason to show the user."""
+    try:
+        gen = torch.Generator().manual_seed(0)
+        product = torch.randn(3, 70, generator=gen).to(device_type)
+        column = torch.tensor([5, -1, 69], device=device_type)
+        stats = (torch.full((3,), float("-inf"), device=device_type), torch.zeros(3, device=device_type),
+                 torch.zeros(3, device=device_type), torch.zeros(3, device=device_type))
+        with torch.no_grad(), torch.autocast(device_type, enabled=False):
+            got = COMPILED.forward(product, None, column, *stats, None, 1.0, None)
+        want = forward_tile(product, None, column, *stats, None, 1.0)
+        if not all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(got, want)):
+            return "the compiled tile kernels disagree with the eager ones"
+        return None
+    except Exception as e:  # a missing C++ compiler, an unsupported device, an inductor error
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"

@@ -1,0 +1,219 @@
+"""The output layer's tile kernels (grpo.tile_math): the compiled kernels, the eager in-place
+operations and the plain definition agree, alone and inside the tiled logprobs (values and
+gradients); and how training.tile_kernels is resolved."""
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from grpo import tile_math
+from grpo.backends import single
+from grpo.config import ConfigError, from_dict
+from grpo.logprobs import _TileBuffers, token_logprobs_from_hidden
+
+needs_compile = pytest.mark.skipif(
+    tile_math.compile_works("cpu") is not None, reason=f"torch.compile unavailable: {tile_math.compile_works('cpu')}"
+)
+
+
+def _tile(dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rows, cols = 6, 37
+    product = (3 * torch.randn(rows, cols, generator=g)).to(dtype)
+    bias = torch.randn(cols, generator=g)
+    column = torch.tensor([0, -1, 36, 5, -1, 17])  # targets at both edges, and two rows whose target is elsewhere
+    return product, bias, column
+
+
+def _dense(product, bias, softcap, temperature):
+    """The tile's float64 logits, written out."""
+    z = product.double() + (bias.double() if bias is not None else 0)
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    return z / temperature
+
+
+SETTINGS = [(None, 1.0, False), (None, 0.7, True), (30.0, 1.0, True), (3.0, 1.3, False)]  # softcap, temperature, bias
+
+
+@pytest.mark.parametrize("softcap, temperature, with_bias", SETTINGS)
+def test_definition_is_the_log_sum_exp_and_the_softmax_gradient(softcap, temperature, with_bias):
+    """forward_tile from the empty statistics gives each row's max, sum exp(z - max),
+    sum exp(z - max)(z - max) and the target's logit; backward_tile gives
+    g * (onehot - softmax) through the temperature and the softcap (float64 autograd)."""
+    product, bias, column = _tile()
+    bias = bias if with_bias else None
+    rows = product.shape[0]
+    start = (torch.full((rows,), float("-inf")), torch.zeros(rows), torch.zeros(rows), torch.zeros(rows))
+    m, S, U, target = tile_math.forward_tile(product, bias, column, *start, softcap, temperature)
+    z = _dense(product, bias, softcap, temperature)
+    zs = z - z.amax(-1, keepdim=True)
+    close = dict(rtol=1e-5, atol=1e-5)  # float32 against float64
+    torch.testing.assert_close(m.double(), z.amax(-1), **close)
+    torch.testing.assert_close(S.double(), zs.exp().sum(-1), **close)
+    torch.testing.assert_close(U.double(), (zs.exp() * zs).sum(-1), **close)
+    hit = column >= 0
+    torch.testing.assert_close(target[hit].double(), z[hit.nonzero().squeeze(1), column[hit]], **close)
+    assert (target[~hit] == 0).all()
+
+    lse = torch.logsumexp(z, -1).float()
+    grad = torch.linspace(-1, 2, rows)
+    gz = tile_math.backward_tile(product, bias, column, lse, grad, softcap, temperature, torch.float32)
+    p = product.double().requires_grad_()
+    zp = _dense(p, bias, softcap, temperature)
+    onehot = torch.zeros_like(zp)
+    onehot[hit.nonzero().squeeze(1), column[hit]] = 1
+    # the gradient of sum_r g_r (onehot . z_r - lse_r) with lse held at its value
+    ((onehot * zp).sum(-1) - (zp - lse.double()[:, None]).exp().sum(-1)).mul(grad.double()).sum().backward()
+    torch.testing.assert_close(gz.double(), p.grad, rtol=1e-5, atol=1e-6)
+
+
+def _both(kernels, product, bias, column, softcap, temperature, out_dtype):
+    """One tile through `kernels`: the forward statistics (from a non-empty start, so the
+    rescaling is exercised) and the backward's gradient and column sums."""
+    rows = product.shape[0]
+    g = torch.Generator().manual_seed(5)
+    start = (torch.randn(rows, generator=g), torch.rand(rows, generator=g) + 1, torch.randn(rows, generator=g),
+             torch.randn(rows, generator=g))
+    buffers = _TileBuffers(product.device, kernels)
+    forward = kernels.forward(product.clone(), bias, column, *start, softcap, temperature, buffers)
+    lse = torch.logsumexp(_dense(product, bias, softcap, temperature), -1).float()
+    grad = torch.linspace(-1, 2, rows)
+    buffers = _TileBuffers(product.device, kernels)
+    backward = kernels.backward(product.clone(), bias, column, lse, grad, softcap, temperature, out_dtype,
+                                bias is not None, buffers)
+    return forward, backward
+
+
+@pytest.mark.parametrize("softcap, temperature, with_bias", SETTINGS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_eager_in_place_equals_the_definition(dtype, softcap, temperature, with_bias):
+    product, bias, column = _tile(dtype)
+    bias = bias if with_bias else None
+    (fe, (ge, se)) = _both(tile_math.EAGER, product, bias, column, softcap, temperature, dtype)
+    definition = SimpleNamespace(
+        forward=lambda *a: tile_math.forward_tile(*a[:-1]),
+        backward=lambda p, b, c, lse, g, sc, t, od, wb, buf: (
+            tile_math.backward_tile_with_bias(p, b, c, lse, g, sc, t, od) if wb
+            else (tile_math.backward_tile(p, b, c, lse, g, sc, t, od), None)
+        ),
+    )
+    (fd, (gd, sd)) = _both(definition, product, bias, column, softcap, temperature, dtype)
+    for a, b in zip(fe, fd):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert ge.dtype == gd.dtype == dtype
+    torch.testing.assert_close(ge, gd, rtol=1e-6, atol=1e-6)
+    if with_bias:
+        torch.testing.assert_close(se, sd, rtol=1e-6, atol=1e-6)
+    else:
+        assert se is None and sd is None
+
+
+@needs_compile
+@pytest.mark.parametrize("softcap, temperature, with_bias", SETTINGS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_kernels_equal_eager(dtype, softcap, temperature, with_bias):
+    product, bias, column = _tile(dtype)
+    bias = bias if with_bias else None
+    (fc, (gc, sc)) = _both(tile_math.COMPILED, product, bias, column, softcap, temperature, dtype)
+    (fe, (ge, se)) = _both(tile_math.EAGER, product, bias, column, softcap, temperature, dtype)
+    for a, b in zip(fc, fe):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert gc.dtype == dtype
+    # a bf16 gradient may round a float32 value that differs in its last bit the other way
+    tolerance = dict(rtol=1e-2, atol=1e-3) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gc, ge, **tolerance)
+    if with_bias:
+        torch.testing.assert_close(sc, se, rtol=1e-5, atol=1e-6)
+    # the cast and the accumulation
+    out = torch.empty(product.shape, dtype=torch.bfloat16)
+    tile_math.COMPILED.cast_into(out, product.float())
+    assert torch.equal(out, product.float().bfloat16())
+    acc = torch.ones(product.shape)
+    tile_math.COMPILED.accumulate(acc, product)
+    assert torch.equal(acc, 1 + product.float())
+
+
+@needs_compile
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("softcap, temperature, with_bias", SETTINGS)
+def test_tiled_logprobs_compiled_equal_eager_values_and_gradients(precision, softcap, temperature, with_bias):
+    """The whole tiled pass over several token chunks and vocabulary blocks (the last ones
+    smaller), with a weight-gradient sink: compiled and eager agree on logp, entropy and every
+    gradient."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(16, 70, bias=with_bias)
+    hidden0 = torch.randn(11, 16)
+    targets = torch.randint(0, 70, (11,))
+    upstream = torch.randn(11)
+    results = {}
+    for compiled in (False, True):
+        hidden = hidden0.clone().requires_grad_()
+        layer.zero_grad(set_to_none=True)
+        sink = torch.zeros_like(layer.weight)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            logp, entropy = token_logprobs_from_hidden(
+                hidden, layer, targets, temperature=temperature, softcap=softcap, chunk_size=4, vocab_block=16,
+                weight_grad_sink=sink, compiled=compiled,
+            )
+        (logp * upstream).sum().backward()
+        results[compiled] = (logp, entropy, hidden.grad, sink, layer.bias.grad if with_bias else None)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if precision == "fp32" else dict(rtol=1e-2, atol=1e-3)
+    for name, a, b in zip(("logp", "entropy", "grad h", "grad w", "grad b"), results[True], results[False]):
+        if b is None:
+            assert a is None
+            continue
+        torch.testing.assert_close(a, b, **(tolerance if name.startswith("grad") else dict(rtol=1e-5, atol=1e-5)),
+                                   msg=name)
+
+
+# -- training.tile_kernels ---------------------------------------------------------------------------
+
+
+def test_unknown_setting_is_refused_with_the_choices():
+    with pytest.raises(ConfigError, match="training.tile_kernels.*auto.*compiled.*eager"):
+        from_dict({"training": {"tile_kernels": "fast"}})
+
+
+def _failing_probe(monkeypatch):
+    calls = []
+
+    def probe(device_type):
+        calls.append(device_type)
+        return "CppCompileError: no C++ compiler"
+
+    monkeypatch.setattr(tile_math, "compile_works", probe)
+    return calls
+
+
+def test_auto_compiles_only_large_cpu_output_layers(monkeypatch):
+    calls = []
+    monkeypatch.setattr(tile_math, "compile_works", lambda device_type: calls.append(device_type))
+    big, cpu = single.AUTO_COMPILE_MIN_WEIGHTS, torch.device("cpu")
+    assert single.compiled_tiles("auto", cpu, big) is True
+    assert single.compiled_tiles("auto", cpu, big - 1) is False  # not worth loading the kernels
+    assert single.compiled_tiles("auto", torch.device("cuda"), big) is False
+    assert single.compiled_tiles("eager", cpu, big) is False
+    assert single.compiled_tiles("compiled", cpu, 10) is True
+    assert calls == ["cpu", "cpu"]  # probed only where the answer depends on it
+
+
+def test_a_failing_compiler_falls_back_under_auto_and_is_an_error_when_asked_for(monkeypatch, caplog):
+    _failing_probe(monkeypatch)
+    cpu = torch.device("cpu")
+    with caplog.at_level(logging.WARNING):
+        assert single.compiled_tiles("auto", cpu, single.AUTO_COMPILE_MIN_WEIGHTS) is False
+    assert "no C++ compiler" in caplog.text
+    with pytest.raises(ConfigError, match="training.tile_kernels=compiled.*no C\\+\\+ compiler.*training.tile_kernels=eager"):
+        single.compiled_tiles("compiled", cpu, 10)
+
+
+def test_the_backend_decides_once_per_run(monkeypatch, model):
+    calls = _failing_probe(monkeypatch)
+    backend = single.SingleProcess(from_dict({"training": {"tile_kernels": "auto", "device": "cpu"}}))
+    monkeypatch.setattr(single, "AUTO_COMPILE_MIN_WEIGHTS", 1)
+    assert backend.compiled_tiles(model) is False
+    assert backend.compiled_tiles(model) is False
+    assert calls == ["cpu"]
