@@ -198,7 +198,7 @@ def test_a_changed_config_is_refused_naming_the_keys(tmp_path, capsys):
     assert "training.max_steps" not in err.split("differ:")[1].split(";")[0]
     # what may change: how long, what is logged and evaluated, which kernels compute the tiles
     assert main(["train", str(path), "--resume", "training.max_steps=3", "logging.sample_every=1",
-                 "eval.every=0", "training.save_total_limit=1", "training.tile_kernels=eager"]) == 0
+                 "eval.every=0", "training.save_total_limit=1", "training.kernels=eager"]) == 0
     assert [r["step"] for r in _rows(run / "metrics.jsonl")] == [1, 2, 3]
     assert sorted(p.name for p in checkpoint.checkpoints(run)) == ["checkpoint-3", "final"]
 

@@ -1,6 +1,6 @@
 """The output layer's tile kernels (grpo.tile_math): the compiled kernels, the eager in-place
 operations and the plain definition agree, alone and inside the tiled logprobs (values and
-gradients); and how training.tile_kernels is resolved."""
+gradients); and how training.kernels is resolved."""
 
 import logging
 from types import SimpleNamespace
@@ -169,12 +169,12 @@ def test_tiled_logprobs_compiled_equal_eager_values_and_gradients(precision, sof
                                    msg=name)
 
 
-# -- training.tile_kernels ---------------------------------------------------------------------------
+# -- training.kernels ---------------------------------------------------------------------------
 
 
 def test_unknown_setting_is_refused_with_the_choices():
-    with pytest.raises(ConfigError, match="training.tile_kernels.*auto.*compiled.*eager"):
-        from_dict({"training": {"tile_kernels": "fast"}})
+    with pytest.raises(ConfigError, match="training.kernels.*auto.*compiled.*eager"):
+        from_dict({"training": {"kernels": "fast"}})
 
 
 def _failing_probe(monkeypatch):
@@ -188,32 +188,67 @@ def _failing_probe(monkeypatch):
     return calls
 
 
+class _Model:
+    """Just what use_compiled reads: the output layer's weight (numel and device)."""
+
+    def __init__(self, numel: int, device: str = "cpu"):
+        self.numel, self.device = numel, torch.device(device)
+
+    def get_output_embeddings(self):
+        return SimpleNamespace(weight=SimpleNamespace(numel=lambda: self.numel, device=self.device))
+
+
 def test_auto_compiles_only_large_cpu_output_layers(monkeypatch):
     calls = []
     monkeypatch.setattr(tile_math, "compile_works", lambda device_type: calls.append(device_type))
-    big, cpu = single.AUTO_COMPILE_MIN_WEIGHTS, torch.device("cpu")
-    assert single.compiled_tiles("auto", cpu, big) is True
-    assert single.compiled_tiles("auto", cpu, big - 1) is False  # not worth loading the kernels
-    assert single.compiled_tiles("auto", torch.device("cuda"), big) is False
-    assert single.compiled_tiles("eager", cpu, big) is False
-    assert single.compiled_tiles("compiled", cpu, 10) is True
+    big = tile_math.AUTO_COMPILE_MIN_WEIGHTS
+    assert tile_math.use_compiled("auto", _Model(big)) is True
+    assert tile_math.use_compiled("auto", _Model(big - 1)) is False  # not worth loading the kernels
+    assert tile_math.use_compiled("auto", _Model(big, "cuda")) is False
+    assert tile_math.use_compiled("eager", _Model(big)) is False
+    assert tile_math.use_compiled("compiled", _Model(10)) is True
     assert calls == ["cpu", "cpu"]  # probed only where the answer depends on it
 
 
 def test_a_failing_compiler_falls_back_under_auto_and_is_an_error_when_asked_for(monkeypatch, caplog):
     _failing_probe(monkeypatch)
-    cpu = torch.device("cpu")
     with caplog.at_level(logging.WARNING):
-        assert single.compiled_tiles("auto", cpu, single.AUTO_COMPILE_MIN_WEIGHTS) is False
+        assert tile_math.use_compiled("auto", _Model(tile_math.AUTO_COMPILE_MIN_WEIGHTS)) is False
     assert "no C++ compiler" in caplog.text
-    with pytest.raises(ConfigError, match="training.tile_kernels=compiled.*no C\\+\\+ compiler.*training.tile_kernels=eager"):
-        single.compiled_tiles("compiled", cpu, 10)
+    with pytest.raises(ConfigError, match="training.kernels=compiled.*no C\\+\\+ compiler.*training.kernels=eager"):
+        tile_math.use_compiled("compiled", _Model(10))
 
 
 def test_the_backend_decides_once_per_run(monkeypatch, model):
     calls = _failing_probe(monkeypatch)
-    backend = single.SingleProcess(from_dict({"training": {"tile_kernels": "auto", "device": "cpu"}}))
-    monkeypatch.setattr(single, "AUTO_COMPILE_MIN_WEIGHTS", 1)
+    monkeypatch.setattr(tile_math, "AUTO_COMPILE_MIN_WEIGHTS", 1)
+    backend = single.SingleProcess(from_dict({"training": {"kernels": "auto", "device": "cpu"}}))
     assert backend.compiled_tiles(model) is False
     assert backend.compiled_tiles(model) is False
     assert calls == ["cpu"]
+
+
+@needs_compile
+@pytest.mark.parametrize("bf16", [False, True])
+def test_training_with_compiled_kernels_equals_eager(tokenizer, tmp_path, bf16):
+    """training.kernels=compiled against eager, a few steps of a tiny model (the updates through
+    the compiled tiles): the same completions, and weights equal to float tolerance."""
+    from test_trainer import make_trainer
+
+    runs = {}
+    for kernels in ("eager", "compiled"):
+        trainer = make_trainer(tokenizer, tmp_path / kernels, [
+            "training.max_steps=3", "training.per_device_train_batch_size=32", "rollout.max_completion_length=3",
+            f"training.kernels={kernels}", f"training.bf16={str(bf16).lower()}", "training.logprob_chunk_size=5",
+        ])
+        assert trainer.backend.compiled_tiles(trainer.model) is (kernels == "compiled")
+        completions = []
+        for _ in range(3):
+            batch = trainer.collect_batch()
+            completions.append(batch.rollout.completion_ids.clone())
+            trainer.update(batch)
+        runs[kernels] = (completions, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()})
+    for a, b in zip(runs["compiled"][0], runs["eager"][0]):
+        assert torch.equal(a, b)
+    for name, weight in runs["eager"][1].items():
+        torch.testing.assert_close(runs["compiled"][1][name], weight, rtol=1e-4, atol=1e-5, msg=name)

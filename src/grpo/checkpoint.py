@@ -51,7 +51,7 @@ _LEFTOVER = re.compile(r"\.(checkpoint-\d+|final)\.(tmp|old)-\d+")
 # Keys a resumed run may change: they decide how long to train and what to log or
 # evaluate, never what a step computes.
 RESUMABLE_CHANGES = ("output_dir", "overwrite_output_dir", "training.max_steps", "training.save_steps",
-                     "training.save_total_limit", "training.tile_kernels", "logging.", "eval.")
+                     "training.save_total_limit", "training.kernels", "logging.", "eval.")
 """Keys a resumed run may change: where it stops, what it logs, and how fast kernels compute the same values."""
 
 
@@ -268,7 +268,7 @@ def load_checkpoint(path: Path, cfg) -> Checkpoint:
             f"--resume {path}: the checkpoint was made with another config; these keys differ: "
             + ", ".join(f"{k} (saved {a!r}, now {b!r})" for k, a, b in differing)
             + "; set them back to resume (only training.max_steps, training.save_steps, training.save_total_limit, "
-            "training.tile_kernels, logging.* and eval.* may change), or start a new run in another output_dir"
+            "training.kernels, logging.* and eval.* may change), or start a new run in another output_dir"
         )
     # our own file, written by torch.save: it holds Python and NumPy RNG states, not only tensors
     state = torch.load(path / STATE, map_location="cpu", weights_only=False)

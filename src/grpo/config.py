@@ -624,12 +624,13 @@ class TrainingConfig:
     """bf16 autocast for generation and the update, with fp32 master weights."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
-    tile_kernels: str = "auto"
-    """How the output layer's tiles do their element-wise work (log-sum-exp, softmax
-    gradient; grpo.tile_math): `compiled`, fused kernels built by torch.compile (a C++
-    compiler on the CPU; cached on disk, about 20 s on a machine's first run); `eager`,
-    PyTorch operations one by one; `auto`: compiled on the CPU for output layers of at
-    least 2^24 weights (Gemma-3-270M's has 168M) where the kernels build, eager elsewhere."""
+    kernels: str = "auto"
+    """How the element-wise work of the update's output layer runs, tile by tile (grpo.tile_math:
+    the log-sum-exp, the softmax gradient, the weight block's cast, the weight-gradient sum):
+    `compiled`, fused kernels built by torch.compile (a C++ compiler on the CPU; cached on
+    disk, about 20 s on a machine's first run); `eager`, PyTorch operations one by one;
+    `auto`: compiled on the CPU for output layers of at least 2^24 weights (Gemma-3-270M's
+    has 168M) where the kernels build, eager elsewhere. It may change on resume."""
     logprob_chunk_size: int = 4096
     """Completion tokens per chunk when computing logprobs from hidden states (each chunk
     is processed in vocabulary blocks sized to the device, so this rarely needs changing)."""
@@ -652,7 +653,7 @@ class TrainingConfig:
     def check(self, cfg: "Config", world_size: int = 1) -> None:
         _choice("training.lr_scheduler_type", self.lr_scheduler_type, registry.LR_SCHEDULES)
         _choice("training.sharding", self.sharding, ("none", "fsdp"))
-        _choice("training.tile_kernels", self.tile_kernels, ("auto", "compiled", "eager"))
+        _choice("training.kernels", self.kernels, ("auto", "compiled", "eager"))
         if self.sharding == "fsdp":
             _check_fsdp(cfg, world_size)
         _choice("training.device", self.device, ("auto", "cpu", "cuda"))

@@ -19,7 +19,6 @@ contributions are already in the dense .grad.
 from __future__ import annotations
 
 import contextlib
-import logging
 
 import torch
 
@@ -39,38 +38,6 @@ def resolve_device(name: str) -> torch.device:
 def bf16_autocast(device: torch.device, enabled: bool):
     """bf16 autocast on `device` when enabled (fp32 master weights stay as they are)."""
     return torch.autocast(device.type, dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
-
-
-log = logging.getLogger(__name__)
-
-
-AUTO_COMPILE_MIN_WEIGHTS = 1 << 24
-"""training.tile_kernels=auto compiles the tiles of output layers with at least this many
-weights (Gemma-3-270M's has 168M): below it, their element-wise work costs less than the
-seconds a process takes to load the compiled kernels."""
-
-
-def compiled_tiles(setting: str, device: torch.device, output_weights: int) -> bool:
-    """training.tile_kernels resolved for an output layer of `output_weights` weights: whether
-    its tiles run compiled kernels (grpo.tile_math). `auto` compiles large output layers on the
-    CPU where the kernels build (probed once per process), and says why not when they do not;
-    `compiled` where they do not build is a config error."""
-    from grpo import tile_math
-
-    if setting == "eager":
-        return False
-    if setting == "auto" and (device.type != "cpu" or output_weights < AUTO_COMPILE_MIN_WEIGHTS):
-        return False
-    reason = tile_math.compile_works(device.type)
-    if reason is None:
-        return True
-    if setting == "compiled":
-        raise ConfigError(
-            f"training.tile_kernels=compiled, but torch.compile cannot build the tile kernels on {device.type} "
-            f"({reason}); install a C++ compiler (the CPU) or set training.tile_kernels=eager"
-        )
-    log.warning("the output layer's tiles run eagerly: torch.compile cannot build their kernels here (%s)", reason)
-    return False
 
 
 def prepare_for_device(model, cfg: ModelConfig) -> None:
@@ -152,10 +119,11 @@ class SingleProcess:
         return bf16_autocast(self.device, self.cfg.training.bf16)
 
     def compiled_tiles(self, model: torch.nn.Module) -> bool:
-        """Whether `model`'s output-layer tiles run compiled kernels (decided once per backend)."""
+        """Whether `model`'s output-layer tiles run compiled kernels (training.kernels; decided once)."""
         if getattr(self, "_compiled_tiles", None) is None:
-            weights = model.get_output_embeddings().weight.numel()
-            self._compiled_tiles = compiled_tiles(self.cfg.training.tile_kernels, self.device, weights)
+            from grpo import tile_math
+
+            self._compiled_tiles = tile_math.use_compiled(self.cfg.training.kernels, model)
         return self._compiled_tiles
 
     def output_grad_sink(self, model: torch.nn.Module) -> torch.Tensor | None:
