@@ -252,3 +252,26 @@ def test_training_with_compiled_kernels_equals_eager(tokenizer, tmp_path, bf16):
         assert torch.equal(a, b)
     for name, weight in runs["eager"][1].items():
         torch.testing.assert_close(runs["compiled"][1][name], weight, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_compile_failing_mid_run_falls_back_to_the_definition(monkeypatch, caplog):
+    """A compile that fails after the probe (a full disk, an inductor error at a new shape) warns
+    once, and the run goes on with the definitions computed eagerly: the same values."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    def broken(fn):
+        def call(*args):
+            raise BackendCompilerFailed(lambda *a: None, RuntimeError("No space left on device"), None)
+        return call
+
+    monkeypatch.setattr(tile_math, "_compiled", broken)
+    monkeypatch.setattr(tile_math, "_broken", [])
+    product, bias, column = _tile()
+    with caplog.at_level(logging.WARNING):
+        got = _both(tile_math.COMPILED, product, bias, column, 3.0, 0.7, torch.float32)
+        _both(tile_math.COMPILED, product, bias, column, 3.0, 0.7, torch.float32)
+    want = _both(tile_math.EAGER, product, bias, column, 3.0, 0.7, torch.float32)
+    for a, b in zip(got[0] + got[1], want[0] + want[1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert caplog.text.count("compiling an output-layer kernel failed") == 1
+    assert "No space left" in caplog.text

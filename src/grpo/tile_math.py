@@ -162,11 +162,32 @@ def accumulate(acc, part):
 EAGER = SimpleNamespace(forward=_forward_in_place, backward=_backward_in_place, cast_into=cast_into, accumulate=accumulate)
 
 
+def _reason(error: Exception) -> str:
+    """An exception on one line, short enough for a log line (inductor's run to pages)."""
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text[:300]}{'...' if len(text) > 300 else ''}"
+
+
 @functools.cache
-def _compiled_functions() -> tuple:
-    compile_ = functools.partial(torch.compile, dynamic=True)
-    return (compile_(forward_tile), compile_(backward_tile), compile_(backward_tile_with_bias), compile_(cast_into),
-            compile_(accumulate))
+def _compiled(fn):
+    return torch.compile(fn, dynamic=True)
+
+
+_broken: list[str] = []
+"""Set when a compile failed during the run (after the probe: a full disk, an inductor error at a
+new shape): from then on the definitions run eagerly, so the run goes on."""
+
+
+def _call(fn, *args):
+    """fn(*args) as a compiled kernel, or eagerly once compiling has failed in this process."""
+    if not _broken:
+        try:
+            return _compiled(fn)(*args)
+        except torch._dynamo.exc.TorchDynamoException as e:
+            _broken.append(_reason(e))
+            log.warning("compiling an output-layer kernel failed (%s); the rest of the run computes it eagerly, "
+                        "slower (training.kernels=eager avoids compiling)", _broken[0])
+    return fn(*args)
 
 
 def _scalars(softcap, temperature, device) -> tuple:
@@ -177,23 +198,22 @@ def _scalars(softcap, temperature, device) -> tuple:
 
 def _forward_compiled(product, bias, column, m, S, U, target_z, softcap, temperature, buffers):
     softcap, temperature = _scalars(softcap, temperature, product.device)
-    return _compiled_functions()[0](product, bias, column, m, S, U, target_z, softcap, temperature)
+    return _call(forward_tile, product, bias, column, m, S, U, target_z, softcap, temperature)
 
 
 def _backward_compiled(product, bias, column, lse, grad, softcap, temperature, out_dtype, with_bias, buffers):
-    _, backward, backward_with_bias, _, _ = _compiled_functions()
     softcap, temperature = _scalars(softcap, temperature, product.device)
     if with_bias:
-        return backward_with_bias(product, bias, column, lse, grad, softcap, temperature, out_dtype)
-    return backward(product, bias, column, lse, grad, softcap, temperature, out_dtype), None
+        return _call(backward_tile_with_bias, product, bias, column, lse, grad, softcap, temperature, out_dtype)
+    return _call(backward_tile, product, bias, column, lse, grad, softcap, temperature, out_dtype), None
 
 
 def _cast_into_compiled(out, x):
-    _compiled_functions()[3](out, x)
+    _call(cast_into, out, x)
 
 
 def _accumulate_compiled(acc, part):
-    _compiled_functions()[4](acc, part)
+    _call(accumulate, acc, part)
 
 
 COMPILED = SimpleNamespace(forward=_forward_compiled, backward=_backward_compiled, cast_into=_cast_into_compiled,
@@ -221,13 +241,13 @@ def compile_works(device_type: str) -> str | None:
         stats = (torch.full((3,), float("-inf"), device=device_type), torch.zeros(3, device=device_type),
                  torch.zeros(3, device=device_type), torch.zeros(3, device=device_type))
         with torch.no_grad(), torch.autocast(device_type, enabled=False):
-            got = COMPILED.forward(product, None, column, *stats, None, 1.0, None)
+            got = _compiled(forward_tile)(product, None, column, *stats, None, torch.tensor(1.0, device=device_type))
         want = forward_tile(product, None, column, *stats, None, 1.0)
         if not all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(got, want)):
             return "the compiled tile kernels disagree with the eager ones"
         return None
     except Exception as e:  # a missing C++ compiler, an unsupported device, an inductor error
-        return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        return _reason(e)
 
 
 AUTO_COMPILE_MIN_WEIGHTS = 1 << 24
