@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import sys
 from types import SimpleNamespace
 
 import torch
@@ -232,8 +234,9 @@ def kernels(compiled: bool) -> SimpleNamespace:
 def compile_works(device_type: str) -> str | None:
     """None when compiled tile kernels build and agree with the eager ones on `device_type`
     (probed once per process on a small tile), else why not: the reason to show the user."""
-    log.info("building the output layer's compiled kernels (torch.compile; about 20 s the first time on a machine, "
-             "then loaded from inductor's cache)")
+    if os.environ.get("RANK", "0") == "0":  # said once, not by every rank of a torchrun job
+        print("building the output layer's compiled kernels (training.kernels; torch.compile: about 20 s the first "
+              "time on a machine, then loaded from its cache)", file=sys.stderr, flush=True)
     try:
         gen = torch.Generator().manual_seed(0)
         product = torch.randn(3, 70, generator=gen).to(device_type)
