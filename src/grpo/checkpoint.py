@@ -48,11 +48,10 @@ FINAL = "final"
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 _LEFTOVER = re.compile(r"\.(checkpoint-\d+|final)\.(tmp|old)-\d+")
 
-# Keys a resumed run may change: they decide how long to train and what to log or
-# evaluate, never what a step computes.
+# Keys a resumed run may change: they decide how long to train, what to log or evaluate,
+# and which kernels compute a step's values (the same to float tolerance), never the values.
 RESUMABLE_CHANGES = ("output_dir", "overwrite_output_dir", "training.max_steps", "training.save_steps",
                      "training.save_total_limit", "training.kernels", "logging.", "eval.")
-"""Keys a resumed run may change: where it stops, what it logs, and how fast kernels compute the same values."""
 
 
 def _fsync(path: Path) -> None:
