@@ -19,7 +19,8 @@ benchmarks/README.md for what each column measures and how to read it.
 
 A second table per run gives each side's roofline: the time each phase would take
 at this machine's limits, both measured in the same run (at the start and at the
-end, the best kept): the matmul peak of the precision (measure_peak_flops) and the
+end, the best kept): the matmul peak of the precision (measure_peak_flops, the best of
+a square product and one with a short inner dimension like the model's) and the
 memory bandwidth, a 1 GiB streaming read (measure_bandwidth), with the torch
 threads the sides use. From the model shape and each measured step's token counts
 (step_roofline):
@@ -279,9 +280,16 @@ def lora_label(spec: dict) -> str:
     return f"LoRA r={spec['lora_r']}, alpha={spec['lora_alpha']:g}, all-linear" if spec.get("lora_r") else "full fine-tuning"
 
 
+def peak_shapes(size: int) -> list[tuple[int, int, int]]:
+    """(m, k, n) products measure_peak_flops tries: size^3, and size/2 x 640 x 2 size, the short
+    inner dimension of a small model's products (on the 2-core Xeon with AMX, bf16 products with
+    k = 640 ran at up to 2,100 GFLOP/s while 2048^3 gave 650-1,800 in the same minutes)."""
+    return [(size, size, size), (size // 2, 640, 2 * size)]
+
+
 def measure_peak_flops(dtype_name: str, device: str, size: int, repeats: int) -> tuple[float, str]:
-    """Best-of-`repeats` FLOP/s of a size x size matmul in `dtype_name` (the machine's
-    practical peak), and the kernel that reached it. On the CPU both torch's default
+    """Best-of-`repeats` FLOP/s of matmuls in `dtype_name` over peak_shapes(size) (the machine's
+    practical peak), and the kernel and shape that reached it. On the CPU both torch's default
     (`a @ b`: MKL for float32) and oneDNN (`grpo.kernels.linear_nt`) are tried, so
     that neither side can exceed 100% of the peak."""
     import torch
@@ -289,24 +297,26 @@ def measure_peak_flops(dtype_name: str, device: str, size: int, repeats: int) ->
     from grpo.kernels import linear_nt, onednn_available
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
-    kernels = {"torch matmul": lambda: a @ b}
-    if device == "cpu" and dtype == torch.float32 and onednn_available():
-        kernels["oneDNN"] = lambda: linear_nt(a, b)
     inner = 10 if device == "cuda" else 1
     results = {}
-    for name, product in kernels.items():
-        product()  # warm-up (thread pool, kernels)
-        _sync(device)
-        best = math.inf
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            for _ in range(inner):
-                product()
+    for m, k, n in peak_shapes(size):
+        a = torch.randn(m, k, device=device).to(dtype)
+        b = torch.randn(k, n, device=device).to(dtype)
+        kernels = {"torch matmul": lambda: a @ b}
+        if device == "cpu" and dtype == torch.float32 and onednn_available():
+            bt = b.t().contiguous()
+            kernels["oneDNN"] = lambda: linear_nt(a, bt)
+        for name, product in kernels.items():
+            product()  # warm-up (thread pool, kernels)
             _sync(device)
-            best = min(best, (time.perf_counter() - t0) / inner)
-        results[name] = 2.0 * size**3 / best
+            best = math.inf
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                for _ in range(inner):
+                    product()
+                _sync(device)
+                best = min(best, (time.perf_counter() - t0) / inner)
+            results[f"{name}, {m}x{k}x{n}"] = 2.0 * m * k * n / best
     name = max(results, key=results.get)
     return results[name], name
 
