@@ -63,7 +63,7 @@ def test_definition_is_the_log_sum_exp_and_the_softmax_gradient(softcap, tempera
 
     lse = torch.logsumexp(z, -1).float()
     grad = torch.linspace(-1, 2, rows)
-    gz = tile_math.backward_tile(product, bias, column, lse, grad, softcap, temperature, torch.float32)
+    gz, _ = tile_math.backward_tile(product, bias, column, lse, grad, softcap, temperature, torch.float32, False)
     p = product.double().requires_grad_()
     zp = _dense(p, bias, softcap, temperature)
     onehot = torch.zeros_like(zp)
@@ -90,28 +90,32 @@ def _both(kernels, product, bias, column, softcap, temperature, out_dtype):
     return forward, backward
 
 
+DEFINITION = SimpleNamespace(  # the plain functions, called like the kernels (without the buffers)
+    forward=lambda *args: tile_math.forward_tile(*args[:-1]), backward=lambda *args: tile_math.backward_tile(*args[:-1]),
+)
+
+
+def _assert_same(got, want, dtype, with_bias, forward_tolerance, gradient_tolerance):
+    """Two _both results: the forward statistics, the gradient (in `dtype`) and its column sums."""
+    (forward, (gradient, sums)), (forward_want, (gradient_want, sums_want)) = got, want
+    for a, b in zip(forward, forward_want):
+        torch.testing.assert_close(a, b, **forward_tolerance)
+    assert gradient.dtype == gradient_want.dtype == dtype
+    torch.testing.assert_close(gradient, gradient_want, **gradient_tolerance)
+    if with_bias:
+        torch.testing.assert_close(sums, sums_want, **forward_tolerance)
+    else:
+        assert sums is None and sums_want is None
+
+
 @pytest.mark.parametrize("softcap, temperature, with_bias", SETTINGS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_eager_in_place_equals_the_definition(dtype, softcap, temperature, with_bias):
     product, bias, column = _tile(dtype)
     bias = bias if with_bias else None
-    (fe, (ge, se)) = _both(tile_math.EAGER, product, bias, column, softcap, temperature, dtype)
-    definition = SimpleNamespace(
-        forward=lambda *a: tile_math.forward_tile(*a[:-1]),
-        backward=lambda p, b, c, lse, g, sc, t, od, wb, buf: (
-            tile_math.backward_tile_with_bias(p, b, c, lse, g, sc, t, od) if wb
-            else (tile_math.backward_tile(p, b, c, lse, g, sc, t, od), None)
-        ),
-    )
-    (fd, (gd, sd)) = _both(definition, product, bias, column, softcap, temperature, dtype)
-    for a, b in zip(fe, fd):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
-    assert ge.dtype == gd.dtype == dtype
-    torch.testing.assert_close(ge, gd, rtol=1e-6, atol=1e-6)
-    if with_bias:
-        torch.testing.assert_close(se, sd, rtol=1e-6, atol=1e-6)
-    else:
-        assert se is None and sd is None
+    exact = dict(rtol=1e-6, atol=1e-6)
+    _assert_same(_both(tile_math.EAGER, product, bias, column, softcap, temperature, dtype),
+                 _both(DEFINITION, product, bias, column, softcap, temperature, dtype), dtype, with_bias, exact, exact)
 
 
 @needs_compile
@@ -120,16 +124,11 @@ def test_eager_in_place_equals_the_definition(dtype, softcap, temperature, with_
 def test_compiled_kernels_equal_eager(dtype, softcap, temperature, with_bias):
     product, bias, column = _tile(dtype)
     bias = bias if with_bias else None
-    (fc, (gc, sc)) = _both(tile_math.COMPILED, product, bias, column, softcap, temperature, dtype)
-    (fe, (ge, se)) = _both(tile_math.EAGER, product, bias, column, softcap, temperature, dtype)
-    for a, b in zip(fc, fe):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    assert gc.dtype == dtype
     # a bf16 gradient may round a float32 value that differs in its last bit the other way
-    tolerance = dict(rtol=1e-2, atol=1e-3) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(gc, ge, **tolerance)
-    if with_bias:
-        torch.testing.assert_close(sc, se, rtol=1e-5, atol=1e-6)
+    gradient_tolerance = dict(rtol=1e-2, atol=1e-3) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+    _assert_same(_both(tile_math.COMPILED, product, bias, column, softcap, temperature, dtype),
+                 _both(tile_math.EAGER, product, bias, column, softcap, temperature, dtype), dtype, with_bias,
+                 dict(rtol=1e-5, atol=1e-5), gradient_tolerance)
     # the cast and the accumulation
     out = torch.empty(product.shape, dtype=torch.bfloat16)
     tile_math.COMPILED.cast_into(out, product.float())

@@ -79,28 +79,19 @@ def forward_tile(product, bias, column, m, S, U, target_z, softcap, temperature)
     return m_new, S_new, U_new, target_new
 
 
-def _grad_logits(product, bias, column, lse, grad, softcap, temperature):
-    """float32 d loss / d product of one tile: d logp / d z = onehot(target) - softmax(z), the
-    softmax from the saved lse, times the incoming gradient of each row's logp; then through
-    the temperature and the softcap."""
+def backward_tile(product, bias, column, lse, grad, softcap, temperature, out_dtype: torch.dtype, with_bias: bool):
+    """d loss / d product of one tile in `out_dtype` (the dtype of the products that follow), and
+    with `with_bias` its float32 column sums (the bias gradient), else None.
+
+    d logp / d z = onehot(target) - softmax(z), the softmax from the saved lse, times the
+    incoming gradient of each row's logp; then through the temperature and the softcap."""
     z, tanh = _logits(product, bias, softcap, temperature)
     p = torch.exp(z - lse[:, None])
     hit = torch.arange(z.shape[1], device=z.device)[None, :] == column[:, None]
     gz = grad[:, None] * (hit.to(torch.float32) - p) / temperature
     if softcap is not None:
         gz = gz * (1.0 - tanh * tanh)
-    return gz
-
-
-def backward_tile(product, bias, column, lse, grad, softcap, temperature, out_dtype: torch.dtype):
-    """d loss / d product of one tile, in `out_dtype` (the dtype of the products that follow)."""
-    return _grad_logits(product, bias, column, lse, grad, softcap, temperature).to(out_dtype)
-
-
-def backward_tile_with_bias(product, bias, column, lse, grad, softcap, temperature, out_dtype):
-    """backward_tile, and the tile's float32 column sums of the gradient (the bias gradient)."""
-    gz = _grad_logits(product, bias, column, lse, grad, softcap, temperature)
-    return gz.to(out_dtype), gz.sum(0)
+    return gz.to(out_dtype), (gz.sum(0) if with_bias else None)
 
 
 # -- eager: the same math in place, into the pass's buffers ---------------------------------
@@ -205,9 +196,7 @@ def _forward_compiled(product, bias, column, m, S, U, target_z, softcap, tempera
 
 def _backward_compiled(product, bias, column, lse, grad, softcap, temperature, out_dtype, with_bias, buffers):
     softcap, temperature = _scalars(softcap, temperature, product.device)
-    if with_bias:
-        return _call(backward_tile_with_bias, product, bias, column, lse, grad, softcap, temperature, out_dtype)
-    return _call(backward_tile, product, bias, column, lse, grad, softcap, temperature, out_dtype), None
+    return _call(backward_tile, product, bias, column, lse, grad, softcap, temperature, out_dtype, with_bias)
 
 
 def _cast_into_compiled(out, x):

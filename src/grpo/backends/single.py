@@ -90,6 +90,7 @@ def adamw(model, t, device: torch.device) -> torch.optim.Optimizer:
 class SingleProcess:
     world_size = 1
     rank = 0
+    _compiled_tiles: bool | None = None  # training.kernels, resolved at the first update
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -120,7 +121,7 @@ class SingleProcess:
 
     def compiled_tiles(self, model: torch.nn.Module) -> bool:
         """Whether `model`'s output-layer tiles run compiled kernels (training.kernels; decided once)."""
-        if getattr(self, "_compiled_tiles", None) is None:
+        if self._compiled_tiles is None:
             from grpo import tile_math
 
             self._compiled_tiles = tile_math.use_compiled(self.cfg.training.kernels, model)
