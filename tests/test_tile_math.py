@@ -8,13 +8,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grpo import tile_math
+from grpo import compiling, tile_math
 from grpo.backends import single
 from grpo.config import ConfigError, from_dict
 from grpo.logprobs import _TileBuffers, token_logprobs_from_hidden
 
 needs_compile = pytest.mark.skipif(
-    tile_math.compile_works("cpu") is not None, reason=f"torch.compile unavailable: {tile_math.compile_works('cpu')}"
+    compiling.compile_works("cpu") is not None, reason=f"torch.compile unavailable: {compiling.compile_works('cpu')}"
 )
 
 
@@ -126,9 +126,10 @@ def test_compiled_kernels_equal_eager(dtype, softcap, temperature, with_bias):
     bias = bias if with_bias else None
     # a bf16 gradient may round a float32 value that differs in its last bit the other way
     gradient_tolerance = dict(rtol=1e-2, atol=1e-3) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
-    _assert_same(_both(tile_math.COMPILED, product, bias, column, softcap, temperature, dtype),
-                 _both(tile_math.EAGER, product, bias, column, softcap, temperature, dtype), dtype, with_bias,
+    compiled = _both(tile_math.COMPILED, product, bias, column, softcap, temperature, dtype)
+    _assert_same(compiled, _both(tile_math.EAGER, product, bias, column, softcap, temperature, dtype), dtype, with_bias,
                  dict(rtol=1e-5, atol=1e-5), gradient_tolerance)
+    assert compiled[1][0].t().is_contiguous()  # column-major, for the products that follow
     # the cast and the accumulation
     out = torch.empty(product.shape, dtype=torch.bfloat16)
     tile_math.COMPILED.cast_into(out, product.float())
@@ -186,7 +187,7 @@ def _failing_probe(monkeypatch):
         calls.append(device_type)
         return "CppCompileError: no C++ compiler"
 
-    monkeypatch.setattr(tile_math, "compile_works", probe)
+    monkeypatch.setattr(compiling, "compile_works", probe)
     return calls
 
 
@@ -202,40 +203,45 @@ class _Model:
 
 def test_auto_compiles_only_large_cpu_output_layers(monkeypatch):
     calls = []
-    monkeypatch.setattr(tile_math, "compile_works", lambda device_type: calls.append(device_type))
-    big = tile_math.AUTO_COMPILE_MIN_WEIGHTS
-    assert tile_math.use_compiled("auto", _Model(big)) is True
-    assert tile_math.use_compiled("auto", _Model(big - 1)) is False  # not worth loading the kernels
-    assert tile_math.use_compiled("auto", _Model(big, "cuda")) is False
-    assert tile_math.use_compiled("eager", _Model(big)) is False
-    assert tile_math.use_compiled("compiled", _Model(10)) is True
+    monkeypatch.setattr(compiling, "compile_works", lambda device_type: calls.append(device_type))
+    big = compiling.AUTO_COMPILE_MIN_WEIGHTS
+    assert compiling.use_compiled("auto", _Model(big)) is True
+    assert compiling.use_compiled("auto", _Model(big - 1)) is False  # not worth loading the kernels
+    assert compiling.use_compiled("auto", _Model(big, "cuda")) is False
+    assert compiling.use_compiled("eager", _Model(big)) is False
+    assert compiling.use_compiled("compiled", _Model(10)) is True
     assert calls == ["cpu", "cpu"]  # probed only where the answer depends on it
 
 
 def test_a_failing_compiler_falls_back_under_auto_and_is_an_error_when_asked_for(monkeypatch, caplog):
     _failing_probe(monkeypatch)
     with caplog.at_level(logging.WARNING):
-        assert tile_math.use_compiled("auto", _Model(tile_math.AUTO_COMPILE_MIN_WEIGHTS)) is False
+        assert compiling.use_compiled("auto", _Model(compiling.AUTO_COMPILE_MIN_WEIGHTS)) is False
     assert "no C++ compiler" in caplog.text
     with pytest.raises(ConfigError, match="training.kernels=compiled.*no C\\+\\+ compiler.*training.kernels=eager"):
-        tile_math.use_compiled("compiled", _Model(10))
+        compiling.use_compiled("compiled", _Model(10))
 
 
 def test_the_backend_decides_once_per_run(monkeypatch, model):
     calls = _failing_probe(monkeypatch)
-    monkeypatch.setattr(tile_math, "AUTO_COMPILE_MIN_WEIGHTS", 1)
+    monkeypatch.setattr(compiling, "AUTO_COMPILE_MIN_WEIGHTS", 1)
     backend = single.SingleProcess(from_dict({"training": {"kernels": "auto", "device": "cpu"}}))
-    assert backend.compiled_tiles(model) is False
-    assert backend.compiled_tiles(model) is False
+    assert backend.compiled_kernels(model) is False
+    assert backend.compiled_kernels(model) is False
     assert calls == ["cpu"]
 
 
 @needs_compile
 @pytest.mark.parametrize("bf16", [False, True])
-def test_training_with_compiled_kernels_equals_eager(tokenizer, tmp_path, bf16):
+def test_training_with_compiled_kernels_equals_eager(tokenizer, tmp_path, bf16, monkeypatch):
     """training.kernels=compiled against eager, a few steps of a tiny model (the updates through
-    the compiled tiles): the same completions, and weights equal to float tolerance."""
+    the compiled tiles and norms): the same completions, and weights equal to float tolerance."""
     from test_trainer import make_trainer
+
+    from grpo import compiled_norms
+
+    # the tiny model's norms compiled in the update and the prefill (thousands of elements), not when decoding
+    monkeypatch.setattr(compiled_norms, "MIN_ELEMENTS", 4096)
 
     runs = {}
     for kernels in ("eager", "compiled"):
@@ -243,7 +249,7 @@ def test_training_with_compiled_kernels_equals_eager(tokenizer, tmp_path, bf16):
             "training.max_steps=3", "training.per_device_train_batch_size=32", "rollout.max_completion_length=3",
             f"training.kernels={kernels}", f"training.bf16={str(bf16).lower()}", "training.logprob_chunk_size=5",
         ])
-        assert trainer.backend.compiled_tiles(trainer.model) is (kernels == "compiled")
+        assert trainer.backend.compiled_kernels(trainer.model) is (kernels == "compiled")
         completions = []
         for _ in range(3):
             batch = trainer.collect_batch()
@@ -266,8 +272,8 @@ def test_a_compile_failing_mid_run_falls_back_to_the_definition(monkeypatch, cap
             raise BackendCompilerFailed(lambda *a: None, RuntimeError("No space left on device"), None)
         return call
 
-    monkeypatch.setattr(tile_math, "_compiled", broken)
-    monkeypatch.setattr(tile_math, "_broken", [])
+    monkeypatch.setattr(compiling, "compiled", broken)
+    monkeypatch.setattr(compiling, "broken", [])
     product, bias, column = _tile()
     with caplog.at_level(logging.WARNING):
         got = _both(tile_math.COMPILED, product, bias, column, 3.0, 0.7, torch.float32)
@@ -275,5 +281,5 @@ def test_a_compile_failing_mid_run_falls_back_to_the_definition(monkeypatch, cap
     want = _both(tile_math.EAGER, product, bias, column, 3.0, 0.7, torch.float32)
     for a, b in zip(got[0] + got[1], want[0] + want[1]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    assert caplog.text.count("compiling an output-layer kernel failed") == 1
+    assert caplog.text.count("compiling a kernel of training.kernels failed") == 1
     assert "No space left" in caplog.text

@@ -625,12 +625,13 @@ class TrainingConfig:
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     kernels: str = "auto"
-    """How the element-wise work of the update's output layer runs, tile by tile (grpo.tile_math:
-    the log-sum-exp, the softmax gradient, the weight block's cast, the weight-gradient sum):
-    `compiled`, fused kernels built by torch.compile (a C++ compiler on the CPU; cached on
-    disk, about 20 s on a machine's first run); `eager`, PyTorch operations one by one;
-    `auto`: compiled on the CPU for output layers of at least 2^24 weights (Gemma-3-270M's
-    has 168M) where the kernels build, eager elsewhere. It may change on resume."""
+    """How the update's element-wise work runs: the output layer's tiles (grpo.tile_math: the
+    log-sum-exp, the softmax gradient, the weight block's cast, the weight-gradient sum) and the
+    decoder's RMS norms (grpo.compiled_norms). `compiled`, fused kernels built by torch.compile
+    (a C++ compiler on the CPU; cached on disk, about 20 s on a machine's first run); `eager`,
+    PyTorch operations one by one; `auto`: compiled on the CPU for models whose output layer has
+    at least 2^24 weights (Gemma-3-270M's has 168M) where the compiler works, eager elsewhere.
+    It may change on resume."""
     logprob_chunk_size: int = 4096
     """Completion tokens per chunk when computing logprobs from hidden states (each chunk
     is processed in vocabulary blocks sized to the device, so this rarely needs changing)."""

@@ -16,13 +16,11 @@ alternating: the bf16 output layer of Gemma-3-270M (262,144 x 640) for 341
 tokens, forward 0.475 -> 0.409 s and backward 1.329 -> 1.018 s (medians of 5;
 per tile, the weight cast 2.7 -> 1.4 ms and the gradient sum 8.4 -> 1.4 ms).
 
-`forward_tile` and `backward_tile` are the definition, and what is compiled; `kernels(compiled)` returns the compiled kernels, or the same
-math as eager operations written in place into reused buffers (the fastest
-eager form, and what runs where nothing is compiled). Compiled kernels take
-dynamic shapes (one compile for every tile size) and are cached by inductor on
-disk across runs (TORCHINDUCTOR_CACHE_DIR, by default under /tmp): the first
-run on a machine pays about 20 s of compiling, later runs a few seconds of
-loading. `use_compiled` resolves training.kernels.
+`forward_tile` and `backward_tile` are the definition, and what is compiled
+(through grpo.compiling, which also decides whether to compile);
+`kernels(compiled)` returns the compiled kernels, or the same math as eager
+operations written in place into reused buffers (the fastest eager form, and
+what runs where nothing is compiled).
 
 Conventions (one tile: rows r of a token chunk, columns c of a vocabulary block):
     product [r, c]    hidden @ weight_block.T in the compute dtype (bf16 or float32)
@@ -32,17 +30,11 @@ Conventions (one tile: rows r of a token chunk, columns c of a vocabulary block)
 
 from __future__ import annotations
 
-import functools
-import logging
-import os
-import sys
 from types import SimpleNamespace
 
 import torch
 
-from grpo.config import ConfigError
-
-log = logging.getLogger(__name__)
+from grpo import compiling
 
 
 def _logits(product, bias, softcap, temperature):
@@ -79,9 +71,11 @@ def forward_tile(product, bias, column, m, S, U, target_z, softcap, temperature)
     return m_new, S_new, U_new, target_new
 
 
-def backward_tile(product, bias, column, lse, grad, softcap, temperature, out_dtype: torch.dtype, with_bias: bool):
+def backward_tile(product, bias, column, lse, grad, softcap, temperature, out_dtype: torch.dtype, with_bias: bool,
+                  column_major: bool = False):
     """d loss / d product of one tile in `out_dtype` (the dtype of the products that follow), and
-    with `with_bias` its float32 column sums (the bias gradient), else None.
+    with `with_bias` its float32 column sums (the bias gradient), else None. With `column_major`
+    the gradient [r, c] is laid out column by column (a transposed view of a contiguous [c, r]).
 
     d logp / d z = onehot(target) - softmax(z), the softmax from the saved lse, times the
     incoming gradient of each row's logp; then through the temperature and the softcap."""
@@ -91,7 +85,9 @@ def backward_tile(product, bias, column, lse, grad, softcap, temperature, out_dt
     gz = grad[:, None] * (hit.to(torch.float32) - p) / temperature
     if softcap is not None:
         gz = gz * (1.0 - tanh * tanh)
-    return gz.to(out_dtype), (gz.sum(0) if with_bias else None)
+    sums = gz.sum(0) if with_bias else None
+    gz = gz.to(out_dtype)
+    return (gz.t().contiguous().t() if column_major else gz), sums
 
 
 # -- eager: the same math in place, into the pass's buffers ---------------------------------
@@ -155,34 +151,6 @@ def accumulate(acc, part):
 EAGER = SimpleNamespace(forward=_forward_in_place, backward=_backward_in_place, cast_into=cast_into, accumulate=accumulate)
 
 
-def _reason(error: Exception) -> str:
-    """An exception on one line, short enough for a log line (inductor's run to pages)."""
-    text = " ".join(str(error).split())
-    return f"{type(error).__name__}: {text[:300]}{'...' if len(text) > 300 else ''}"
-
-
-@functools.cache
-def _compiled(fn):
-    return torch.compile(fn, dynamic=True)
-
-
-_broken: list[str] = []
-"""Set when a compile failed during the run (after the probe: a full disk, an inductor error at a
-new shape): from then on the definitions run eagerly, so the run goes on."""
-
-
-def _call(fn, *args):
-    """fn(*args) as a compiled kernel, or eagerly once compiling has failed in this process."""
-    if not _broken:
-        try:
-            return _compiled(fn)(*args)
-        except torch._dynamo.exc.TorchDynamoException as e:
-            _broken.append(_reason(e))
-            log.warning("compiling an output-layer kernel failed (%s); the rest of the run computes it eagerly, "
-                        "slower (training.kernels=eager avoids compiling)", _broken[0])
-    return fn(*args)
-
-
 def _scalars(softcap, temperature, device) -> tuple:
     """softcap (None when off) and temperature as 0-d tensors: inputs of the compiled kernels."""
     softcap = torch.tensor(float(softcap), device=device) if softcap else None
@@ -191,20 +159,24 @@ def _scalars(softcap, temperature, device) -> tuple:
 
 def _forward_compiled(product, bias, column, m, S, U, target_z, softcap, temperature, buffers):
     softcap, temperature = _scalars(softcap, temperature, product.device)
-    return _call(forward_tile, product, bias, column, m, S, U, target_z, softcap, temperature)
+    return compiling.call(forward_tile, product, bias, column, m, S, U, target_z, softcap, temperature)
 
 
 def _backward_compiled(product, bias, column, lse, grad, softcap, temperature, out_dtype, with_bias, buffers):
     softcap, temperature = _scalars(softcap, temperature, product.device)
-    return _call(backward_tile, product, bias, column, lse, grad, softcap, temperature, out_dtype, with_bias)
+    # column-major: the two products that follow, gz @ W and gz.T @ h, then read it in the layouts
+    # oneDNN multiplies fastest (bf16, 512 tokens x 6,553 entries: 13.1 -> 8.7 ms and 7.8 -> 5.3
+    # ms), and the kernel writes it so at no extra cost; eagerly the transposing copy would cost more
+    return compiling.call(backward_tile, product, bias, column, lse, grad, softcap, temperature, out_dtype, with_bias,
+                          True)
 
 
 def _cast_into_compiled(out, x):
-    _call(cast_into, out, x)
+    compiling.call(cast_into, out, x)
 
 
 def _accumulate_compiled(acc, part):
-    _call(accumulate, acc, part)
+    compiling.call(accumulate, acc, part)
 
 
 COMPILED = SimpleNamespace(forward=_forward_compiled, backward=_backward_compiled, cast_into=_cast_into_compiled,
@@ -217,56 +189,3 @@ def kernels(compiled: bool) -> SimpleNamespace:
     temperature, out_dtype, with_bias, buffers)` -> (gradient in out_dtype, its float32 column
     sums or None): compiled kernels, or eager operations in place."""
     return COMPILED if compiled else EAGER
-
-
-@functools.cache
-def compile_works(device_type: str) -> str | None:
-    """None when compiled tile kernels build and agree with the eager ones on `device_type`
-    (probed once per process on a small tile), else why not: the reason to show the user."""
-    if os.environ.get("RANK", "0") == "0":  # said once, not by every rank of a torchrun job
-        print("building the output layer's compiled kernels (training.kernels; torch.compile: about 20 s the first "
-              "time on a machine, then loaded from its cache)", file=sys.stderr, flush=True)
-    try:
-        gen = torch.Generator().manual_seed(0)
-        product = torch.randn(3, 70, generator=gen).to(device_type)
-        column = torch.tensor([5, -1, 69], device=device_type)
-        stats = (torch.full((3,), float("-inf"), device=device_type), torch.zeros(3, device=device_type),
-                 torch.zeros(3, device=device_type), torch.zeros(3, device=device_type))
-        with torch.no_grad(), torch.autocast(device_type, enabled=False):
-            got = _compiled(forward_tile)(product, None, column, *stats, None, torch.tensor(1.0, device=device_type))
-        want = forward_tile(product, None, column, *stats, None, 1.0)
-        if not all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(got, want)):
-            return "the compiled tile kernels disagree with the eager ones"
-        return None
-    except Exception as e:  # a missing C++ compiler, an unsupported device, an inductor error
-        return _reason(e)
-
-
-AUTO_COMPILE_MIN_WEIGHTS = 1 << 24
-"""training.kernels=auto compiles for output layers of at least this many weights (Gemma-3-270M's
-has 168M): below it, the element-wise work costs less than the seconds a process takes to load
-the compiled kernels."""
-
-
-def use_compiled(setting: str, model) -> bool:
-    """training.kernels resolved for `model`: whether the element-wise work over its output layer's
-    logits runs compiled kernels. `auto` compiles for large output layers on the CPU where the
-    kernels build (probed once per process), and says why not when they do not; `compiled`
-    where they do not build is a config error."""
-    weight = model.get_output_embeddings().weight
-    device = weight.device
-    if setting == "eager":
-        return False
-    if setting == "auto" and (device.type != "cpu" or weight.numel() < AUTO_COMPILE_MIN_WEIGHTS):
-        return False
-    reason = compile_works(device.type)
-    if reason is None:
-        return True
-    if setting == "compiled":
-        raise ConfigError(
-            f"training.kernels=compiled, but torch.compile cannot build the kernels on {device.type} ({reason}); "
-            "install a C++ compiler (the CPU) or set training.kernels=eager"
-        )
-    log.warning("the output layer's element-wise work runs eagerly: torch.compile cannot build its kernels here (%s)",
-                reason)
-    return False

@@ -112,6 +112,8 @@ class Trainer:
         # LoRA (model.lora.r > 0) before the device preparation, so its CPU kernels reach the base layers
         model = apply_lora(model, cfg.model.lora, cfg.training.seed)
         self.model, self.tokenizer = self.backend.prepare_model(model), tokenizer
+        # training.kernels before the first rollout, and before the reference copies the model's norms
+        self.backend.compiled_kernels(self.model)
         self.reference = create_reference(cfg.algorithm, self.model, restore["reference"] if restore else None)
         if self.resumed is not None:  # after the reference: unless saved, it is a copy of the starting model
             self.backend.load_weights(self.resumed, self.model)

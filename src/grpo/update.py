@@ -122,7 +122,7 @@ def rows_logprobs(model, batch: GenerationBatch, rows: torch.Tensor, cfg: Config
             chunk_size=cfg.training.logprob_chunk_size,
             # the output layer's weight gradient goes straight into the sink (its preallocated .grad)
             weight_grad_sink=backend.output_grad_sink(model) if grad else None,
-            compiled=backend.compiled_tiles(model),
+            compiled=backend.compiled_kernels(model),
         )
 
 

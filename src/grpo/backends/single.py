@@ -90,7 +90,7 @@ def adamw(model, t, device: torch.device) -> torch.optim.Optimizer:
 class SingleProcess:
     world_size = 1
     rank = 0
-    _compiled_tiles: bool | None = None  # training.kernels, resolved at the first update
+    _compiled_kernels: bool | None = None  # training.kernels, resolved once (grpo.compiling)
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -119,13 +119,17 @@ class SingleProcess:
     def autocast(self):
         return bf16_autocast(self.device, self.cfg.training.bf16)
 
-    def compiled_tiles(self, model: torch.nn.Module) -> bool:
-        """Whether `model`'s output-layer tiles run compiled kernels (training.kernels; decided once)."""
-        if self._compiled_tiles is None:
-            from grpo import tile_math
+    def compiled_kernels(self, model: torch.nn.Module) -> bool:
+        """Whether `model`'s update runs compiled kernels (training.kernels; decided once, when the
+        trainer is built): the output layer's tiles then take them (grpo.tile_math), and the model's
+        RMS norms are switched to them here (grpo.compiled_norms)."""
+        if self._compiled_kernels is None:
+            from grpo import compiled_norms, compiling
 
-            self._compiled_tiles = tile_math.use_compiled(self.cfg.training.kernels, model)
-        return self._compiled_tiles
+            self._compiled_kernels = compiling.use_compiled(self.cfg.training.kernels, model)
+            if self._compiled_kernels:
+                compiled_norms.use_compiled_norms(model)
+        return self._compiled_kernels
 
     def output_grad_sink(self, model: torch.nn.Module) -> torch.Tensor | None:
         weight = model.get_output_embeddings().weight
