@@ -3,7 +3,9 @@
 The update's element-wise work (the output layer's tiles, grpo.tile_math; the
 decoder's RMS norms, grpo.compiled_norms) is written as plain functions of
 tensors and compiled by torch.compile (inductor: vectorised C++ with OpenMP on
-the CPU) with dynamic shapes, so one compile serves every size. Inductor caches
+the CPU) with dynamic shapes, so one compile serves every size, and with
+`emulate_precision_casts`, so a value the eager code rounds to bf16 midway is
+rounded in the kernel too (inductor would otherwise keep it in float32). Inductor caches
 what it builds on disk (TORCHINDUCTOR_CACHE_DIR, by default under /tmp): the
 first run on a machine compiles for about 20 s, later runs load in a few
 seconds.
