@@ -8,10 +8,7 @@ from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from grpo import compiled_norms, compiling
-
-needs_compile = pytest.mark.skipif(
-    compiling.compile_works("cpu") is not None, reason=f"torch.compile unavailable: {compiling.compile_works('cpu')}"
-)
+from test_tile_math import needs_compile
 
 
 def _norm(cls, size: int):

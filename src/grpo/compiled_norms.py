@@ -26,10 +26,10 @@ were 0.024 (eager) and 0.025 (compiled) from float32's on average. Inputs below
 call's fixed cost (about 40 us measured) is more than the work. Parameters,
 state dicts and `isinstance` are unchanged.
 
-Autograd through a compiled function has its backward compiled too; it is
-built with the forward (`force_non_lazy_backward_lowering`), so a compile that
-fails does so inside `grpo.compiling.call`, which falls back to eager, and
-never in the middle of a backward pass.
+Autograd through a compiled function has its backward compiled too;
+grpo.compiling builds it with the forward, so a compile that fails does so
+inside `grpo.compiling.call`, which falls back to eager, and never in the
+middle of a backward pass.
 """
 
 from __future__ import annotations
@@ -74,9 +74,6 @@ def compiled_class(cls: type) -> type:
 def use_compiled_norms(model: torch.nn.Module) -> int:
     """Switches `model`'s RMS norms to compiled forwards (idempotent); how many were switched.
     Norms whose weight is sharded (FSDP's DTensor) are left eager."""
-    # the backward is built with the forward, inside compiling.call's fallback (a process-wide
-    # setting of AOTAutograd: it only moves when a compiled backward is built, not what it computes)
-    torch._functorch.config.force_non_lazy_backward_lowering = True
     count = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)

@@ -39,6 +39,10 @@ def _reason(error: Exception) -> str:
 
 @functools.cache
 def compiled(fn):
+    # a function run under autograd (the norms) gets its backward built with its forward, so that a
+    # failing compile fails inside `call`'s fallback, not in the middle of a backward pass (an
+    # AOTAutograd setting for the process: it moves when a backward is built, not what it computes)
+    torch._functorch.config.force_non_lazy_backward_lowering = True
     return torch.compile(fn, dynamic=True, options={"emulate_precision_casts": True})
 
 
