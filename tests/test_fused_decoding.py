@@ -156,14 +156,32 @@ def test_engine_decodes_fused_in_bf16_on_the_cpu(tokenizer, gemma3_tiny, monkeyp
     # the choice is the engine's, whatever autocast the caller is under
     with torch.autocast("cpu", enabled=False):
         assert auto.uses_fused_decoding()
-    assert not _engine(model, tokenizer, bf16=False).uses_fused_decoding()  # float32: transformers' modules
-    assert _engine(model, tokenizer, "fused", bf16=False).uses_fused_decoding()
+    assert _engine(model, tokenizer, bf16=False).uses_fused_decoding() == kernels.onednn_available()
+    assert not _engine(model, tokenizer, "plain", bf16=False).uses_fused_decoding()
 
 
-def test_float32_rollouts_decode_through_transformers(model, tokenizer):
+def test_engine_decodes_fused_in_float32_on_the_cpu(tokenizer, gemma3_tiny):
+    """A float32 run decodes fused too (oneDNN products, no weight copies), with the same
+    greedy completions as transformers' modules, and the same sampled ones from the same seeds."""
+    if not kernels.onednn_available():
+        pytest.skip("oneDNN is not available in this torch build")
+    model = _model("gemma3", tokenizer, gemma3_tiny)
     prepare_for_device(model, ModelConfig(name="tiny"))
-    assert not fused_decoding_applies(model, torch.float32)  # float32: transformers' modules, MKL/oneDNN products
+    auto, plain = _engine(model, tokenizer, bf16=False), _engine(model, tokenizer, "plain", bf16=False)
+    assert auto.uses_fused_decoding() and not plain.uses_fused_decoding()
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(max_new_tokens=12, temperature=temperature, ignore_eos=True)
+        ours = auto.generate(_prompts(tokenizer), 2, params, seeds=[3, 4, 5, 6])
+        reference = plain.generate(_prompts(tokenizer), 2, params, seeds=[3, 4, 5, 6])
+        assert torch.equal(ours.completion_ids, reference.completion_ids), temperature
+
+
+def test_float32_decodes_fused_only_with_grpo_kernels(model, tokenizer):
+    assert not fused_decoding_applies(model, torch.float32)  # plain nn.Linear layers: transformers' modules
+    prepare_for_device(model, ModelConfig(name="tiny"))
+    assert fused_decoding_applies(model, torch.float32) == kernels.onednn_available()
     assert fused_decoding_applies(model, torch.bfloat16) == kernels.packing_available()
+    assert not fused_decoding_applies(model, torch.float16)
 
 
 def test_unsupported_architectures_decode_through_transformers(tokenizer):

@@ -13,6 +13,21 @@ def _rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x.double() - ref).abs().max() / ref.abs().max()).item()
 
 
+
+@pytest.mark.parametrize("shape", [(1, 40), (5, 40), (2, 3, 40), (32, 40), (33, 40), (0, 40)])
+def test_tall_product_matches_float64_in_pieces(shape, monkeypatch):
+    """The transposed output-layer product (pieces of the weight, a last one shorter) gives the
+    float64 answer to float32 rounding, for any number of rows (more than TALL_MAX_ROWS: plain)."""
+    monkeypatch.setattr(kernels, "TALL_PIECE_OUTPUT", 160)  # 160 // rows rows a piece: several pieces
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(*shape, generator=g), torch.randn(1003, 40, generator=g)
+    out = kernels.tall_linear_nt(x, w)
+    assert out.shape == (*shape[:-1], 1003) and out.dtype == torch.float32 and out.is_contiguous()
+    if x.numel():
+        assert _rel_err(out, x.double() @ w.double().t()) < 1e-5
+    bf16 = kernels.tall_linear_nt(x.bfloat16(), w.bfloat16())  # other dtypes: linear_nt
+    assert torch.equal(bf16, kernels.linear_nt(x.bfloat16(), w.bfloat16()))
+
 @pytest.mark.parametrize("shape", [(7, 33), (2, 5, 33), (0, 33)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_onednn_linear_matches_float64_values_and_gradients(shape, bias):

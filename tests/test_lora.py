@@ -392,6 +392,8 @@ def test_fused_decoding_with_an_adapter_in_bf16(tokenizer, gemma3_tiny):
     model = _adapted(tokenizer, gemma3_tiny)
     prepare_for_device(model, ModelConfig(name="tiny"))
     assert fused_decoding_applies(model, torch.bfloat16)
+    # float32 would decode from merged copies of every adapted weight: transformers' modules instead
+    assert not fused_decoding_applies(model, torch.float32)
     prompts = [tokenizer(t)["input_ids"] for t in ["abc", "hello world", "1+2="]]
     ids, mask = left_pad(prompts, tokenizer.pad_token_id)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):

@@ -80,14 +80,19 @@ def unsupported_reason(model) -> str | None:
 
 
 def fused_decoding_applies(model, compute_dtype: torch.dtype) -> bool:
-    """FusedDecoder is the faster path for decoding `model` in `compute_dtype`: bf16 on the
-    CPU, a supported architecture with float32 weights switched to grpo's CPU kernels,
-    where oneDNN can pack weights (see grpo.kernels)."""
-    if compute_dtype != torch.bfloat16:
+    """FusedDecoder is the faster path for decoding `model` in `compute_dtype`: a supported
+    architecture on the CPU with float32 weights switched to grpo's CPU kernels, and either
+    bf16, where oneDNN can pack weights (see grpo.kernels), or float32 through oneDNN
+    without a LoRA adapter (its merged weights would be copies of the whole model, which
+    transformers' modules decode without)."""
+    if unsupported_reason(model) is not None:
         return False
-    if unsupported_reason(model) is not None or not kernels.packing_available():
+    adapters = lora.adapter_sublayers(model)  # merged into their layer's weight, never used alone
+    if compute_dtype == torch.bfloat16:
+        if not kernels.packing_available():
+            return False
+    elif compute_dtype != torch.float32 or adapters or not kernels.onednn_available():
         return False
-    adapters = lora.adapter_sublayers(model)  # merged into their layer's packed weight, never used alone
     return all(
         isinstance(m, kernels.CPULinear) and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
         for m in model.modules()
@@ -96,30 +101,41 @@ def fused_decoding_applies(model, compute_dtype: torch.dtype) -> bool:
 
 
 class _Product:
-    """x @ W.T (+ b) for a fixed weight: oneDNN-packed bf16 pieces (grpo.kernels) or a plain
-    weight in the compute dtype (float32 decoding, which tests use to check the math)."""
+    """x @ W.T (+ b) of layers that read the same input, their outputs side by side, from
+    fixed weights: one oneDNN-packed bf16 copy of the layers' stacked weights (grpo.kernels;
+    the fast path, under bf16 autocast), or the layers' own weights in their dtype, one
+    product each (float32 decoding: no copy; oneDNN for float32 on the CPU, and the output
+    layer (`tall`) computed transposed, grpo.kernels.tall_linear_nt).
+    A LoRA layer contributes its merged weight W + scale * B @ A (grpo.lora.merged_linear)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, rows: int, pack: bool):
-        self.dtype = dtype
+    def __init__(self, layers: list, dtype: torch.dtype, rows: int, pack: bool, tall: bool = False):
+        self.dtype, self.tall = dtype, tall
+        merged = [lora.merged_linear(m) for m in layers]
         if pack:
-            self.pieces = kernels.pack_weight(weight, bias, dtype, rows)
-            self.weight = self.bias = None
+            self.pieces = kernels.pack_weight(*_stacked(merged), dtype, rows)
+            self.parts = None
         else:
             self.pieces = None
-            self.weight = weight.to(dtype)
-            self.bias = bias.to(dtype) if bias is not None else None
+            self.parts = [(w.to(dtype), b.to(dtype) if b is not None else None) for w, b in merged]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.dtype)
         if self.pieces is not None:
             return kernels.packed_product(x, self.pieces)
-        return F.linear(x, self.weight, self.bias)
+        outs = [self._one(x, w, b) for w, b in self.parts]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+    def _one(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if bias is not None:
+            return kernels.linear(x, weight, bias)
+        return kernels.tall_linear_nt(x, weight) if self.tall else kernels.linear_nt(x, weight)
 
 
-def _cat_linear(*layers: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The weights (and biases) of layers that read the same input, stacked: one product for all.
-    A LoRA layer contributes its merged weight W + scale * B @ A (grpo.lora.merged_linear)."""
-    merged = [lora.merged_linear(m) for m in layers]
+def _stacked(merged: list) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) pairs of layers that read the same input, stacked: one product for all
+    (one layer's own weight as it is: packing copies it a piece at a time)."""
+    if len(merged) == 1:
+        return merged[0]
     weight = torch.cat([w for w, _ in merged])
     if all(b is None for _, b in merged):
         return weight, None
@@ -194,8 +210,8 @@ class FusedDecoder:
         self._rope_takes_layer_type = "layer_type" in inspect.signature(self.body.rotary_emb.forward).parameters
         layer_types = getattr(config, "layer_types", None) or ["full_attention"] * len(self.body.layers)
 
-        def product(weight, bias=None):
-            return _Product(weight, bias, self.dtype, rows, pack)
+        def product(*layers):
+            return _Product(list(layers), self.dtype, rows, pack)
 
         with torch.no_grad():
             self.layers = []
@@ -204,10 +220,10 @@ class FusedDecoder:
                 sandwich = style == "gemma"  # norms after attention and MLP too
                 self.layers.append(
                     _Layer(
-                        qkv=product(*_cat_linear(a.q_proj, a.k_proj, a.v_proj)),
-                        o=product(*_cat_linear(a.o_proj)),
-                        gate_up=product(*_cat_linear(m.gate_proj, m.up_proj)),
-                        down=product(*_cat_linear(m.down_proj)),
+                        qkv=product(a.q_proj, a.k_proj, a.v_proj),
+                        o=product(a.o_proj),
+                        gate_up=product(m.gate_proj, m.up_proj),
+                        down=product(m.down_proj),
                         input_norm=_Norm(layer.input_layernorm, style),
                         post_attention_norm=_Norm(layer.post_attention_layernorm, style),
                         pre_mlp_norm=_Norm(layer.pre_feedforward_layernorm, style) if sandwich else None,
@@ -223,7 +239,7 @@ class FusedDecoder:
                 )
             self.final_norm = _Norm(self.body.norm, style)
             head = model.get_output_embeddings()
-            self.head = _Product(head.weight, head.bias, self.dtype, rows, pack)
+            self.head = _Product([head], self.dtype, rows, pack, tall=True)
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.length = 0  # cache slots filled (the same for every row)
