@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from grpo import config
+from grpo import config, kernels
 from grpo.tiny import tiny_model
 from grpo.trainer import Trainer
 
@@ -92,11 +92,13 @@ def test_gae_resume_restores_the_critic(tokenizer, tmp_path):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_sampling_logprobs_are_the_updates(tokenizer, tmp_path):
-    """In float32 with the plain decoding steps the engine's logprobs equal the update's, so the
-    mismatch metric reads ~0; it is logged every step."""
+@pytest.mark.parametrize("decoding", ["plain", "auto"])
+def test_sampling_logprobs_are_the_updates(decoding, tokenizer, tmp_path):
+    """In float32, with transformers' decoding steps or the fused ones (auto on the CPU), the
+    engine's logprobs equal the update's, so the mismatch metric reads ~0; it is logged every step."""
     trainer = make_trainer(tokenizer, tmp_path, ["training.max_steps=1", "rollout.max_completion_length=4",
-                                                 "rollout.decoding=plain", "training.per_device_train_batch_size=32"])
+                                                 f"rollout.decoding={decoding}", "training.per_device_train_batch_size=32"])
+    assert trainer.engine.uses_fused_decoding() == (decoding == "auto" and kernels.onednn_available())
     history = trainer.train()
     m = history[-1]
     assert m["rollout/logprob_diff_mean"] < 1e-5 and m["rollout/logprob_diff_max"] < 1e-4

@@ -11,8 +11,8 @@ Both are exact: under greedy decoding they give token-for-token the same
 completions as the plain path (tests/test_rollout.py).
 
 Each step is the model's own forward pass with transformers' cache, or, where
-`TransformersEngine` chooses it (CPU, bf16, the architectures grpo.rollout.fused
-covers), the same computation in fewer, larger operations
+`TransformersEngine` chooses it (CPU, bf16 or float32, the architectures
+grpo.rollout.fused covers), the same computation in fewer, larger operations
 (tests/test_fused_decoding.py).
 """
 
@@ -314,9 +314,10 @@ class TransformersEngine:
 
     `rollout.decoding` picks the decoding steps explicitly: `fused`
     (grpo.rollout.fused), `plain` (transformers' modules), or `auto`: fused where
-    `fused_decoding_applies` (a CPU model in bf16 with grpo's CPU kernels).
-    Because it decodes from the policy's own parameters (the fused steps pack
-    their weight copies at the start of each rollout), an optimizer step needs no
+    `fused_decoding_applies` (a CPU model with grpo's CPU kernels, in bf16, or in
+    float32 without a LoRA adapter). Because it decodes from the policy's own
+    parameters (the fused steps pack their bf16 copies, or take the float32 weights
+    as they are, at the start of each rollout), an optimizer step needs no
     weight transfer: `sync_weights` has nothing to do, and neither have
     `sleep`/`wake` (every cache lives only for one `generate`).
     """
