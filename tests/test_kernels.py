@@ -14,6 +14,31 @@ def _rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 
+
+@pytest.mark.parametrize("mkl_fast", [True, False])
+def test_products_take_onednn_for_few_rows_and_by_cpu_make_otherwise(mkl_fast, monkeypatch):
+    """Decoding's few rows go through oneDNN on any CPU; training's larger products through MKL
+    where it has its fast path (Intel), oneDNN elsewhere; values and gradients agree with
+    float64 either way."""
+    monkeypatch.setattr(kernels, "mkl_fast_path", lambda: mkl_fast)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 40, generator=g)
+    assert kernels.uses_onednn(torch.randn(kernels.FEW_ROWS, 40), w)
+    assert kernels.uses_onednn(torch.randn(2, 3, 40), w)
+    assert kernels.uses_onednn(torch.randn(100, 40), w[:8])  # few rows on the weight's side
+    assert kernels.uses_onednn(torch.randn(kernels.FEW_ROWS + 1, 40), w) == (not mkl_fast)
+    assert not kernels.uses_onednn(torch.randn(4, 40).bfloat16(), w.bfloat16())
+    for rows in (3, 100):
+        x = torch.randn(rows, 40, generator=g, requires_grad=True)
+        weight = w.clone().requires_grad_()
+        out = kernels.linear(x, weight)
+        upstream = torch.randn(out.shape, generator=g)
+        (out * upstream).sum().backward()
+        xd, wd = x.detach().double().requires_grad_(), w.double().requires_grad_()
+        ref = xd @ wd.t()
+        (ref * upstream.double()).sum().backward()
+        assert _rel_err(out, ref) < 1e-5 and _rel_err(x.grad, xd.grad) < 1e-5 and _rel_err(weight.grad, wd.grad) < 1e-5
+
 @pytest.mark.parametrize("shape", [(1, 40), (5, 40), (2, 3, 40), (32, 40), (33, 40), (0, 40)])
 def test_tall_product_matches_float64_in_pieces(shape, monkeypatch):
     """The transposed output-layer product (pieces of the weight, a last one shorter) gives the

@@ -110,8 +110,10 @@ class ModelConfig:
     """Where converted GGUF checkpoints are cached (default ~/.cache/grpo)."""
     cpu_kernels: bool = True
     """On the CPU, float32 Linear layers (and the output layer) run through oneDNN
-    instead of torch's default BLAS (grpo.kernels): the same float32 arithmetic,
-    about twice the rate on AMD CPUs, where MKL is slow; and grouped-query
+    instead of torch's default BLAS where it is faster (grpo.kernels.uses_onednn): the
+    same float32 arithmetic, about twice the rate on AMD CPUs, where MKL is slow, and
+    for decoding's few rows on any CPU (on Intel CPUs the update's products stay
+    with MKL, which is faster there); and grouped-query
     attention lays the query heads that share a key/value head out as its
     queries (grpo.attention) instead of copying keys and values per query
     head. false: plain torch and transformers."""
@@ -285,8 +287,8 @@ class RolloutConfig:
     decoding: str = "auto"
     """How the `hf` engine runs a decoding step: `fused` (grpo.rollout.fused: fewer, larger
     operations; Gemma 3 and the Llama family on the CPU), `plain` (transformers' modules),
-    or `auto`: fused where it applies (CPU, training.bf16, a supported architecture with
-    model.cpu_kernels), plain elsewhere."""
+    or `auto`: fused where it applies (CPU, a supported architecture with model.cpu_kernels,
+    in bf16, or in float32 without a LoRA adapter), plain elsewhere."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """The `vllm` engine's settings (read only when rollout.engine is vllm)."""
 

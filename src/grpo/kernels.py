@@ -6,12 +6,15 @@ same float32 products (float32 accumulation, no reduced-precision shortcut)
 about twice as fast. Measured on the 2-core AMD EPYC this project is
 developed on, 1024 x 640 by 640 x 262,144 (Gemma's output layer): 2.34 s with
 MKL, 1.06 s with oneDNN; results agree with a float64 product to 1e-6
-relative either way (tests/test_kernels.py).
+relative either way (tests/test_kernels.py). On Intel CPUs MKL takes its own
+fast path and is the faster of the two for training's products, while oneDNN
+stays faster for decoding's few rows: `uses_onednn` picks by the CPU's make
+and the product's rows.
 
 `use_cpu_linear(model)` switches a model's `nn.Linear` layers to `CPULinear`,
 a subclass whose forward and backward run through oneDNN for float32 CPU
-tensors and fall back to `F.linear` for everything else (CUDA, bf16 autocast,
-other dtypes). Parameters, state dicts and `isinstance(m, nn.Linear)` are
+tensors where `uses_onednn` picks it, and through `F.linear` for everything
+else (MKL on Intel for training's products, CUDA, bf16 autocast, other dtypes). Parameters, state dicts and `isinstance(m, nn.Linear)` are
 unchanged. Products that are not layers (the tiled output layer in
 `grpo.logprobs`) call `linear_nt` directly.
 
@@ -66,11 +69,41 @@ def onednn_applies(*tensors: torch.Tensor) -> bool:
     )
 
 
+# A float32 product where one side has at most this many rows (decoding: a row per
+# completion) goes through oneDNN on every CPU; see uses_onednn.
+FEW_ROWS = 32
+
+
+@functools.cache
+def mkl_fast_path() -> bool:
+    """Whether torch's MKL takes its fast float32 path on this CPU: an Intel one (on
+    other makes MKL runs a generic path, half oneDNN's speed; see the module docstring)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("vendor_id") and "GenuineIntel" in line for line in f)
+    except OSError:
+        return False
+
+
+def uses_onednn(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the float32 product a @ b.T (a [..., K], b [N, K]) goes through oneDNN:
+    where it applies (onednn_applies), for a product with few rows on either side
+    (decoding) on every CPU, and for training's larger products where MKL has no fast
+    path. On the 2-core Intel Xeon with AMX, MKL ran the update's products (640 tokens
+    by Gemma-3-270M's layers) at 203-263 GFLOP/s against oneDNN's 103-232 (the weight
+    gradients 207-245 against 103-189), while oneDNN was faster up to 32 rows (24
+    decoder weights: 16 rows 12.8 vs 16.0 ms, 32 rows 17.7 vs 22.9 ms)."""
+    if not onednn_applies(a, b):
+        return False
+    rows = min(a.numel() // a.shape[-1], b.shape[0])
+    return rows <= FEW_ROWS or not mkl_fast_path()
+
+
 def linear_nt(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """a @ b.T for a [..., K] and b [N, K] (no autograd); oneDNN for float32 CPU
-    tensors, strided views accepted, otherwise torch's matmul, written into `out`
-    when given (the oneDNN path returns a new tensor and ignores `out`)."""
-    if onednn_applies(a, b):
+    """a @ b.T for a [..., K] and b [N, K] (no autograd); through oneDNN where
+    uses_onednn (strided views accepted), otherwise torch's matmul, written into
+    `out` when given (the oneDNN path returns a new tensor and ignores `out`)."""
+    if uses_onednn(a, b):
         return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
     if out is not None:
         return torch.matmul(a, b.t(), out=out)
@@ -100,8 +133,8 @@ class _OneDNNLinearFunction(torch.autograd.Function):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through oneDNN for float32 CPU tensors outside autocast."""
-    if onednn_applies(x, weight, *([bias] if bias is not None else [])):
+    """F.linear, through oneDNN where uses_onednn (float32 CPU tensors outside autocast)."""
+    if uses_onednn(x, weight) and (bias is None or onednn_applies(bias)):
         return _OneDNNLinearFunction.apply(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -175,7 +208,7 @@ def packed_product(x: torch.Tensor, pieces: list) -> torch.Tensor:
 
 
 class CPULinear(torch.nn.Linear):
-    """nn.Linear whose float32 CPU products run through oneDNN (see module docstring)."""
+    """nn.Linear whose float32 CPU products run through oneDNN where uses_onednn (see module docstring)."""
 
     # (dtype, pack_weight's pieces) under packed_for_decoding
     packed: tuple | None = None

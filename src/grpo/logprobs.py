@@ -17,7 +17,7 @@ import math
 import torch
 
 from grpo import tile_math
-from grpo.kernels import linear_nt, onednn_applies
+from grpo.kernels import linear_nt, uses_onednn
 
 
 # Logit elements per (token chunk x vocabulary block) tile. On the CPU a tile of
@@ -64,9 +64,9 @@ class _TileBuffers:
         return out
 
     def product(self, name: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """a @ b.T, into buffer `name`; float32 CPU products go through oneDNN
-        (grpo.kernels.linear_nt), which returns its own tensor, so they get no buffer."""
-        if onednn_applies(a, b):
+        """a @ b.T, into buffer `name`; a product through oneDNN (grpo.kernels.linear_nt)
+        returns its own tensor, so it gets no buffer."""
+        if uses_onednn(a, b):
             return linear_nt(a, b)
         return linear_nt(a, b, out=self.get(name, (a.shape[0], b.shape[0]), a.dtype))
 
