@@ -374,8 +374,8 @@ class _DtypeProbe:
         self.seen.setdefault(phase, set()).add(str(dtype).replace("torch.", ""))
 
     def watch_fused_decoding(self) -> None:
-        """grpo's CPU bf16 rollouts compute through grpo.rollout.fused's products, not the
-        Linear modules: record theirs too."""
+        """grpo's CPU rollouts (bf16 and float32) compute through grpo.rollout.fused's
+        products, not the Linear modules: record theirs too."""
         from grpo.rollout import fused
 
         original, probe = fused._Product.__call__, self
