@@ -158,6 +158,7 @@ def test_engine_decodes_fused_in_bf16_on_the_cpu(tokenizer, gemma3_tiny, monkeyp
         assert auto.uses_fused_decoding()
     assert _engine(model, tokenizer, bf16=False).uses_fused_decoding() == kernels.onednn_available()
     assert not _engine(model, tokenizer, "plain", bf16=False).uses_fused_decoding()
+    assert _engine(model, tokenizer, "fused", bf16=False).uses_fused_decoding()
 
 
 def test_engine_decodes_fused_in_float32_on_the_cpu(tokenizer, gemma3_tiny):

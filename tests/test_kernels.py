@@ -13,8 +13,6 @@ def _rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x.double() - ref).abs().max() / ref.abs().max()).item()
 
 
-
-
 @pytest.mark.parametrize("mkl_fast", [True, False])
 def test_products_take_onednn_for_few_rows_and_by_cpu_make_otherwise(mkl_fast, monkeypatch):
     """Decoding's few rows go through oneDNN on any CPU; training's larger products through MKL
@@ -39,6 +37,7 @@ def test_products_take_onednn_for_few_rows_and_by_cpu_make_otherwise(mkl_fast, m
         (ref * upstream.double()).sum().backward()
         assert _rel_err(out, ref) < 1e-5 and _rel_err(x.grad, xd.grad) < 1e-5 and _rel_err(weight.grad, wd.grad) < 1e-5
 
+
 @pytest.mark.parametrize("shape", [(1, 40), (5, 40), (2, 3, 40), (32, 40), (33, 40), (0, 40)])
 def test_tall_product_matches_float64_in_pieces(shape, monkeypatch):
     """The transposed output-layer product (pieces of the weight, a last one shorter) gives the
@@ -52,6 +51,7 @@ def test_tall_product_matches_float64_in_pieces(shape, monkeypatch):
         assert _rel_err(out, x.double() @ w.double().t()) < 1e-5
     bf16 = kernels.tall_linear_nt(x.bfloat16(), w.bfloat16())  # other dtypes: linear_nt
     assert torch.equal(bf16, kernels.linear_nt(x.bfloat16(), w.bfloat16()))
+
 
 @pytest.mark.parametrize("shape", [(7, 33), (2, 5, 33), (0, 33)])
 @pytest.mark.parametrize("bias", [True, False])
