@@ -41,7 +41,7 @@ def test_products_take_onednn_for_few_rows_and_by_cpu_make_otherwise(mkl_fast, m
 @pytest.mark.parametrize("shape", [(1, 40), (5, 40), (2, 3, 40), (32, 40), (33, 40), (0, 40)])
 def test_tall_product_matches_float64_in_pieces(shape, monkeypatch):
     """The transposed output-layer product (pieces of the weight, a last one shorter) gives the
-    float64 answer to float32 rounding, for any number of rows (more than TALL_MAX_ROWS: plain)."""
+    float64 answer to float32 rounding, for any number of rows (more than FEW_ROWS: linear_nt)."""
     monkeypatch.setattr(kernels, "TALL_PIECE_OUTPUT", 160)  # 160 // rows rows a piece: several pieces
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(*shape, generator=g), torch.randn(1003, 40, generator=g)

@@ -139,9 +139,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-# tall_linear_nt: a product with at most this many rows of x is computed transposed, and
-# each piece's result is at most this many elements (2 MB of float32, inside the L2 cache)
-TALL_MAX_ROWS = 32
+# tall_linear_nt: each piece's result is at most this many elements (2 MB of float32,
+# inside the L2 cache)
 TALL_PIECE_OUTPUT = 1 << 19
 
 
@@ -151,10 +150,10 @@ def tall_linear_nt(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     [piece, rows] result transposed into the output while it is still in cache. oneDNN runs a
     float32 product with 16 columns and many rows faster than the same product with 16 rows:
     Gemma's 262,144 x 640 output layer and 16 rows, 2-core Intel Xeon with AMX, 72-78 -> 60-65
-    ms; a whole float32 rollout of 16 x 64 tokens is in grpo.rollout.fused. More rows than
-    TALL_MAX_ROWS, other dtypes and devices: linear_nt."""
+    ms (a whole float32 rollout: grpo.rollout.fused). At 64 rows and more it is slower: more
+    than FEW_ROWS, other dtypes and devices go to linear_nt."""
     flat = x.reshape(-1, x.shape[-1])
-    if flat.shape[0] > TALL_MAX_ROWS or not onednn_applies(flat, weight):
+    if flat.shape[0] > FEW_ROWS or not onednn_applies(flat, weight):
         return linear_nt(x, weight)
     out = flat.new_empty(flat.shape[0], weight.shape[0])
     step = max(1, TALL_PIECE_OUTPUT // max(1, flat.shape[0]))

@@ -200,9 +200,10 @@ class FusedDecoder:
     transformers' cache methods. `max_length` bounds cached + new tokens.
 
     `pack`: bf16 products from oneDNN-packed weights (the fast path, under bf16
-    autocast); False computes in the weights' dtype with plain products (tests).
-    The packed weights are copies made with the decoder: the model's weights must
-    not change while it is in use.
+    autocast); False computes in the weights' dtype from the weights themselves
+    (float32 decoding, and the tests' checks of the math). The packed weights are
+    copies made with the decoder: the model's weights must not change while it is
+    in use.
     """
 
     def __init__(self, model, rows: int, max_length: int, pack: bool = True):

@@ -223,8 +223,8 @@ def generate(
     grpo.rollout.types.prompt_seeds); a prompt's G completions depend on its seed
     and not on the batch around it. `share_prefix` and `compact` only change the cost.
     `fused`: decode with grpo.rollout.fused.FusedDecoder (in bf16 from packed
-    weights under CPU bf16 autocast, else in the weights' dtype with plain
-    products); False: transformers' modules.
+    weights under CPU bf16 autocast, else in the weights' dtype from the weights
+    themselves); False: transformers' modules.
     """
     rows = len(prompts) * num_generations
     args = (model, prompts, num_generations, params, eos_token_ids, pad_token_id, seeds, share_prefix, compact, stop)
