@@ -608,16 +608,11 @@ def run_trl(spec: dict, out_dir: Path) -> dict:
                         trainable_bytes(trainer.model))
 
 
-def run_grpo(spec: dict, out_dir: Path, engine: str = "hf") -> dict:
-    rec = _Recorder(spec)
-    import torch  # noqa: F401
-
+def grpo_trainer(spec: dict, out_dir: Path, engine: str = "hf"):
+    """grpo's Trainer for the benchmark's work (`spec`: base_spec's keys and the precision)."""
     from grpo import config as grpo_config
     from grpo.trainer import Trainer
 
-    _set_threads(spec)
-    rec.memory["baseline_rss_gb"] = _gb_from_kb(_status_kb("VmRSS"))
-    t_setup = time.perf_counter()
     T = spec["max_completion_length"]
     W, S = spec["warmup"], spec["steps"]
     cfg = grpo_config.from_dict(
@@ -667,7 +662,18 @@ def run_grpo(spec: dict, out_dir: Path, engine: str = "hf") -> dict:
             "logging": {"sample_every": 0},
         }
     )
-    trainer = Trainer(cfg, train_rows=_rows(spec))
+    return Trainer(cfg, train_rows=_rows(spec))
+
+
+def run_grpo(spec: dict, out_dir: Path, engine: str = "hf") -> dict:
+    rec = _Recorder(spec)
+    import torch  # noqa: F401
+
+    _set_threads(spec)
+    rec.memory["baseline_rss_gb"] = _gb_from_kb(_status_kb("VmRSS"))
+    t_setup = time.perf_counter()
+    W, S = spec["warmup"], spec["steps"]
+    trainer = grpo_trainer(spec, out_dir, engine)
     shape = model_shape(trainer.model)
     probe = _DtypeProbe(trainer.model)
     probe.watch_fused_decoding()
@@ -691,7 +697,7 @@ def run_grpo(spec: dict, out_dir: Path, engine: str = "hf") -> dict:
         ro = batch.rollout
         rec.lengths = (ro.prompt_mask.sum(-1).tolist(), ro.completion_mask.sum(-1).tolist())
         rec.end(index)
-    return _side_result(rec, shape, probe, setup_s, trainer.state.optimizer, "bf16" if cfg.training.bf16 else "no",
+    return _side_result(rec, shape, probe, setup_s, trainer.state.optimizer, "bf16" if trainer.cfg.training.bf16 else "no",
                         trainable_bytes(trainer.model))
 
 
@@ -893,10 +899,10 @@ def _ratio(a, b):
     return a / b
 
 
-def run_precision(precision: str, base_spec: dict, args, workdir: Path, interpreters: dict[str, str],
+def run_precision(precision: str, work: dict, args, workdir: Path, interpreters: dict[str, str],
                   lora_r: int = 0) -> dict:
     """Every side of `interpreters` (side -> the Python that runs its children), --repeats times."""
-    spec = dict(base_spec, precision=precision, lora_r=lora_r)
+    spec = dict(work, precision=precision, lora_r=lora_r)
     sides = tuple(interpreters)
     results = {side: [] for side in sides}
     mode = f"lora{lora_r}" if lora_r else "full"
@@ -1075,6 +1081,26 @@ def print_lora_comparison(full: dict, adapted: dict) -> None:
     print(_markdown_table([""] + [c for _, c in keys], rows))
 
 
+def base_spec(args, model_dir: Path, label: str, threads: int, device: str) -> dict:
+    """The work both sides run (without the precision and LoRA rank, which run_precision adds)."""
+    return {
+        "model_dir": str(model_dir),
+        "model_label": label,
+        "max_completion_length": args.max_completion_length or DEFAULT_COMPLETION_LENGTH.get(label, 64),
+        "learning_rate": args.learning_rate,
+        "loss_type": args.loss_type,
+        "seed": args.seed,
+        "data_seed": 0,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "threads": threads,
+        "device": device,
+        "microbatch_tokens": args.microbatch_tokens,
+        "lora_alpha": args.lora_alpha,
+    }
+
+
 def parent_main(args) -> int:
     sides = tuple(side for side in SIDES if side in args.sides.split(","))
     unknown = set(args.sides.split(",")) - set(SIDES)
@@ -1095,23 +1121,7 @@ def parent_main(args) -> int:
     with tempfile.TemporaryDirectory(prefix="vs_trl-") as tmp:
         workdir = Path(tmp)
         model_dir, label = prepare_model(args.model, workdir)
-        T = args.max_completion_length or DEFAULT_COMPLETION_LENGTH.get(label, 64)
-        base_spec = {
-            "model_dir": str(model_dir),
-            "model_label": label,
-            "max_completion_length": T,
-            "learning_rate": args.learning_rate,
-            "loss_type": args.loss_type,
-            "seed": args.seed,
-            "data_seed": 0,
-            "warmup": args.warmup,
-            "steps": args.steps,
-            "repeats": args.repeats,
-            "threads": threads,
-            "device": device,
-            "microbatch_tokens": args.microbatch_tokens,
-            "lora_alpha": args.lora_alpha,
-        }
+        spec = base_spec(args, model_dir, label, threads, device)
         machine = machine_info(device, threads)
         size = args.peak_size or (8192 if device == "cuda" else 2048)
         before = measure_limits(precisions, device, size, 5)
@@ -1119,7 +1129,7 @@ def parent_main(args) -> int:
         ranks = [0] + ([args.lora] if args.lora else [])  # full fine-tuning, then LoRA
         for p in precisions:
             for rank in ranks:
-                runs[f"{p}-lora{rank}" if rank else p] = run_precision(p, base_spec, args, workdir, interpreters, rank)
+                runs[f"{p}-lora{rank}" if rank else p] = run_precision(p, spec, args, workdir, interpreters, rank)
         # the limits again after the runs (a shared machine can be faster at either end); keep the best of each
         after = measure_limits(precisions, device, size, 3)
         for run in runs.values():
