@@ -165,6 +165,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5, help="best-of for the limits and the replayed products")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.steps < 1 or args.repeats < 1:
+        ap.error("--steps and --repeats must be >= 1")
     import torch
 
     from grpo import kernels
