@@ -14,7 +14,8 @@ and the product's rows.
 `use_cpu_linear(model)` switches a model's `nn.Linear` layers to `CPULinear`,
 a subclass whose forward and backward run through oneDNN for float32 CPU
 tensors where `uses_onednn` picks it, and through `F.linear` for everything
-else (MKL on Intel for training's products, CUDA, bf16 autocast, other dtypes). Parameters, state dicts and `isinstance(m, nn.Linear)` are
+else (MKL on Intel for training's products, CUDA, bf16 autocast, other
+dtypes). Parameters, state dicts and `isinstance(m, nn.Linear)` are
 unchanged. Products that are not layers (the tiled output layer in
 `grpo.logprobs`) call `linear_nt` directly.
 
@@ -28,7 +29,8 @@ more memory (the cast and reorder go a 32 MB piece at a time). Measured with
 2048 x 640 layer 0.118 -> 0.078 ms, same results; a trainer's rollout of 16 x
 64 tokens 3.58 -> 3.08 s, same peak memory.
 (float32 products gain as much, but there the copy would be extra memory on
-top of the float32 weights, so float32 decoding is left as it is.)
+top of the float32 weights, so float32 weights are not packed: float32
+decoding multiplies by the weights themselves, grpo.rollout.fused.)
 
 A cast-once cache of bf16 weight copies for bf16 autocast in every forward
 pass (training included) was tried and measured no faster in the benchmark
