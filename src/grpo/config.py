@@ -14,6 +14,7 @@ import copy
 import dataclasses
 import difflib
 import math
+import os
 import re
 import types
 import typing
@@ -25,6 +26,9 @@ import yaml
 
 from grpo import registry
 from grpo.registry import ConfigError  # noqa: F401 (grpo.config.ConfigError is the public name)
+
+MAX_WORKERS_PER_CORE = 4
+"""rewards.workers above this many per core only adds processes that wait for a core."""
 
 
 # --------------------------------------------------------------------------
@@ -386,7 +390,11 @@ class RewardsConfig:
     counted in rewards/<name>/timeouts (grpo.rewards.execution)."""
     workers: int = 0
     """Worker processes that run the user's reward functions, the batch split between
-    them; 0 = one per CPU core, at most 8."""
+    them; 0 = one per CPU core, at most 8; at most 4 per core."""
+    worker_memory_mb: int = 4096
+    """Address-space limit of each reward worker process, in MiB (RLIMIT_AS): a reward that
+    allocates past it fails that call (MemoryError) instead of taking the machine's memory;
+    0 = no limit."""
     isolation: str = "process"
     """Where the user's reward functions run: `process` (worker processes: a hang, exit or
     crash costs a worker, not the run) or `thread` (threads of the trainer: no start-up,
@@ -424,6 +432,14 @@ class RewardsConfig:
             raise ConfigError(f"rewards.timeout: must be a finite number of seconds > 0, got {self.timeout}")
         if self.workers < 0:
             raise ConfigError(f"rewards.workers: must be >= 0 (0 = one per CPU core, at most 8), got {self.workers}")
+        most = MAX_WORKERS_PER_CORE * (os.cpu_count() or 1)
+        if self.workers > most:
+            raise ConfigError(
+                f"rewards.workers: {self.workers} worker processes for {os.cpu_count() or 1} CPU cores; "
+                f"use at most {most} ({MAX_WORKERS_PER_CORE} per core), or 0 for one per core"
+            )
+        if self.worker_memory_mb < 0:
+            raise ConfigError(f"rewards.worker_memory_mb: must be >= 0 MiB (0 = no limit), got {self.worker_memory_mb}")
         _choice("rewards.isolation", self.isolation, ("process", "thread"))
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.reward_model_device):
             raise ConfigError(f"rewards.reward_model_device: {self.reward_model_device!r} is not one of auto, cpu, cuda, cuda:N")
