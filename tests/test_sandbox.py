@@ -3,10 +3,13 @@ status, really started, and leaves nothing behind; benign programs run normally.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import re
 import secrets
 import socket
+import struct
 import threading
 import time
 from pathlib import Path
@@ -14,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from grpo import sandbox
-from grpo.sandbox import Limits, SandboxUnavailable, run
+from grpo.sandbox import Limits, SandboxUnavailable, run, seccomp
 import grpo.sandbox.runner as run_module
 
 if sandbox.bwrap_path() is None and not os.environ.get("GRPO_REQUIRE_SANDBOX"):
@@ -259,6 +262,90 @@ def test_daemon_does_not_survive():
 def test_segfault_is_a_crash():
     r = run(STARTED + "import ctypes\nctypes.string_at(0)\n")
     assert r.status == "crashed" and r.signal == 11 and "started" in r.stdout
+
+
+# --------------------------------------------------------------------------
+# Kernel surface: the seccomp filter
+# --------------------------------------------------------------------------
+
+ARCH = seccomp.machine()
+
+
+# The filter without the kernel: a classic-BPF interpreter for the instructions it uses.
+AUDIT = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+ALLOW, KILL, EPERM, ENOSYS = 0x7FFF0000, 0x80000000, 0x50000 | errno.EPERM, 0x50000 | errno.ENOSYS
+
+
+def run_filter(program: bytes, nr: int, arch: int, arg0: int = 0) -> int:
+    data = struct.pack("<iIQ6Q", nr, arch, 0x400000, arg0, 0, 0, 0, 0, 0)
+    pc, acc = 0, 0
+    for _ in range(len(program) // 8):  # no loops in classic BPF: each instruction runs at most once
+        code, jt, jf, k = struct.unpack_from("<HBBI", program, 8 * pc)
+        if code == 0x20:  # ld [k]
+            acc = struct.unpack_from("<I", data, k)[0]
+            pc += 1
+        elif code in (0x15, 0x35, 0x45):  # jeq, jge, jset
+            taken = {0x15: acc == k, 0x35: acc >= k, 0x45: bool(acc & k)}[code]
+            pc += 1 + (jt if taken else jf)
+        elif code == 0x06:  # ret k
+            return k
+        else:
+            raise AssertionError(f"unexpected opcode {code:#x} at {pc}")
+    raise AssertionError("ran off the end of the filter")
+
+
+MUST_DENY = {"io_uring_setup", "io_uring_enter", "io_uring_register", "bpf", "perf_event_open",
+             "userfaultfd", "keyctl", "add_key", "request_key", "unshare", "setns", "mount", "umount2",
+             "pivot_root", "fsopen", "fsmount", "move_mount", "open_tree", "open_by_handle_at", "init_module",
+             "finit_module", "kexec_load", "ptrace", "process_vm_readv", "process_vm_writev"}
+
+
+@pytest.mark.parametrize("arch", sorted(AUDIT))
+def test_seccomp_filter_encodes_the_policy(arch):
+    program = seccomp.build(arch)
+    assert len(program) % 8 == 0 and len(program) // 8 < 4096
+    numbers = seccomp.SYSCALLS[arch]
+    assert MUST_DENY <= set(seccomp.DENIED)
+    denied = {numbers[name] for name in seccomp.DENIED if name in numbers}
+    assert len(denied) >= 40
+    for nr in range(600):
+        expected = EPERM if nr in denied else ENOSYS if nr == numbers["clone3"] else ALLOW
+        assert run_filter(program, nr, AUDIT[arch]) == expected, nr
+        assert run_filter(program, nr, 0x40000003) == KILL  # i386's ABI
+    clone = numbers["clone"]
+    thread = 0x003D0F00  # what pthread_create asks for: VM, FS, FILES, SIGHAND, THREAD, SYSVSEM, TLS, TIDs
+    # fork, a thread, vfork, and a bit above the 32 that clone's flags use
+    for flags in (17, thread, 0x00004100 | 17, (1 << 32) | 17):
+        assert run_filter(program, clone, AUDIT[arch], flags) == ALLOW, hex(flags)
+    for bit in (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000):
+        assert run_filter(program, clone, AUDIT[arch], bit | 17) == EPERM, hex(bit)
+        assert run_filter(program, clone, AUDIT[arch], bit | thread) == EPERM, hex(bit)
+    if arch == "x86_64":
+        assert run_filter(program, 0x40000000 | 39, AUDIT[arch]) == KILL  # x32's getpid
+        assert run_filter(program, 0x40000000 | numbers["io_uring_setup"], AUDIT[arch]) == KILL
+        assert run_filter(program, -1, AUDIT[arch]) == ALLOW  # no call: the kernel answers ENOSYS
+    if ARCH is not None:
+        assert seccomp.program() == seccomp.build(ARCH) and seccomp.program() is seccomp.program()  # built once
+
+
+def test_seccomp_syscall_numbers_match_the_c_headers():
+    headers = {"x86_64": ["/usr/include/x86_64-linux-gnu/asm/unistd_64.h", "/usr/include/asm/unistd_64.h"],
+               "aarch64": ["/usr/include/asm-generic/unistd.h"]}
+    assert set(seccomp.DENIED) <= set(seccomp.SYSCALLS["x86_64"])  # every name spelt as the kernel does
+    checked = 0
+    for arch, paths in headers.items():
+        path = next((p for p in paths if os.path.exists(p)), None)
+        if path is None:
+            continue
+        text = Path(path).read_text()
+        defined = {m[1]: int(m[2]) for m in re.finditer(r"^#define __NR_(\w+)\s+(\d+)\s*$", text, re.M)}
+        table = seccomp.SYSCALLS[arch]
+        common = set(table) & set(defined)
+        assert {name: table[name] for name in common} == {name: defined[name] for name in common}
+        assert len(common) >= len(table) - 3, sorted(set(table) - common)  # only calls newer than the headers
+        checked += 1
+    if not checked:
+        pytest.skip("no kernel headers here (apt-get install -y linux-libc-dev)")
 
 
 # --------------------------------------------------------------------------
