@@ -4,10 +4,12 @@ status, really started, and leaves nothing behind; benign programs run normally.
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import re
 import secrets
+import signal
 import socket
 import struct
 import threading
@@ -265,10 +267,195 @@ def test_segfault_is_a_crash():
 
 
 # --------------------------------------------------------------------------
-# Kernel surface: the seccomp filter
+# Kernel surface: the seccomp filter and the ban on nested user namespaces
 # --------------------------------------------------------------------------
 
 ARCH = seccomp.machine()
+needs_filter = pytest.mark.skipif(ARCH is None, reason="no seccomp filter for this architecture")
+NR = seccomp.SYSCALLS.get(ARCH, {})
+
+# A raw clone() with no new stack: the child goes on from the call, like fork's, and leaves at once.
+NAMESPACE_PROBE = r"""
+import ctypes, errno, json, os, struct, subprocess
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+NR = {nr!r}
+L = ctypes.c_long
+
+def outcome(r):
+    return "ok" if r >= 0 else errno.errorcode[ctypes.get_errno()]
+
+def clone(flags):
+    pid = libc.syscall(L(NR["clone"]), L(flags | 17), L(0), None, None, L(0))  # 17: SIGCHLD
+    if pid == 0:
+        os._exit(0)
+    if pid > 0:
+        os.waitpid(pid, 0)
+    return outcome(pid)
+
+def clone3(flags):
+    args = ctypes.create_string_buffer(struct.pack("<8Q", flags, 0, 0, 0, 17, 0, 0, 0))
+    pid = libc.syscall(L(NR["clone3"]), args, L(64))
+    if pid == 0:
+        os._exit(0)
+    if pid > 0:
+        os.waitpid(pid, 0)
+    return outcome(pid)
+
+user_ns = os.open("/proc/self/ns/user", os.O_RDONLY)
+tool = subprocess.run(["unshare", "--user", "--map-root-user", "true"], capture_output=True, text=True)
+print(json.dumps({{
+    "unshare_user": outcome(libc.unshare(0x10000000)),
+    "unshare_user_mount": outcome(libc.unshare(0x10020000)),
+    "unshare_net": outcome(libc.unshare(0x40000000)),
+    "clone_user": clone(0x10000000),
+    "clone_net": clone(0x40000000),
+    "clone3_user": clone3(0x10000000),
+    "setns": outcome(libc.setns(user_ns, 0)),
+    "mount_tmpfs": outcome(libc.mount(b"none", b"/tmp", b"tmpfs", 0, None)),
+    "unshare_tool": [tool.returncode, tool.stderr.strip()],
+}}))
+"""
+
+# Arguments chosen so that, without the filter, the kernel answers something other than EPERM.
+SURFACE_PROBE = r"""
+import ctypes, errno, json
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+NR = {nr!r}
+L = ctypes.c_long
+
+def call(name, *args):
+    ctypes.set_errno(0)
+    r = libc.syscall(L(NR[name]), *args)
+    return "ok" if r >= 0 else errno.errorcode[ctypes.get_errno()]
+
+print(json.dumps({{
+    "io_uring_setup": call("io_uring_setup", L(1), ctypes.create_string_buffer(120)),
+    "io_uring_enter": call("io_uring_enter", L(999), L(0), L(0), L(0), None, L(0)),
+    "io_uring_register": call("io_uring_register", L(999), L(0), None, L(0)),
+    "bpf": call("bpf", L(1000), None, L(0)),
+    "perf_event_open": call("perf_event_open", None, L(0), L(-1), L(-1), L(0)),
+    "userfaultfd": call("userfaultfd", L(1)),  # UFFD_USER_MODE_ONLY: open to anyone since Linux 5.11
+    "keyctl": call("keyctl", L(99999), L(0), L(0), L(0), L(0)),
+    "add_key": call("add_key", None, None, None, L(0), L(0)),
+    "request_key": call("request_key", None, None, None, L(0)),
+    "ptrace": call("ptrace", L(2), L(999999), None, None),  # PTRACE_PEEKDATA of no such process
+    "process_vm_readv": call("process_vm_readv", L(1), None, L(0), None, L(0), L(1)),  # flags must be 0
+    "personality": call("personality", L(0xFFFFFFFF)),  # a query
+}}))
+"""
+
+
+def probe(template: str) -> dict:
+    r = run(template.format(nr=NR), timeout=20)
+    assert r.status == "ok", (r.status, r.stderr)
+    return json.loads(r.stdout)
+
+
+@needs_filter
+def test_programs_cannot_create_user_namespaces():
+    found = probe(NAMESPACE_PROBE)
+    tool_status, tool_error = found.pop("unshare_tool")
+    assert found == {"unshare_user": "EPERM", "unshare_user_mount": "EPERM", "unshare_net": "EPERM",
+                     "clone_user": "EPERM", "clone_net": "EPERM", "clone3_user": "ENOSYS", "setns": "EPERM",
+                     "mount_tmpfs": "EPERM"}
+    assert tool_status != 0 and "Operation not permitted" in tool_error
+
+
+@needs_filter
+def test_programs_cannot_reach_io_uring_bpf_perf_userfaultfd_or_the_keyring():
+    names = ("io_uring_setup", "io_uring_enter", "io_uring_register", "bpf", "perf_event_open", "userfaultfd",
+             "keyctl", "add_key", "request_key", "ptrace", "process_vm_readv", "personality")
+    assert probe(SURFACE_PROBE) == {name: "EPERM" for name in names}
+    r = run("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "if libc.mount(b'none', b'/tmp', b'tmpfs', 0, None) != 0:\n"
+            "    e = ctypes.get_errno()\n    raise OSError(e, os.strerror(e))\n")
+    assert r.status == "failed" and "PermissionError: [Errno 1] Operation not permitted" in r.stderr
+
+
+@needs_filter
+def test_probes_reach_the_kernel_without_the_filter(monkeypatch):
+    # the control: the same calls, unfiltered, get the kernel's own answers (so the EPERMs above
+    # are the filter's)
+    monkeypatch.setattr(run_module, "_seccomp_filter", lambda: None)
+    found = probe(SURFACE_PROBE)
+    expected = {"io_uring_enter": "EBADF", "io_uring_register": "EBADF", "perf_event_open": "EFAULT",
+                "keyctl": errno.errorcode[errno.EOPNOTSUPP], "add_key": "EFAULT", "request_key": "EFAULT",
+                "ptrace": "ESRCH", "process_vm_readv": "EINVAL", "personality": "ok"}
+    assert {name: found[name] for name in expected} == expected
+
+
+@needs_filter
+def test_userns_ban_holds_without_the_filter(monkeypatch):
+    if not run_module._userns_ban(sandbox.bwrap_path()):
+        pytest.skip("this bwrap cannot ban user namespaces (older than 0.8.0, or setuid)")
+    monkeypatch.setattr(run_module, "_seccomp_filter", lambda: None)
+    found = probe(NAMESPACE_PROBE)
+    # the kernel's answer once the sandbox's user namespace may hold no more of them
+    assert (found["unshare_user"], found["clone_user"], found["clone3_user"]) == ("ENOSPC",) * 3
+    assert "ok" not in [v for k, v in found.items() if k != "unshare_tool"] and found["unshare_tool"][0] != 0
+
+
+@needs_filter
+def test_filter_alone_denies_user_namespaces(monkeypatch, tmp_path, caplog):
+    # a bwrap older than 0.8.0 has no --disable-userns: the runner says so and relies on the filter
+    old = tmp_path / "bwrap"
+    old.write_text("#!/bin/sh\necho 'usage: bwrap [OPTIONS...] [--] COMMAND [ARGS...]'\n")
+    old.chmod(0o755)
+    run_module._warned.discard("userns")
+    with caplog.at_level(logging.WARNING, logger="grpo.sandbox.runner"):
+        assert run_module._userns_ban(str(old)) is False
+        assert run_module._userns_ban(str(old)) is False
+    assert len([r for r in caplog.records if "cannot ban user namespaces" in r.message
+                and "the seccomp filter alone denies" in r.message]) == 1
+    run_module._warned.discard("userns")
+    monkeypatch.setattr(run_module, "bwrap_path", lambda: str(old))
+    cmd = run_module._bwrap(Limits(), "/usr/bin/python3", 3, 4, 5)
+    assert "--disable-userns" not in cmd and cmd[cmd.index("--seccomp") + 1] == "5"
+    monkeypatch.undo()
+    monkeypatch.setattr(run_module, "_userns_ban", lambda bwrap: False)
+    found = probe(NAMESPACE_PROBE)
+    assert (found["unshare_user"], found["clone_user"], found["clone3_user"], found["setns"]) == (
+        "EPERM", "EPERM", "ENOSYS", "EPERM")
+
+
+@needs_filter
+def test_ordinary_programs_still_work_under_the_filter():
+    r = run("import concurrent.futures, multiprocessing, os, subprocess, threading\n"
+            "print(open('/proc/self/status').read().split('Seccomp:')[1].split()[0])\n"
+            "done = []\nt = threading.Thread(target=done.append, args=(1,))\nt.start()\nt.join()\n"
+            "print('thread', done)\n"
+            "print('subprocess', subprocess.run(['/usr/bin/true']).returncode,\n"
+            "      subprocess.run(['/usr/bin/echo', 'hi'], capture_output=True, text=True).stdout.strip())\n"
+            "pid = os.posix_spawn('/usr/bin/true', ['true'], {})\n"
+            "print('posix_spawn', os.waitpid(pid, 0)[1])\n"
+            "def square(x):\n    return x * x\n"
+            "with multiprocessing.get_context('fork').Pool(2) as pool:\n"
+            "    print('pool', pool.map(square, range(4)))\n"
+            "with concurrent.futures.ThreadPoolExecutor(2) as ex:\n"
+            "    print('threads', list(ex.map(square, range(3))))\n",
+            timeout=20)
+    assert r.status == "ok", r.stderr
+    assert r.stdout == "2\nthread [1]\nsubprocess 0 hi\nposix_spawn 0\npool [0, 1, 4, 9]\nthreads [0, 1, 4]\n"
+
+
+@pytest.mark.skipif(ARCH != "x86_64", reason="the x32 ABI is x86_64's")
+def test_other_abis_are_killed():
+    r = run(STARTED + "import ctypes\nctypes.CDLL(None).syscall(0x40000000 | 39)\nprint('survived')\n")
+    assert r.status == "crashed" and r.signal == signal.SIGSYS and r.stdout == "started\n"
+
+
+def test_without_a_filter_the_sandbox_says_so_and_runs(monkeypatch, caplog):
+    monkeypatch.setattr(seccomp, "program", lambda: None)
+    run_module._warned.discard("seccomp")
+    with caplog.at_level(logging.WARNING, logger="grpo.sandbox.runner"):
+        results = [run("print(1)"), run("print(2)")]
+    run_module._warned.discard("seccomp")
+    assert [r.stdout for r in results] == ["1\n", "2\n"]
+    assert len([r for r in caplog.records if "no seccomp filter for this machine" in r.message]) == 1
+    monkeypatch.setattr(seccomp.os, "uname", lambda: os.uname_result(("Linux", "h", "6", "1", "riscv64")))
+    assert seccomp.machine() is None
 
 
 # The filter without the kernel: a classic-BPF interpreter for the instructions it uses.

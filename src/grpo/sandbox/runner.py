@@ -8,13 +8,17 @@ The program runs as this chain of processes, each narrowing the next:
     sh        enters the run's cgroup (hard memory and process limits; grpo.sandbox.cgroups)
     prlimit   address space, CPU seconds, file size, open files, processes; no core dumps
     setpriv   an unprivileged uid of its own (as root), no capabilities, no groups
-    bwrap     new user, PID, network, IPC, UTS and cgroup namespaces; a filesystem of
-              /usr read-only, a fresh /proc and /dev, a private tmpfs /tmp (its working
-              directory), the program bound read-only at /sandbox/main.py; an empty
-              environment; a new terminal session; dies with its parent. The program is
-              PID 1 of its namespace (so bwrap leaves no orphaned init behind to be
-              collected late, whose count would hold against the uid's process limit):
-              signals it sends itself without a handler are ignored, as for any init
+    bwrap     new user, PID, network, IPC, UTS and cgroup namespaces, and no further user
+              namespaces inside them (--disable-userns: no nested root that could mount or
+              make namespaces); a filesystem of /usr read-only, a fresh /proc and /dev, a
+              private tmpfs /tmp (its working directory), the program bound read-only at
+              /sandbox/main.py; an empty environment; a new terminal session; dies with its
+              parent. The program is PID 1 of its namespace (so bwrap leaves no orphaned
+              init behind to be collected late, whose count would hold against the uid's
+              process limit): signals it sends itself without a handler are ignored, as for
+              any init. Right before the exec, a seccomp filter (grpo.sandbox.seccomp): the
+              calls of io_uring, bpf, perf events, userfaultfd, the keyring, namespaces,
+              mounts, modules, ptrace and the like fail with EPERM; other ABIs are killed
     python -I the interpreter, isolated from environment variables and the user site
 
 The parent enforces the wall-clock timeout and the output cap, and afterwards
@@ -34,6 +38,7 @@ import re
 import selectors
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -42,7 +47,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpo.sandbox import cgroups
+from grpo.sandbox import cgroups, seccomp
 from grpo.sandbox.counts import record
 from grpo.sandbox.limits import Limits
 
@@ -208,8 +213,46 @@ def _drop_privileges(uid: int) -> list[str]:
             "--inh-caps=-all", "--bounding-set=-all", "--"]
 
 
-def _bwrap(limits: Limits, python: str, program_fd: int, status_fd: int) -> list[str]:
-    cmd = [bwrap_path(), "--unshare-all", "--die-with-parent", "--new-session", "--clearenv"]
+_userns_bans: dict[str, bool] = {}
+
+
+def _userns_ban(bwrap: str) -> bool:
+    """Whether this bwrap can ban further user namespaces in the sandbox (--disable-userns:
+    bubblewrap 0.8.0 on, and not setuid). Probed once per bwrap."""
+    if bwrap not in _userns_bans:
+        try:
+            setuid = bool(os.stat(bwrap).st_mode & stat.S_ISUID)
+            usage = subprocess.run([bwrap, "--help"], capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            setuid, usage = False, ""
+        _userns_bans[bwrap] = "--disable-userns" in usage and not setuid
+        if not _userns_bans[bwrap]:
+            why = "it is setuid" if setuid else "it is older than 0.8.0"
+            if seccomp.program() is not None:
+                rest = "the seccomp filter alone denies creating them (unshare, setns, clone with new namespaces)"
+            else:
+                rest = "nor is there a seccomp filter: programs can create user namespaces and be root in them"
+            _warn_once("userns", f"sandbox: {bwrap} cannot ban user namespaces in the sandbox ({why}); {rest}")
+    return _userns_bans[bwrap]
+
+
+def _seccomp_filter() -> bytes | None:
+    """The seccomp program for bwrap's --seccomp, or None (and a warning, once) where there is none."""
+    program = seccomp.program()
+    if program is None:
+        _warn_once("seccomp", f"sandbox: no seccomp filter for this machine ({os.uname().machine}): "
+                   "sandboxed programs can use io_uring, bpf, perf events, the keyring and other kernel surface")
+    return program
+
+
+def _bwrap(limits: Limits, python: str, program_fd: int, status_fd: int, seccomp_fd: int | None) -> list[str]:
+    bwrap = bwrap_path()
+    cmd = [bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--clearenv"]
+    if _userns_ban(bwrap):
+        # --unshare-all only tries the user namespace; the ban needs it for certain
+        cmd += ["--unshare-user", "--disable-userns"]
+    if seccomp_fd is not None:
+        cmd += ["--seccomp", str(seccomp_fd)]
     for key, value in ENVIRONMENT.items():
         cmd += ["--setenv", key, value]
     cmd += ["--ro-bind", "/usr", "/usr"]  # the root itself is an empty tmpfs, made read-only below
@@ -251,7 +294,9 @@ def run(code: str, *, stdin: str | None = None, isolation: str = "bwrap", python
     if isolation == "process":
         _warn_once("process", "rewards.sandbox.isolation=process: model-written programs run WITHOUT filesystem, network or "
                    "PID isolation (they can read files this user can read, reach the network, and see other "
-                   "processes); only resource limits, a separate uid (as root) and a scrubbed environment hold. "
+                   "processes; with no seccomp filter, they can create user namespaces and use io_uring, bpf "
+                   "and the rest of the kernel's surface); only resource limits, a separate uid (as root) and a "
+                   "scrubbed environment hold. "
                    f"For real isolation, {INSTALL_HINT}.")
     return _run(code, stdin, limits, isolation, interpreter(isolation, python), count)
 
@@ -283,8 +328,13 @@ def _run(code: str, stdin: str | None, limits: Limits, isolation: str, python: s
             os.write(fds["program"], code.encode("utf-8", "surrogatepass"))
             os.lseek(fds["program"], 0, os.SEEK_SET)
             fds["status_r"], fds["status_w"] = os.pipe()
-            cmd += _bwrap(limits, python, fds["program"], fds["status_w"])
-            pass_fds = (fds["program"], fds["status_w"])
+            program = _seccomp_filter()
+            if program is not None:
+                fds["seccomp"] = os.memfd_create("grpo-sandbox-seccomp")
+                os.write(fds["seccomp"], program)
+                os.lseek(fds["seccomp"], 0, os.SEEK_SET)
+            cmd += _bwrap(limits, python, fds["program"], fds["status_w"], fds.get("seccomp"))
+            pass_fds = tuple(fds[name] for name in ("program", "status_w", "seccomp") if name in fds)
             cwd, env = "/", dict(ENVIRONMENT)
         else:
             workdir = tempfile.mkdtemp(prefix="grpo-sandbox-", dir="/tmp")
@@ -324,7 +374,8 @@ def _supervise(cmd, cwd, env, pass_fds, stdin_file, limits, fds, run_cgroup, iso
                                 pass_fds=pass_fds, start_new_session=True, close_fds=True)
     except OSError as e:
         raise SandboxError(f"cannot start the sandbox ({cmd[0]}): {e}") from e
-    for name in ("program", "status_w"):  # our copies: the status pipe ends when bwrap's copy closes
+    # our copies: the status pipe ends when bwrap's copy closes
+    for name in ("program", "seccomp", "status_w"):
         if name in fds:
             os.close(fds.pop(name))
     status_r = fds.get("status_r")
