@@ -24,9 +24,13 @@ from typing import Any
 
 import yaml
 
-from grpo import registry
+from grpo import registry, safe_yaml
 from grpo.registry import ConfigError  # noqa: F401 (grpo.config.ConfigError is the public name)
 
+MAX_INT = 2**63 - 1
+"""The largest integer setting: what torch and NumPy hold in an int64 (a seed, a step count)."""
+MAX_ROWS = 1_000_000
+"""The most rows the built-in arithmetic task makes (the seed's run uses 4,000)."""
 MAX_WORKERS_PER_CORE = 4
 """rewards.workers above this many per core only adds processes that wait for a core."""
 
@@ -109,7 +113,9 @@ class ModelConfig:
     revision: str | None = None
     """Hub revision (branch, tag or commit) when `name` is a hub id."""
     trust_remote_code: bool = False
-    """Allow model code from the hub (only for models that need it)."""
+    """Allow a model to bring its own Python code (an `auto_map` in its config.json or
+    tokenizer_config.json), from the hub or a local directory; false refuses such a model,
+    naming the files. Never asked on the terminal."""
     cache_dir: str | None = None
     """Where converted GGUF checkpoints are cached (default ~/.cache/grpo)."""
     cpu_kernels: bool = True
@@ -159,6 +165,10 @@ class ArithmeticConfig:
             raise ConfigError("data.arithmetic.instruction: must contain {expression}, where the problem goes")
         _positive("data.arithmetic.num_train", self.num_train)
         _positive("data.arithmetic.num_eval", self.num_eval, allow_zero=True)
+        for key in ("num_train", "num_eval"):
+            if getattr(self, key) > MAX_ROWS:
+                raise ConfigError(f"data.arithmetic.{key}: {getattr(self, key):,} problems, more than the "
+                                  f"{MAX_ROWS:,} the task makes (each is a row held in memory); lower it")
 
 
 @dataclass
@@ -760,6 +770,8 @@ class LoggingConfig:
     run_name: str | None = None
 
     def check(self, cfg: "Config", world_size: int = 1) -> None:
+        _positive("logging.log_every", self.log_every)
+        _positive("logging.sample_every", self.sample_every, allow_zero=True)
         for name in self.report_to:
             _choice("logging.report_to[]", name, ("tensorboard", "wandb", "trackio"))
 
@@ -820,7 +832,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected a list, got {value!r}; write it as [a, b, ...]")
+            raise ConfigError(f"{key}: expected a list, got {safe_yaml.shown(value)}; write it as [a, b, ...]")
         return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
     if tp is float:
         if isinstance(value, str):
@@ -830,19 +842,21 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
+            raise ConfigError(f"{key}: expected a number, got {safe_yaml.shown(value)}")
         return float(value)
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+            raise ConfigError(f"{key}: expected an integer, got {safe_yaml.shown(value)}")
+        if not -MAX_INT <= value <= MAX_INT:
+            raise ConfigError(f"{key}: an integer of {value.bit_length()} bits is beyond any setting (at most 63 bits)")
         return value
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+            raise ConfigError(f"{key}: expected true or false, got {safe_yaml.shown(value)}")
         return value
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {value!r}; quote it in YAML")
+            raise ConfigError(f"{key}: expected a string, got {safe_yaml.shown(value)}; quote it in YAML")
         return value
     raise ConfigError(f"{key}: unsupported type {_type_name(tp)}")
 
@@ -850,7 +864,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     if not isinstance(data, dict):
         where = prefix.rstrip(".") or "config"
-        raise ConfigError(f"{where}: expected a mapping of keys (e.g. {where}:\n  key: value), got {data!r}")
+        raise ConfigError(f"{where}: expected a mapping of keys (e.g. {where}:\n  key: value), got {safe_yaml.shown(data)}")
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
@@ -887,14 +901,16 @@ def parse_override(text: str) -> tuple[str, Any]:
     key = key.strip()
     if not key:
         raise ConfigError(f"override {text!r}: empty key")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"override {key}: cannot read value {raw!r} ({e})") from None
+    value = safe_yaml.parse(raw, f"override {key}") if raw.strip() else None
     return key, value
 
 
 def from_dict(data: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"config: expected a mapping of sections (model:, data:, training: ...), got "
+                          f"{type(data).__name__} {safe_yaml.shown(data, 60)}; see examples/ for the form")
+    if safe_yaml.expanded_size(data) > safe_yaml.MAX_NODES:
+        raise ConfigError(f"config: more than {safe_yaml.MAX_NODES:,} values; a config is sections of settings")
     data = copy.deepcopy(data or {})  # overrides must not change the caller's nested dicts
     for text in overrides:
         key, value = parse_override(text)
@@ -912,10 +928,9 @@ def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist; pass the path of a YAML file (see examples/)")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML ({e})") from None
+        data = safe_yaml.read(path)
+        if data is None:
+            data = {}
     cfg = from_dict(data, overrides)
     if path is not None:
         _reward_files_beside(cfg, path.parent)
@@ -996,7 +1011,7 @@ def _choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         close = difflib.get_close_matches(str(value), choices, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(f"{key}: {value!r} is not one of {', '.join(choices)}{hint}")
+        raise ConfigError(f"{key}: {safe_yaml.shown(value)} is not one of {', '.join(choices)}{hint}")
 
 
 def _positive(key: str, value: float, allow_zero: bool = False) -> None:
@@ -1022,5 +1037,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     checks itself, in the order of the file, with the whole config at hand for the
     fields that depend on another section."""
     _check_finite(cfg)
+    for key, seed in (("data.seed", cfg.data.seed), ("training.seed", cfg.training.seed), ("eval.seed", cfg.eval.seed)):
+        if not 0 <= seed < 2**32:
+            raise ConfigError(f"{key}: must be in [0, 2**32) as in TRL, whose seeds go to NumPy; got {seed}")
     for section in (cfg.model, cfg.data, cfg.rollout, cfg.rewards, cfg.algorithm, cfg.training, cfg.eval, cfg.logging):
         section.check(cfg, world_size)
