@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 from pathlib import Path
 from typing import Any
@@ -102,21 +103,55 @@ def _check_prompt(prompt: Any, where: str, column: str) -> None:
     )
 
 
+MAX_LINE_BYTES = 16 << 20
+"""Longest JSONL line read (a row's prompt and every other column, as JSON)."""
+MAX_PROMPT_CHARS = 1 << 20
+"""Longest prompt a row may have, in characters, checked before anything is tokenized: a
+megabyte of text is some 250,000 tokens, beyond any model's context, and tokenizing it whole
+takes seconds and gigabytes. A longer prompt is refused, naming the row."""
+RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "trainer_state")
+"""Arguments every reward function gets from the trainer: a column of one of these names would
+take their place in the call, so the rewards would score the column instead of the model."""
+
+
+def _not_json_constant(name: str):
+    raise ValueError(f"{name} is not JSON; write null for a missing value")
+
+
+def _json_line(line: bytes, where: str) -> Any:
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{where}: not UTF-8 text (byte {line[e.start]:#04x} at column {e.start + 1}); "
+                          "save the file as UTF-8") from None
+    try:
+        return json.loads(text, parse_constant=_not_json_constant)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{where}: not valid JSON ({e.msg}); each line must be one JSON object") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: a value nested too deeply to read; write it flatter") from None
+    except ValueError as e:  # NaN/Infinity, or an integer of more than 4,300 digits
+        problem = str(e).split("; use sys.set_int_max_str_digits")[0][:200]
+        raise ConfigError(f"{where}: {problem}") from None
+
+
 def read_jsonl(path: str | Path, prompt_column: str) -> list[Row]:
     """Read and check every row before any training starts."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"data file {path} does not exist; check data.train_file / data.eval_file")
     rows = []
-    with path.open() as f:
-        for number, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        number = 0
+        while line := f.readline(MAX_LINE_BYTES + 1):
+            number += 1
+            where = f"{path}:{number}"
+            if len(line) > MAX_LINE_BYTES:
+                raise ConfigError(f"{where}: a line longer than {MAX_LINE_BYTES >> 20} MiB; a row of a dataset is "
+                                  "one prompt and its columns: shorten it, or is this the right file?")
             if not line.strip():
                 continue
-            where = f"{path}:{number}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{where}: not valid JSON ({e.msg}); each line must be one JSON object") from None
+            row = _json_line(line, where)
             if not isinstance(row, dict):
                 raise ConfigError(f"{where}: expected a JSON object per line, got {type(row).__name__}")
             if prompt_column not in row:
@@ -249,9 +284,19 @@ def encode_prompts(
 
 
 def check_columns(rows: list[Row], what: str) -> set[str]:
-    """The rows' columns, the same in every row; else a ConfigError naming a column and the first
-    row without it (reward functions get each column as one list over the batch)."""
+    """The rows' columns, the same in every row, none of them a reward argument's name
+    (RESERVED_COLUMNS), each value something the rows can hold (`check_values`); else a
+    ConfigError naming the row and the column (reward functions get each column as one list
+    over the batch)."""
     columns = set().union(*(row.keys() for row in rows)) if rows else set()
+    reserved = sorted(columns & set(RESERVED_COLUMNS))
+    if reserved:
+        raise ConfigError(
+            f"{what}: a column named {reserved[0]!r}, which is the name of an argument every reward function gets "
+            f"from the trainer ({', '.join(RESERVED_COLUMNS)}); rename the column"
+        )
+    for i, row in enumerate(rows):
+        check_values(row, f"{what}: row {i} (counting from 0)")
     for i, row in enumerate(rows):
         if len(row) != len(columns):
             missing = sorted(columns - set(row))[0]
@@ -261,6 +306,53 @@ def check_columns(rows: list[Row], what: str) -> set[str]:
                 f"the same columns (null where a value does not apply) or drop {missing!r} from the rows that have it"
             )
     return columns
+
+
+def check_values(row: Row, where: str) -> None:
+    """A row's prompt is at most MAX_PROMPT_CHARS long, its text is valid Unicode (a lone surrogate
+    cannot be tokenized or written out), its numbers are finite, and its `answer` (the gold answer
+    the built-in rewards and scorers read) is a number or a text."""
+    prompt = row.get("prompt")
+    length = len(prompt) if isinstance(prompt, str) else sum(
+        len(m.get("content", "")) for m in prompt if isinstance(m, dict) and isinstance(m.get("content"), str)
+    ) if isinstance(prompt, list) else 0
+    if length > MAX_PROMPT_CHARS:
+        raise ConfigError(f"{where}: its prompt is {length:,} characters, more than the {MAX_PROMPT_CHARS:,} a prompt "
+                          "may have (far beyond any model's context); shorten it or drop the row")
+    stack = [(column, value) for column, value in row.items()]
+    while stack:
+        column, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ConfigError(f"{where}, column {column!r}: holds {value[e.start]!r}, half of a UTF-16 pair, which "
+                                  "is not a character; repair the text (its source decoded it wrongly)") from None
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{where}, column {column!r}: {value} is not a value; write null for a missing one")
+        elif isinstance(value, dict):
+            stack.extend((column, v) for v in value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend((column, v) for v in value)
+    answer = row.get("answer")
+    if isinstance(answer, (dict, list, tuple)):
+        raise ConfigError(
+            f"{where}, column 'answer': a {type(answer).__name__}; 'answer' is the gold answer the built-in rewards "
+            "and scorers read, a number or a text: write it as one, or give a structured value another column name"
+        )
+
+
+def _tokens_up_to(tokenizer, text: str, templated: bool, limit: int) -> int:
+    """The token count of `text` as tokenize_prompts encodes it, exact up to `limit` + 1; a longer text
+    is counted only as far as needed to exceed that, from prefixes four times longer each time,
+    so a megabyte of text is not tokenized whole to find that it does not fit."""
+    end = 4 * (limit + 2)
+    while True:
+        count = len(tokenizer(text[:end], add_special_tokens=not templated)["input_ids"])
+        # a prefix's count may differ from the whole's first tokens by one at the cut
+        if end >= len(text) or count > limit + 1:
+            return count
+        end *= 4
 
 
 class PromptEncoder:
@@ -301,17 +393,19 @@ class PromptEncoder:
             )
         if self.max_prompt_length is not None and self.max_prompt_length <= budget:
             return
-        texts = [render_prompt(row["prompt"], self.tokenizer, self.use_chat_template, self.few_shot)[0] for row in rows]
-        suspects = [i for i, text in enumerate(texts) if len(text.encode()) + 8 > budget]
+        rendered = [render_prompt(row["prompt"], self.tokenizer, self.use_chat_template, self.few_shot) for row in rows]
+        suspects = [i for i, (text, _) in enumerate(rendered) if len(text.encode()) + 8 > budget]
         if not suspects:
             return
-        _, ids = tokenize_prompts([rows[i] for i in suspects], self.tokenizer, self.use_chat_template, self.few_shot)
-        length, i = max((min(len(t), self.max_prompt_length or len(t)), i) for t, i in zip(ids, suspects))
+        counts = [_tokens_up_to(self.tokenizer, *rendered[i], budget) for i in suspects]
+        length, i = max((min(n, self.max_prompt_length or n), i) for n, i in zip(counts, suspects))
         if length > budget:
             cut = " (after rollout.max_prompt_length)" if self.max_prompt_length is not None else ""
+            exact = length == self.max_prompt_length or len(rendered[i][0]) <= 4 * (budget + 2)
+            over = "" if exact else "over "
             raise ConfigError(
-                f"{what}: row {i}'s prompt is {length} tokens{cut}, and with rollout.max_completion_length="
-                f"{max_completion_length} that is {length + max_completion_length} tokens, beyond the model's "
+                f"{what}: row {i}'s prompt is {over}{length} tokens{cut}, and with rollout.max_completion_length="
+                f"{max_completion_length} that is {over}{length + max_completion_length} tokens, beyond the model's "
                 f"context of {context} (max_position_embeddings); set rollout.max_prompt_length to at most "
                 f"{budget} or lower rollout.max_completion_length"
             )
