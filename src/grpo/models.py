@@ -115,7 +115,8 @@ def load_model_and_tokenizer(cfg: ModelConfig, device: torch.device | str = "cpu
             )
         model, tokenizer = _load_dir(convert_gguf(path, cfg.cache_dir), dtype, **load_kwargs)
     elif Path(name).expanduser().is_dir():
-        model, tokenizer = _load_local(_checkpoint_dir(Path(name).expanduser(), cfg), dtype, **load_kwargs)
+        model, tokenizer = _load_local(_checkpoint_dir(Path(name).expanduser(), cfg), dtype, cfg.trust_remote_code,
+                                       **load_kwargs)
     elif _looks_like_path(name):
         raise ConfigError(
             f"model.name: {name} looks like a local path but does not exist; set model.name to a directory written "
@@ -312,27 +313,37 @@ def write_converted_gguf(gguf_path: Path, out_dir: Path) -> None:
 def _load_dir(directory: Path, dtype: torch.dtype, quantization_config=None, device_map=None, **kwargs):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    # always an explicit answer: left None, transformers would ask on the terminal whether to run a model's code
+    kwargs.setdefault("trust_remote_code", False)
     quantized = {"quantization_config": quantization_config, "device_map": device_map} if quantization_config else {}
     model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype, **quantized, **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(str(directory), **kwargs)
     return model, tokenizer
 
 
+MAX_JSON_BYTES = 16 << 20
+"""config.json and tokenizer_config.json are kilobytes; a larger one is not a model's settings."""
 _WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt", "special_tokens_map.json")
 
 
-def _load_local(directory: Path, dtype: torch.dtype, **load_kwargs):
+def _load_local(directory: Path, dtype: torch.dtype, trust_remote_code: bool = False, **load_kwargs):
     """_load_dir for a local directory, where a broken file gets a message naming it and the fix
-    (transformers' own errors name neither the file nor what to do)."""
+    (transformers' own errors name neither the file nor what to do). A directory that brings its
+    own Python code (`auto_map`) is refused unless model.trust_remote_code is set."""
     config = directory / "config.json"
     again = "copy it again from the model's source, or write the directory again with save_pretrained"
-    try:
-        data = json.loads(config.read_text())
-        model_type = data.get("model_type") if isinstance(data, dict) else None
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise ConfigError(f"model.name: {config} is not valid JSON ({e}); {again}") from None
-    if "auto_map" not in data:  # a remote-code model brings its own type
+    data = _json_file(config, again)
+    model_type = data.get("model_type") if isinstance(data, dict) else None
+    code = _remote_code(directory, data)
+    if code and not trust_remote_code:
+        raise ConfigError(
+            f"model.trust_remote_code: {code} names Python code that loading {directory} would run "
+            f"({', '.join(sorted(_code_files(directory))) or 'its modules'}); read that code, and set "
+            "model.trust_remote_code=true only if you trust it, or use a model transformers knows itself"
+        )
+    load_kwargs["trust_remote_code"] = trust_remote_code
+    if not code:  # a remote-code model brings its own type
         from transformers import CONFIG_MAPPING, __version__
 
         if model_type not in CONFIG_MAPPING:
@@ -357,7 +368,7 @@ def _load_local(directory: Path, dtype: torch.dtype, **load_kwargs):
             f"source's): {again}"
         ) from e
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(directory))
+        tokenizer = AutoTokenizer.from_pretrained(str(directory), trust_remote_code=trust_remote_code)
     except Exception as e:
         present = [n for n in _TOKENIZER_FILES if (directory / n).is_file()]
         found = f"it has {', '.join(present)}" if present else "it has no tokenizer files (tokenizer.json, tokenizer_config.json)"
@@ -367,6 +378,38 @@ def _load_local(directory: Path, dtype: torch.dtype, **load_kwargs):
             "(or write them with tokenizer.save_pretrained into that directory)"
         ) from e
     return model, tokenizer
+
+
+def _json_file(path: Path, again: str) -> dict:
+    try:
+        if path.stat().st_size > MAX_JSON_BYTES:
+            raise ConfigError(f"model.name: {path} is {path.stat().st_size:,} bytes, too large for a model's "
+                              f"settings (at most {MAX_JSON_BYTES:,}); {again}")
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ConfigError(f"model.name: {path} is not valid JSON ({str(e)[:200]}); {again}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"model.name: {path} holds a JSON {type(data).__name__}, not an object of settings; {again}")
+    return data
+
+
+def _remote_code(directory: Path, config: dict) -> str:
+    """Which file of `directory` asks transformers to import the directory's own Python ("" if none)."""
+    if "auto_map" in config:
+        return f"{directory / 'config.json'}'s auto_map"
+    tokenizer_config = directory / "tokenizer_config.json"
+    if tokenizer_config.is_file():
+        try:
+            data = json.loads(tokenizer_config.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+            return ""  # the tokenizer's own loading names what is wrong with it
+        if isinstance(data, dict) and "auto_map" in data:
+            return f"{tokenizer_config}'s auto_map"
+    return ""
+
+
+def _code_files(directory: Path) -> list[str]:
+    return [p.name for p in directory.glob("*.py")]
 
 
 def context_length(model) -> int | None:

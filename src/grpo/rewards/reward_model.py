@@ -65,8 +65,14 @@ class RewardModel:
         if batch_size < 1:
             raise ConfigError(f"rewards.reward_model_batch_size: must be > 0, got {batch_size}")
         try:
-            config = AutoConfig.from_pretrained(self.path)
+            # never a model's own code (and never a question on the terminal about running it)
+            config = AutoConfig.from_pretrained(self.path, trust_remote_code=False)
         except (OSError, ValueError) as e:
+            if "trust_remote_code" in str(e):
+                raise ConfigError(
+                    f"reward model {self.path!r}: it brings its own Python code (auto_map), which a reward model is "
+                    "never allowed to run; use a sequence-classification model transformers knows itself"
+                ) from None
             where = "no config.json in that directory" if Path(self.path).is_dir() else "no such directory"
             raise ConfigError(
                 f"reward model {self.path!r}: {where}, and not loadable from the hub ({type(e).__name__}); expected "
@@ -87,7 +93,7 @@ class RewardModel:
         self.device, self.dtype = _device(device), DTYPES[dtype]
         self.batch_size, self.label = batch_size, label
 
-        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.path, trust_remote_code=False)
         if self.tokenizer.pad_token is None:  # many decoder reward models ship without one
             self.tokenizer.pad_token = self.tokenizer.eos_token
         if self.tokenizer.pad_token is None:
@@ -100,7 +106,7 @@ class RewardModel:
         self.max_length = max_length or getattr(config, "max_position_embeddings", None) or 2048
 
         model, info = AutoModelForSequenceClassification.from_pretrained(
-            self.path, dtype=self.dtype, output_loading_info=True
+            self.path, dtype=self.dtype, output_loading_info=True, trust_remote_code=False
         )
         if info.get("missing_keys"):
             raise ConfigError(
