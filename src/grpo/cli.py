@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 
 from grpo.config import ConfigError
+
+USER_FILE_ERRORS = {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EROFS,
+                    errno.ENOSPC, errno.EDQUOT, errno.ENAMETOOLONG, errno.ELOOP}
+"""An OSError with one of these numbers is about a path the user chose or its disk: one line, exit 2."""
 
 LATEST = "latest"
 """`--resume` with no path: output_dir's latest checkpoint."""
@@ -282,6 +287,13 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except ConfigError as e:
         print(f"grpo: config error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        if e.errno not in USER_FILE_ERRORS:
+            raise  # not about a path the user chose: a bug, shown whole
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"grpo: {where}{e.strerror or e} ({errno.errorcode.get(e.errno, e.errno)}); check the paths in the "
+              "config and the command line, the directory's permissions and the free space", file=sys.stderr)
         return 2
     finally:
         if "torch.distributed" in sys.modules:  # under torchrun: leave the process group cleanly

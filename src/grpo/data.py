@@ -119,11 +119,7 @@ def _not_json_constant(name: str):
 
 
 def _json_line(line: bytes, where: str) -> Any:
-    try:
-        text = line.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{where}: not UTF-8 text (byte {line[e.start]:#04x} at column {e.start + 1}); "
-                          "save the file as UTF-8") from None
+    text = _utf8(line, where)
     try:
         return json.loads(text, parse_constant=_not_json_constant)
     except json.JSONDecodeError as e:
@@ -135,22 +131,53 @@ def _json_line(line: bytes, where: str) -> Any:
         raise ConfigError(f"{where}: {problem}") from None
 
 
+def lines(path: Path):
+    """(number, bytes) of each line of the file at `path`, each at most MAX_LINE_BYTES long."""
+    with path.open("rb") as f:
+        number = 0
+        while line := f.readline(MAX_LINE_BYTES + 1):
+            number += 1
+            if len(line) > MAX_LINE_BYTES:
+                raise ConfigError(f"{path}:{number}: a line longer than {MAX_LINE_BYTES >> 20} MiB; a row of a dataset "
+                                  "is one prompt and its columns: shorten it, or is this the right file?")
+            yield number, line
+
+
+def check_text_file(path: Path) -> None:
+    """A JSON, JSONL or CSV file read as `read_jsonl` reads JSONL (UTF-8, bounded lines, JSON values
+    as Python reads them), so that what another reader would crash or hang on is refused by line
+    first. A .json file is one value, and is bounded by MAX_LINE_BYTES as a whole."""
+    if path.suffix == ".json":
+        size = path.stat().st_size
+        if size > MAX_LINE_BYTES:
+            raise ConfigError(f"{path}: {size:,} bytes of one JSON value, more than {MAX_LINE_BYTES >> 20} MiB; "
+                              "write the rows as JSONL (one object per line) instead")
+        _json_line(path.read_bytes(), str(path))
+        return
+    for number, line in lines(path):
+        if path.suffix == ".jsonl" and line.strip():
+            _json_line(line, f"{path}:{number}")
+        elif path.suffix != ".jsonl":
+            _utf8(line, f"{path}:{number}")
+
+
+def _utf8(line: bytes, where: str) -> str:
+    try:
+        return line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{where}: not UTF-8 text (byte {line[e.start]:#04x} at column {e.start + 1}); "
+                          "save the file as UTF-8") from None
+
+
 def read_jsonl(path: str | Path, prompt_column: str) -> list[Row]:
     """Read and check every row before any training starts."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"data file {path} does not exist; check data.train_file / data.eval_file")
     rows = []
-    with path.open("rb") as f:
-        number = 0
-        while line := f.readline(MAX_LINE_BYTES + 1):
-            number += 1
-            where = f"{path}:{number}"
-            if len(line) > MAX_LINE_BYTES:
-                raise ConfigError(f"{where}: a line longer than {MAX_LINE_BYTES >> 20} MiB; a row of a dataset is "
-                                  "one prompt and its columns: shorten it, or is this the right file?")
-            if not line.strip():
-                continue
+    for number, line in lines(path):
+        where = f"{path}:{number}"
+        if line.strip():
             row = _json_line(line, where)
             if not isinstance(row, dict):
                 raise ConfigError(f"{where}: expected a JSON object per line, got {type(row).__name__}")

@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 
 from grpo.config import Config, ConfigError
-from grpo.data import _check_prompt, check_columns
+from grpo.data import _check_prompt, check_columns, check_text_file
 from grpo.tasks import Row, Task
 from grpo.tasks.scorers import AnswerScorer, RewardScorer, has_integer_answers
 
@@ -76,6 +76,8 @@ def load(source: str, key: str, split: str):
                     f"{key}: {path} is not a {', '.join(FILE_BUILDERS)} file; convert it, or save it with save_to_disk"
                 )
             where = str(path)
+            if path.suffix != ".parquet":
+                check_text_file(path)  # pyarrow's JSON reader crashes the process on deep nesting
             return datasets.load_dataset(FILE_BUILDERS[path.suffix], data_files=str(path), split="train"), where
         if path.is_dir():
             if any((path / marker).is_file() for marker in SAVED_MARKERS):

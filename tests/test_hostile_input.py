@@ -1,0 +1,240 @@
+"""Hostile input: every case ends in exit 2 with one `grpo:` line naming the key, file or row,
+within seconds and without the memory growing past a few hundred MB.
+
+All cases run through `grpo.cli.main` in one fresh process (so its imports are paid once and
+its peak memory before a case is what that case starts from); each test reads its case's
+exit status, stderr, time and peak-memory growth from there.
+"""
+
+import json
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from grpo import config, safe_yaml
+from grpo.config import ConfigError
+
+BASE = {
+    "model": {"name": "tiny", "tiny_hidden_size": 32, "tiny_num_layers": 1},
+    "data": {"task": "arithmetic", "chat_template": "never",
+             "arithmetic": {"operands": [[1, 4], [1, 4]], "operators": ["+"], "instruction": "{expression}=",
+                            "num_train": 20, "num_eval": 4}},
+    "rollout": {"num_generations": 4, "max_completion_length": 2},
+    "rewards": {"funcs": ["arithmetic_correct"], "isolation": "thread"},
+    "training": {"max_steps": 1, "per_device_train_batch_size": 8},
+    "logging": {"log_every": 1, "sample_every": 0},
+}
+GOOD_ROWS = [{"prompt": f"{a}+{b}=", "answer": a + b} for a in range(1, 4) for b in range(1, 4)]
+MAX_SECONDS = 20.0
+MAX_GROWTH_MB = 400
+
+
+def _bomb(levels: int = 9) -> str:
+    """A YAML list whose anchors nest `levels` deep: 9**levels elements from a few hundred bytes."""
+    parts = ["&a0 [1,1,1,1,1,1,1,1,1]"] + [f"&a{i} [" + ",".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, levels)]
+    return "[" + ", ".join(parts) + "]"
+
+
+def _cases(tmp: Path, write: bool = True) -> dict[str, tuple[list[str], str]]:
+    """name -> (grpo's argv, a regex the one stderr line must match); the files they name are
+    written into `tmp` when `write`."""
+    base = tmp / "base.yaml"
+    if write:
+        base.write_text(json.dumps({**BASE, "output_dir": str(tmp / "run")}))  # JSON is YAML
+
+    def yaml_file(name: str, text: str | bytes) -> str:
+        if write:
+            (tmp / name).write_bytes(text if isinstance(text, bytes) else text.encode())
+        return str(tmp / name)
+
+    def jsonl(name: str, extra: bytes = b"", rows=GOOD_ROWS) -> list[str]:
+        if write:
+            (tmp / name).write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in rows) + extra)
+        return ["data.task=jsonl", f"data.train_file={tmp / name}"]
+
+    sections = "\n".join(f"{k}: {json.dumps(v)}" for k, v in BASE.items() if k != "eval")
+    train = ["train", str(base)]
+    return {
+        # the config file
+        "yaml bomb in eval.temperatures": (["train", yaml_file("b1.yaml", f"{sections}\neval: {{temperatures: {_bomb()}}}\n")],
+                                           r"b1.yaml: its aliases expand to more than 100,000 values"),
+        "yaml bomb in rewards.funcs": (["train", yaml_file("b2.yaml", f"x: &x {_bomb()}\n{sections}\n")],
+                                       r"b2.yaml: its aliases expand"),
+        "yaml bomb as a whole section": (["train", yaml_file("b3.yaml", "a: &a {" + ", ".join(
+            f"k{i}: &a{i} [" + ",".join([f"*a{i - 1}"] * 9 if i else ["1"] * 9) + "]" for i in range(9)) + "}\ntraining: *a\n")],
+            r"b3.yaml: its aliases expand"),
+        "config that is a list": (["train", yaml_file("list.yaml", "- a\n- b\n")], r"config: expected a mapping of sections"),
+        "config that is a scalar": (["train", yaml_file("scalar.yaml", "42\n")], r"config: expected a mapping of sections"),
+        "non-UTF-8 config": (["train", yaml_file("latin1.yaml", b"output_dir: caf\xe9\n")],
+                             r"latin1.yaml \(line 1\): not UTF-8 text \(byte 0xe9\)"),
+        "YAML nested thousands deep": (["train", yaml_file("deep.yaml", "a: " + "[" * 5000 + "]" * 5000 + "\n")],
+                                       r"deep.yaml \(line 1\): nested more than 32 levels deep"),
+        "override nested thousands deep": ([*train, "eval.temperatures=" + "[" * 3000 + "]" * 3000],
+                                           r"override eval.temperatures \(line 1\): nested more than 32 levels"),
+        "duplicate keys": (["train", yaml_file("dup.yaml", "training:\n  max_steps: 1\n  max_steps: 2\n")],
+                           r"dup.yaml \(line 3\): the key 'max_steps' appears twice in one mapping \(first on line 2\)"),
+        "huge seed": ([*train, f"training.seed={2**70}"], r"training.seed: an integer of 71 bits is beyond any setting"),
+        "negative seed": ([*train, "data.seed=-1"], r"data.seed: must be in \[0, 2\*\*32\)"),
+        "5000-digit integer": ([*train, "training.max_steps=" + "9" * 5000],
+                               r"override training.max_steps: a value cannot be read \(Exceeds the limit"),
+        "log_every 0": ([*train, "logging.log_every=0"], r"logging.log_every: must be > 0, got 0"),
+        "log_every negative": ([*train, "logging.log_every=-3"], r"logging.log_every: must be > 0, got -3"),
+        "a billion arithmetic rows": ([*train, "data.arithmetic.num_train=1000000000"],
+                                      r"data.arithmetic.num_train: 1,000,000,000 problems, more than the 1,000,000"),
+        "a million reward workers": ([*train, "rewards.workers=1000000"], r"rewards.workers: 1000000 worker processes for"),
+        "negative worker memory": ([*train, "rewards.worker_memory_mb=-1"], r"rewards.worker_memory_mb: must be >= 0"),
+        "output_dir under /proc": ([*train, "output_dir=/proc/grpo-test/x"], r"output_dir: "),
+        # the dataset
+        "non-UTF-8 dataset": ([*train, *jsonl("latin1.jsonl", extra=b'{"prompt": "caf\xe9", "answer": 1}\n')],
+                              r"latin1.jsonl:10: not UTF-8 text \(byte 0xe9 at column 16\)"),
+        "answer nested 200,000 deep": ([*train, *jsonl("deep.jsonl", extra=b'{"prompt": "1+1=", "answer": ' + b"[" * 200_000
+                                                       + b"]" * 200_000 + b"}\n")],
+                                       r"deep.jsonl:10: a value nested too deeply to read"),
+        "answer nested 200,000 deep, task hf": ([*train, "data.task=hf", f"data.train_file={tmp / 'deep.jsonl'}"],
+                                                r"deep.jsonl:10: a value nested too deeply to read"),
+        "lone surrogate in a prompt": ([*train, *jsonl("surrogate.jsonl", extra=b'{"prompt": "1+1=\\ud800", "answer": 2}\n')],
+                                       r"training rows: row 9 \(counting from 0\), column 'prompt': holds '\\ud800'"),
+        "5000-digit answer": ([*train, *jsonl("digits.jsonl", extra=b'{"prompt": "1+1=", "answer": ' + b"9" * 5000 + b"}\n")],
+                              r"digits.jsonl:10: Exceeds the limit \(4300 digits\)"),
+        "NaN answer": ([*train, *jsonl("nan.jsonl", extra=b'{"prompt": "1+1=", "answer": NaN}\n')],
+                       r"nan.jsonl:10: NaN is not JSON; write null for a missing value"),
+        "dict answer": ([*train, *jsonl("dict.jsonl", extra=b'{"prompt": "1+1=", "answer": {"value": 2}}\n')],
+                        r"training rows: row 9 \(counting from 0\), column 'answer': a dict"),
+        "column named completions": ([*train, *jsonl("completions.jsonl", rows=[dict(r, completions="x") for r in GOOD_ROWS])],
+                                     r"training rows: a column named 'completions', which is the name of an argument"),
+        "column named prompts": ([*train, *jsonl("prompts.jsonl", rows=[dict(r, prompts="x") for r in GOOD_ROWS])],
+                                 r"training rows: a column named 'prompts'"),
+        "a 50 MB prompt line": ([*train, *jsonl("line50m.jsonl", extra=b'{"prompt": "' + b"a" * 50_000_000 + b'", "answer": 2}\n')],
+                                r"line50m.jsonl:10: a line longer than 16 MiB"),
+        "a 5 MB prompt": ([*train, *jsonl("p5m.jsonl", extra=b'{"prompt": "' + b"a" * 5_000_000 + b'", "answer": 2}\n')],
+                          r"training rows: row 9 \(counting from 0\): its prompt is 5,000,000 characters"),
+        "a 900 KB prompt beyond the context": ([*train, *jsonl("p900k.jsonl", extra=b'{"prompt": "' + b"a" * 900_000
+                                                               + b'", "answer": 2}\n')],
+                                               r"training rows: row 9's prompt is over \d+ tokens.* beyond the model's context"),
+    }
+
+
+RUNNER = textwrap.dedent("""
+    import contextlib, io, json, resource, sys, time
+    from grpo import cli
+    import torch, transformers  # noqa: F401 (paid before the first case, as a run pays it before its data)
+    results = {}
+    for name, argv in json.loads(sys.argv[1]).items():
+        err = io.StringIO()
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        start = time.monotonic()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            try:
+                rc = cli.main(argv)
+            except BaseException as e:  # a raw traceback: the case fails, with what it raised
+                rc = f"raised {type(e).__name__}: {str(e)[:300]}"
+        results[name] = {"rc": rc, "stderr": err.getvalue(), "seconds": time.monotonic() - start,
+                         "growth_mb": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024}
+    print(json.dumps(results))
+""")
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hostile")
+    cases = _cases(tmp)
+    done = subprocess.run([sys.executable, "-c", RUNNER, json.dumps({k: argv for k, (argv, _) in cases.items()})],
+                          capture_output=True, text=True, timeout=600, cwd=tmp)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    return {name: (results[name], pattern) for name, (_, pattern) in cases.items()}
+
+
+@pytest.mark.parametrize("name", list(_cases(Path("unused"), write=False)))
+def test_refused_in_one_line_with_exit_2(outcomes, name):
+    result, pattern = outcomes[name]
+    lines = [line for line in result["stderr"].splitlines() if line.strip()]
+    assert result["rc"] == 2, (result["rc"], result["stderr"][-2000:])
+    grpo_lines = [line for line in lines if line.startswith("grpo:")]
+    assert len(grpo_lines) == 1 and "Traceback" not in result["stderr"], result["stderr"][-2000:]
+    assert re.search(pattern, grpo_lines[0]), grpo_lines[0]
+    assert len(grpo_lines[0]) < 1000, "a message must not print a whole value"
+    assert result["seconds"] < MAX_SECONDS, result
+    assert result["growth_mb"] < MAX_GROWTH_MB, result
+
+
+# ---------------------------------------------------------------- the loader itself
+
+
+def test_aliases_within_the_bound_still_load():
+    data = safe_yaml.parse("base: &b {lr: 0.1}\ncopy: *b\nmerged:\n  <<: *b\n  extra: 1\n", "t")
+    assert data == {"base": {"lr": 0.1}, "copy": {"lr": 0.1}, "merged": {"lr": 0.1, "extra": 1}}
+
+
+def test_expanded_size_counts_aliases_as_copies_and_stops_at_the_limit():
+    shared = [1, 2, 3]
+    assert safe_yaml.expanded_size([shared, shared]) == 1 + 2 * 4
+    nested = [1] * 9
+    for _ in range(8):
+        nested = [nested] * 9
+    assert safe_yaml.expanded_size(nested, limit=1000) == 1001  # counted up to the limit, not 9**9
+
+
+def test_shown_cuts_long_values():
+    assert safe_yaml.shown("x" * 500).endswith("...") and len(safe_yaml.shown("x" * 500)) < 130
+    assert safe_yaml.shown([[1] * 100] * 100) == "<a list too large to show>"
+    assert safe_yaml.shown([1, 2]) == "[1, 2]"
+
+
+def test_from_dict_refuses_a_structure_too_large_to_be_a_config():
+    nested = [1] * 9
+    for _ in range(7):
+        nested = [nested] * 9
+    with pytest.raises(ConfigError, match=r"config: more than 100,000 values"):
+        config.from_dict({"eval": {"temperatures": nested}})
+
+
+# ---------------------------------------------------------------- a model's own code
+
+
+def _remote_code_model(tmp_path: Path) -> tuple[Path, Path]:
+    from grpo.models import load_model_and_tokenizer
+    from grpo.config import ModelConfig
+
+    model, tok = load_model_and_tokenizer(ModelConfig(name="tiny", tiny_hidden_size=32, tiny_num_layers=1))
+    folder = tmp_path / "model"
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    marker = tmp_path / "code-ran"
+    (folder / "custom.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n"
+                                      "from transformers import LlamaConfig as CustomConfig\n")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["auto_map"] = {"AutoConfig": "custom.CustomConfig"}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder, marker
+
+
+def test_a_local_model_with_its_own_code_is_refused_and_its_code_never_runs(tmp_path):
+    folder, marker = _remote_code_model(tmp_path)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(json.dumps({**BASE, "model": {"name": str(folder)}, "output_dir": str(tmp_path / "run")}))
+    # a "yes" on stdin, as `yes | grpo train` gives: the terminal is never asked
+    done = subprocess.run([sys.executable, "-m", "grpo", "train", str(cfg)], input="y\n" * 100, capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "grpo: config error: model.trust_remote_code:" in done.stderr and "custom.py" in done.stderr
+    assert not marker.exists()
+
+
+def test_trust_remote_code_lets_the_model_code_run(tmp_path):
+    from grpo.config import ModelConfig
+    from grpo.models import load_model_and_tokenizer
+
+    folder, marker = _remote_code_model(tmp_path)
+    with pytest.raises(ConfigError, match=r"model.trust_remote_code: .*config.json's auto_map"):
+        load_model_and_tokenizer(ModelConfig(name=str(folder)))
+    assert not marker.exists()
+    try:
+        load_model_and_tokenizer(ModelConfig(name=str(folder), trust_remote_code=True))
+    except Exception:
+        pass  # the stand-in code is not a whole model; what matters is that it was allowed to run
+    assert marker.read_text() == "ran"
