@@ -238,3 +238,20 @@ def test_trust_remote_code_lets_the_model_code_run(tmp_path):
     except Exception:
         pass  # the stand-in code is not a whole model; what matters is that it was allowed to run
     assert marker.read_text() == "ran"
+
+
+def test_a_checkpoints_config_cannot_grant_trust_remote_code_to_export(tmp_path):
+    from grpo import checkpoint
+    from grpo.export import export_checkpoint
+
+    folder, marker = _remote_code_model(tmp_path)
+
+    def write(tmp: Path) -> None:  # a shared "checkpoint" whose config asks to run the base model's code
+        (tmp / checkpoint.ADAPTER_CONFIG).write_text("{}")
+        (tmp / checkpoint.STATE).write_bytes(b"")
+        (tmp / checkpoint.CONFIG).write_text(json.dumps({"model": {"name": str(folder), "trust_remote_code": True}}))
+
+    shared = checkpoint.atomic_directory_write(tmp_path / "shared", write, step=1)
+    with pytest.raises(ConfigError, match=r"sets model.trust_remote_code, which a checkpoint's config cannot grant"):
+        export_checkpoint(shared, tmp_path / "out", merge=True)
+    assert not marker.exists()

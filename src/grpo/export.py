@@ -19,9 +19,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import yaml
-
 from grpo import checkpoint as ckpt
+from grpo import safe_yaml
 from grpo.config import ConfigError
 
 _RUN_FILES = (ckpt.STATE, ckpt.CONFIG, ckpt.MANIFEST)
@@ -78,13 +77,19 @@ def _merged_writer(checkpoint: Path):
     from grpo import config as config_module
     from grpo.models import load_model_and_tokenizer
 
-    saved = yaml.safe_load((checkpoint / ckpt.CONFIG).read_text()) if (checkpoint / ckpt.CONFIG).is_file() else None
+    saved = safe_yaml.read(checkpoint / ckpt.CONFIG, "checkpoint config") if (checkpoint / ckpt.CONFIG).is_file() else None
     if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
         raise ConfigError(
             f"grpo export --merge: {checkpoint} has no {ckpt.CONFIG} with a model section, so its base model is "
             "unknown; load the adapter yourself with PeftModel.from_pretrained(base, checkpoint).merge_and_unload()"
         )
     model_section = dict(saved["model"])
+    if model_section.get("trust_remote_code"):  # a checkpoint is data: it never grants running code
+        raise ConfigError(
+            f"grpo export --merge: {checkpoint}/{ckpt.CONFIG} sets model.trust_remote_code, which a checkpoint's "
+            "config cannot grant; load the base model yourself (after reading its code) and merge with "
+            "PeftModel.from_pretrained(base, checkpoint).merge_and_unload()"
+        )
     model_section["lora"] = {**model_section.get("lora", {}), "quantize": "none"}  # merge into full-precision weights
     model_cfg = config_module.from_dict({"model": model_section}).model
     base, _ = load_model_and_tokenizer(model_cfg)

@@ -84,11 +84,12 @@ def _read_config(run_dir: Path) -> dict[str, Any]:
     path = run_dir / "config.yaml"
     if not path.is_file():
         return {}
-    import yaml
+    from grpo import safe_yaml
+    from grpo.config import ConfigError
 
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError:
+        data = safe_yaml.read(path, "run config")
+    except ConfigError:
         return {}
     return data if isinstance(data, dict) else {}
 
