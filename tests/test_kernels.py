@@ -50,7 +50,7 @@ def test_tall_product_matches_float64_in_pieces(shape, monkeypatch):
     if x.numel():
         assert _rel_err(out, x.double() @ w.double().t()) < 1e-5
     bf16 = kernels.tall_linear_nt(x.bfloat16(), w.bfloat16())  # other dtypes: linear_nt
-    assert torch.equal(bf16, kernels.linear_nt(x.bfloat16(), w.bfloat16()))
+    assert torch.equal(bf16, kernels.linear_nt(x.bfloat16(), w.bfloat16()))  # exact: that very call
 
 
 @pytest.mark.parametrize("shape", [(7, 33), (2, 5, 33), (0, 33)])
@@ -178,7 +178,7 @@ def test_packed_weights_are_not_used_with_gradients_or_without_autocast():
 
 
 @packing
-def test_generation_with_packed_weights_matches_autocast(model, tokenizer, monkeypatch):
+def test_generation_with_packed_weights_matches_autocast(model, tokenizer, monkeypatch, assert_same_greedy):
     """Greedy completions under bf16 autocast through transformers' modules (the path for
     models grpo.rollout.fused does not cover): the same tokens with and without the packed weights."""
     import contextlib
@@ -204,7 +204,9 @@ def test_generation_with_packed_weights_matches_autocast(model, tokenizer, monke
     assert packed_rows == [6]
     monkeypatch.setattr(hf.kernels, "packed_for_decoding", lambda m, rows: contextlib.nullcontext())
     plain = run()
-    assert torch.equal(packed.completion_ids, plain.completion_ids)
+    # oneDNN's product from the reordered copy vs autocast's F.linear: other kernels (which ones
+    # depends on the CPU), bf16 logits a step (~0.002 here) apart at most, so the same tokens but at a tie
+    assert_same_greedy(model, packed, plain, atol=0.02, autocast_dtype=torch.bfloat16)
     assert all(m.packed is None for m in model.modules() if isinstance(m, kernels.CPULinear))
 
 
