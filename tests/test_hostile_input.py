@@ -205,8 +205,10 @@ def _remote_code_model(tmp_path: Path) -> tuple[Path, Path]:
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     marker = tmp_path / "code-ran"
+    # its own subclass: loading it registers the class for saving, which must not touch transformers' own
     (folder / "custom.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n"
-                                      "from transformers import LlamaConfig as CustomConfig\n")
+                                      "from transformers import LlamaConfig\n"
+                                      "class CustomConfig(LlamaConfig):\n    pass\n")
     cfg = json.loads((folder / "config.json").read_text())
     cfg["auto_map"] = {"AutoConfig": "custom.CustomConfig"}
     (folder / "config.json").write_text(json.dumps(cfg))
