@@ -346,6 +346,7 @@ eval: {{batch_size: 8}}
         del d["output_dir"], d["data"]["task"], d["data"]["train_file"], d["rewards"]["funcs"]
     assert ours == theirs
     untimed = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_second"} for r in rows]  # noqa: E731
+    # exact: one config (above), so one Trainer computing the same operations on the same shapes
     assert untimed(trainer.state.log_history) == untimed(yaml_history)
     assert len(yaml_history) == 3 and any(h["reward_std"] > 0 for h in yaml_history)  # the runs had a learning signal
 
