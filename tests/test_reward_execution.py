@@ -5,7 +5,6 @@ training run goes on whatever a reward function does."""
 import json
 import logging
 import math
-import multiprocessing
 import os
 import subprocess
 import sys
@@ -260,21 +259,24 @@ def test_a_function_its_workers_cannot_load_fails_at_start_up(tmp_path):
 
 
 EXIT_SCRIPT = '''
-import multiprocessing, os, sys, threading, time
+import os, sys, threading, time
 if __name__ == "__main__":
     from grpo.rewards import resolve
     from grpo.rewards.execution import RewardExecutor
     fn = resolve(sys.argv[1] + ":pid_unless_hang")[1]
     executor = RewardExecutor(["pid"], [fn], timeout=1000, workers=2)
     inputs = {"prompts": ["p"] * 2, "completions": ["a", "b"], "completion_ids": [[1]] * 2}
-    executor(inputs, 2)
+    executor.start()  # both ready: each computes one of the two chunks
+    (calls,) = executor(inputs, 2)
+    # the workers' keepers, and the workers under them (the pids the function returned)
+    pids = [w.process.pid for w in executor._workers] + [int(c.values[0]) for c in calls]
     if sys.argv[2] == "crash":  # the trainer dies while its workers are busy in calls that never return
         inputs["completions"] = ["hang", "hang"]
         threading.Thread(target=executor, args=(inputs, 2), daemon=True).start()
         time.sleep(1.0)
-        print(*[p.pid for p in multiprocessing.active_children()], flush=True)
+        print(*pids, flush=True)
         os._exit(0)
-    print(*[p.pid for p in multiprocessing.active_children()], flush=True)  # then exits, idle workers left open
+    print(*pids, flush=True)  # then exits, idle workers left open
 '''
 
 
@@ -287,11 +289,28 @@ def test_workers_never_outlive_the_trainer(reward_file, tmp_path):
         out, _ = run.communicate(timeout=60)  # an exit that waited on its workers would hang here
         assert run.returncode == 0, how
         pids = [int(p) for p in out.split()]
-        assert len(set(pids)) == 2 and os.getpid() not in pids
+        assert len(set(pids)) == 4 and os.getpid() not in pids
         deadline = time.monotonic() + 10
         while any(_alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not any(_alive(p) for p in pids), how
+
+
+def worker_processes() -> list[int]:
+    """This process's reward workers still running: its children running grpo.reward_worker's program."""
+    found = []
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2:].split()
+        if int(fields[1]) == os.getpid() and fields[0] != b"Z" and b"grpo.reward_worker" in cmdline:
+            found.append(int(name))
+    return found
 
 
 def _alive(pid: int) -> bool:
@@ -361,7 +380,7 @@ def test_training_goes_on_whatever_the_rewards_do(tokenizer, tmp_path, reward_fi
     assert lines[-1]["rewards/hangs/failures"] == 4
     assert [m["sandbox/killed"] for m in lines] == [2, 2]  # each step's own, not cumulative
     assert trainer.state_dict()["reward_failures"] == {"raises_on_poison": 2, "hangs": 4, "hard_exits": 4, "length": 0}
-    assert not [p for p in multiprocessing.active_children() if p.name == "grpo reward worker"]  # train() closed them
+    assert not worker_processes()  # train() closed them
 
 
 def test_a_reward_that_bounds_itself_is_waited_for_past_the_timeout():

@@ -9,6 +9,12 @@ imports its function once and serves calls until closed; starting it (and
 importing the function's module) is waited for separately, with `startup`
 seconds, so a slow import does not count as a timed-out call.
 
+The worker is a program of its own (grpo.reward_worker.Worker), not a
+multiprocessing child: it never imports the caller's main script, so a
+script that trains at its top level (no `if __name__ == "__main__":`) is not
+run again by it. It leads a session of its own (a Ctrl-C at the terminal is
+the caller's), and ends itself when its caller goes away.
+
     worker = BoundedWorker("grpo.equivalence:equivalent", timeout=5.0)
     status, value = worker("\\\\frac{1}{2}", "0.5")      # ("ok", True)
 """
@@ -16,8 +22,9 @@ seconds, so a slow import does not count as a timed-out call.
 from __future__ import annotations
 
 import importlib
-import multiprocessing
 from typing import Any
+
+from grpo.reward_worker import Worker
 
 
 def _serve(conn, target: str) -> None:
@@ -40,28 +47,31 @@ class BoundedWorker:
 
     def __init__(self, target: str, timeout: float, startup: float = 120.0):
         self.target, self.timeout, self.startup = target, timeout, startup
-        self._context = multiprocessing.get_context("spawn")  # no copy of the caller's threads or tensors
-        self._process = None
+        self._process: Worker | None = None
         self._conn = None
 
     def _start(self) -> None:
-        parent, child = self._context.Pipe()
-        self._process = self._context.Process(target=_serve, args=(child, self.target), daemon=True)
-        self._process.start()
-        child.close()
-        self._conn = parent
-        if not parent.poll(self.startup) or parent.recv() != "ready":
-            self.close()
-            raise RuntimeError(f"the worker for {self.target} did not start within {self.startup:.0f} s")
+        self._process = Worker("grpo.bounded:_serve", {"target": self.target})
+        self._conn = self._process.conn
+        try:
+            ready = self._conn.poll(self.startup) and self._conn.recv() == "ready"
+        except (EOFError, OSError):
+            ready = False
+        if not ready:
+            code = self._process.kill()
+            self._process = self._conn = None
+            raise RuntimeError(f"the worker for {self.target} did not start within {self.startup:.0f} s (exit code {code})")
 
     def __call__(self, *args: Any) -> tuple[str, Any]:
-        if self._process is None or not self._process.is_alive():
+        if self._process is not None and not self._process.alive():
+            self.close()  # died between calls
+        if self._process is None:
             self._start()
         try:
             self._conn.send(args)
             if self._conn.poll(self.timeout):
                 return self._conn.recv()
-        except (EOFError, BrokenPipeError, ConnectionResetError):
+        except (EOFError, OSError):
             self.close()
             return ("crashed", None)
         self.close()  # overran: kill it; the next call starts a fresh worker
@@ -69,11 +79,7 @@ class BoundedWorker:
 
     def close(self) -> None:
         if self._process is not None:
-            if self._process.is_alive():
-                self._process.kill()
-            self._process.join(timeout=5)
-        if self._conn is not None:
-            self._conn.close()
+            self._process.kill()
         self._process = self._conn = None
 
     def __del__(self):

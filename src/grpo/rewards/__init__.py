@@ -165,7 +165,7 @@ def check_signature(name: str, fn: RewardFn, columns: set[str]) -> None:
 @dataclass
 class RewardSet:
     """The configured reward functions with their weights, and how they are called
-    (`timeout`, `workers`, `isolation`: the rewards section's keys)."""
+    (`timeout`, `workers`, `isolation`, `worker_memory_mb`: the rewards section's keys)."""
 
     names: list[str]
     funcs: list[RewardFn]
@@ -175,6 +175,7 @@ class RewardSet:
     timeout: float = 60.0
     workers: int = 0
     isolation: str = "process"
+    worker_memory_mb: int = 4096
     _executor: RewardExecutor | None = field(default=None, init=False, repr=False, compare=False)
     _since_step: defaultdict = field(default_factory=lambda: defaultdict(Counter), init=False, repr=False, compare=False)
     _seen: Counter = field(default_factory=Counter, init=False, repr=False, compare=False)
@@ -199,7 +200,8 @@ class RewardSet:
         weights = cfg.weights if cfg.weights is not None else [1.0] * len(resolved)
         if len(weights) != len(resolved):
             raise ConfigError(f"rewards.weights: {len(weights)} weights for {len(resolved)} reward functions; give one weight each")
-        rewards = cls([], [], torch.zeros(0), timeout=cfg.timeout, workers=cfg.workers, isolation=cfg.isolation)
+        rewards = cls([], [], torch.zeros(0), timeout=cfg.timeout, workers=cfg.workers, isolation=cfg.isolation,
+                      worker_memory_mb=cfg.worker_memory_mb)
         for (name, fn), weight in zip(resolved, weights):
             check_signature(name, fn, columns)
             rewards.add(name, fn, weight)
@@ -231,7 +233,8 @@ class RewardSet:
     @property
     def executor(self) -> RewardExecutor:
         if self._executor is None:
-            self._executor = RewardExecutor(self.names, self.funcs, self.timeout, self.workers, self.isolation)
+            self._executor = RewardExecutor(self.names, self.funcs, self.timeout, self.workers, self.isolation,
+                                            self.worker_memory_mb)
         return self._executor
 
     def score(self, prompts: list, completions: list, completion_ids: list[list[int]], rows: list[dict],

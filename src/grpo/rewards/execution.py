@@ -5,28 +5,43 @@ Where a function runs:
 - in a worker process (a user's function, under `rewards.isolation: process`,
   the default): a call that overruns `rewards.timeout` seconds, or calls
   os._exit, or crashes the interpreter, costs its worker, which is killed
-  (with its process group, so the function's own subprocesses go too) and
-  replaced; the trainer goes on.
+  (with everything it started) and replaced; the trainer goes on.
 - in a thread of the trainer process: the built-in rewards and any reward
   object with `runs_in_process = True` (they bound their own work and hold
   state, a model or a sandbox's counts, that must stay in the trainer);
   every function under `rewards.isolation: thread`; and, with a warning, a
-  callable a spawned worker cannot re-import (a lambda, a closure, a bound
-  method of a local object). A reward with `bounds_itself = True` (the code
-  rewards, whose every program the sandbox bounds) is waited for to the end.
-  Any other thread cannot be stopped: past the timeout
+  callable a worker cannot load (a lambda, a closure, a bound method of a
+  local object, a function of a main script that trains without an
+  `if __name__ == "__main__":` guard). A reward with `bounds_itself = True`
+  (the code rewards, whose every program the sandbox bounds) is waited for to
+  the end. Any other thread cannot be stopped: past the timeout
   its call is abandoned (reported as a timeout, and the function is not
   called again until that call returns), and an os._exit there ends the run.
 
-The workers are `rewards.workers` spawned processes (0: one per core, at most
-8), started with the trainer (`start()`, where a function they cannot load
+The workers are `rewards.workers` processes (0: one per core, at most 8),
+started with the trainer (`start()`, where a function they cannot load
 fails as a ConfigError) or at the first batch, and kept: each loads every
 worker-run function once, at start-up, which does not count against the
-timeout. Being spawned, a worker imports the main script: a script that
-trains must do so under `if __name__ == "__main__":`. They are not daemonic,
-so a function may start processes of its own; `close()`, which the trainer
-calls at the end of training and which also runs at interpreter exit, ends
-them, and a worker whose trainer dies ends itself.
+timeout. A worker is a program of its own (grpo.reward_worker), not a
+multiprocessing child: it never imports the trainer's main script, and it
+imports the user's modules through the trainer's sys.path. A function
+defined in the main script itself is loaded in the worker by running the
+script as `__mp_main__` when the script guards its training with
+`if __name__ == "__main__":` (as multiprocessing's spawn did); a script
+without the guard would train again in every worker, so its functions run in
+threads of the trainer, with a warning. A function may start processes of
+its own; `close()`, which the trainer calls at the end of training and which
+also runs at interpreter exit, ends them, and a worker whose trainer dies
+ends itself.
+
+Each worker is kept apart from the trainer (grpo.reward_worker says how):
+its own session and process group, its descendants (double-forked daemons
+included) killed with it, its memory limited to `rewards.worker_memory_mb`
+MiB (an allocation past it is an error of the call that made it), its
+parent a keeper process rather than the trainer. What the workers print
+goes to pipes the trainer reads, never to the console directly: at most
+OUTPUT_LIMIT bytes of a batch are kept, shown once in a warning after the
+batch with control characters escaped, and the rest is counted as dropped.
 
 A batch's call of a worker-run function is split into contiguous chunks
 (workers / functions of them, at least one), each a call with the matching
@@ -41,27 +56,30 @@ function that needs one state for the whole run belongs in the trainer
 (`runs_in_process = True`, and then bounds itself).
 
 Each call's outcome is a `Call`: "ok" with its rewards, "error" (it raised,
-called sys.exit, returned the wrong shape, or could not be loaded in the
-worker), "crashed" (its worker died under it) or "timeout"; the message of a
-failure is its formatted traceback, sent back by the worker.
+called sys.exit, ran out of its memory, returned anything but one real
+number or None per completion, or could not be loaded in the worker),
+"crashed" (its worker died under it) or "timeout"; the message of a failure
+is its formatted traceback, sent back by the worker.
 """
 
 from __future__ import annotations
 
+import ast
 import atexit
+import functools
+import io
 import logging
 import math
-import multiprocessing
-import multiprocessing.util  # noqa: F401 (its exit handler, which joins child processes, must run after ours)
 import os
 import pickle
-import signal
+import select
 import sys
 import threading
 import time
 import traceback
+import types
 import weakref
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Callable
@@ -74,6 +92,9 @@ log = logging.getLogger(__name__)
 
 STARTUP_SECONDS = 120.0
 """How long a worker may take to start and load its functions (a module that imports torch takes seconds)."""
+
+OUTPUT_LIMIT = 64 * 1024
+"""Bytes of the workers' stdout and stderr shown for a batch, all workers together; the rest is dropped."""
 
 
 @dataclass
@@ -100,16 +121,17 @@ class RewardExecutor:
     """
 
     def __init__(self, names: list[str], funcs: list[Callable], timeout: float = 60.0, workers: int = 0,
-                 isolation: str = "process"):
+                 isolation: str = "process", memory_mb: int = 4096):
         self.names, self.funcs, self.timeout = list(names), list(funcs), timeout
-        self.size = workers or default_workers()
+        self.size, self.memory_mb = workers or default_workers(), memory_mb
         self._pickled: dict[int, bytes] = {}
         self._module_files: dict[str, str] = {}
+        self._main: tuple[str, str | None] | None = None
         for k, (name, fn) in enumerate(zip(self.names, self.funcs)):
             if isolation != "process" or getattr(fn, "runs_in_process", False):
                 continue
-            blob = _pickled_for_worker(fn)
-            if blob is None:
+            pickled = _pickled_for_worker(fn)
+            if pickled is None:
                 log.warning(
                     "reward function %r cannot be re-imported by a worker process (a lambda, a closure or a local "
                     "object?), so it runs in a thread of the trainer: a call past rewards.timeout is abandoned, not "
@@ -117,12 +139,19 @@ class RewardExecutor:
                     name,
                 )
                 continue
+            blob, uses_main = pickled
+            if uses_main:
+                script = _main_script()
+                if not _guarded(script[0]):
+                    _warn_unguarded(name, script[0])
+                    continue
+                self._main = script
             self._pickled[k] = blob
             module = sys.modules.get(getattr(fn, "__module__", None) or "")
             if getattr(module, "__file__", None) and module.__name__ != "__main__":
                 self._module_files[module.__name__] = module.__file__
-        self._context = multiprocessing.get_context("spawn")  # no copy of the trainer's threads, tensors or locks
         self._workers: list[_Worker] = []
+        self._output = _Output()
         self._start_failure = ""
         self._in_call: set[int] = set()
         _open.add(self)
@@ -140,11 +169,10 @@ class RewardExecutor:
         for w in self._workers:
             problem = w.wait_ready()
             if problem:
-                self.close()
+                self.close()  # what the worker printed (its traceback) is shown
                 raise ConfigError(
-                    f"the reward worker processes (rewards.isolation=process) did not start: {problem}. A script "
-                    "that starts training must do so under `if __name__ == \"__main__\":`, since a spawned worker "
-                    "imports the script; or set rewards.isolation=thread"
+                    f"the reward worker processes (rewards.isolation=process) did not start: {problem}; see its "
+                    "output logged above, or set rewards.isolation=thread"
                 )
             for k, message in w.load_failures.items():
                 self.close()
@@ -152,12 +180,14 @@ class RewardExecutor:
                     f"reward function {self.names[k]!r} {message.rstrip()}\nDefine it at the top level of an "
                     "importable module, or set rewards.isolation=thread"
                 )
+        self._output.flush()
 
     def __call__(self, inputs: dict[str, list], n: int) -> list[list[Call]]:
         threads = {k: self._start_thread(k, inputs, n) for k in range(len(self.funcs)) if k not in self._pickled}
         calls = self._run_in_workers(inputs, n)
         for k, finish in threads.items():
             calls[k] = [finish()]
+        self._output.flush()  # what the batch's calls printed, once
         return [calls[k] for k in range(len(self.funcs))]
 
     # ------------------------------------------------------------------ threads
@@ -230,7 +260,7 @@ class RewardExecutor:
         return max(1, min(n, self.size // len(self._pickled)))
 
     def _spawn(self) -> "_Worker":
-        return _Worker(self._context, self._pickled, self._module_files)
+        return _Worker(self._pickled, self._module_files, self._main, self.memory_mb, self._output)
 
     def _send(self, w: "_Worker", pending: deque, inputs: dict[str, list]) -> None:
         k, a, b = task = pending.popleft()
@@ -282,9 +312,13 @@ class RewardExecutor:
 
     def close(self) -> None:
         """Ends the workers; a later call starts new ones."""
-        for w in self._workers:
-            w.stop()
-        self._workers = []
+        workers, self._workers = self._workers, []
+        for w in workers:
+            w.ask_to_stop()
+        deadline = time.monotonic() + 1.0  # all of them end at once, within a second
+        for w in workers:
+            w.kill(max(0.0, deadline - time.monotonic()))
+        self._output.flush()
 
     def __del__(self):
         try:
@@ -294,15 +328,16 @@ class RewardExecutor:
 
 
 class _Worker:
-    """One worker process and its end of the pipe; `task` is the chunk it is computing."""
+    """One worker process and its end of the connection; `task` is the chunk it is computing."""
 
-    def __init__(self, context, functions: dict[int, bytes], module_files: dict[str, str]):
-        self.conn, child = context.Pipe()
-        self.process = context.Process(
-            target=reward_worker.serve, args=(child, functions, module_files), name="grpo reward worker", daemon=False
+    def __init__(self, functions: dict[int, bytes], module_files: dict[str, str],
+                 main_script: tuple[str, str | None] | None, memory_mb: int, output: "_Output"):
+        self.process = reward_worker.Worker(
+            "grpo.reward_worker:serve", {"functions": functions, "module_files": module_files, "main_script": main_script},
+            keeper=True, memory_mb=memory_mb, capture=True,
         )
-        self.process.start()
-        child.close()
+        self.conn = self.process.conn
+        output.add(self.process.output, f"reward worker process {self.process.pid}")
         self.ready, self.task = False, None
         self.load_failures: dict[int, str] = {}
         self.deadline = time.monotonic() + STARTUP_SECONDS
@@ -319,36 +354,157 @@ class _Worker:
             self.ready = True
         return ""
 
-    def kill(self) -> int | None:
-        """Kills the worker and what it started; its exit code."""
-        if self.ready and hasattr(os, "killpg"):  # only once ready is it surely the leader of its own group
-            try:
-                os.killpg(self.process.pid, signal.SIGKILL)
-            except OSError:
-                pass
-        self.process.kill()
-        self.process.join(5)
-        self.conn.close()
-        return self.process.exitcode
+    def kill(self, grace: float = 0.0) -> int | None:
+        """Kills the worker and what it started (after `grace` seconds to end by itself); its exit code."""
+        return self.process.kill(grace)
 
-    def stop(self) -> None:
+    def ask_to_stop(self) -> None:
         if self.ready and self.task is None:
+            self.process.ask_to_stop()
+
+
+class _Output:
+    """The workers' stdout and stderr: each pipe read as it fills (a worker never blocks on a full pipe),
+    at most `limit` bytes kept until `flush` shows them, escaped, the rest counted as dropped."""
+
+    def __init__(self, limit: int = OUTPUT_LIMIT):
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._pipes: dict[int, tuple[object, str]] = {}
+        self._kept: dict[str, bytearray] = {}
+        self._dropped: Counter = Counter()
+        self._size = 0
+
+    def add(self, pipe, label: str) -> None:
+        fd = pipe.fileno()
+        os.set_blocking(fd, False)
+        with self._lock:
+            self._pipes[fd] = (pipe, label)
+        threading.Thread(target=self._follow, args=(fd, pipe), daemon=True, name=f"output of {label}").start()
+
+    def _follow(self, fd: int, pipe) -> None:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        while True:
             try:
-                self.conn.send(None)
-                self.process.join(1)
+                poller.poll()
+            except InterruptedError:
+                continue
+            with self._lock:
+                if not self._read(fd):  # every writer has closed it: the worker and all it started are gone
+                    del self._pipes[fd]
+                    pipe.close()  # only here, so no other thread reads a reused descriptor number
+                    return
+
+    def _read(self, fd: int) -> bool:
+        """Takes what the pipe holds now (under the lock); False at its end."""
+        label = self._pipes[fd][1]
+        while True:
+            try:
+                data = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                return True
             except OSError:
-                pass
-        self.kill()
+                return False
+            if not data:
+                return False
+            room = max(0, self.limit - self._size)
+            if room:
+                self._kept.setdefault(label, bytearray()).extend(data[:room])
+                self._size += min(room, len(data))
+            if len(data) > room:
+                self._dropped[label] += len(data) - room
+
+    def flush(self) -> None:
+        """Logs what the workers printed since the last flush, once; a call's output is in its pipe
+        before its result is sent, so a batch's output is all here at the batch's end."""
+        with self._lock:
+            for fd in list(self._pipes):
+                self._read(fd)
+            kept, dropped = self._kept, self._dropped
+            self._kept, self._dropped, self._size = {}, Counter(), 0
+        if not kept and not dropped:
+            return
+        parts = []
+        for label in dict.fromkeys([*kept, *dropped]):
+            text = escaped(bytes(kept.get(label, b"")).decode("utf-8", "backslashreplace")).rstrip("\n")
+            more = f"\n(... {dropped[label]} bytes more dropped)" if dropped[label] else ""
+            parts.append(f"--- {label} ---\n{text}{more}")
+        log.warning(
+            "reward functions printed (control characters escaped; at most %d KiB of a batch shown):\n%s",
+            self.limit // 1024, "\n".join(parts),
+        )
 
 
-def _pickled_for_worker(fn: Callable) -> bytes | None:
-    """`fn` as a spawned worker can load it, or None where it cannot."""
+def escaped(text: str) -> str:
+    """`text` with every character that is not printable (but newlines and tabs) written as Python
+    writes it in a string literal: a terminal's escape sequences and bidirectional controls shown, not run."""
+    return "".join(c if c.isprintable() or c in "\n\t" else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+def _pickled_for_worker(fn: Callable) -> tuple[bytes, bool] | None:
+    """`fn` as a worker can load it, and whether that needs the main script; None where it cannot."""
     if getattr(fn, "__module__", None) == "__main__" and not getattr(sys.modules["__main__"], "__file__", None):
-        return None  # defined interactively: a spawned worker has no such __main__
+        return None  # defined interactively: no file a worker could load it from
+    buffer = io.BytesIO()
+    pickler = _MainNoting(buffer)
     try:
-        return pickle.dumps(fn)
+        pickler.dump(fn)
     except Exception:  # pickle's errors for lambdas and local objects vary (PicklingError, AttributeError, TypeError)
         return None
+    return buffer.getvalue(), pickler.uses_main
+
+
+class _MainNoting(pickle.Pickler):
+    """A pickler that notes whether what it pickles refers to a function or class of `__main__`."""
+
+    uses_main = False
+
+    def reducer_override(self, obj):
+        if isinstance(obj, (type, types.FunctionType)) and getattr(obj, "__module__", None) == "__main__":
+            self.uses_main = True
+        return NotImplemented
+
+
+def _main_script() -> tuple[str, str | None]:
+    """The main script's path, and its module name when it was started as `python -m name`."""
+    main = sys.modules["__main__"]
+    return os.path.abspath(main.__file__), getattr(getattr(main, "__spec__", None), "name", None)
+
+
+@functools.lru_cache(maxsize=None)
+def _guarded(path: str) -> bool:
+    """Whether the script at `path` has a top-level `if __name__ == "__main__":` (read, not run)."""
+    try:
+        with open(path, "rb") as f:
+            tree = ast.parse(f.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return False
+    for node in tree.body:
+        test = getattr(node, "test", None) if isinstance(node, ast.If) else None
+        if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq):
+            sides = [test.left, test.comparators[0]]
+            if any(isinstance(s, ast.Name) and s.id == "__name__" for s in sides) and any(
+                    isinstance(s, ast.Constant) and s.value == "__main__" for s in sides):
+                return True
+    return False
+
+
+_warned_unguarded: set[tuple[str, str]] = set()
+
+
+def _warn_unguarded(name: str, path: str) -> None:
+    if (name, path) in _warned_unguarded:
+        return
+    _warned_unguarded.add((name, path))
+    log.warning(
+        "reward function %r is defined in the main script %s, which has no `if __name__ == \"__main__\":`: a worker "
+        "process could load it only by running the whole script again, training included, so it runs in a thread "
+        "of the trainer (a call past rewards.timeout is abandoned, not stopped, and an os._exit in it ends the run). "
+        "Put the script's training under `if __name__ == \"__main__\":`, or the function in a module of its own, "
+        "to run it in a worker process.",
+        name, path,
+    )
 
 
 _open: "weakref.WeakSet[RewardExecutor]" = weakref.WeakSet()
