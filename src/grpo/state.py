@@ -33,11 +33,15 @@ def _numpy():
 
 
 def capture_rng() -> dict[str, Any]:
-    """The global random streams: Python's, NumPy's (when installed), torch's CPU and CUDA."""
+    """The global random streams: Python's, NumPy's (when installed), torch's CPU and CUDA.
+
+    Only tensors and plain containers of numbers and strings, so that a checkpoint's train state
+    loads with `torch.load(weights_only=True)`: NumPy's key array is kept as a list of ints."""
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
     numpy = _numpy()
     if numpy is not None:
-        state["numpy"] = numpy.random.get_state()
+        name, key, position, has_gauss, cached_gaussian = numpy.random.get_state(legacy=True)
+        state["numpy"] = [str(name), [int(k) for k in key], int(position), int(has_gauss), float(cached_gaussian)]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -48,7 +52,8 @@ def restore_rng(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     numpy = _numpy()
     if numpy is not None and "numpy" in state:
-        numpy.random.set_state(state["numpy"])
+        name, key, position, has_gauss, cached_gaussian = state["numpy"]
+        numpy.random.set_state((name, numpy.asarray(key, dtype=numpy.uint32), position, has_gauss, cached_gaussian))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
