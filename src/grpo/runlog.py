@@ -8,6 +8,8 @@
       checkpoint-N/ final/   written by grpo.checkpoint (atomically); a resumed run
                              cuts the logs above back to its checkpoint's step
       plots/ report.md       grpo.report, at the end
+      .grpo.lock             held by the run using the directory (grpo.run_lock), taken
+                             before anything here is read or changed
 
 The trackers of `logging.report_to` get the same numbers as metrics.jsonl.
 Only the main process writes (is_main); the others keep quiet.
@@ -131,8 +133,11 @@ class RunLog:
     def step(self, metrics: dict) -> None:
         if not self.is_main:
             return
-        self._metrics.write(json.dumps(metrics) + "\n")
-        self._metrics.flush()
+        try:
+            self._metrics.write(json.dumps(metrics) + "\n")
+            self._metrics.flush()
+        except OSError as error:  # a full disk: said so, rather than a traceback (resuming cuts the line back)
+            raise checkpoint.write_failed(self.dir / "metrics.jsonl", error, "the checkpoints so far are intact") from error
         self.trackers.log(metrics, metrics["step"])
         self.progress.update(metrics["step"], metrics)
 
@@ -143,14 +148,17 @@ class RunLog:
         if not self.is_main:
             return
         table = []
-        with open(self.dir / "samples.jsonl", "a") as f:
-            for i in range(0, min(len(texts), per_step * group_size), group_size):
-                prompt = prompts[i][-1]["content"] if isinstance(prompts[i], list) else prompts[i]
-                record = {"step": step, "prompt": prompt, "completion": texts[i], "reward": _json_float(rewards[i])}
-                each = {name: _json_float(values[i]) for name, values in (reward_columns or {}).items()}
-                f.write(json.dumps({**record, "rewards": each} if each else record) + "\n")
-                # a function named like a fixed column keeps its own column
-                table.append({**record, **{(f"{name} (reward)" if name in record else name): v for name, v in each.items()}})
+        try:
+            with open(self.dir / "samples.jsonl", "a") as f:
+                for i in range(0, min(len(texts), per_step * group_size), group_size):
+                    prompt = prompts[i][-1]["content"] if isinstance(prompts[i], list) else prompts[i]
+                    record = {"step": step, "prompt": prompt, "completion": texts[i], "reward": _json_float(rewards[i])}
+                    each = {name: _json_float(values[i]) for name, values in (reward_columns or {}).items()}
+                    f.write(json.dumps({**record, "rewards": each} if each else record) + "\n")
+                    # a function named like a fixed column keeps its own column
+                    table.append({**record, **{(f"{name} (reward)" if name in record else name): v for name, v in each.items()}})
+        except OSError as error:  # as for metrics.jsonl
+            raise checkpoint.write_failed(self.dir / "samples.jsonl", error, "the checkpoints so far are intact") from error
         if self.trackers is not None:
             self.trackers.log_completions(table, step)
         self.progress.sample(texts[0], _json_float(rewards[0]))
@@ -192,7 +200,10 @@ class RunLog:
             self.progress.close()
             self.progress = None
         if self._metrics is not None:
-            self._metrics.close()
+            try:
+                self._metrics.close()
+            except OSError:  # every line was flushed as written: only a line `step` reported as failed is left
+                pass
             self._metrics = None
         if self.trackers is not None:
             self.trackers.close()

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from grpo import algorithm, checkpoint, faults
+from grpo import algorithm, checkpoint, faults, run_lock
 from grpo.backends import create_backend
 from grpo.batching import GenerationBatch, groups_with_spread, keep_groups_with_spread
 from grpo.config import Config, ConfigError
@@ -40,6 +40,7 @@ from grpo.rewards import RewardSet
 from grpo.rollout import SamplingParams, create_engine
 from grpo.rollout.types import prompt_seeds
 from grpo.rollout.hf import NonFiniteProbabilities
+from grpo.run_lock import RunLock
 from grpo.runlog import RunLog
 from grpo.sandbox import take_counts
 from grpo.state import TrainState
@@ -74,9 +75,48 @@ class Trainer:
         directory (grpo.checkpoint) to continue from: its config must match `cfg` but for
         the keys a resumed run may change, and the model (given, or from the config) is the
         one the run started from; the checkpoint's weights replace its own.
+
+        The output directory is claimed first (grpo.run_lock): created, checked writable and
+        locked against another run, before anything in it is read or changed; a start that
+        fails gives it up again, removing it if it was created here and holds nothing.
         """
         self.cfg = cfg
         self.backend = create_backend(cfg)
+        self.run_lock: RunLock | None = None
+        """This process's claim on output_dir (rank 0's only): held from here to the end of `train`."""
+        self.claimed = False
+        """Whether the run holds output_dir (on every rank)."""
+        self._claim_output_dir()
+        try:
+            self._set_up(model, tokenizer, train_rows, eval_rows, reward_funcs, restore, resume)
+        except BaseException:
+            if self.run_lock is not None:
+                self.run_lock.abandon()
+            raise
+
+    def _claim_output_dir(self) -> None:
+        """Rank 0 claims output_dir (grpo.run_lock); every rank fails with its refusal, if any."""
+        refusal = None
+        if self.backend.is_main:
+            try:
+                self.run_lock = run_lock.claim(self.cfg.output_dir)
+            except ConfigError as error:
+                refusal = error
+        said = self.backend.all_gather_object(None if refusal is None else str(refusal))[0]  # no rank waits on another
+        if refusal is not None:
+            raise refusal
+        if said is not None:
+            raise ConfigError(said)
+        self.claimed = True
+
+    def _release_output_dir(self) -> None:
+        if self.run_lock is not None:
+            self.run_lock.release()
+        self.claimed = False
+
+    def _set_up(self, model, tokenizer, train_rows, eval_rows, reward_funcs, restore, resume) -> None:
+        """`__init__`'s work once output_dir is claimed."""
+        cfg = self.cfg
         self.resumed = checkpoint.load_checkpoint(Path(resume), cfg) if resume is not None else None
         if self.resumed is not None:
             restore = self.resumed.state
@@ -128,6 +168,8 @@ class Trainer:
         skips = restore.get("skips", {}) if restore else {}
         self.skips = Skips(cfg.training.max_consecutive_skips, **skips)  # skipped non-finite updates, in a row and in all
         optimizer = self.backend.make_optimizer(self.model)
+        if self.backend.is_main:  # before hours of training whose first save could not be written
+            checkpoint.warn_if_short_of_space(Path(cfg.output_dir), checkpoint.estimated_size(self.model))
         self.state = TrainState.create(
             cfg, optimizer, len(self.task.train_rows), self.backend.device,
             restore=_this_ranks_state(restore["train"], self.backend) if restore else None,
@@ -294,7 +336,17 @@ class Trainer:
 
     def train(self) -> list[dict[str, float]]:
         """The loop to max_steps, then final/. SIGINT or SIGTERM stops it at the next step's end
-        with a checkpoint (`stopped_by` says which); a second one stops it at once (Interrupted)."""
+        with a checkpoint (`stopped_by` says which); a second one stops it at once (Interrupted).
+        output_dir is this run's until it returns (grpo.run_lock); a checkpoint the disk cannot
+        take ends it with checkpoint.SaveFailed."""
+        if not self.claimed:  # trained before: claimed again
+            self._claim_output_dir()
+        try:
+            return self._train()
+        finally:
+            self._release_output_dir()  # the run is over (the report written): the directory is free
+
+    def _train(self) -> list[dict[str, float]]:
         cfg, log = self.cfg, self.log
         history: list[dict[str, float]] = []
         log.start()
@@ -399,9 +451,19 @@ class Trainer:
         if not (a.ref_sync_steps and self.state.step >= a.ref_sync_steps):
             state["reference"] = None  # still a copy of the starting model, which a resumed run copies again
         model = self.backend.savable_model(self.model)  # FSDP: gathered whole on rank 0
+        failed = None
         if self.backend.is_main:  # the ranks' weights are the same: rank 0 writes them
-            checkpoint.save_checkpoint(directory, model, self.tokenizer, state, self.cfg, step=self.state.step)
-        self.backend.barrier()  # no rank goes on (or resumes) before the checkpoint is whole
+            try:
+                checkpoint.save_checkpoint(directory, model, self.tokenizer, state, self.cfg, step=self.state.step)
+            except checkpoint.SaveFailed as error:  # a full disk: the run ends, its earlier checkpoints intact
+                failed = error
+        # also the barrier: no rank goes on (or resumes) before the checkpoint is whole, and every
+        # rank ends with rank 0's failure
+        said = self.backend.all_gather_object(None if failed is None else str(failed))[0]
+        if failed is not None:
+            raise failed
+        if said is not None:
+            raise checkpoint.SaveFailed(said)
         self.saved = directory
         return self.saved
 
