@@ -20,7 +20,7 @@ import tqdm
 import yaml
 from safetensors.torch import load_file
 
-from grpo import checkpoint, config, runlog
+from grpo import checkpoint, config, run_lock, runlog
 from grpo.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,7 +154,8 @@ def test_killed_at_random_moments_and_resumed_is_the_uninterrupted_run(tmp_path,
     # killed several times, and resumed from checkpoints, not rerun from the start
     assert outcomes.count(-signal.SIGKILL) >= 3 and len(set(starts) - {0}) >= 2 and starts[-1] > 0, (kills, outcomes, starts)
     _assert_same_run(tmp_path / "killed", expected)
-    assert not [p.name for p in (tmp_path / "killed").iterdir() if p.name.startswith(".")]  # leftovers cleaned
+    # leftovers cleaned; the lock file stays (unlocked: a killed run's lock dies with it)
+    assert [p.name for p in (tmp_path / "killed").iterdir() if p.name.startswith(".")] == [run_lock.LOCK]
 
 
 def _train_to(tmp_path, name, overrides=()):
@@ -217,7 +218,7 @@ def test_sigterm_saves_a_checkpoint_and_the_resumed_run_is_exact(tmp_path):
     (saved,) = checkpoint.checkpoints(run)
     step = int(saved.name.split("-")[1])
     assert checkpoint.verify(saved) == "" and [r["step"] for r in _rows(run / "metrics.jsonl")] == list(range(1, step + 1))
-    assert torch.load(saved / checkpoint.STATE, weights_only=False)["train"]["step"] == step
+    assert torch.load(saved / checkpoint.STATE, weights_only=True)["train"]["step"] == step
 
     assert _run(["train", str(path), "--resume"]) == 0
     _, expected = _train_to(tmp_path, "expected", overrides)
@@ -265,7 +266,7 @@ def test_a_run_stopped_before_its_first_checkpoint_is_simply_rerun(tmp_path):
     assert not checkpoint.checkpoints(run)  # the half-written one is hidden, never taken for a checkpoint
     assert [p.name for p in run.iterdir() if p.name.startswith(".checkpoint-3.tmp-")]
     assert _run(["train", str(path), "training.max_steps=2"]) == 0  # no overwrite_output_dir needed
-    assert not [p.name for p in run.iterdir() if p.name.startswith(".")]
+    assert [p.name for p in run.iterdir() if p.name.startswith(".")] == [run_lock.LOCK]
     assert [r["step"] for r in _rows(run / "metrics.jsonl")] == [1, 2]
 
 
