@@ -1,9 +1,14 @@
+import itertools
 import math
+import re
+from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
 
 from grpo.config import ConfigError
+from grpo.reward_worker import as_rewards
 from grpo.rewards import RewardSet, check_signature, resolve
 from grpo.rewards.arithmetic import arithmetic_correct, arithmetic_format, extract_answer
 
@@ -93,3 +98,56 @@ def test_columns_are_passed_per_completion():
     rows = [{"prompt": "p1", "answer": 1, "tag": "x"}, {"prompt": "p2", "answer": 2, "tag": "y"}]
     rs.score(["p1", "p2"], ["a", "b"], [[7], [8]], rows)
     assert seen["answer"] == [1, 2] and seen["extra"] == {"tag": ["x", "y"]} and seen["ids"] == [[7], [8]]
+
+
+class _LyingList(list):
+    def __init__(self, items, claims):
+        super().__init__(items)
+        self.claims = claims
+
+    def __len__(self):
+        return self.claims
+
+
+@pytest.mark.parametrize("values, message", [
+    (["1.0", "0.5"], "expected float or None, got '1.0'"),  # numeric strings are not numbers
+    ("10", "got '10'"),
+    ({0: 1.0, 1: 1.0}, "got {0: 1.0, 1: 1.0}"),
+    ({1.0, 2.0}, "got {1.0, 2.0}"),  # no order
+    (_LyingList([1.0], claims=2), "got _LyingList of length 1"),  # too short, whatever len says
+    (_LyingList([1.0, 1.0, 1.0], claims=2), "got _LyingList of length more than 2"),
+    ((x for x in [1.0, 2.0, 3.0]), "got generator of length more than 2"),
+    (itertools.repeat(1.0), "got repeat of length more than 2"),  # endless: bounded by counting
+    (1.0, "got 1.0"),
+    ([1.0, 1j], "got 1j"),
+    ([1.0, [1.0]], "got [1.0]"),
+    ([1.0, object], "got <class 'object'>"),
+])
+def test_rewards_that_are_not_one_real_number_or_none_each_are_refused(values, message):
+    with pytest.raises(TypeError, match=re.escape(message)):
+        as_rewards(values, 2)
+
+
+def test_real_numbers_of_every_kind_are_rewards():
+    numbers = [1, 0.5, True, False, np.float32(0.25), np.int64(2), np.bool_(True), np.array(3.0), torch.tensor(4.0),
+               torch.tensor(5, dtype=torch.int32), None, math.nan, Fraction(1, 4)]
+    rewards = as_rewards(numbers, len(numbers))
+    assert rewards[:10] == [1.0, 0.5, 1.0, 0.0, 0.25, 2.0, 1.0, 3.0, 4.0, 5.0] and rewards[12] == 0.25
+    assert math.isnan(rewards[10]) and math.isnan(rewards[11])  # None and NaN: missing
+    assert as_rewards((x for x in [1.0, None]), 2)[0] == 1.0  # any iterable of exactly n
+    assert as_rewards(torch.tensor([1.0, 2.0]), 2) == [1.0, 2.0] and as_rewards(np.array([1, 2]), 2) == [1.0, 2.0]
+    with pytest.raises(TypeError, match=r"got Tensor of shape \(1,\)"):  # an item must be a 0-d tensor
+        as_rewards([torch.tensor([1.0]), 1.0], 2)
+    with pytest.raises(TypeError, match=r"got ndarray of shape \(1,\)"):
+        as_rewards([np.array([1.0]), 1.0], 2)
+    with pytest.raises(TypeError, match=re.escape("got tensor(1.+1.j)")):
+        as_rewards([torch.tensor(1 + 1j), 1.0], 2)
+    with pytest.raises(ValueError, match="not a finite float32"):
+        as_rewards([10**400, 1.0], 2)
+
+
+def test_a_function_returning_strings_fails_its_call_and_is_counted():
+    rs = RewardSet([], [], torch.zeros(0), isolation="thread")
+    rs.add("strings", lambda completions, **kw: ["1.0"] * len(completions), 1.0)
+    out = rs.score(["p"] * 2, ["a", "b"], [[1], [2]], [{"prompt": "p"}] * 2)
+    assert torch.isnan(out).all() and rs.failures == {"strings": 1}

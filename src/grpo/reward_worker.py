@@ -65,6 +65,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Mapping
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
@@ -106,7 +107,7 @@ def as_rewards(values: Any, n: int) -> list[float]:
     than completions (counted by iterating, at most n + 1 items, whatever `len` says), an
     infinite value or one float32 rounds to infinity.
     """
-    if isinstance(values, (str, bytes, bytearray, dict, set, frozenset)) or _is_mapping(values):  # no order, or text
+    if isinstance(values, (str, bytes, bytearray, set, frozenset, Mapping)):  # text, no order, or keys
         raise TypeError(f"expected a list of {n} floats or None, got {_brief(values)}")
     try:
         items = iter(values)
@@ -126,7 +127,7 @@ def as_rewards(values: Any, n: int) -> list[float]:
         # NaN is a missing reward, like None; inf, or a value float32 rounds to inf, is a broken
         # function (a failure of this call), never an infinite advantage
         if math.isinf(r) or abs(r) > FLOAT32_MAX:
-            raise ValueError(f"reward {v!r} is not a finite float32 number; return a finite float, or None when it does not apply")
+            raise ValueError(f"reward {_brief(v)} is not a finite float32 number; return a finite float, or None when it does not apply")
         rewards.append(r)
     return rewards
 
@@ -149,15 +150,9 @@ def _real(v: Any) -> float:
     raise TypeError(f"expected float or None, got {_brief(v)}")
 
 
-def _is_mapping(values: Any) -> bool:
-    from collections.abc import Mapping
-
-    return isinstance(values, Mapping)
-
-
 def _brief(v: Any) -> str:
     shape = getattr(v, "shape", None)
-    text = repr(v) if shape is None else f"{type(v).__name__} of shape {tuple(shape)}"
+    text = repr(v) if not shape else f"{type(v).__name__} of shape {tuple(shape)}"  # an array's items: not shown
     return text if len(text) <= 200 else text[:200] + "..."
 
 
