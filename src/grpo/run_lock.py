@@ -7,7 +7,8 @@
 
 A second `grpo train` on the directory (a fresh run, a `--resume`, an
 `overwrite_output_dir=true`) is refused while the lock is held, before it reads or
-changes anything there, naming the process that holds it. The operating system drops
+changes anything there, naming the process that holds it (`--resume` alone is refused
+before it chooses a checkpoint: `check_not_in_use`). The operating system drops
 the lock when its process ends, however it ends: a SIGKILLed run leaves the file, never
 a stale lock, and its directory resumes as it is. The file itself is never deleted while
 a run may hold it (a run that locked a deleted file and one that locked its replacement
@@ -15,7 +16,8 @@ would both go on); only a failed start removes the directory it created, lock fi
 included, and a start that finds its locked file gone takes the new one instead.
 
 Within one process the trainers of one directory share its lock (a GRPOTrainer replaces
-its trainer by one that resumes); a forked child does not inherit its parent's claim.
+its trainer by one that resumes); a forked child does not share its parent's claim: a
+claim there is refused while the parent holds the directory.
 """
 
 from __future__ import annotations
@@ -95,7 +97,7 @@ def _let_go(key: Path, abandoned: bool) -> None:
 def claim(output_dir: str | Path) -> RunLock:
     """`output_dir` created if missing, checked writable and locked for this process; a
     ConfigError naming the fix when it cannot be written, or naming the process holding it."""
-    directory = Path(output_dir).expanduser()
+    directory = Path(output_dir)  # as RunLog and the checkpoints use it
     if directory.exists() and not directory.is_dir():
         raise ConfigError(f"output_dir: {directory} is a file, not a directory; set output_dir to a directory path")
     for _ in range(5):  # again only when a failed start removed the file just locked
@@ -151,7 +153,7 @@ def _lock(fd: int, kind: int) -> None:
 def check_not_in_use(directory: str | Path) -> None:
     """A ConfigError naming the process when another process's run holds `directory`; reads and
     changes nothing there (for choosing the checkpoint to resume from before the run starts)."""
-    directory = Path(directory).expanduser()
+    directory = Path(directory)
     held = _held.get(directory.resolve()) if directory.exists() else None
     if held is not None and held.pid == os.getpid():
         return
