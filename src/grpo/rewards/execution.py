@@ -391,15 +391,16 @@ class _Output:
             except InterruptedError:
                 continue
             with self._lock:
-                if not self._read(fd):  # every writer has closed it: the worker and all it started are gone
+                if not self._read(fd, 1):  # every writer has closed it: the worker and all it started are gone
                     del self._pipes[fd]
                     pipe.close()  # only here, so no other thread reads a reused descriptor number
                     return
 
-    def _read(self, fd: int) -> bool:
-        """Takes what the pipe holds now (under the lock); False at its end."""
+    def _read(self, fd: int, chunks: int) -> bool:
+        """Takes what the pipe holds now, at most `chunks` reads of it (the lock is held: a writer that
+        never stops must not keep it); False at its end."""
         label = self._pipes[fd][1]
-        while True:
+        for _ in range(chunks):
             try:
                 data = os.read(fd, 1 << 16)
             except BlockingIOError:
@@ -414,13 +415,14 @@ class _Output:
                 self._size += min(room, len(data))
             if len(data) > room:
                 self._dropped[label] += len(data) - room
+        return True
 
     def flush(self) -> None:
         """Logs what the workers printed since the last flush, once; a call's output is in its pipe
         before its result is sent, so a batch's output is all here at the batch's end."""
         with self._lock:
             for fd in list(self._pipes):
-                self._read(fd)
+                self._read(fd, 16)  # a pipe holds 64 KiB unless a writer enlarged it
             kept, dropped = self._kept, self._dropped
             self._kept, self._dropped, self._size = {}, Counter(), 0
         if not kept and not dropped:
