@@ -53,6 +53,7 @@ def _train(args: argparse.Namespace) -> int:
         args.resume = LATEST
     cfg = config.load(args.config, args.overrides)
     _quiet_transformers()
+    from grpo.checkpoint import SaveFailed
     from grpo.stop_signals import Interrupted
     from grpo.trainer import Trainer
     from grpo.update import TrainingDiverged
@@ -62,6 +63,9 @@ def _train(args: argparse.Namespace) -> int:
     try:
         trainer = Trainer(cfg, resume=resume)
         trainer.train()
+    except SaveFailed as e:  # the disk refused a write; earlier checkpoints are intact
+        print(f"grpo: {e}", file=sys.stderr)
+        return 2
     except TrainingDiverged as e:  # non-finite updates or weights: a clean stop, with the reason
         print(f"grpo: training stopped: {e}\nrun directory: {cfg.output_dir}", file=sys.stderr)
         return 3
