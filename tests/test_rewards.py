@@ -129,8 +129,8 @@ def test_rewards_that_are_not_one_real_number_or_none_each_are_refused(values, m
 
 
 def test_real_numbers_of_every_kind_are_rewards():
-    numbers = [1, 0.5, True, False, np.float32(0.25), np.int64(2), np.bool_(True), np.array(3.0), torch.tensor(4.0),
-               torch.tensor(5, dtype=torch.int32), None, math.nan, Fraction(1, 4)]
+    numbers = [1, 0.5, True, False, np.float32(0.25), np.int64(2), np.bool_(True), np.array(3.0),
+               torch.tensor(4.0), torch.tensor(5, dtype=torch.int32), None, math.nan, Fraction(1, 4)]
     rewards = as_rewards(numbers, len(numbers))
     assert rewards[:10] == [1.0, 0.5, 1.0, 0.0, 0.25, 2.0, 1.0, 3.0, 4.0, 5.0] and rewards[12] == 0.25
     assert math.isnan(rewards[10]) and math.isnan(rewards[11])  # None and NaN: missing

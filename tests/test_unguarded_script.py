@@ -120,8 +120,8 @@ def test_an_unguarded_scripts_functions_run_in_threads_and_its_modules_in_worker
     (tmp_path / "unguarded.py").write_text(UNGUARDED)
     (tmp_path / "beside.py").write_text(BESIDE)
     runs, where = tmp_path / "runs.txt", tmp_path / "where.txt"
-    done = subprocess.run([sys.executable, "unguarded.py", str(runs)], cwd=tmp_path, capture_output=True, text=True,
-                          env={**os.environ, "WHERE_IT_RUNS": str(where)}, timeout=120)
+    done = subprocess.run([sys.executable, "unguarded.py", str(runs)], cwd=tmp_path, capture_output=True,
+                          text=True, env={**os.environ, "WHERE_IT_RUNS": str(where)}, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     (trainer_pid,) = runs.read_text().split()
     assert done.stdout.split() == ["False", "True", "ok", "ok", trainer_pid]
@@ -135,7 +135,7 @@ GUARDED = r'''
 import os
 import sys
 
-with open(sys.argv[1], "a") as f:  # outside the guard: runs in the trainer and in each worker that loads this script
+with open(sys.argv[1], "a") as f:  # outside the guard: runs in the trainer and in each worker loading the script
     f.write(f"top {os.getpid()}\n")
 
 
@@ -160,8 +160,8 @@ def test_a_guarded_scripts_functions_run_in_workers(tmp_path):
     runs there, its guarded part does not), as multiprocessing's spawn did."""
     (tmp_path / "guarded.py").write_text(GUARDED)
     runs = tmp_path / "runs.txt"
-    done = subprocess.run([sys.executable, str(tmp_path / "guarded.py"), str(runs)], capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run([sys.executable, str(tmp_path / "guarded.py"), str(runs)], capture_output=True,
+                          text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     in_worker, status, worker_pid = done.stdout.split()
     assert (in_worker, status) == ("True", "ok")

@@ -60,7 +60,9 @@ class BoundedWorker:
         if not ready:
             code = self._process.kill()
             self._process = self._conn = None
-            raise RuntimeError(f"the worker for {self.target} did not start within {self.startup:.0f} s (exit code {code})")
+            raise RuntimeError(
+                f"the worker for {self.target} did not start within {self.startup:.0f} s (exit code {code})"
+            )
 
     def __call__(self, *args: Any) -> tuple[str, Any]:
         if self._process is not None and not self._process.alive():

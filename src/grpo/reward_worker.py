@@ -1,4 +1,4 @@
-"""Worker processes for reward functions and bounded calls (both sides), and the one way a reward function is called.
+"""Worker processes for reward functions and bounded calls (both sides); the one way a reward is called.
 
 A worker is started as its own program, `python -c <BOOT> FD`, over a socket
 pair wrapped in multiprocessing.connection.Connection on both sides. It never
@@ -79,7 +79,7 @@ _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 
 
-# ---------------------------------------------------------------------------------------------- calling a reward
+# ---------------------------------------------------------------------- calling a reward
 
 
 def call_reward(fn: Callable, inputs: dict[str, list], n: int) -> list[float]:
@@ -127,7 +127,9 @@ def as_rewards(values: Any, n: int) -> list[float]:
         # NaN is a missing reward, like None; inf, or a value float32 rounds to inf, is a broken
         # function (a failure of this call), never an infinite advantage
         if math.isinf(r) or abs(r) > FLOAT32_MAX:
-            raise ValueError(f"reward {_brief(v)} is not a finite float32 number; return a finite float, or None when it does not apply")
+            raise ValueError(
+                f"reward {_brief(v)} is not a finite float32 number; return a finite float, or None when it does not apply"
+            )
         rewards.append(r)
     return rewards
 
@@ -144,7 +146,7 @@ def _real(v: Any) -> float:
     # arrays and tensors: only 0-d ones of a real dtype (their modules are loaded when such a value exists)
     numpy, torch = sys.modules.get("numpy"), sys.modules.get("torch")
     if numpy is not None and isinstance(v, (numpy.ndarray, numpy.generic)) and v.ndim == 0 and v.dtype.kind in "biuf":
-        return float(v)  # numpy.bool_ is no numbers.Real, a 0-d array neither
+        return float(v)  # numpy.bool_ is no numbers.Real, nor is a 0-d array
     if torch is not None and isinstance(v, torch.Tensor) and v.ndim == 0 and not v.is_complex():
         return float(v.item())
     raise TypeError(f"expected float or None, got {_brief(v)}")
@@ -156,7 +158,7 @@ def _brief(v: Any) -> str:
     return text if len(text) <= 200 else text[:200] + "..."
 
 
-# ---------------------------------------------------------------------------------------------- the worker's side
+# ---------------------------------------------------------------------- the worker's side
 
 
 def main(fd: int) -> None:
@@ -182,7 +184,8 @@ def main(fd: int) -> None:
     _flush_output()
 
 
-def serve(conn, functions: dict[int, bytes], module_files: dict[str, str], main_script: tuple[str, str | None] | None) -> None:
+def serve(conn, functions: dict[int, bytes], module_files: dict[str, str],
+          main_script: tuple[str, str | None] | None) -> None:
     """A reward worker's loop: messages (k, inputs, n) -> ("ok", rewards) | ("error", traceback).
     `main_script` (path, module name under -m) is loaded as `__mp_main__` first when a function
     comes from the trainer's main script."""
@@ -350,7 +353,8 @@ def _wait_closed(fd: int) -> None:
             events = poller.poll()
         except InterruptedError:
             continue
-        if any(e & (select.POLLHUP | select.POLLERR | select.POLLNVAL | getattr(select, "POLLRDHUP", 0)) for _, e in events):
+        closed = select.POLLHUP | select.POLLERR | select.POLLNVAL | getattr(select, "POLLRDHUP", 0)
+        if any(e & closed for _, e in events):
             return
 
 
@@ -365,7 +369,7 @@ def _prctl(option: int, value: int) -> None:
         pass
 
 
-# ---------------------------------------------------------------------------------------------- killing process trees
+# ---------------------------------------------------------------------- killing process trees
 
 
 def _processes() -> dict[int, tuple[bytes, int, int]]:
@@ -421,7 +425,7 @@ def kill_tree(root: int, session: int | None = None, rounds: int = 200) -> None:
         time.sleep(min(0.001 * i, 0.02))
 
 
-# ---------------------------------------------------------------------------------------------- the trainer's side
+# ---------------------------------------------------------------------- the trainer's side
 
 
 class Worker:
@@ -431,7 +435,8 @@ class Worker:
     `target` ("module:function") serves the connection with `kwargs`; `keeper`, `memory_mb` and
     `capture` as the module's docstring says."""
 
-    def __init__(self, target: str, kwargs: dict, *, keeper: bool = False, memory_mb: int = 0, capture: bool = False):
+    def __init__(self, target: str, kwargs: dict, *, keeper: bool = False, memory_mb: int = 0,
+                 capture: bool = False):
         import subprocess
 
         import grpo
@@ -439,7 +444,7 @@ class Worker:
         if not sys.executable:
             raise RuntimeError("no Python interpreter to start a worker with (sys.executable is empty)")
         ours, theirs = socket.socketpair()
-        flags = subprocess._args_from_interpreter_flags()  # -X, -W, -O as the trainer has them, as multiprocessing does
+        flags = subprocess._args_from_interpreter_flags()  # -X, -W, -O as the trainer's, as multiprocessing does
         grpo_parent = os.path.dirname(os.path.dirname(os.path.abspath(grpo.__file__)))
         try:
             self.process = subprocess.Popen(

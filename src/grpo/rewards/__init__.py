@@ -8,7 +8,8 @@ reward, not a zero); an `async def` function is awaited.
 `RewardSet.score` calls the batch's functions at the same time, each call
 bounded by `rewards.timeout`, a user's functions in worker processes
 (grpo.rewards.execution says where each runs and why). A function that
-raises, returns the wrong shape, hangs, exits or crashes never stops a run:
+raises, returns anything but one real number or None per completion, hangs,
+runs out of its worker's memory, exits or crashes never stops a run:
 its rewards for the completions of that call are missing (NaN), the failure
 is counted (`rewards/<name>/errors`, `rewards/<name>/timeouts` per step;
 `failures` over the run), and the first of each kind is logged with its

@@ -333,7 +333,8 @@ class _Worker:
     def __init__(self, functions: dict[int, bytes], module_files: dict[str, str],
                  main_script: tuple[str, str | None] | None, memory_mb: int, output: "_Output"):
         self.process = reward_worker.Worker(
-            "grpo.reward_worker:serve", {"functions": functions, "module_files": module_files, "main_script": main_script},
+            "grpo.reward_worker:serve",
+            {"functions": functions, "module_files": module_files, "main_script": main_script},
             keeper=True, memory_mb=memory_mb, capture=True,
         )
         self.conn = self.process.conn
@@ -441,7 +442,8 @@ class _Output:
 def escaped(text: str) -> str:
     """`text` with every character that is not printable (but newlines and tabs) written as Python
     writes it in a string literal: a terminal's escape sequences and bidirectional controls shown, not run."""
-    return "".join(c if c.isprintable() or c in "\n\t" else c.encode("unicode_escape").decode("ascii") for c in text)
+    return "".join(c if c.isprintable() or c in "\n\t" else c.encode("unicode_escape").decode("ascii")
+                   for c in text)
 
 
 def _pickled_for_worker(fn: Callable) -> tuple[bytes, bool] | None:
@@ -500,11 +502,11 @@ def _warn_unguarded(name: str, path: str) -> None:
         return
     _warned_unguarded.add((name, path))
     log.warning(
-        "reward function %r is defined in the main script %s, which has no `if __name__ == \"__main__\":`: a worker "
-        "process could load it only by running the whole script again, training included, so it runs in a thread "
-        "of the trainer (a call past rewards.timeout is abandoned, not stopped, and an os._exit in it ends the run). "
-        "Put the script's training under `if __name__ == \"__main__\":`, or the function in a module of its own, "
-        "to run it in a worker process.",
+        "reward function %r is defined in the main script %s, which has no `if __name__ == \"__main__\":`: "
+        "a worker process could load it only by running the whole script again, training included, so it "
+        "runs in a thread of the trainer (a call past rewards.timeout is abandoned, not stopped, and an "
+        "os._exit in it ends the run). Put the script's training under `if __name__ == \"__main__\":`, or "
+        "the function in a module of its own, to run it in a worker process.",
         name, path,
     )
 
