@@ -125,7 +125,7 @@ def test_memory_past_the_limit_fails_the_call_not_the_worker(fns):
     finally:
         executor.close()
     assert small.status == "ok"
-    assert big.status == "error" and "MemoryError" in big.message
+    assert big.status == "error" and "MemoryError" in big.message and "limited to 200 MiB" in big.message
     assert after.status == "ok" and after.values == small.values  # the same worker goes on
 
 

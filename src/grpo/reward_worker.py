@@ -221,10 +221,22 @@ def serve(conn, functions: dict[int, bytes], module_files: dict[str, str],
         else:
             try:
                 reply = ("ok", call_reward(loaded[k], inputs, n))
-            except BaseException:  # SystemExit too: a function's sys.exit() is its failure, not the worker's end
-                reply = ("error", traceback.format_exc())
+            except BaseException as e:  # SystemExit too: a sys.exit() is the function's failure, not the worker's end
+                reply = ("error", traceback.format_exc() + _memory_limit_note(e))
         _flush_output()
         conn.send(reply)
+
+
+def _memory_limit_note(error: BaseException) -> str:
+    """For a MemoryError, the limit that most likely raised it."""
+    if not isinstance(error, MemoryError):
+        return ""
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_DATA)[0]
+    if limit == resource.RLIM_INFINITY:
+        return ""
+    return f"(this reward worker's memory is limited to {limit >> 20} MiB: rewards.worker_memory_mb, 0 for none)\n"
 
 
 def _load_main(path: str, name: str | None) -> None:
