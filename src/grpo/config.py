@@ -402,7 +402,8 @@ class RewardsConfig:
     """Worker processes that run the user's reward functions, the batch split between
     them; 0 = one per CPU core, at most 8; at most 4 per core."""
     worker_memory_mb: int = 4096
-    """Address-space limit of each reward worker process, in MiB (RLIMIT_AS): a reward that
+    """Memory limit of each reward worker process, in MiB (RLIMIT_DATA: the memory it writes to,
+    not the address space it reserves, which CUDA reserves by the terabyte): a reward that
     allocates past it fails that call (MemoryError) instead of taking the machine's memory;
     0 = no limit."""
     isolation: str = "process"
