@@ -466,6 +466,13 @@ def _load_hub(name: str, cfg: ModelConfig, dtype: torch.dtype, **load_kwargs):
     kwargs = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
     try:
         return _load_dir(name, dtype, **load_kwargs, **kwargs)
+    except ValueError as e:
+        if "trust_remote_code" not in str(e):
+            raise
+        raise ConfigError(
+            f"model.trust_remote_code: the hub model {name!r} brings its own Python code (auto_map); read that code, "
+            "and set model.trust_remote_code=true only if you trust it, or use a model transformers knows itself"
+        ) from None
     except OSError as e:  # transformers reports missing files and failed downloads as OSError
         revision = f" (revision {cfg.revision})" if cfg.revision else ""
         raise ConfigError(
