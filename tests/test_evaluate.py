@@ -314,3 +314,96 @@ def test_cli_report_errors_clearly(tmp_path, capsys):
 
     assert cli.main(["report", str(tmp_path)]) == 2
     assert "metrics.jsonl does not exist" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------
+# Other wordings (eval.instructions), counted as the seed counts
+# --------------------------------------------------------------------------
+
+
+def _seed_counts(rows, texts):
+    """The seed's own definitions: a completion is formatted when it has an `Answer: N` line
+    (commas removed), correct when the last N equals the answer."""
+    import re
+
+    found = [re.findall(r"Answer:\s*(-?\d+)", t.replace(",", "")) for t in texts]
+    formatted = sum(bool(f) for f in found)
+    correct = sum(bool(f) and int(f[-1]) == row["answer"] for f, row in zip(found, rows))
+    return {"correct": [correct, len(rows)], "formatted": [formatted, len(rows)],
+            "correct among formatted": [correct, formatted]}
+
+
+class Recorder:
+    """An engine that hands the prompts to another and keeps what it generated, as texts by prompt."""
+
+    def __init__(self, engine, tokenizer):
+        self.engine, self.tokenizer, self.texts = engine, tokenizer, []
+        self.device, self.eos_token_ids, self.pad_token_id = engine.device, engine.eos_token_ids, engine.pad_token_id
+
+    def generate(self, prompts, G, params, seeds=None):
+        rollout = self.engine.generate(prompts, G, params, seeds)
+        for c, m in zip(rollout.completion_ids, rollout.completion_mask):
+            self.texts.append(self.tokenizer.decode(c[m.bool()].tolist(), skip_special_tokens=True))
+        return rollout
+
+
+def _arithmetic_rows(cfg):
+    from grpo.data import arithmetic_splits
+
+    return arithmetic_splits(cfg.data.arithmetic, cfg.data.seed)[1]
+
+
+def _wording_cfg(tmp_path):
+    from grpo import config
+
+    return config.from_dict({
+        "output_dir": str(tmp_path / "run"), "model": {"name": "tiny"}, "data": {"chat_template": "never", "arithmetic": {
+            "operands": [[1, 9], [1, 9]], "operators": ["+"], "instruction": "Calculate {expression}.", "num_eval": 6}},
+        "eval": {"temperatures": [0.0, 1.0], "max_completion_length": 6, "batch_size": 4,
+                 "instructions": ["What is {expression}? End with Answer: N."]},
+    })
+
+
+def test_each_wording_of_the_tiny_models_evaluation_is_counted_as_the_seed_counts(model, tokenizer, tmp_path):
+    cfg = _wording_cfg(tmp_path)
+    rows = _arithmetic_rows(cfg)
+    recorder = Recorder(_engine(model, tokenizer), tokenizer)
+    evaluator = Evaluator(cfg, recorder, tokenizer, rows, AnswerScorer())
+    assert evaluator.num_batches == 2 * 2 * 2  # wordings x temperatures x batches of 4 of 6 rows
+    results = evaluator("before", 0)
+    assert [(r.wording, r.temperature) for r in results] == [(1, 0.0), (1, 1.0), (2, 0.0), (2, 1.0)]
+    assert [r.decoding for r in results] == ["greedy", "temperature 1", "greedy, wording 2", "temperature 1, wording 2"]
+    assert results[2].samples[0]["prompt"].startswith("What is ") and results[0].samples[0]["prompt"].startswith("Calculate")
+    for k, r in enumerate(results):
+        assert r.counts == _seed_counts(rows, recorder.texts[6 * k : 6 * (k + 1)])
+    table = format_table(results)
+    for r in results:
+        assert _row_cells(table, r.decoding)[1].startswith(f"{r.correct}/6")
+
+
+def test_a_wording_gain_is_reported_beside_the_trained_one(tokenizer, tmp_path):
+    """Scripted answers that differ by wording (formatted when asked one way only): the table's rows
+    carry each wording's own counts, before and after."""
+    cfg = _wording_cfg(tmp_path)
+    rows = _arithmetic_rows(cfg)
+    asked = {}
+    for row in rows:
+        # messages are rendered as plain text (data.chat_template: never), each content and a newline
+        asked[f"Calculate {row['expression']}.\n"] = f"{row['expression']} = {row['answer']}\nAnswer: {row['answer']:,}"
+        asked[f"What is {row['expression']}? End with Answer: N.\n"] = f"It is {row['answer']}."
+    before = Evaluator(cfg, ScriptedEngine(tokenizer, asked), tokenizer, rows, AnswerScorer())("before", 0)
+    asked = {k: v.replace("It is", "Answer:") for k, v in asked.items()}
+    after = Evaluator(cfg, ScriptedEngine(tokenizer, asked), tokenizer, rows, AnswerScorer())("after", 10)
+    table = format_table(before, after)
+    assert _row_cells(table, "greedy")[1:5] == ["6/6 (100.0%)", "6/6 (100.0%)", "6/6 (100.0%)", "6/6 (100.0%)"]
+    assert _row_cells(table, "greedy, wording 2")[1:5] == ["0/6 (0.0%)", "6/6 (100.0%)", "0/6 (0.0%)", "6/6 (100.0%)"]
+    assert [r.setting for r in ev.latest(before + after, "after")] == [(1, 0.0), (1, 1.0), (2, 0.0), (2, 1.0)]
+
+
+def test_instructions_are_for_task_arithmetic_and_need_the_expression(tmp_path):
+    from grpo import config
+
+    with pytest.raises(ConfigError, match=r"eval.instructions\[0\]: must contain \{expression\}"):
+        config.from_dict({"eval": {"instructions": ["What is it?"]}})
+    with pytest.raises(ConfigError, match=r"eval.instructions: rewords task arithmetic's prompts only"):
+        config.from_dict({"data": {"task": "jsonl", "train_file": "x.jsonl"}, "eval": {"instructions": ["{expression}"]}})

@@ -189,3 +189,11 @@ def test_figures_have_titles_labels_and_legends():
 def test_single_eval_step_has_no_accuracy_plot():
     figs = figures(_metrics(5, kl=False), [_eval("before", 0, 0.0, 8, 8), _eval("before", 0, 1.0, 9, 9)])
     assert "eval_accuracy" not in figs
+
+
+def test_reward_in_tens_is_the_seeds_ten_step_means():
+    from grpo.report import reward_in_tens
+
+    metrics = [{"step": s, "reward": 0.5 if s <= 10 else 1.0} for s in range(1, 26)]
+    metrics[3]["reward"] = float("nan")  # step 4 has no reward: blocks are of ten steps that have one
+    assert reward_in_tens(metrics) == [(1, 11, pytest.approx((9 * 0.5 + 1.0) / 10)), (12, 21, 1.0), (22, 25, 1.0)]

@@ -750,8 +750,19 @@ class EvalConfig:
     """Decoding settings to report: 0 is greedy."""
     batch_size: int = 32
     seed: int = 1234
+    instructions: list[str] = field(default_factory=list)
+    """Task arithmetic: other wordings of the held-out prompts (`{expression}` is replaced by
+    the problem), each evaluated beside the one trained on (data.arithmetic.instruction) and
+    reported as "wording 2", "wording 3", ...: a gain that holds on a wording never trained on
+    is not an artefact of one prompt."""
 
     def check(self, cfg: "Config", world_size: int = 1) -> None:
+        for i, instruction in enumerate(self.instructions):
+            if "{expression}" not in instruction:
+                raise ConfigError(f"eval.instructions[{i}]: must contain {{expression}}, where the problem goes")
+        if self.instructions and cfg.data.task != "arithmetic":
+            raise ConfigError(f"eval.instructions: rewords task arithmetic's prompts only, not {cfg.data.task!r}; "
+                              "remove it")
         for temperature in self.temperatures:
             _positive("eval.temperatures[]", temperature, allow_zero=True)
         _positive("eval.every", self.every, allow_zero=True)

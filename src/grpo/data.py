@@ -85,6 +85,12 @@ def arithmetic_splits(cfg: ArithmeticConfig, seed: int) -> tuple[list[Row], list
     return train, [_row(e, a, cfg) for e, a in held_out.items()]
 
 
+def reworded(rows: list[Row], instruction: str) -> list[Row]:
+    """The same arithmetic problems asked with another instruction (`{expression}` replaced)."""
+    return [{**row, "prompt": [{"role": "user", "content": instruction.format(expression=row["expression"])}]}
+            for row in rows]
+
+
 # --------------------------------------------------------------------------
 # JSONL rows
 # --------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from grpo.config import Config, ConfigError
-from grpo.data import Row, encode_prompts, is_conversational
+from grpo.data import Row, encode_prompts, is_conversational, reworded
 from grpo.metrics import nanmean
 from grpo.rewards.arithmetic import completion_text
 from grpo.rollout import SamplingParams
@@ -74,6 +74,8 @@ class EvalResult:
     """Fraction of completions that hit max_new_tokens without ending."""
     samples: list[dict[str, Any]] = field(default_factory=list)
     """A few {"prompt", "completion", ...the scorer's details} examples."""
+    wording: int = 1
+    """Which wording of the prompts: 1 the one trained on, k > 1 eval.instructions[k - 2]."""
 
     def count(self, name: str) -> int | None:
         return self.counts[name][0] if name in self.counts else None
@@ -96,7 +98,14 @@ class EvalResult:
 
     @property
     def decoding(self) -> str:
-        return decoding_name(self.temperature)
+        """"greedy", "temperature 1", and for another wording "greedy, wording 2"."""
+        name = decoding_name(self.temperature)
+        return name if self.wording == 1 else f"{name}, wording {self.wording}"
+
+    @property
+    def setting(self) -> tuple[int, float]:
+        """What a result is compared with its before or after on: its wording and temperature."""
+        return self.wording, self.temperature
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -253,22 +262,32 @@ class Evaluator:
             )
         scorer.check(rows)
         self.cfg, self.engine, self.tokenizer, self.rows = cfg, engine, tokenizer, rows
+        self.wordings = [rows] + [reworded(rows, instruction) for instruction in e.instructions]
+        """The held-out rows in each wording: as trained on, then as eval.instructions say."""
         self.scorer, self.reward_set, self.backend = scorer, reward_set, backend
         self.max_new_tokens = e.max_completion_length or cfg.rollout.max_completion_length
 
     @property
     def num_batches(self) -> int:
-        """Generation batches of one evaluation (every temperature), on this rank."""
+        """Generation batches of one evaluation (every wording and temperature), on this rank."""
         e, b = self.cfg.eval, self.backend
         rows = shard(len(self.rows), b.world_size, b.rank) if b is not None else slice(0, len(self.rows))
-        return len(e.temperatures) * math.ceil((rows.stop - rows.start) / e.batch_size)
+        return len(self.wordings) * len(e.temperatures) * math.ceil((rows.stop - rows.start) / e.batch_size)
 
     def __call__(self, label: str, step: int, progress=None) -> list[EvalResult]:
+        results = []
+        for wording, rows in enumerate(self.wordings, 1):
+            for result in self._evaluate(rows, label, step, progress):
+                result.wording = wording
+                results.append(result)
+        return results
+
+    def _evaluate(self, rows: list[Row], label: str, step: int, progress) -> list[EvalResult]:
         cfg = self.cfg
         return evaluate(
             self.engine,
             self.tokenizer,
-            self.rows,
+            rows,
             scorer=self.scorer,
             temperatures=cfg.eval.temperatures,
             max_new_tokens=self.max_new_tokens,
@@ -307,12 +326,13 @@ def read_results(path: str | Path) -> list[EvalResult]:
 
 
 def latest(results: list[EvalResult], label: str) -> list[EvalResult]:
-    """The last result with `label` for each temperature, in order of first appearance."""
-    by_temperature: dict[float, EvalResult] = {}
+    """The last result with `label` for each setting (wording and temperature), in order of first
+    appearance."""
+    by_setting: dict[tuple[int, float], EvalResult] = {}
     for r in results:
         if r.label == label:
-            by_temperature[r.temperature] = r
-    return list(by_temperature.values())
+            by_setting[r.setting] = r
+    return list(by_setting.values())
 
 
 # --------------------------------------------------------------------------
@@ -345,9 +365,9 @@ def format_table(before: list[EvalResult], after: list[EvalResult] | None = None
     if not count_names:
         for fn in dict.fromkeys(name for r in results for name in r.rewards):
             columns.append((f"reward {fn}", lambda r, fn=fn: _reward(r.rewards.get(fn))))
-    before_by = {r.temperature: r for r in before}
-    after_by = {r.temperature: r for r in after} if after is not None else {}
-    temperatures = list(before_by) + [t for t in after_by if t not in before_by]
+    before_by = {r.setting: r for r in before}
+    after_by = {r.setting: r for r in after} if after is not None else {}
+    settings = list(before_by) + [t for t in after_by if t not in before_by]
     before_name = before[0].label if before else "before"
     after_name = after[0].label if after else "after"
     header = ["decoding"]
@@ -356,8 +376,8 @@ def format_table(before: list[EvalResult], after: list[EvalResult] | None = None
         if after is not None:
             header.append(f"{name} ({after_name})")
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + [":-:"] * (len(header) - 1)) + "|"]
-    for t in temperatures:
-        cells = [decoding_name(t)]
+    for t in settings:
+        cells = [(before_by.get(t) or after_by[t]).decoding]
         for _, fmt in columns:
             cells.append(fmt(before_by[t]) if t in before_by else "—")
             if after is not None:
