@@ -442,8 +442,8 @@ def _first_last(metrics: list[dict[str, Any]]) -> list[str]:
 
 
 def reward_in_tens(metrics: list[dict[str, Any]]) -> list[tuple[int, int, float]]:
-    """(first step, last step, mean reward) of each run of ten steps that have a reward, as the seed reports a
-    run ("0.83 over the first 10 steps, 0.94 over the next 10"); the last run may be shorter."""
+    """(first step, last step, mean reward) of each run of ten steps that have a reward, as the seed
+    reports a run ("0.83 over the first 10 steps, 0.94 over the next 10"); the last may be shorter."""
     steps, rewards = _values(metrics, "reward")
     blocks = []
     for start in range(0, len(steps), 10):
