@@ -257,3 +257,18 @@ def test_a_checkpoints_config_cannot_grant_trust_remote_code_to_export(tmp_path)
     with pytest.raises(ConfigError, match=r"sets model.trust_remote_code, which a checkpoint's config cannot grant"):
         export_checkpoint(shared, tmp_path / "out", merge=True)
     assert not marker.exists()
+
+
+def test_task_hf_json_files_are_checked_as_one_value_or_as_lines(tmp_path):
+    from grpo.data import check_text_file
+
+    (tmp_path / "array.json").write_text(json.dumps(GOOD_ROWS))
+    (tmp_path / "lines.json").write_text("".join(json.dumps(r) + "\n" for r in GOOD_ROWS))
+    check_text_file(tmp_path / "array.json")  # a list of rows, and JSON lines under a .json name, both pass
+    check_text_file(tmp_path / "lines.json")
+    (tmp_path / "deep.json").write_text(json.dumps(GOOD_ROWS[0]) + "\n" + '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    with pytest.raises(ConfigError, match=r"deep.json:2: a value nested too deeply to read"):
+        check_text_file(tmp_path / "deep.json")
+    (tmp_path / "broken.json").write_text('[{"prompt": "1+1="}, ')
+    with pytest.raises(ConfigError, match=r"broken.json: not valid JSON"):
+        check_text_file(tmp_path / "broken.json")

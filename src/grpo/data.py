@@ -149,21 +149,29 @@ def lines(path: Path):
             yield number, line
 
 
+MAX_JSON_BYTES = 64 << 20
+"""Largest .json file read as one value (a list of rows); JSONL has no such bound but its lines'."""
+
+
 def check_text_file(path: Path) -> None:
     """A JSON, JSONL or CSV file read as `read_jsonl` reads JSONL (UTF-8, bounded lines, JSON values
     as Python reads them), so that what another reader would crash or hang on is refused by line
-    first. A .json file is one value, and is bounded by MAX_LINE_BYTES as a whole."""
+    first. A .json file is one value (at most MAX_JSON_BYTES), or JSON lines under that name."""
     if path.suffix == ".json":
         size = path.stat().st_size
-        if size > MAX_LINE_BYTES:
-            raise ConfigError(f"{path}: {size:,} bytes of one JSON value, more than {MAX_LINE_BYTES >> 20} MiB; "
-                              "write the rows as JSONL (one object per line) instead")
-        _json_line(path.read_bytes(), str(path))
-        return
+        if size > MAX_JSON_BYTES:
+            raise ConfigError(f"{path}: {size:,} bytes of one JSON value, more than {MAX_JSON_BYTES >> 20} MiB; "
+                              "write the rows as JSONL (one object per line, a .jsonl file) instead")
+        try:
+            _json_line(path.read_bytes(), str(path))
+            return
+        except ConfigError as e:
+            if "Extra data" not in str(e):  # anything but JSON lines in a .json file
+                raise
     for number, line in lines(path):
-        if path.suffix == ".jsonl" and line.strip():
+        if path.suffix in (".jsonl", ".json") and line.strip():
             _json_line(line, f"{path}:{number}")
-        elif path.suffix != ".jsonl":
+        elif path.suffix not in (".jsonl", ".json"):
             _utf8(line, f"{path}:{number}")
 
 
