@@ -1,4 +1,4 @@
-"""Hand-computed tests for grpo.algorithm (the math of DESIGN.md, "The math").
+"""Hand-computed tests for grpo.algorithm (the formulas in its modules' docstrings).
 
 Every expected number below is derived by hand; the arithmetic is written in
 the comment next to it. Tensors are float64 where a check is to float precision.

@@ -1,7 +1,7 @@
 """benchmarks/vs_trl.py runs end to end on the tiny model (both sides, both precisions).
 
 Only that it runs and reports sane numbers is checked; timings are never
-compared in tests (DESIGN.md: they live in benchmarks/, as ratios).
+compared in tests (they live in benchmarks/, as ratios).
 """
 
 from __future__ import annotations

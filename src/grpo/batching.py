@@ -16,9 +16,8 @@ from typing import Any
 
 import torch
 
+from grpo.data import Row
 from grpo.rollout.types import Rollout
-
-Row = dict[str, Any]
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The GRPO training loop.
 
-`Trainer.train_step` is one step in the order of DESIGN.md's data flow:
+`Trainer.train_step` is one step in the order of GRPO's data flow (docs/architecture.md):
 
     prompts -> engine.generate -> rewards.score -> advantage estimator
     -> [filter: DAPO dynamic sampling] -> old / reference logprobs

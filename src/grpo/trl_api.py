@@ -387,7 +387,8 @@ NO_EFFECT = {
     "average_tokens_across_devices",
 }
 """TRL fields accepted and named in a warning: they change nothing about what is trained here
-(grpo generates with its own engine, logs every step, runs on one device)."""
+(grpo generates with its own engine, logs every step, and sets up its own processes and devices:
+torchrun's, when it starts them)."""
 
 _HINTS = {
     "fp16": "train in bf16 (bf16=True, the default) or load the model in float16 (grpo_overrides=['model.dtype=float16'])",
@@ -399,7 +400,8 @@ _HINTS = {
     "min_p": "use top_p or top_k", "repetition_penalty": "use temperature, top_p or top_k",
     "multi_objective_aggregation": "rewards are summed with reward_weights, then normalised (TRL's default)",
     "entropy_coef": "not implemented",
-    "deepspeed": "one device only for now", "fsdp": "one device only for now",
+    "deepspeed": "grpo shards with FSDP2 itself: run `grpo train` under torchrun with training.sharding=fsdp",
+    "fsdp": "run `grpo train` under torchrun with training.sharding=fsdp (grpo's own FSDP2)",
     "auto_find_batch_size": "set per_device_train_batch_size yourself",
 }
 

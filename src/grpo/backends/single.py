@@ -1,4 +1,4 @@
-"""One process, one device: the backend of every run today.
+"""One process, one device: the backend of a run not started by torchrun.
 
 What it does differently on the CPU (each measured, see docs/performance.md):
 

@@ -29,8 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from grpo.config import Config, ConfigError
-
-Row = dict[str, Any]
+from grpo.data import Row
 
 
 @dataclass
