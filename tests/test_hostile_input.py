@@ -272,3 +272,15 @@ def test_task_hf_json_files_are_checked_as_one_value_or_as_lines(tmp_path):
     (tmp_path / "broken.json").write_text('[{"prompt": "1+1="}, ')
     with pytest.raises(ConfigError, match=r"broken.json: not valid JSON"):
         check_text_file(tmp_path / "broken.json")
+
+
+def test_a_checkpoints_config_is_read_as_bounded_yaml_on_resume(tmp_path):
+    from grpo import checkpoint
+
+    def write(tmp: Path) -> None:  # a shared checkpoint whose config.yaml is an alias bomb
+        (tmp / checkpoint.STATE).write_bytes(b"")
+        (tmp / checkpoint.CONFIG).write_text(f"training: {_bomb()}\n")
+
+    shared = checkpoint.atomic_directory_write(tmp_path / "shared", write, step=1)
+    with pytest.raises(ConfigError, match=r"--resume .*shared: its config.yaml is unreadable \(.*aliases expand"):
+        checkpoint.load_checkpoint(shared, config.from_dict({}))

@@ -52,7 +52,7 @@ import torch
 import yaml
 
 from grpo import config as config_module
-from grpo import faults
+from grpo import faults, safe_yaml
 from grpo.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -466,9 +466,9 @@ def load_checkpoint(path: Path, cfg) -> Checkpoint:
     why = verify(path)
     if why:
         raise ConfigError(f"--resume {path}: not a checkpoint to resume from: {why}")
-    try:
-        saved = yaml.safe_load((path / CONFIG).read_text()) if (path / CONFIG).is_file() else None
-    except (OSError, yaml.YAMLError) as error:
+    try:  # a shared checkpoint's config is untrusted YAML like any other: bounded, UTF-8, no duplicate keys
+        saved = safe_yaml.read(path / CONFIG, "checkpoint config") if (path / CONFIG).is_file() else None
+    except ConfigError as error:
         raise ConfigError(f"--resume {path}: its {CONFIG} is unreadable ({error}); resume from another checkpoint") from None
     if not isinstance(saved, dict):
         raise ConfigError(f"--resume {path}: no {CONFIG}; resume from a checkpoint written by grpo train")
