@@ -75,8 +75,8 @@ def gradient_elements(*modules) -> int:
 def run_side(spec: dict, out_dir: Path) -> dict:
     import torch
 
-    from grpo import config as grpo_config
-    from grpo.trainer import Trainer
+    from grpo.config import schema as grpo_config
+    from grpo.training.trainer import Trainer
 
     if spec["threads"]:
         torch.set_num_threads(spec["threads"])

@@ -1,4 +1,4 @@
-"""Time grpo's tiled output layer (grpo.logprobs) on its own, forward and backward.
+"""Time grpo's tiled output layer (grpo.training.logprobs) on its own, forward and backward.
 
 Gemma-3-270M's shape by default (hidden 640, vocabulary 262,144), random weights:
 
@@ -10,7 +10,7 @@ gradients) so that two versions of the code can be compared for speed and
 results in one look. The model FLOPs are 2 x tokens x vocabulary x hidden per
 product: one in the forward, three in the backward (recomputed logits, hidden
 gradient, weight gradient). `--compiled` runs each tile's element-wise work as
-compiled kernels (grpo.tile_math); the first repeat then includes the compile.
+compiled kernels (grpo.cpu.tile_math); the first repeat then includes the compile.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from grpo import logprobs
+from grpo.training import logprobs
 
 
 def _faults() -> int:

@@ -20,7 +20,7 @@ grpo's trainer built by vs_trl.grpo_trainer), after a warm-up step:
   (best of `--repeats`), so with their operands' layout but no other work
   around them;
 - a decoding step's products: the 4 x layers + 1 packed bf16 products of
-  grpo.rollout.fused.FusedDecoder for the batch's 16 rows, run back to back as
+  grpo.cpu.fused_decoding.FusedDecoder for the batch's 16 rows, run back to back as
   a step runs them (median of 20 steps), against the bytes of the weights they
   read at the measured bandwidth (the key/value cache is not counted, so the
   products' multiple is a lower bound for the whole step's).
@@ -43,7 +43,7 @@ from pathlib import Path
 import vs_trl
 
 # the products a step can run: aten's (matmul's, F.linear's, torch.mm's with and without out=) and
-# oneDNN's linear (grpo.kernels), by op name -> (index of the [.., k] input, of the second operand)
+# oneDNN's linear (grpo.cpu.kernels), by op name -> (index of the [.., k] input, of the second operand)
 PRODUCTS = {
     "aten.mm.default": (0, 1), "aten.mm.out": (0, 1), "aten.addmm.default": (1, 2), "aten.addmm.out": (1, 2),
     "aten.bmm.default": (0, 1), "aten.bmm.out": (0, 1), "aten.baddbmm.default": (1, 2),
@@ -136,7 +136,7 @@ def decode_products(trainer, rows: int, length: int, steps: int = 20) -> float:
     """Median seconds of one decoding step's products alone (FusedDecoder's packed bf16 weights)."""
     import torch
 
-    from grpo.rollout.fused import FusedDecoder
+    from grpo.cpu.fused_decoding import FusedDecoder
 
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         decoder = FusedDecoder(trainer.model, rows, length)
@@ -169,7 +169,7 @@ def main(argv=None) -> int:
         ap.error("--steps and --repeats must be >= 1")
     import torch
 
-    from grpo import kernels
+    from grpo.cpu import kernels
 
     if not kernels.packing_available():
         print("error: this measures grpo's packed bf16 CPU products; oneDNN bf16 packing is not available here",

@@ -290,11 +290,11 @@ def peak_shapes(size: int) -> list[tuple[int, int, int]]:
 def measure_peak_flops(dtype_name: str, device: str, size: int, repeats: int) -> tuple[float, str]:
     """Best-of-`repeats` FLOP/s of matmuls in `dtype_name` over peak_shapes(size) (the machine's
     practical peak), and the kernel and shape that reached it. On the CPU both torch's default
-    (`a @ b`: MKL for float32) and oneDNN (`grpo.kernels.linear_nt`) are tried, so
+    (`a @ b`: MKL for float32) and oneDNN (`grpo.cpu.kernels.linear_nt`) are tried, so
     that neither side can exceed 100% of the peak."""
     import torch
 
-    from grpo.kernels import linear_nt, onednn_available
+    from grpo.cpu.kernels import linear_nt, onednn_available
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     inner = 10 if device == "cuda" else 1
@@ -374,9 +374,9 @@ class _DtypeProbe:
         self.seen.setdefault(phase, set()).add(str(dtype).replace("torch.", ""))
 
     def watch_fused_decoding(self) -> None:
-        """grpo's CPU rollouts (bf16 and float32) compute through grpo.rollout.fused's
+        """grpo's CPU rollouts (bf16 and float32) compute through grpo.cpu.fused_decoding's
         products, not the Linear modules: record theirs too."""
-        from grpo.rollout import fused
+        from grpo.cpu import fused_decoding as fused
 
         original, probe = fused._Product.__call__, self
 
@@ -449,8 +449,8 @@ class _Recorder:
 
 def _rows(spec: dict) -> list[dict]:
     """The seed's arithmetic training problems as plain-text prompts (no chat template)."""
-    from grpo.config import ArithmeticConfig
-    from grpo.data import arithmetic_splits, render_prompt
+    from grpo.config.schema import ArithmeticConfig
+    from grpo.tasks.data import arithmetic_splits, render_prompt
 
     train, _ = arithmetic_splits(ArithmeticConfig(), seed=spec["data_seed"])
     # render_prompt without a template joins the message contents: "<instruction>\n"
@@ -610,8 +610,8 @@ def run_trl(spec: dict, out_dir: Path) -> dict:
 
 def grpo_trainer(spec: dict, out_dir: Path, engine: str = "hf"):
     """grpo's Trainer for the benchmark's work (`spec`: base_spec's keys and the precision)."""
-    from grpo import config as grpo_config
-    from grpo.trainer import Trainer
+    from grpo.config import schema as grpo_config
+    from grpo.training.trainer import Trainer
 
     T = spec["max_completion_length"]
     W, S = spec["warmup"], spec["steps"]
@@ -732,12 +732,12 @@ def check_dependencies(sides: tuple[str, ...]) -> None:
 
 def prepare_model(name: str, workdir: Path) -> tuple[Path, str]:
     """A save_pretrained directory that both sides load (and a short label for file names)."""
-    from grpo.config import ConfigError, ModelConfig
+    from grpo.config.schema import ConfigError, ModelConfig
 
     if name == "tiny":
         from transformers.utils import logging as hf_logging
 
-        from grpo import tiny
+        from grpo.models import tiny
 
         hf_logging.disable_progress_bar()
         cfg = ModelConfig(name="tiny")
@@ -748,7 +748,7 @@ def prepare_model(name: str, workdir: Path) -> tuple[Path, str]:
         tokenizer.save_pretrained(directory)
         return directory, "tiny"
     if name == "gemma-3-270m":
-        from grpo.models import convert_gguf, embedded_gguf_path
+        from grpo.models.loading import convert_gguf, embedded_gguf_path
 
         try:
             return convert_gguf(embedded_gguf_path()), "gemma-3-270m"
@@ -1028,7 +1028,7 @@ def print_report(run: dict, machine: dict, command: str) -> None:
     print(
         f"model: {shape['model_type']}, {shape['total_params'] / 1e6:.1f}M params "
         f"({shape['non_embedding_params'] / 1e6:.1f}M non-embedding, vocab {shape['vocab_size']}), "
-        + ("grpo.tiny's model, saved once with save_pretrained" if spec["model_label"] == "tiny" else f"from {spec['model_dir']}")
+        + ("grpo.models.tiny's model, saved once with save_pretrained" if spec["model_label"] == "tiny" else f"from {spec['model_dir']}")
         + ", loaded by both sides with AutoModelForCausalLM.from_pretrained (float32)"
     )
     gflop = summary[sides[0]]["step_gflop"]

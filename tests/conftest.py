@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch
 
-from grpo.tiny import char_tokenizer, tiny_model
+from grpo.models.tiny import char_tokenizer, tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -3,8 +3,8 @@
 
 import sys
 
-from grpo import config
-from grpo.trainer import Trainer
+from grpo.config import schema as config
+from grpo.training.trainer import Trainer
 
 if __name__ == "__main__":
     for path in sys.argv[1:]:

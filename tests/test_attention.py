@@ -2,10 +2,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from grpo import attention, logprobs
-from grpo.logprobs import completion_logprobs
+from grpo.cpu import attention
+from grpo.training import logprobs
+from grpo.training.logprobs import completion_logprobs
 from grpo.rollout import SamplingParams, generate
-from grpo.tiny import tiny_model
+from grpo.models.tiny import tiny_model
 
 
 def _models(tokenizer, gemma3_tiny, arch):

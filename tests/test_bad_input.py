@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from grpo import config
-from grpo.config import ConfigError, ModelConfig
-from grpo.data import PromptEncoder, truncate_prompt
-from grpo.models import load_model_and_tokenizer
-from grpo.rewards import resolve
-from grpo.tiny import tiny_model
-from grpo.trainer import Trainer
+from grpo.config import schema as config
+from grpo.config.schema import ConfigError, ModelConfig
+from grpo.tasks.data import PromptEncoder, truncate_prompt
+from grpo.models.loading import load_model_and_tokenizer
+from grpo.rewards.reward_set import resolve
+from grpo.models.tiny import tiny_model
+from grpo.training.trainer import Trainer
 
 FAST = {
     "output_dir": "UNSET",

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo import config
+from grpo.config import schema as config
 from grpo.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,7 +52,7 @@ def test_report_command(tmp_path, capsys):
 
 
 def test_train_help_lists_every_section_with_an_example(capsys):
-    from grpo.config_docs import SECTIONS
+    from grpo.config.docs import SECTIONS
 
     with pytest.raises(SystemExit):
         main(["train", "--help"])
@@ -114,9 +114,9 @@ def test_export_parses_its_arguments_and_fails_cleanly(tmp_path, capsys, monkeyp
     assert main(["export", str(tmp_path / "empty"), "--out", str(tmp_path / "out")]) == 2
     assert "is not a checkpoint directory" in capsys.readouterr().err
     calls = []
-    fake = types.ModuleType("grpo.export")
+    fake = types.ModuleType("grpo.run.export")
     fake.export_checkpoint = lambda checkpoint, out, merge: calls.append((checkpoint, out, merge)) or out
-    monkeypatch.setitem(sys.modules, "grpo.export", fake)
+    monkeypatch.setitem(sys.modules, "grpo.run.export", fake)
     (tmp_path / "final").mkdir()
     assert main(["export", str(tmp_path / "final"), "--out", str(tmp_path / "merged"), "--merge"]) == 0
     assert calls == [(tmp_path / "final", tmp_path / "merged", True)]

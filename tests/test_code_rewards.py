@@ -9,8 +9,8 @@ import time
 import pytest
 
 from grpo import sandbox
-from grpo.config import ConfigError, RewardsConfig, SandboxConfig
-from grpo.rewards import resolve
+from grpo.config.schema import ConfigError, RewardsConfig, SandboxConfig
+from grpo.rewards.reward_set import resolve
 from grpo.rewards.code import CodeTests, HumanEvalTests, code_tests, extract_program, humaneval_outcomes, humaneval_tests
 
 if sandbox.bwrap_path() is None and not os.environ.get("GRPO_REQUIRE_SANDBOX"):

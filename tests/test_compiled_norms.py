@@ -1,4 +1,4 @@
-"""The decoder's RMS norms as compiled kernels (grpo.compiled_norms): the compiled forward equals the
+"""The decoder's RMS norms as compiled kernels (grpo.cpu.compiled_norms): the compiled forward equals the
 module's own, values and gradients, in float32 and bf16; small inputs stay eager; which modules are
 switched; and a trainer with training.kernels=compiled trains as the eager one does."""
 
@@ -7,7 +7,8 @@ import torch
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from grpo import compiled_norms, compiling
+from grpo.cpu import compiled_norms
+from grpo.cpu import compiling
 from test_tile_math import needs_compile
 
 

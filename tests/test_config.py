@@ -3,8 +3,8 @@ import sys
 
 import pytest
 
-from grpo import config
-from grpo.config import ConfigError
+from grpo.config import schema as config
+from grpo.config.schema import ConfigError
 
 
 def test_defaults_follow_trl():

@@ -2,10 +2,10 @@ import json
 
 import pytest
 
-from grpo import config
-from grpo.config import ArithmeticConfig, ConfigError
+from grpo.config import schema as config
+from grpo.config.schema import ArithmeticConfig, ConfigError
 from grpo.tasks import load_task
-from grpo.data import arithmetic_splits, encode_prompts, evaluate_expression, PromptSampler, read_jsonl, render_prompt
+from grpo.tasks.data import arithmetic_splits, encode_prompts, evaluate_expression, PromptSampler, read_jsonl, render_prompt
 
 SEED_INSTRUCTION = 'Calculate {expression}. Show your work briefly, then write the last line as "Answer: <number>".'
 

@@ -17,12 +17,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from grpo import config
-from grpo.batching import choose_groups
-from grpo.config import ConfigError
-from grpo.evaluate import shard
-from grpo.metrics import sum_counts
-from grpo.trainer import Trainer
+from grpo.config import schema as config
+from grpo.training.batching import choose_groups
+from grpo.config.schema import ConfigError
+from grpo.training.evaluate import shard
+from grpo.training.metrics import sum_counts
+from grpo.training.trainer import Trainer
 
 HERE = Path(__file__).resolve().parent
 TIMING = ("time/", "tokens_per_second")
@@ -75,7 +75,7 @@ def _two_ranks(name: str) -> list[str]:
 
 def _tied_model(tmp: Path) -> Path:
     """A tiny Llama whose output layer is its input embedding (as Gemma's and Qwen2.5-0.5B's)."""
-    from grpo.tiny import char_tokenizer, tiny_model
+    from grpo.models.tiny import char_tokenizer, tiny_model
 
     tokenizer = char_tokenizer()
     model = tiny_model(tokenizer, hidden_size=32, num_layers=1, seed=0)

@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from grpo import evaluate as ev
-from grpo.config import Config, ConfigError, ModelConfig, RewardsConfig
-from grpo.evaluate import EvalResult, Evaluator, evaluate, format_table
-from grpo.rewards import RewardSet
+from grpo.training import evaluate as ev
+from grpo.config.schema import Config, ConfigError, ModelConfig, RewardsConfig
+from grpo.training.evaluate import EvalResult, Evaluator, evaluate, format_table
+from grpo.rewards.reward_set import RewardSet
 from grpo.rollout import Rollout, TransformersEngine
 from grpo.tasks.scorers import AnswerScorer, RewardScorer
 
@@ -275,8 +275,8 @@ def test_cli_eval_before_and_after_checkpoint(tmp_path, capsys):
     import yaml
 
     from grpo import cli
-    from grpo.checkpoint import save_checkpoint
-    from grpo.models import load_model_and_tokenizer
+    from grpo.run.checkpoint import save_checkpoint
+    from grpo.models.loading import load_model_and_tokenizer
 
     run = tmp_path / "run"
     config = {
@@ -348,13 +348,13 @@ class Recorder:
 
 
 def _arithmetic_rows(cfg):
-    from grpo.data import arithmetic_splits
+    from grpo.tasks.data import arithmetic_splits
 
     return arithmetic_splits(cfg.data.arithmetic, cfg.data.seed)[1]
 
 
 def _wording_cfg(tmp_path):
-    from grpo import config
+    from grpo.config import schema as config
 
     return config.from_dict({
         "output_dir": str(tmp_path / "run"), "model": {"name": "tiny"}, "data": {"chat_template": "never", "arithmetic": {
@@ -401,7 +401,7 @@ def test_a_wording_gain_is_reported_beside_the_trained_one(tokenizer, tmp_path):
 
 
 def test_instructions_are_for_task_arithmetic_and_need_the_expression(tmp_path):
-    from grpo import config
+    from grpo.config import schema as config
 
     with pytest.raises(ConfigError, match=r"eval.instructions\[0\]: must contain \{expression\}"):
         config.from_dict({"eval": {"instructions": ["What is it?"]}})

@@ -4,14 +4,15 @@ same greedy completions, for each supported architecture."""
 import pytest
 import torch
 
-from grpo import kernels, logprobs
-from grpo import config
+from grpo.cpu import kernels
+from grpo.training import logprobs
+from grpo.config import schema as config
 from grpo.backends.single import prepare_for_device
-from grpo.config import ConfigError, ModelConfig
+from grpo.config.schema import ConfigError, ModelConfig
 from grpo.rollout import SamplingParams, TransformersEngine, generate
-from grpo.rollout.fused import FusedDecoder, fused_decoding_applies
+from grpo.cpu.fused_decoding import FusedDecoder, fused_decoding_applies
 from grpo.rollout.hf import TransformersSteps, left_pad
-from grpo.tiny import tiny_model
+from grpo.models.tiny import tiny_model
 
 ARCHS = ["llama", "qwen2", "qwen3", "gemma3"]
 

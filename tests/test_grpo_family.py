@@ -6,9 +6,10 @@ import math
 import pytest
 import torch
 
-from grpo import config, kernels
-from grpo.tiny import tiny_model
-from grpo.trainer import Trainer
+from grpo.config import schema as config
+from grpo.cpu import kernels
+from grpo.models.tiny import tiny_model
+from grpo.training.trainer import Trainer
 
 from test_trainer import TOY, first_char_correct, make_trainer
 

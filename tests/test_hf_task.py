@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from grpo import config
-from grpo.config import ConfigError
+from grpo.config import schema as config
+from grpo.config.schema import ConfigError
 from grpo.tasks import load_task
 from grpo.tasks.scorers import AnswerScorer, RewardScorer
 
@@ -117,8 +117,8 @@ def test_config_checks_name_the_field():
 
 
 def test_a_run_trains_on_hf_rows_with_their_columns(tmp_path, tokenizer):
-    from grpo.tiny import tiny_model
-    from grpo.trainer import Trainer
+    from grpo.models.tiny import tiny_model
+    from grpo.training.trainer import Trainer
 
     path = _write(tmp_path, "parquet", [{"question": f"{a}+{a}=", "target": str(2 * a)} for a in range(4)])
     seen = []

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from grpo import config, safe_yaml
-from grpo.config import ConfigError
+from grpo.config import schema as config
+from grpo.config import safe_yaml
+from grpo.config.schema import ConfigError
 
 BASE = {
     "model": {"name": "tiny", "tiny_hidden_size": 32, "tiny_num_layers": 1},
@@ -197,8 +198,8 @@ def test_from_dict_refuses_a_structure_too_large_to_be_a_config():
 
 
 def _remote_code_model(tmp_path: Path) -> tuple[Path, Path]:
-    from grpo.models import load_model_and_tokenizer
-    from grpo.config import ModelConfig
+    from grpo.models.loading import load_model_and_tokenizer
+    from grpo.config.schema import ModelConfig
 
     model, tok = load_model_and_tokenizer(ModelConfig(name="tiny", tiny_hidden_size=32, tiny_num_layers=1))
     folder = tmp_path / "model"
@@ -228,8 +229,8 @@ def test_a_local_model_with_its_own_code_is_refused_and_its_code_never_runs(tmp_
 
 
 def test_trust_remote_code_lets_the_model_code_run(tmp_path):
-    from grpo.config import ModelConfig
-    from grpo.models import load_model_and_tokenizer
+    from grpo.config.schema import ModelConfig
+    from grpo.models.loading import load_model_and_tokenizer
 
     folder, marker = _remote_code_model(tmp_path)
     with pytest.raises(ConfigError, match=r"model.trust_remote_code: .*config.json's auto_map"):
@@ -243,8 +244,8 @@ def test_trust_remote_code_lets_the_model_code_run(tmp_path):
 
 
 def test_a_checkpoints_config_cannot_grant_trust_remote_code_to_export(tmp_path):
-    from grpo import checkpoint
-    from grpo.export import export_checkpoint
+    from grpo.run import checkpoint
+    from grpo.run.export import export_checkpoint
 
     folder, marker = _remote_code_model(tmp_path)
 
@@ -260,7 +261,7 @@ def test_a_checkpoints_config_cannot_grant_trust_remote_code_to_export(tmp_path)
 
 
 def test_task_hf_json_files_are_checked_as_one_value_or_as_lines(tmp_path):
-    from grpo.data import check_text_file
+    from grpo.tasks.data import check_text_file
 
     (tmp_path / "array.json").write_text(json.dumps(GOOD_ROWS))
     (tmp_path / "lines.json").write_text("".join(json.dumps(r) + "\n" for r in GOOD_ROWS))
@@ -275,7 +276,7 @@ def test_task_hf_json_files_are_checked_as_one_value_or_as_lines(tmp_path):
 
 
 def test_a_checkpoints_config_is_read_as_bounded_yaml_on_resume(tmp_path):
-    from grpo import checkpoint
+    from grpo.run import checkpoint
 
     def write(tmp: Path) -> None:  # a shared checkpoint whose config.yaml is an alias bomb
         (tmp / checkpoint.STATE).write_bytes(b"")

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from grpo import kernels
+from grpo.cpu import kernels
 
 pytestmark = pytest.mark.skipif(not kernels.onednn_available(), reason="this torch build has no usable oneDNN")
 
@@ -180,7 +180,7 @@ def test_packed_weights_are_not_used_with_gradients_or_without_autocast():
 @packing
 def test_generation_with_packed_weights_matches_autocast(model, tokenizer, monkeypatch, assert_same_greedy):
     """Greedy completions under bf16 autocast through transformers' modules (the path for
-    models grpo.rollout.fused does not cover): the same tokens with and without the packed weights."""
+    models grpo.cpu.fused_decoding does not cover): the same tokens with and without the packed weights."""
     import contextlib
 
     from grpo.rollout import SamplingParams, generate, hf

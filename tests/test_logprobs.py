@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from grpo.logprobs import completion_logprobs, reference_logprobs, token_logprobs_from_hidden
+from grpo.training.logprobs import completion_logprobs, reference_logprobs, token_logprobs_from_hidden
 
 
 def _batch(seed=0):

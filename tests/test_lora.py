@@ -10,16 +10,20 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from grpo import checkpoint, config, kernels, lora, logprobs
+from grpo.run import checkpoint
+from grpo.config import schema as config
+from grpo.cpu import kernels
+from grpo.models import lora
+from grpo.training import logprobs
 from grpo.backends.single import prepare_for_device
-from grpo.config import ConfigError, ModelConfig
-from grpo.export import export_checkpoint
-from grpo.reference import AdapterDisabled, FrozenAdapter, FrozenCopy
+from grpo.config.schema import ConfigError, ModelConfig
+from grpo.run.export import export_checkpoint
+from grpo.training.reference import AdapterDisabled, FrozenAdapter, FrozenCopy
 from grpo.rewards.arithmetic import completion_text
-from grpo.rollout.fused import FusedDecoder, fused_decoding_applies
+from grpo.cpu.fused_decoding import FusedDecoder, fused_decoding_applies
 from grpo.rollout.hf import TransformersSteps, left_pad
-from grpo.tiny import tiny_model
-from grpo.trainer import Trainer
+from grpo.models.tiny import tiny_model
+from grpo.training.trainer import Trainer
 
 TOY = {
     "output_dir": "UNSET",
@@ -37,7 +41,7 @@ TOY = {
 
 @pytest.fixture(autouse=True)
 def _no_plots(monkeypatch):
-    from grpo import runlog
+    from grpo.run import runlog
 
     monkeypatch.setattr(runlog.RunLog, "report", lambda self: None)  # plots: seconds, not what is tested here
 
@@ -279,7 +283,7 @@ def test_resume_refuses_a_checkpoint_of_the_other_kind(tokenizer, tmp_path):
     plain = tiny_model(tokenizer, hidden_size=32, num_layers=2, seed=0)
     with pytest.raises(ConfigError, match="holds a LoRA adapter, the model has none"):
         saved.load_weights(plain)
-    from grpo.models import load_model_and_tokenizer
+    from grpo.models.loading import load_model_and_tokenizer
 
     with pytest.raises(ConfigError, match="holds a LoRA adapter.*grpo export"):
         load_model_and_tokenizer(ModelConfig(name=str(tmp_path / "run" / "final")))

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from grpo import config
-from grpo.rewards import RewardSet
+from grpo.config import schema as config
+from grpo.rewards.reward_set import RewardSet
 from grpo.rewards.format import think_format, think_format_lenient, think_tag_count
 from grpo.rewards.math_answer import MathAnswer, as_number, extract_answer, normalise_gold
 

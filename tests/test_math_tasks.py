@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from grpo import config
-from grpo.config import ConfigError
-from grpo.rewards import RewardSet
+from grpo.config import schema as config
+from grpo.config.schema import ConfigError
+from grpo.rewards.reward_set import RewardSet
 from grpo.tasks import load_task
 from grpo.tasks.math_tasks import gsm8k_gold, math_gold
 from grpo.tasks.scorers import MathScorer

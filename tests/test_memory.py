@@ -1,7 +1,7 @@
 import platform
 import sys
 
-from grpo.memory import release_free_memory
+from grpo.cpu.memory import release_free_memory
 
 
 def test_release_free_memory_reports_whether_it_can_trim():

@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from grpo import models, tiny
-from grpo.config import ConfigError, ModelConfig
-from grpo.models import (
+from grpo.models import loading as models
+from grpo.models import tiny
+from grpo.config.schema import ConfigError, ModelConfig
+from grpo.models.loading import (
     EMBEDDED_MODEL,
     convert_gguf,
     converted_dir,

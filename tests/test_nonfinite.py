@@ -6,15 +6,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo import algorithm, config
-from grpo.config import ConfigError
-from grpo.reward_worker import as_rewards
+from grpo import algorithm
+from grpo.config import schema as config
+from grpo.config.schema import ConfigError
+from grpo.rewards.worker import as_rewards
 from grpo.rewards.arithmetic import completion_text
 from grpo.rollout import SamplingParams
 from grpo.rollout.hf import NonFiniteProbabilities, sample_next_token
-from grpo.tiny import tiny_model
-from grpo.trainer import Trainer
-from grpo.update import TrainingDiverged
+from grpo.models.tiny import tiny_model
+from grpo.training.trainer import Trainer
+from grpo.training.update import TrainingDiverged
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -169,7 +170,7 @@ def test_consecutive_skips_stop_the_run_and_only_finite_weights_are_saved(tokeni
         trainer.train()
     assert calls["n"] == 3
     # step 2 was skipped, step 3 failed: checkpoint-2 holds the weights step 1 left
-    from grpo import checkpoint as ckpt
+    from grpo.run import checkpoint as ckpt
 
     assert [c.name for c in ckpt.checkpoints(tmp_path / "run")] == ["checkpoint-2"]
     restored = make(tokenizer, tmp_path / "resumed", [f"output_dir={tmp_path / 'resumed'}"])

@@ -3,8 +3,8 @@
 import pytest
 import yaml
 
-from grpo import config
-from grpo.config import ConfigError
+from grpo.config import schema as config
+from grpo.config.schema import ConfigError
 
 EXPECTED = {
     "grpo": {"algorithm.advantage_estimator": "grpo", "algorithm.scale_rewards": "group", "algorithm.loss_type": "grpo",

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from grpo import kernels
+from grpo.cpu import kernels
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))

@@ -10,10 +10,10 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from grpo import config as config_module  # noqa: E402
-from grpo.config import Config  # noqa: E402
-from grpo.evaluate import EvalResult, append_results  # noqa: E402
-from grpo.report import ReportError, build_report, figures, read_metrics  # noqa: E402
+from grpo.config import schema as config_module  # noqa: E402
+from grpo.config.schema import Config  # noqa: E402
+from grpo.training.evaluate import EvalResult, append_results  # noqa: E402
+from grpo.run.report import ReportError, build_report, figures, read_metrics  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 BASE_PLOTS = {"reward", "rewards_per_function", "completion_length", "entropy", "clip_ratio", "frac_reward_zero_std"}
@@ -192,7 +192,7 @@ def test_single_eval_step_has_no_accuracy_plot():
 
 
 def test_reward_in_tens_is_the_seeds_ten_step_means():
-    from grpo.report import reward_in_tens
+    from grpo.run.report import reward_in_tens
 
     metrics = [{"step": s, "reward": 0.5 if s <= 10 else 1.0} for s in range(1, 26)]
     metrics[3]["reward"] = float("nan")  # step 4 has no reward: blocks are of ten steps that have one

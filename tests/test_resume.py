@@ -20,7 +20,10 @@ import tqdm
 import yaml
 from safetensors.torch import load_file
 
-from grpo import checkpoint, config, run_lock, runlog
+from grpo.run import checkpoint
+from grpo.config import schema as config
+from grpo.run import run_lock
+from grpo.run import runlog
 from grpo.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo import config
-from grpo.config import ConfigError
-from grpo.rewards import RewardSet, resolve
+from grpo.config import schema as config
+from grpo.config.schema import ConfigError
+from grpo.rewards.reward_set import RewardSet, resolve
 from grpo.rewards.arithmetic import arithmetic_format
 from grpo.rewards.execution import RewardExecutor
 from grpo.sandbox.counts import record
-from grpo.tiny import tiny_model
-from grpo.trainer import Trainer
+from grpo.models.tiny import tiny_model
+from grpo.training.trainer import Trainer
 
 from test_trainer import TOY
 
@@ -232,11 +232,11 @@ def test_failures_are_counted_and_logged_in_full_once(caplog):
     rewards = RewardSet([], [], torch.zeros(0), isolation="thread")
     rewards.add("broken", broken, 1.0)
     rows = [{"prompt": "p"}] * 2
-    with caplog.at_level(logging.WARNING, logger="grpo.rewards"):
+    with caplog.at_level(logging.WARNING, logger="grpo.rewards.reward_set"):
         for _ in range(3):
             out = rewards.score(["p"] * 2, ["a", "b"], [[1], [2]], rows)
             assert torch.isnan(out).all()
-    messages = [r.getMessage() for r in caplog.records if r.name == "grpo.rewards"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "grpo.rewards.reward_set"]
     assert len(messages) == 2  # the first in full, then one short reminder at the second
     assert "Traceback" in messages[0] and "RuntimeError: reward exploded" in messages[0]
     assert "Traceback" not in messages[1] and "2 times" in messages[1]
@@ -261,7 +261,7 @@ def test_a_function_its_workers_cannot_load_fails_at_start_up(tmp_path):
 EXIT_SCRIPT = '''
 import os, sys, threading, time
 if __name__ == "__main__":
-    from grpo.rewards import resolve
+    from grpo.rewards.reward_set import resolve
     from grpo.rewards.execution import RewardExecutor
     fn = resolve(sys.argv[1] + ":pid_unless_hang")[1]
     executor = RewardExecutor(["pid"], [fn], timeout=1000, workers=2)
@@ -297,7 +297,7 @@ def test_workers_never_outlive_the_trainer(reward_file, tmp_path):
 
 
 def worker_processes() -> list[int]:
-    """This process's reward workers still running: its children running grpo.reward_worker's program."""
+    """This process's reward workers still running: its children running grpo.rewards.worker's program."""
     found = []
     for name in os.listdir("/proc"):
         try:
@@ -308,7 +308,7 @@ def worker_processes() -> list[int]:
         except OSError:
             continue
         fields = stat[stat.rfind(b")") + 2:].split()
-        if int(fields[1]) == os.getpid() and fields[0] != b"Z" and b"grpo.reward_worker" in cmdline:
+        if int(fields[1]) == os.getpid() and fields[0] != b"Z" and b"grpo.rewards.worker" in cmdline:
             found.append(int(name))
     return found
 

@@ -5,11 +5,11 @@ gradients, on its own dtype and device; bad paths and labels fail at start-up.""
 import pytest
 import torch
 
-from grpo import config
-from grpo.config import ConfigError, RewardsConfig
-from grpo.rewards import check_signature
+from grpo.config import schema as config
+from grpo.config.schema import ConfigError, RewardsConfig
+from grpo.rewards.reward_set import check_signature
 from grpo.rewards.reward_model import RewardModel, from_spec
-from grpo.tiny import char_tokenizer
+from grpo.models.tiny import char_tokenizer
 
 TEXTS = [
     ("What is 2+3?", " 5"),
@@ -123,7 +123,7 @@ def test_labels_of_a_multi_output_model(tmp_path):
 
 
 def test_bad_paths_are_config_errors(tmp_path):
-    from grpo.tiny import tiny_model
+    from grpo.models.tiny import tiny_model
 
     with pytest.raises(ConfigError, match=r"reward model '.*nope': no such directory.*sequence-classification"):
         RewardModel(tmp_path / "nope")
@@ -154,8 +154,8 @@ def test_spec_and_config_keys(tmp_path):
 
 
 def test_rewards_funcs_names_a_reward_model(tmp_path):
-    from grpo.config import RewardsConfig
-    from grpo.rewards import resolve
+    from grpo.config.schema import RewardsConfig
+    from grpo.rewards.reward_set import resolve
 
     model, tok = save_reward_model(tmp_path / "rm")
     name, fn = resolve(f"reward_model:{tmp_path / 'rm'}", RewardsConfig(reward_model_device="cpu"))

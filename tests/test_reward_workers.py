@@ -1,4 +1,4 @@
-"""Reward worker processes kept apart from the trainer (grpo.reward_worker): what a function
+"""Reward worker processes kept apart from the trainer (grpo.rewards.worker): what a function
 starts dies with its worker, what it prints is captured, capped and escaped, its memory is
 limited, and `os.kill(os.getppid(), 9)` costs a worker, not the trainer."""
 
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from grpo.reward_worker import descendants, kill_tree
-from grpo.rewards import resolve
+from grpo.rewards.worker import descendants, kill_tree
+from grpo.rewards.reward_set import resolve
 from grpo.rewards.execution import OUTPUT_LIMIT, RewardExecutor, escaped
 
 REWARDS = r'''

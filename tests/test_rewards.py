@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from grpo.config import ConfigError
-from grpo.reward_worker import as_rewards
-from grpo.rewards import RewardSet, check_signature, resolve
+from grpo.config.schema import ConfigError
+from grpo.rewards.worker import as_rewards
+from grpo.rewards.reward_set import RewardSet, check_signature, resolve
 from grpo.rewards.arithmetic import arithmetic_correct, arithmetic_format, extract_answer
 
 

@@ -27,9 +27,11 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from grpo import checkpoint, config, run_lock
+from grpo.run import checkpoint
+from grpo.config import schema as config
+from grpo.run import run_lock
 from grpo.cli import main
-from grpo.config import ConfigError
+from grpo.config.schema import ConfigError
 
 from test_resume import _assert_same_run, _quick, _rows, _run, _train_to, _write_config  # noqa: F401 (_quick: autouse)
 
@@ -244,7 +246,7 @@ def test_an_unwritable_output_dir_is_refused_before_the_model_loads(tmp_path, ca
     def no_model(*args, **kwargs):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr("grpo.trainer.load_model_and_tokenizer", no_model)
+    monkeypatch.setattr("grpo.training.trainer.load_model_and_tokenizer", no_model)
     assert main(["train", str(path), "output_dir=/proc/no/such/dir"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("grpo: config error: output_dir: cannot write to /proc/no/such/dir (No such file or directory); "
@@ -259,7 +261,7 @@ def test_an_unwritable_output_dir_is_refused_before_the_model_loads(tmp_path, ca
 
 
 def test_too_little_free_space_for_a_checkpoint_is_warned_at_start(tmp_path, monkeypatch, caplog):
-    from grpo.trainer import Trainer
+    from grpo.training.trainer import Trainer
 
     path = _write_config(tmp_path, "run", SHORT)
     Usage = namedtuple("Usage", "total used free")

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from grpo import config
-from grpo.tiny import tiny_model
-from grpo.trainer import Trainer
+from grpo.config import schema as config
+from grpo.models.tiny import tiny_model
+from grpo.training.trainer import Trainer
 
 from test_trainer import TOY, first_char_correct
 

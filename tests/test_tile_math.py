@@ -1,4 +1,4 @@
-"""The output layer's tile kernels (grpo.tile_math): the compiled kernels, the eager in-place
+"""The output layer's tile kernels (grpo.cpu.tile_math): the compiled kernels, the eager in-place
 operations and the plain definition agree, alone and inside the tiled logprobs (values and
 gradients); and how training.kernels is resolved."""
 
@@ -8,10 +8,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grpo import compiling, tile_math
+from grpo.cpu import compiling
+from grpo.cpu import tile_math
 from grpo.backends import single
-from grpo.config import ConfigError, from_dict
-from grpo.logprobs import _TileBuffers, token_logprobs_from_hidden
+from grpo.config.schema import ConfigError, from_dict
+from grpo.training.logprobs import _TileBuffers, token_logprobs_from_hidden
 
 needs_compile = pytest.mark.skipif(
     compiling.compile_works("cpu") is not None, reason=f"torch.compile unavailable: {compiling.compile_works('cpu')}"
@@ -238,7 +239,7 @@ def test_training_with_compiled_kernels_equals_eager(tokenizer, tmp_path, bf16, 
     the compiled tiles and norms): the same completions, and weights equal to float tolerance."""
     from test_trainer import make_trainer
 
-    from grpo import compiled_norms
+    from grpo.cpu import compiled_norms
 
     # the tiny model's norms compiled in the update and the prefill (thousands of elements), not when decoding
     monkeypatch.setattr(compiled_norms, "MIN_ELEMENTS", 4096)

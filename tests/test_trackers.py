@@ -8,16 +8,16 @@ import types
 
 import pytest
 
-from grpo.config import Config, ConfigError
-from grpo.trackers import Trackers
+from grpo.config.schema import Config, ConfigError
+from grpo.run.trackers import Trackers
 
 
 def test_empty_report_to_imports_nothing_and_log_is_a_no_op(tmp_path):
     # in a fresh interpreter, so modules imported by other tests do not hide an import
     code = (
         "import sys\n"
-        "from grpo.config import Config\n"
-        "from grpo.trackers import Trackers\n"
+        "from grpo.config.schema import Config\n"
+        "from grpo.run.trackers import Trackers\n"
         "before = set(sys.modules)\n"
         f"cfg = Config(output_dir={str(tmp_path / 'run')!r})\n"
         "t = Trackers.from_config(cfg)\n"
@@ -203,7 +203,7 @@ def test_completions_go_to_tensorboard_as_markdown(tmp_path, monkeypatch):
 
 
 def test_run_log_samples_reach_the_tracker_every_sample_step(tmp_path, monkeypatch):
-    from grpo.runlog import RunLog
+    from grpo.run.runlog import RunLog
 
     fake = _FakeRunModule("wandb")
     fake.Table = _FakeTable

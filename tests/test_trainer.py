@@ -5,12 +5,12 @@ import math
 import pytest
 import torch
 
-from grpo import config
+from grpo.config import schema as config
 from grpo.rewards.arithmetic import completion_text
 from grpo.rollout import Rollout
-from grpo.tiny import tiny_model
-from grpo.batching import GenerationBatch, microbatches, minibatches
-from grpo.trainer import Trainer
+from grpo.models.tiny import tiny_model
+from grpo.training.batching import GenerationBatch, microbatches, minibatches
+from grpo.training.trainer import Trainer
 
 TOY = {
     "output_dir": "UNSET",
@@ -406,7 +406,7 @@ def test_console_eta_counts_training_steps_only(tokenizer, tmp_path, capsys, mon
     import re
     import time
 
-    from grpo.evaluate import Evaluator
+    from grpo.training.evaluate import Evaluator
 
     original = Evaluator.__call__
 

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 import grpo
-from grpo import config as config_module
+from grpo.config import schema as config_module
 from grpo import trl_api
-from grpo.config import ConfigError
-from grpo.tiny import char_tokenizer, tiny_model
+from grpo.config.schema import ConfigError
+from grpo.models.tiny import char_tokenizer, tiny_model
 from grpo.trl_api import MAPPING, NO_EFFECT, GRPOConfig, GRPOTrainer
 
 # The first seed's script (its "小さなモデルでの訓練例"), as written there but for
@@ -305,8 +305,8 @@ REWARD_FILE = "def length_reward(completions, **kwargs):\n    return [len(c) / 8
 
 
 def test_yaml_run_and_python_run_are_the_same(tmp_path):
-    from grpo.rewards import resolve
-    from grpo.trainer import Trainer
+    from grpo.rewards.reward_set import resolve
+    from grpo.training.trainer import Trainer
 
     (tmp_path / "reward.py").write_text(REWARD_FILE)
     rows = [{"prompt": f"{a}+{b}=", "answer": a + b} for a in range(4) for b in range(3)]

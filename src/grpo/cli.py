@@ -6,7 +6,7 @@ import argparse
 import errno
 import sys
 
-from grpo.config import ConfigError
+from grpo.config.schema import ConfigError
 
 USER_FILE_ERRORS = {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EROFS,
                     errno.ENOSPC, errno.EDQUOT, errno.ENAMETOOLONG, errno.ELOOP}
@@ -28,7 +28,7 @@ def _resume_from(value: str, cfg) -> "Path | None":
     or PATH itself; None when output_dir has none yet (the run starts from step 0)."""
     from pathlib import Path
 
-    from grpo import checkpoint
+    from grpo.run import checkpoint
 
     if value == LATEST:
         found = checkpoint.latest_checkpoint(Path(cfg.output_dir))
@@ -46,17 +46,17 @@ def _train(args: argparse.Namespace) -> int:
     import signal
     from pathlib import Path
 
-    from grpo import config
+    from grpo.config import schema as config
 
     if args.resume is not None and "=" in args.resume and not Path(args.resume).exists():
         args.overrides.append(args.resume)  # `--resume key=value`: an override, not the path to resume from
         args.resume = LATEST
     cfg = config.load(args.config, args.overrides)
     _quiet_transformers()
-    from grpo.checkpoint import SaveFailed
-    from grpo.stop_signals import Interrupted
-    from grpo.trainer import Trainer
-    from grpo.update import TrainingDiverged
+    from grpo.run.checkpoint import SaveFailed
+    from grpo.run.stop_signals import Interrupted
+    from grpo.training.trainer import Trainer
+    from grpo.training.update import TrainingDiverged
 
     resume = _resume_from(args.resume, cfg) if args.resume is not None else None
     again = " ".join([_launcher(), str(args.config), *args.overrides, "--resume"])
@@ -110,13 +110,13 @@ def _eval(args: argparse.Namespace) -> int:
     import dataclasses
     from pathlib import Path
 
-    from grpo import config
+    from grpo.config import schema as config
     from grpo.backends import create_backend
-    from grpo.data import PromptEncoder, check_columns
-    from grpo.evaluate import Evaluator, append_results, format_table
-    from grpo.models import context_length, load_model_and_tokenizer
-    from grpo.progress import bar
-    from grpo.rewards import RewardSet
+    from grpo.tasks.data import PromptEncoder, check_columns
+    from grpo.training.evaluate import Evaluator, append_results, format_table
+    from grpo.models.loading import context_length, load_model_and_tokenizer
+    from grpo.run.progress import bar
+    from grpo.rewards.reward_set import RewardSet
     from grpo.rollout import create_engine
     from grpo.tasks import load_task
 
@@ -153,7 +153,7 @@ def _eval(args: argparse.Namespace) -> int:
     before = run(cfg.model, "before", 0)
     after = None
     if checkpoint is not None:
-        from grpo.checkpoint import manifest_step
+        from grpo.run.checkpoint import manifest_step
 
         step = manifest_step(checkpoint) or 0
         after = run(dataclasses.replace(cfg.model, name=str(checkpoint)), "after", step)
@@ -166,7 +166,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from grpo.report import ReportError, build_report
+    from grpo.run.report import ReportError, build_report
 
     try:
         path = build_report(args.run_dir)
@@ -178,8 +178,8 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _config_show(args: argparse.Namespace) -> int:
-    from grpo import config
-    from grpo.config_docs import commented_yaml
+    from grpo.config import schema as config
+    from grpo.config.docs import commented_yaml
 
     path, overrides = _config_and_overrides(args.words)
     cfg = config.load(path, overrides)  # validated as `grpo train` would: the same errors
@@ -199,8 +199,8 @@ def _config_and_overrides(words: list[str]) -> tuple[str | None, list[str]]:
 def _init(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from grpo import config
-    from grpo.config_docs import commented_yaml
+    from grpo.config import schema as config
+    from grpo.config.docs import commented_yaml
 
     path = Path(args.path)
     if path.exists() and not args.force:
@@ -224,7 +224,7 @@ def _export(args: argparse.Namespace) -> int:
         raise ConfigError(f"grpo export: {checkpoint} is not a directory; pass a checkpoint directory written by "
                           "the trainer (e.g. runs/grpo/final)")
     try:
-        from grpo.export import export_checkpoint
+        from grpo.run.export import export_checkpoint
     except ImportError as error:
         print(f"grpo: export: not available in this installation ({error})", file=sys.stderr)
         return 2
@@ -234,7 +234,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _train_help() -> str:
-    from grpo.config_docs import SECTIONS
+    from grpo.config.docs import SECTIONS
 
     width = max(map(len, SECTIONS))
     lines = ["config sections (set any key as section.key=value after CONFIG):"]

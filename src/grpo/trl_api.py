@@ -9,7 +9,7 @@ which grpo key. A TRL field outside the table is either listed in `NO_EFFECT`
 (accepted, named in a warning) or refused by name with what to use instead:
 a setting is never dropped silently. `GRPOTrainer` turns TRL's arguments
 (model object or name, reward callables or model ids, a datasets.Dataset,
-IterableDataset or rows, a peft LoraConfig) into `grpo.trainer.Trainer`'s and
+IterableDataset or rows, a peft LoraConfig) into `grpo.training.trainer.Trainer`'s and
 delegates to it.
 
 Units: TRL counts `max_steps`, `save_steps`, `logging_steps` and `eval_steps`
@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from grpo import config as config_module
-from grpo.config import Config, ConfigError
+from grpo.config import schema as config_module
+from grpo.config.schema import Config, ConfigError
 
 # --------------------------------------------------------------------------
 # GRPOConfig
@@ -430,7 +430,7 @@ def _with_fields(message: str) -> str:
 
 
 class GRPOTrainer:
-    """TRL's GRPOTrainer arguments, trained by grpo.trainer.Trainer.
+    """TRL's GRPOTrainer arguments, trained by grpo.training.trainer.Trainer.
 
     `model`: a model object (then `processing_class` is its tokenizer, or is loaded from the
     model's `name_or_path`) or a name or path for grpo's loader. `reward_funcs`: a callable,
@@ -501,21 +501,21 @@ class GRPOTrainer:
             self.config.model.name = str(model)
             model = None
             if processing_class is not None:
-                from grpo.models import load_model_and_tokenizer
+                from grpo.models.loading import load_model_and_tokenizer
 
                 model, _ = load_model_and_tokenizer(self.config.model)
         elif processing_class is None:
             processing_class = _tokenizer_of(model)
         if processing_class is not None:
-            from grpo.models import _prepare_tokenizer
+            from grpo.models.loading import _prepare_tokenizer
 
             _prepare_tokenizer(processing_class)  # left padding and a pad token, as grpo's loader gives
         self.reward_funcs = _reward_funcs(reward_funcs, reward_processing_classes, self.config)
         _script_rewards_in_threads(self.reward_funcs, self.config, self.args.grpo_overrides)
         self._inputs = dict(model=model, tokenizer=processing_class, train_rows=train_rows, eval_rows=eval_rows,
                             reward_funcs=self.reward_funcs)
-        from grpo import checkpoint
-        from grpo.trainer import Trainer
+        from grpo.run import checkpoint
+        from grpo.training.trainer import Trainer
 
         # An output_dir holding a run is refused by grpo unless resumed, but whether train() will
         # resume is not known yet: built here as if it may be overwritten (which happens only when
@@ -535,7 +535,7 @@ class GRPOTrainer:
         if resume_from_checkpoint:
             self._resume(resume_from_checkpoint)
         elif self._holds_run:
-            from grpo.runlog import check_output_dir
+            from grpo.run.runlog import check_output_dir
 
             try:
                 check_output_dir(Path(self.config.output_dir), overwrite=False)
@@ -551,8 +551,8 @@ class GRPOTrainer:
         return TrainOutput(self.state.global_step, sum(losses) / len(losses) if losses else 0.0, history[-1] if history else {})
 
     def _resume(self, checkpoint_path: str | bool) -> None:
-        from grpo import checkpoint
-        from grpo.trainer import Trainer
+        from grpo.run import checkpoint
+        from grpo.training.trainer import Trainer
 
         path = checkpoint.latest_checkpoint(Path(self.config.output_dir)) if checkpoint_path is True else Path(checkpoint_path)
         if path is None:
@@ -577,7 +577,7 @@ class GRPOTrainer:
         if t.evaluator is None:
             if not t.task.eval_rows:
                 raise ValueError("GRPOTrainer.evaluate: needs eval_dataset")
-            from grpo.evaluate import Evaluator
+            from grpo.training.evaluate import Evaluator
 
             t.evaluator = Evaluator(self.config, t.engine, t.tokenizer, t.task.eval_rows, t.task.scorer, t.rewards)
         metrics = {}
@@ -604,7 +604,7 @@ class TrainOutput:
 
 def _rows(dataset, what: str) -> list[dict]:
     if isinstance(dataset, (str, Path)):
-        from grpo.data import read_jsonl
+        from grpo.tasks.data import read_jsonl
 
         return read_jsonl(dataset, "prompt")
     if hasattr(dataset, "to_list"):  # datasets.Dataset
@@ -727,7 +727,7 @@ def _tokenizer_of(model):
 
 def _reward_funcs(funcs, processing_classes, cfg: Config) -> dict[str, Callable]:
     """Named reward functions, as TRL names them (the function's __name__, a model by its path)."""
-    from grpo import rewards
+    from grpo.rewards.reward_set import reward_set as rewards
 
     funcs = funcs if isinstance(funcs, list) else [funcs]
     classes = processing_classes if isinstance(processing_classes, list) else [processing_classes] * len(funcs)

@@ -1,6 +1,6 @@
 """Where the device- and process-specific mechanisms live, behind one small interface.
 
-The training loop (grpo.trainer) never asks which device or how many
+The training loop (grpo.training.trainer) never asks which device or how many
 processes: it asks its backend to prepare the model, build the optimizer,
 open the compute autocast, say where the output layer's weight gradient goes,
 clip gradients, count and gather over all ranks, and tidy up after an update.
@@ -18,7 +18,7 @@ from typing import Protocol
 
 import torch
 
-from grpo.config import Config, ConfigError
+from grpo.config.schema import Config, ConfigError
 
 
 class Backend(Protocol):
@@ -76,7 +76,7 @@ class Backend(Protocol):
         """What saves and loads the optimizer's state in checkpoints (`state_dict`, `load_state_dict`)."""
 
     def load_weights(self, saved, model: torch.nn.Module) -> None:
-        """A checkpoint's (grpo.checkpoint.Checkpoint) weights into the prepared model."""
+        """A checkpoint's (grpo.run.checkpoint.Checkpoint) weights into the prepared model."""
 
     def passes_needed(self, count: int) -> int:
         """How many forward (and backward) passes this rank must run for `count` of its own: the

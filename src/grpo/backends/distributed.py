@@ -36,7 +36,7 @@ with FSDP2: `fully_shard` on each decoder layer and on the whole model (its
 embedding, final norm and output layer). FSDP then sums the gradients itself
 (reduce-scatter, as a mean, which `reduce_gradients` turns into the sum the
 globally normalised loss needs); the logprobs run as the model's registered FSDP
-forward method (grpo.logprobs.FSDP_METHOD), because they read the output
+forward method (grpo.training.logprobs.FSDP_METHOD), because they read the output
 weight outside any module's forward (each call one pass of the decoder: no
 prompt sharing, so every micro-batch costs every rank the same collectives);
 for generation every shard is gathered
@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 
 from grpo.backends.single import SingleProcess, adamw, enable_checkpointing, resolve_device
-from grpo.config import Config, ConfigError, validate
+from grpo.config.schema import Config, ConfigError, validate
 
 # gradients are reduced in flat buckets of at most this many elements (a float32 bucket: 256 MB)
 BUCKET_ELEMENTS = 64 * 1024 * 1024
@@ -161,7 +161,7 @@ class DataParallel(SingleProcess):
     def idle_pass(self, model: torch.nn.Module, grad: bool) -> None:
         """One token through the model, and a backward of zero times it: the same all-gathers
         and reduce-scatters as a real micro-batch, without changing a gradient."""
-        from grpo.logprobs import completion_logprobs
+        from grpo.training.logprobs import completion_logprobs
 
         one = torch.ones(1, 1, dtype=torch.long, device=self.device)
         with contextlib.nullcontext() if grad else torch.no_grad(), self.autocast():
@@ -269,10 +269,10 @@ class DataParallel(SingleProcess):
 
 def shard_with_fsdp(model: torch.nn.Module) -> torch.nn.Module:
     """FSDP2 over the decoder layers and the whole model, gradients summed (not averaged), and
-    grpo's logprobs registered as a forward method (grpo.logprobs.FSDP_METHOD)."""
+    grpo's logprobs registered as a forward method (grpo.training.logprobs.FSDP_METHOD)."""
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
-    from grpo.logprobs import FSDP_METHOD, _completion_logprobs
+    from grpo.training.logprobs import FSDP_METHOD, _completion_logprobs
 
     body = getattr(model, getattr(model, "base_model_prefix", "model"), None)
     layers = getattr(body, "layers", None)

@@ -2,13 +2,13 @@
 
 What it does differently on the CPU (each measured, see docs/performance.md):
 
-- float32 Linear layers through oneDNN (grpo.kernels) and grouped-query
-  attention without key/value copies (grpo.attention), when model.cpu_kernels;
+- float32 Linear layers through oneDNN (grpo.cpu.kernels) and grouped-query
+  attention without key/value copies (grpo.cpu.attention), when model.cpu_kernels;
 - a tied input embedding sends a sparse gradient (no dense vocabulary x hidden
   zeros), and the tiled output layer adds its weight gradient straight into
   the preallocated .grad (no out-of-place sum of the two gradients);
 - gradients are allocated once and zeroed in place; AdamW is the fused kernel;
-- after each update the freed heap goes back to the OS (grpo.memory), so the
+- after each update the freed heap goes back to the OS (grpo.cpu.memory), so the
   next rollout's buffers do not stack on the update's.
 
 The data-parallel backend (grpo.backends.distributed) keeps all of them: it
@@ -22,8 +22,8 @@ import contextlib
 
 import torch
 
-from grpo.config import Config, ConfigError, ModelConfig
-from grpo.memory import release_free_memory
+from grpo.config.schema import Config, ConfigError, ModelConfig
+from grpo.cpu.memory import release_free_memory
 
 
 def resolve_device(name: str) -> torch.device:
@@ -42,7 +42,8 @@ def bf16_autocast(device: torch.device, enabled: bool):
 
 def prepare_for_device(model, cfg: ModelConfig) -> None:
     """Device-specific kernels for a model about to be trained or evaluated (idempotent)."""
-    from grpo import attention, kernels
+    from grpo.cpu import attention
+    from grpo.cpu import kernels
 
     if cfg.cpu_kernels and next(model.parameters()).device.type == "cpu":
         kernels.use_cpu_linear(model)
@@ -90,7 +91,7 @@ def adamw(model, t, device: torch.device) -> torch.optim.Optimizer:
 class SingleProcess:
     world_size = 1
     rank = 0
-    _compiled_kernels: bool | None = None  # training.kernels, resolved once (grpo.compiling)
+    _compiled_kernels: bool | None = None  # training.kernels, resolved once (grpo.cpu.compiling)
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -121,10 +122,11 @@ class SingleProcess:
 
     def compiled_kernels(self, model: torch.nn.Module) -> bool:
         """Whether `model`'s update runs compiled kernels (training.kernels; decided once, when the
-        trainer is built): the output layer's tiles then take them (grpo.tile_math), and the model's
-        RMS norms are switched to them here (grpo.compiled_norms)."""
+        trainer is built): the output layer's tiles then take them (grpo.cpu.tile_math), and the model's
+        RMS norms are switched to them here (grpo.cpu.compiled_norms)."""
         if self._compiled_kernels is None:
-            from grpo import compiled_norms, compiling
+            from grpo.cpu import compiled_norms
+            from grpo.cpu import compiling
 
             self._compiled_kernels = compiling.use_compiled(self.cfg.training.kernels, model)
             if self._compiled_kernels:

@@ -47,7 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from grpo.config import ConfigError, SandboxConfig
+from grpo.config.schema import ConfigError, SandboxConfig
 from grpo.sandbox import Limits, SandboxError, run
 
 

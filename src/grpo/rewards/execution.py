@@ -22,7 +22,7 @@ The workers are `rewards.workers` processes (0: one per core, at most 8),
 started with the trainer (`start()`, where a function they cannot load
 fails as a ConfigError) or at the first batch, and kept: each loads every
 worker-run function once, at start-up, which does not count against the
-timeout. A worker is a program of its own (grpo.reward_worker), not a
+timeout. A worker is a program of its own (grpo.rewards.worker), not a
 multiprocessing child: it never imports the trainer's main script, and it
 imports the user's modules through the trainer's sys.path. A function
 defined in the main script itself is loaded in the worker by running the
@@ -34,7 +34,7 @@ its own; `close()`, which the trainer calls at the end of training and which
 also runs at interpreter exit, ends them, and a worker whose trainer dies
 ends itself.
 
-Each worker is kept apart from the trainer (grpo.reward_worker says how):
+Each worker is kept apart from the trainer (grpo.rewards.worker says how):
 its own session and process group, its descendants (double-forked daemons
 included) killed with it, its memory limited to `rewards.worker_memory_mb`
 MiB (an allocation past it is an error of the call that made it), its
@@ -84,9 +84,9 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Callable
 
-from grpo import reward_worker
-from grpo.config import ConfigError
-from grpo.reward_worker import call_reward
+from grpo.rewards import worker as reward_worker
+from grpo.config.schema import ConfigError
+from grpo.rewards.worker import call_reward
 
 log = logging.getLogger(__name__)
 
@@ -333,7 +333,7 @@ class _Worker:
     def __init__(self, functions: dict[int, bytes], module_files: dict[str, str],
                  main_script: tuple[str, str | None] | None, memory_mb: int, output: "_Output"):
         self.process = reward_worker.Worker(
-            "grpo.reward_worker:serve",
+            "grpo.rewards.worker:serve",
             {"functions": functions, "module_files": module_files, "main_script": main_script},
             keeper=True, memory_mb=memory_mb, capture=True,
         )

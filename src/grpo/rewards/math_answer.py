@@ -17,7 +17,7 @@ with or without `$...$`. Two answers are equal when
    `x^2+1` = `1+x^2`, `\\sqrt{4}` = `2`.
 
 Every math-verify comparison runs in a worker process bounded by
-`rewards.math_timeout` seconds (grpo.bounded), so an expression that sympy
+`rewards.math_timeout` seconds (grpo.rewards.bounded), so an expression that sympy
 cannot finish with gives 0, not a stuck run; the text handed to it is capped
 at MAX_ANSWER_CHARS, and the extraction itself is one linear scan, so huge or
 deeply nested completions return promptly. A row without an `answer` gets a
@@ -29,7 +29,7 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
-from grpo.bounded import BoundedWorker
+from grpo.rewards.bounded import BoundedWorker
 from grpo.rewards.arithmetic import completion_text
 
 FORMS = ("boxed", "gsm8k", "answer")
@@ -132,7 +132,7 @@ class MathAnswer:
         if len(predicted) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
             return False
         if self._worker is None:
-            self._worker = BoundedWorker("grpo.equivalence:equivalent", self.timeout)
+            self._worker = BoundedWorker("grpo.rewards.equivalence:equivalent", self.timeout)
         status, value = self._worker(gold, predicted)
         if status == "timeout":
             self.timeouts += 1

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from grpo.config import ConfigError, RewardsConfig
+from grpo.config.schema import ConfigError, RewardsConfig
 from grpo.rewards.arithmetic import completion_text
 
 PREFIX = "reward_model:"

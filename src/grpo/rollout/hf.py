@@ -12,7 +12,7 @@ completions as the plain path (tests/test_rollout.py).
 
 Each step is the model's own forward pass with transformers' cache, or, where
 `TransformersEngine` chooses it (CPU, bf16 or float32, the architectures
-grpo.rollout.fused covers), the same computation in fewer, larger operations
+grpo.cpu.fused_decoding covers), the same computation in fewer, larger operations
 (tests/test_fused_decoding.py).
 """
 
@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from grpo import kernels, logprobs
-from grpo.config import ConfigError
-from grpo.rollout.fused import FusedDecoder, fused_decoding_applies, unsupported_reason
+from grpo.cpu import kernels
+from grpo.training import logprobs
+from grpo.config.schema import ConfigError
+from grpo.cpu.fused_decoding import FusedDecoder, fused_decoding_applies, unsupported_reason
 from grpo.rollout.types import Rollout, SamplingParams, Seeds, prompt_seeds
 from grpo.backends.single import bf16_autocast
 
@@ -68,7 +69,7 @@ def sample_with_logprobs(
     The draw uses `uniforms` [B, 2] in [0, 1) when given (`sample_from`), else numbers from `generator`.
 
     The logprob is the token's under softmax(logits / temperature), before top-k and top-p,
-    which is what the update computes (grpo.logprobs), so the two can be compared for the
+    which is what the update computes (grpo.training.logprobs), so the two can be compared for the
     rollout correction. None for greedy decoding (evaluation), which nothing compares.
     """
     if params.temperature == 0:
@@ -222,7 +223,7 @@ def generate(
     group-major. `seeds`: one per prompt (or a generator to draw them from,
     grpo.rollout.types.prompt_seeds); a prompt's G completions depend on its seed
     and not on the batch around it. `share_prefix` and `compact` only change the cost.
-    `fused`: decode with grpo.rollout.fused.FusedDecoder (in bf16 from packed
+    `fused`: decode with grpo.cpu.fused_decoding.FusedDecoder (in bf16 from packed
     weights under CPU bf16 autocast, else in the weights' dtype from the weights
     themselves); False: transformers' modules.
     """
@@ -232,7 +233,7 @@ def generate(
         bf16 = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
         max_length = max((len(p) for p in prompts), default=0) + params.max_new_tokens
         return _generate(FusedDecoder(model, rows, max_length, pack=bf16 and kernels.packing_available()), *args)
-    # under CPU bf16 autocast, decode from oneDNN-reordered bf16 weights (grpo.kernels)
+    # under CPU bf16 autocast, decode from oneDNN-reordered bf16 weights (grpo.cpu.kernels)
     with kernels.packed_for_decoding(model, rows=rows):
         return _generate(TransformersSteps(model), *args)
 
@@ -313,7 +314,7 @@ class TransformersEngine:
     prefix sharing and compaction, in the compute precision of training.bf16.
 
     `rollout.decoding` picks the decoding steps explicitly: `fused`
-    (grpo.rollout.fused), `plain` (transformers' modules), or `auto`: fused where
+    (grpo.cpu.fused_decoding), `plain` (transformers' modules), or `auto`: fused where
     `fused_decoding_applies` (a CPU model with grpo's CPU kernels, in bf16, or in
     float32 without a LoRA adapter). Because it decodes from the policy's own
     parameters (the fused steps pack their bf16 copies, or take the float32 weights
@@ -323,7 +324,7 @@ class TransformersEngine:
     """
 
     def __init__(self, model, tokenizer, cfg):
-        from grpo.models import generation_token_ids
+        from grpo.models.loading import generation_token_ids
 
         self.model = model
         self.eos_token_ids, self.pad_token_id = generation_token_ids(model, tokenizer)

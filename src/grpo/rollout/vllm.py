@@ -40,7 +40,7 @@ from typing import Iterator
 
 import torch
 
-from grpo.config import ConfigError
+from grpo.config.schema import ConfigError
 from grpo.rollout.hf import _NON_FINITE, NonFiniteProbabilities, left_pad
 from grpo.rollout.types import Rollout, SamplingParams, Seeds, prompt_seeds
 
@@ -100,7 +100,7 @@ def policy_weights(model: torch.nn.Module, dtype: torch.dtype | None = None) -> 
 
 
 def _policy_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    from grpo.lora import is_adapted, lora_layers, merged_linear
+    from grpo.models.lora import is_adapted, lora_layers, merged_linear
 
     state = model.state_dict(keep_vars=False)
     if not is_adapted(model):
@@ -123,7 +123,7 @@ def _policy_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]
 def check_lora(model: torch.nn.Module) -> None:
     """A ConfigError unless every LoRA layer of `model` is plain LoRA on a Linear layer,
     whose merged weight is all it computes (what `policy_weights` pushes)."""
-    from grpo.lora import is_adapted, lora_layers, plain_lora_linear
+    from grpo.models.lora import is_adapted, lora_layers, plain_lora_linear
 
     if not is_adapted(model):
         return
@@ -197,7 +197,7 @@ class VLLMEngine:
     """The `vllm` rollout engine (see the module's docstring). Settings: rollout.vllm."""
 
     def __init__(self, model, tokenizer, cfg):
-        from grpo.models import context_length, generation_token_ids
+        from grpo.models.loading import context_length, generation_token_ids
 
         vllm = import_vllm()  # first, so a missing package is the one error a user sees
         from vllm.platforms import current_platform

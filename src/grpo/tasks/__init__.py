@@ -1,6 +1,6 @@
 """A task: its rows, and how its held-out completions are scored.
 
-    arithmetic   the seed's problems (grpo.data.arithmetic_splits), scored by the last
+    arithmetic   the seed's problems (grpo.tasks.data.arithmetic_splits), scored by the last
                  `Answer: N` against the row's integer answer
     jsonl        rows from data.train_file / data.eval_file; scored like arithmetic when
                  every held-out row has an integer `answer`, otherwise by the configured
@@ -28,8 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from grpo.config import Config, ConfigError
-from grpo.data import Row
+from grpo.config.schema import Config, ConfigError
+from grpo.tasks.data import Row
 
 
 @dataclass

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from grpo.config import Config
-from grpo.data import arithmetic_splits
+from grpo.config.schema import Config
+from grpo.tasks.data import arithmetic_splits
 from grpo.tasks import Task
 from grpo.tasks.scorers import AnswerScorer
 

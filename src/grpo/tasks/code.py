@@ -11,7 +11,7 @@ fraction, its default), where pass@1 asks for all of them.
 
 from __future__ import annotations
 
-from grpo.config import Config, ConfigError, SandboxConfig
+from grpo.config.schema import Config, ConfigError, SandboxConfig
 from grpo.tasks import Row, Scores, Task
 from grpo.tasks.code_problems import HELD_OUT, PROBLEMS
 

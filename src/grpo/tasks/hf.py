@@ -21,8 +21,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from grpo.config import Config, ConfigError
-from grpo.data import _check_prompt, check_columns, check_text_file
+from grpo.config.schema import Config, ConfigError
+from grpo.tasks.data import _check_prompt, check_columns, check_text_file
 from grpo.tasks import Row, Task
 from grpo.tasks.scorers import AnswerScorer, RewardScorer, has_integer_answers
 

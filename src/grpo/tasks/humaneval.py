@@ -18,7 +18,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-from grpo.config import Config, ConfigError
+from grpo.config.schema import Config, ConfigError
 from grpo.tasks import Row, Task
 from grpo.tasks.code import CodeScorer
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from grpo.config import Config, ConfigError
+from grpo.config.schema import Config, ConfigError
 from grpo.rewards.math_answer import extract_answer
 from grpo.tasks import Row, Task
 from grpo.tasks.scorers import MathScorer

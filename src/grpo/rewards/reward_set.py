@@ -1,0 +1,293 @@
+"""Reward functions and how they are called.
+
+A reward function follows TRL's convention:
+    fn(prompts, completions, completion_ids, **dataset_columns) -> list[float | None]
+with one entry per completion; None means "does not apply" (a missing
+reward, not a zero); an `async def` function is awaited.
+
+`RewardSet.score` calls the batch's functions at the same time, each call
+bounded by `rewards.timeout`, a user's functions in worker processes
+(grpo.rewards.execution says where each runs and why). A function that
+raises, returns anything but one real number or None per completion, hangs,
+runs out of its worker's memory, exits or crashes never stops a run:
+its rewards for the completions of that call are missing (NaN), the failure
+is counted (`rewards/<name>/errors`, `rewards/<name>/timeouts` per step;
+`failures` over the run), and the first of each kind is logged with its
+traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import itertools
+import logging
+import sys
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from grpo.algorithm import overlong_penalty
+from grpo.config.schema import ConfigError, RewardsConfig
+from grpo.rewards.arithmetic import arithmetic_correct, arithmetic_format
+from grpo.rewards.execution import Call, RewardExecutor
+from grpo.rewards.format import think_format, think_format_lenient, think_tag_count
+
+log = logging.getLogger(__name__)
+
+RewardFn = Callable[..., list]
+
+BUILTIN: dict[str, RewardFn] = {
+    "arithmetic_correct": arithmetic_correct,
+    "arithmetic_format": arithmetic_format,
+    "think_format": think_format,
+    "think_format_lenient": think_format_lenient,
+    "think_tag_count": think_tag_count,
+}
+for _fn in BUILTIN.values():
+    _fn.runs_in_process = True  # ours, quick and pure: a thread of the trainer, no worker process
+
+
+def _math_answer(cfg: RewardsConfig) -> RewardFn:
+    from grpo.rewards.math_answer import MathAnswer
+
+    return MathAnswer(cfg.math_forms, cfg.math_timeout)
+
+
+def _code_tests(cfg: RewardsConfig) -> RewardFn:
+    from grpo.rewards.code import CodeTests
+
+    reward = CodeTests(cfg.sandbox, cfg.code_reward)
+    reward.runner.check()  # a sandbox that cannot run fails now, not after the model has loaded
+    return reward
+
+
+def _humaneval_tests(cfg: RewardsConfig) -> RewardFn:
+    from grpo.rewards.code import HumanEvalTests
+
+    reward = HumanEvalTests(cfg.sandbox, cfg.code_reward)
+    reward.runner.check()
+    return reward
+
+
+CONFIGURED: dict[str, Callable[[RewardsConfig], RewardFn]] = {
+    "math_answer": _math_answer,
+    "code_tests": _code_tests,
+    "humaneval_tests": _humaneval_tests,
+}
+"""Built-in rewards made from the rewards section's settings (math_forms, math_timeout)."""
+
+CALL_ARGUMENTS = {"prompts", "completions", "completion_ids", "trainer_state"}
+
+
+def overlong_reward(max_length: int, buffer: int) -> RewardFn:
+    """DAPO's soft overlong penalty as a reward function of the completion length."""
+
+    def overlong(completion_ids, **kwargs) -> list[float]:
+        lengths = torch.tensor([len(ids) for ids in completion_ids])
+        return overlong_penalty(lengths, max_length, buffer).tolist()
+
+    overlong.runs_in_process = True
+    return overlong
+
+
+_file_modules = itertools.count()
+
+
+def resolve(spec: str, cfg: RewardsConfig | None = None) -> tuple[str, RewardFn]:
+    """A built-in name, `reward_model:PATH`, `package.module:function` or `path/to/file.py:function`."""
+    if spec in BUILTIN:
+        return spec, BUILTIN[spec]
+    if spec in CONFIGURED:
+        return spec, CONFIGURED[spec](cfg or RewardsConfig())
+    if spec.startswith("reward_model:"):
+        from grpo.rewards.reward_model import from_spec
+
+        return from_spec(spec, cfg or RewardsConfig())
+    if ":" not in spec:
+        raise ConfigError(
+            f"rewards.funcs: unknown reward {spec!r}; use a built-in ({', '.join([*BUILTIN, *CONFIGURED])}) "
+            "or 'module.path:function' or 'path/to/file.py:function'"
+        )
+    target, name = spec.rsplit(":", 1)
+    try:
+        if target.endswith(".py"):
+            path = Path(target)
+            if not path.is_file():
+                raise ConfigError(
+                    f"rewards.funcs: {spec!r}: file {path} does not exist (a relative path is looked for from the "
+                    "working directory, then beside the config file); give the file's path"
+                )
+            # registered under a name of its own, so its functions pickle by reference for a worker process
+            module_name = f"grpo_user_reward_{path.stem}_{next(_file_modules)}"
+            module_spec = importlib.util.spec_from_file_location(module_name, path)
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[module_name] = module
+            try:
+                module_spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[module_name]
+                raise
+        else:
+            module = importlib.import_module(target)
+    except ConfigError:
+        raise
+    except Exception as e:  # the user's module failed to import
+        raise ConfigError(f"rewards.funcs: cannot import {target!r} for {spec!r}: {type(e).__name__}: {e}") from e
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ConfigError(f"rewards.funcs: {target!r} has no function {name!r}")
+    return name, fn
+
+
+def check_signature(name: str, fn: RewardFn, columns: set[str]) -> None:
+    """Fail at start-up when the function needs an argument that no row provides."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return
+    if not any(p.kind is p.VAR_KEYWORD for p in params):
+        raise ConfigError(
+            f"reward function {name!r} must accept **kwargs (it receives every dataset column as a keyword)"
+        )
+    available = CALL_ARGUMENTS | columns
+    for p in params:
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty and p.name not in available:
+            raise ConfigError(
+                f"reward function {name!r} needs argument {p.name!r}, but the dataset has no such column "
+                f"(columns: {sorted(columns)}); add the column or give the argument a default"
+            )
+
+
+@dataclass
+class RewardSet:
+    """The configured reward functions with their weights, and how they are called
+    (`timeout`, `workers`, `isolation`, `worker_memory_mb`: the rewards section's keys)."""
+
+    names: list[str]
+    funcs: list[RewardFn]
+    weights: torch.Tensor
+    failures: dict[str, int] = field(default_factory=dict)
+    """Failed calls (errors and timeouts) of each function over the run."""
+    timeout: float = 60.0
+    workers: int = 0
+    isolation: str = "process"
+    worker_memory_mb: int = 4096
+    _executor: RewardExecutor | None = field(default=None, init=False, repr=False, compare=False)
+    _since_step: defaultdict = field(default_factory=lambda: defaultdict(Counter), init=False, repr=False, compare=False)
+    _seen: Counter = field(default_factory=Counter, init=False, repr=False, compare=False)
+    _trainer_state: object = field(default=None, init=False, repr=False, compare=False)
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: "RewardsConfig",
+        max_completion_length: int,
+        columns: set[str],
+        funcs: dict[str, RewardFn] | None = None,
+        failures: dict[str, int] | None = None,
+    ) -> "RewardSet":
+        """The configured reward functions (or `funcs`, given directly from Python),
+        with their weights, plus DAPO's overlong penalty when configured; `failures`
+        continues the failure counts of a restored run."""
+        if funcs is None:
+            resolved = [resolve(spec, cfg) for spec in cfg.funcs]
+        else:
+            resolved = list(funcs.items())
+        weights = cfg.weights if cfg.weights is not None else [1.0] * len(resolved)
+        if len(weights) != len(resolved):
+            raise ConfigError(f"rewards.weights: {len(weights)} weights for {len(resolved)} reward functions; give one weight each")
+        rewards = cls([], [], torch.zeros(0), timeout=cfg.timeout, workers=cfg.workers, isolation=cfg.isolation,
+                      worker_memory_mb=cfg.worker_memory_mb)
+        for (name, fn), weight in zip(resolved, weights):
+            check_signature(name, fn, columns)
+            rewards.add(name, fn, weight)
+        if cfg.overlong_buffer is not None:
+            rewards.add("overlong", overlong_reward(max_completion_length, cfg.overlong_buffer), cfg.overlong_weight)
+        if failures is not None:
+            if set(failures) != set(rewards.names):
+                raise ConfigError(
+                    f"rewards.funcs: the run being restored had reward functions {sorted(failures)}, this config has "
+                    f"{sorted(rewards.names)}; restore with the same rewards"
+                )
+            rewards.failures = dict(failures)
+        return rewards
+
+    def add(self, name: str, fn: RewardFn, weight: float) -> None:
+        self.names.append(name)
+        self.funcs.append(fn)
+        self.weights = torch.cat([self.weights, torch.tensor([weight])])
+        self.failures[name] = 0
+        if self._executor is not None:  # its workers loaded the functions before this one
+            self._executor.close()
+            self._executor = None
+
+    def start(self) -> None:
+        """Starts the worker processes now rather than at the first batch, so that a function they
+        cannot load fails at start-up (ConfigError)."""
+        self.executor.start()
+
+    @property
+    def executor(self) -> RewardExecutor:
+        if self._executor is None:
+            self._executor = RewardExecutor(self.names, self.funcs, self.timeout, self.workers, self.isolation,
+                                            self.worker_memory_mb)
+        return self._executor
+
+    def score(self, prompts: list, completions: list, completion_ids: list[list[int]], rows: list[dict],
+              trainer_state: object = None) -> torch.Tensor:
+        """[N, K] rewards, NaN where missing. `rows` are the dataset rows, one per completion.
+        `trainer_state` (TRL's keyword: global_step, max_steps, epoch) goes to every function; left
+        out (an evaluation), the last one given; none is passed before any was."""
+        self._trainer_state = trainer_state if trainer_state is not None else self._trainer_state
+        columns = {key: [r.get(key) for r in rows] for key in rows[0] if key != "prompt"}
+        inputs = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **columns}
+        if self._trainer_state is not None:
+            inputs["trainer_state"] = self._trainer_state
+        out = torch.full((len(completions), len(self.funcs)), float("nan"))
+        for k, calls in enumerate(self.executor(inputs, len(completions))):
+            for call in calls:
+                if call.status == "ok":
+                    out[call.start : call.stop, k] = torch.tensor(call.values, dtype=torch.float32)
+                else:
+                    self._failed(self.names[k], call)
+        return out
+
+    def _failed(self, name: str, call: Call) -> None:
+        """Counted; the first failure of each kind logged whole, later ones now and then in a line."""
+        kind = "timeouts" if call.status == "timeout" else "errors"
+        self.failures[name] += 1
+        self._since_step[name][kind] += 1
+        self._seen[name, call.status] += 1
+        seen = self._seen[name, call.status]
+        what = {"error": "failed", "crashed": "crashed its worker", "timeout": "timed out"}[call.status]
+        if seen == 1:
+            log.warning(
+                "reward function %r %s on completions %d..%d; their rewards are missing. Only this first time is "
+                "logged in full; later ones are counted (rewards/%s/%s):\n%s",
+                name, what, call.start, call.stop - 1, name, kind, call.message.rstrip(),
+            )
+        elif seen & (seen - 1) == 0:  # 2, 4, 8, ...: a reminder that fades
+            log.warning("reward function %r has %s %d times so far", name, what, seen)
+
+    def step_failures(self) -> dict[str, dict[str, int]]:
+        """Failed calls of each function since the last time asked ({"errors": n, "timeouts": n}):
+        a step's, however many batches it scored."""
+        counts = {name: {"errors": self._since_step[name]["errors"], "timeouts": self._since_step[name]["timeouts"]}
+                  for name in self.names}
+        self._since_step.clear()
+        return counts
+
+    def close(self) -> None:
+        """Ends the worker processes, and the workers of in-process rewards that have them (math_answer's);
+        scoring again starts them anew."""
+        if self._executor is not None:
+            self._executor.close()
+            self._executor = None
+        for fn in self.funcs:
+            if getattr(fn, "runs_in_process", False) and callable(getattr(fn, "close", None)):
+                fn.close()

@@ -1,0 +1,565 @@
+"""A run report: plots of the training metrics and a markdown summary.
+
+    build_report("runs/grpo")  ->  runs/grpo/report.md, runs/grpo/plots/*.png
+
+Reads from the run directory:
+
+    metrics.jsonl   required: one JSON object per step (written by the trainer)
+    config.yaml     optional: the resolved config (model, task, key settings)
+    eval.jsonl      optional: grpo.training.evaluate results (before/after table, accuracy vs step)
+    samples.jsonl   optional: {"step", "prompt", "completion", "reward"} per line
+
+Plots are drawn with matplotlib's object API (no pyplot, no global backend
+change; PNGs are rendered by Agg), one figure per quantity, 100 dpi.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+from grpo.training.evaluate import ACCURACY_COUNTS, COLUMN_NAMES, EvalResult, format_table, latest, read_results
+
+DPI = 100
+SMOOTH_FRACTION = 20
+"""Curves of 40 points or more get a moving average over 1/20 of the points."""
+FIGSIZE = (8.0, 4.5)
+HEADLINE = [
+    "reward",
+    "reward_std",
+    "frac_reward_zero_std",
+    "completions/mean_length",
+    "completions/clipped_ratio",
+    "kl",
+    "entropy",
+    "clip_ratio/region_mean",
+    "grad_norm",
+]
+
+
+class ReportError(ValueError):
+    """The run directory cannot be reported on; the message says why and what to do."""
+
+
+# --------------------------------------------------------------------------
+# Reading
+# --------------------------------------------------------------------------
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ReportError(f"{path}:{number}: not valid JSON ({e.msg})") from None
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Per-step metrics sorted by step; a step logged twice (a resumed run) keeps its last record."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise ReportError(
+            f"{path} does not exist: build_report needs the metrics.jsonl that `grpo train` writes into its "
+            f"output_dir; pass the run directory (output_dir), not a checkpoint or config path"
+        )
+    rows = _read_jsonl(path)
+    if not rows:
+        raise ReportError(f"{path} is empty: no training step has been logged yet; run `grpo train` first")
+    by_step: dict[int, dict[str, Any]] = {}
+    for i, row in enumerate(rows):
+        by_step[int(row.get("step", i + 1))] = row
+    return [dict(by_step[s], step=s) for s in sorted(by_step)]
+
+
+def _read_config(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        return {}
+    from grpo.config import safe_yaml
+    from grpo.config.schema import ConfigError
+
+    try:
+        data = safe_yaml.read(path, "run config")
+    except ConfigError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _values(metrics: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) where `key` is a finite number."""
+    steps, values = [], []
+    for row in metrics:
+        value = row.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            steps.append(row["step"])
+            values.append(float(value))
+    return steps, values
+
+
+def _has(metrics: list[dict[str, Any]], key: str) -> bool:
+    return bool(_values(metrics, key)[0])
+
+
+def reward_names(metrics: list[dict[str, Any]]) -> list[str]:
+    names: "OrderedDict[str, None]" = OrderedDict()
+    for row in metrics:
+        for key in row:
+            if key.startswith("rewards/") and key.endswith("/mean"):
+                names[key[len("rewards/") : -len("/mean")]] = None
+    return list(names)
+
+
+# --------------------------------------------------------------------------
+# Figures
+# --------------------------------------------------------------------------
+
+
+def _matplotlib():
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise ImportError(
+            "the run report draws its plots with matplotlib, which is not installed: pip install matplotlib "
+            "(or pip install 'grpo[report]')"
+        ) from None
+    return Figure
+
+
+def _smooth(values: list[float]) -> list[float]:
+    """Trailing moving average over about 1/SMOOTH_FRACTION of the points (at least 1)."""
+    window = max(1, len(values) // SMOOTH_FRACTION)
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def _new_axes(title: str, ylabel: str, xlabel: str = "step"):
+    Figure = _matplotlib()
+    fig = Figure(figsize=FIGSIZE, dpi=DPI, layout="constrained")
+    ax = fig.add_subplot()
+    ax.set_title(title, fontsize=13)
+    ax.set_xlabel(xlabel, fontsize=11)
+    ax.set_ylabel(ylabel, fontsize=11)
+    ax.grid(True, alpha=0.35)
+    return fig, ax
+
+
+def _line(ax, steps, values, label, color=None, smooth=True):
+    """Raw values as a faint line, their moving average on top (when there are enough points)."""
+    if smooth and len(values) >= 2 * SMOOTH_FRACTION:
+        (raw,) = ax.plot(steps, values, color=color, alpha=0.3, linewidth=1)
+        ax.plot(steps, _smooth(values), color=raw.get_color(), linewidth=2, label=f"{label} (moving avg.)")
+        return raw.get_color()
+    (line,) = ax.plot(steps, values, color=color, linewidth=1.8, marker="o" if len(values) < 20 else None,
+                      markersize=3, label=label)
+    return line.get_color()
+
+
+def _simple(metrics, title, ylabel, series: list[tuple[str, str]], ylim=None):
+    fig, ax = _new_axes(title, ylabel)
+    for key, label in series:
+        steps, values = _values(metrics, key)
+        if steps:
+            _line(ax, steps, values, label)
+    if ylim:
+        ax.set_ylim(*ylim)
+    ax.legend(loc="best", fontsize=9)
+    return fig
+
+
+def reward_figure(metrics):
+    steps, mean = _values(metrics, "reward")
+    std_by_step = dict(zip(*_values(metrics, "reward_std")))
+    fig, ax = _new_axes("Training reward (mean over the generation batch)", "reward")
+    color = _line(ax, steps, mean, "reward mean")
+    band = [(s, m, std_by_step[s]) for s, m in zip(steps, mean) if s in std_by_step]
+    if band:
+        xs, ms, sds = [b[0] for b in band], [b[1] for b in band], [b[2] for b in band]
+        if len(band) >= 2 * SMOOTH_FRACTION:  # the band follows the smoothed line
+            ms, sds = _smooth(ms), _smooth(sds)
+        ax.fill_between(
+            xs, [m - sd for m, sd in zip(ms, sds)], [m + sd for m, sd in zip(ms, sds)], color=color, alpha=0.15,
+            label="± reward_std (mean within-group std)",
+        )
+    ax.legend(loc="best", fontsize=9)
+    return fig
+
+
+def rewards_per_function_figure(metrics):
+    names = reward_names(metrics)
+    return _simple(metrics, "Reward per function (mean)", "reward", [(f"rewards/{n}/mean", n) for n in names])
+
+
+def length_figure(metrics):
+    fig, ax = _new_axes("Completion length", "tokens")
+    _line(ax, *_values(metrics, "completions/mean_length"), "mean length", color="tab:blue")
+    handles, labels = ax.get_legend_handles_labels()
+    if _has(metrics, "completions/clipped_ratio"):
+        ax2 = ax.twinx()
+        ax2.set_ylabel("fraction clipped (hit max_completion_length)", fontsize=11)
+        _line(ax2, *_values(metrics, "completions/clipped_ratio"), "clipped ratio", color="tab:red")
+        ax2.set_ylim(-0.02, 1.02)
+        h2, l2 = ax2.get_legend_handles_labels()
+        handles, labels = handles + h2, labels + l2
+    ax.legend(handles, labels, loc="best", fontsize=9)
+    return fig
+
+
+def kl_figure(metrics):
+    return _simple(metrics, "KL divergence to the reference model", "KL (nats/token)", [("kl", "kl")])
+
+
+def entropy_figure(metrics):
+    return _simple(metrics, "Policy entropy over completion tokens", "entropy (nats/token)", [("entropy", "entropy")])
+
+
+def clip_ratio_figure(metrics):
+    series = [
+        ("clip_ratio/low_mean", "low (ratio < 1 - ε, A < 0)"),
+        ("clip_ratio/high_mean", "high (ratio > 1 + ε_high, A > 0)"),
+        ("clip_ratio/region_mean", "region (either)"),
+    ]
+    return _simple(metrics, "Clipped tokens", "fraction of tokens", series)
+
+
+def zero_std_figure(metrics):
+    return _simple(
+        metrics,
+        "Groups with zero reward spread (no learning signal)",
+        "fraction of groups",
+        [("frac_reward_zero_std", "frac_reward_zero_std")],
+        ylim=(-0.02, 1.02),
+    )
+
+
+def eval_accuracy_figure(results: list[EvalResult]):
+    """Held-out accuracy (solid; the mean reward for a task scored by its rewards alone) and the
+    formatted fraction (dashed, when the scorer counts it) vs step, one colour per decoding setting
+    (temperature, and wording when eval.instructions adds some)."""
+    counted = next((name for name in ACCURACY_COUNTS if any(name in r.counts for r in results)), None)
+    fig, ax = _new_axes("Held-out accuracy" if counted else "Held-out mean reward",
+                        "fraction of problems" if counted else "mean reward")
+    by_setting: dict[str, dict[int, EvalResult]] = {}
+    for r in results:
+        by_setting.setdefault(r.decoding, {})[r.step] = r  # last result per step wins
+    for decoding, by_step in by_setting.items():
+        steps = sorted(by_step)
+        (line,) = ax.plot(steps, [by_step[s].accuracy for s in steps], marker="o", linewidth=2,
+                          label=f"{COLUMN_NAMES.get(counted, counted) if counted else 'mean reward'}, {decoding}")
+        formatted = [s for s in steps if by_step[s].formatted is not None]
+        if formatted:
+            ax.plot(formatted, [by_step[s].formatted / by_step[s].n if by_step[s].n else 0 for s in formatted],
+                    marker="s", linestyle="--", linewidth=1.2, color=line.get_color(), alpha=0.7,
+                    label=f"formatted, {decoding}")
+    if counted:
+        ax.set_ylim(-0.02, 1.02)
+    ax.legend(loc="best", fontsize=9)
+    return fig
+
+
+def eval_steps(results: list[EvalResult]) -> set[int]:
+    return {r.step for r in results}
+
+
+def figures(metrics: list[dict[str, Any]], eval_results: list[EvalResult] | None = None) -> "OrderedDict[str, Any]":
+    """{file stem: matplotlib Figure} for every plot the data allows."""
+    out: "OrderedDict[str, Any]" = OrderedDict()
+    if _has(metrics, "reward"):
+        out["reward"] = reward_figure(metrics)
+    if any(_has(metrics, f"rewards/{n}/mean") for n in reward_names(metrics)):
+        out["rewards_per_function"] = rewards_per_function_figure(metrics)
+    if _has(metrics, "completions/mean_length"):
+        out["completion_length"] = length_figure(metrics)
+    if _has(metrics, "kl"):
+        out["kl"] = kl_figure(metrics)
+    if _has(metrics, "entropy"):
+        out["entropy"] = entropy_figure(metrics)
+    if any(_has(metrics, k) for k in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")):
+        out["clip_ratio"] = clip_ratio_figure(metrics)
+    if _has(metrics, "frac_reward_zero_std"):
+        out["frac_reward_zero_std"] = zero_std_figure(metrics)
+    if eval_results and len(eval_steps(eval_results)) >= 2:
+        out["eval_accuracy"] = eval_accuracy_figure(eval_results)
+    return out
+
+
+PLOT_CAPTIONS = {
+    "reward": "Mean reward per step; the band is ± the mean within-group standard deviation (reward_std).",
+    "rewards_per_function": "Mean of each reward function per step.",
+    "completion_length": "Mean completion length in tokens, and the fraction of completions cut at max_completion_length.",
+    "kl": "KL estimate to the reference model, per completion token.",
+    "entropy": "Mean entropy of the policy over completion tokens.",
+    "clip_ratio": "Fraction of completion tokens whose ratio was clipped.",
+    "frac_reward_zero_std": "Fraction of groups whose completions all got the same reward (zero advantage).",
+    "eval_accuracy": "Held-out accuracy (solid) and fraction with an `Answer: N` line (dashed) per evaluation.",
+}
+
+
+# --------------------------------------------------------------------------
+# Markdown
+# --------------------------------------------------------------------------
+
+
+def _fmt(value: Any, digits: int = 4) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return "n/a"
+    if isinstance(value, int):
+        return str(value)
+    return f"{value:.{digits}g}"
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h {m:02d}m {s:02d}s" if h else f"{m}m {s:02d}s"
+
+
+def _get(config: dict[str, Any], dotted: str) -> Any:
+    node: Any = config
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _task(config: dict[str, Any]) -> str | None:
+    task = _get(config, "data.task")
+    if task == "arithmetic":
+        operands = _get(config, "data.arithmetic.operands") or []
+        operators = _get(config, "data.arithmetic.operators") or []
+        pieces = []
+        for i, rg in enumerate(operands):
+            pieces.append(f"[{rg[0]}..{rg[1]}]" if isinstance(rg, list) and len(rg) == 2 else str(rg))
+            if i < len(operators):
+                pieces.append(str(operators[i]))
+        n_train, n_eval = _get(config, "data.arithmetic.num_train"), _get(config, "data.arithmetic.num_eval")
+        return f"arithmetic `{' '.join(pieces)}` ({n_train} training, {n_eval} held-out problems)"
+    if task == "jsonl":
+        return f"jsonl rows from `{_get(config, 'data.train_file')}` (held out: `{_get(config, 'data.eval_file')}`)"
+    return task
+
+
+SETTINGS = [
+    ("rollout.num_generations", "G (completions per prompt)"),
+    ("rollout.max_completion_length", "max_completion_length"),
+    ("rollout.temperature", "sampling temperature"),
+    ("training.per_device_train_batch_size", "per_device_train_batch_size"),
+    ("training.gradient_accumulation_steps", "gradient_accumulation_steps"),
+    ("training.learning_rate", "learning_rate"),
+    ("training.lr_scheduler_type", "lr_scheduler_type"),
+    ("training.max_steps", "max_steps"),
+    ("training.bf16", "bf16"),
+    ("algorithm.loss_type", "loss_type"),
+    ("algorithm.scale_rewards", "scale_rewards"),
+    ("algorithm.beta", "beta (KL)"),
+    ("algorithm.epsilon", "epsilon"),
+    ("algorithm.epsilon_high", "epsilon_high"),
+    ("algorithm.num_iterations", "num_iterations"),
+    ("algorithm.dynamic_sampling", "dynamic_sampling"),
+    ("rewards.funcs", "reward functions"),
+    ("rewards.weights", "reward weights"),
+]
+
+
+def _summary(run_dir: Path, config: dict[str, Any], metrics: list[dict[str, Any]]) -> list[str]:
+    lines = ["## Run summary", "", "| | |", "|---|---|"]
+    rows: list[tuple[str, str]] = [("run directory", f"`{run_dir}`")]
+    model = _get(config, "model.name")
+    if model is not None:
+        rows.append(("model", f"`{model}` ({_get(config, 'model.dtype')})"))
+    task = _task(config)
+    if task:
+        rows.append(("task", task))
+    steps = [m["step"] for m in metrics]
+    rows.append(("steps logged", f"{len(steps)} (steps {steps[0]}–{steps[-1]})"))
+    _, times = _values(metrics, "time/step")
+    wall = sum(times)
+    if times:
+        rows.append(("training time", f"{_duration(wall)} (sum of time/step; {wall / len(times):.2f} s/step)"))
+    _, gen = _values(metrics, "time/generate")
+    if gen and wall > 0:
+        rows.append(("time generating", f"{100 * sum(gen) / wall:.0f}% of step time"))
+    _, tokens = _values(metrics, "num_tokens")
+    _, tps = _values(metrics, "tokens_per_second")
+    if tokens and wall > 0:
+        rows.append(("tokens/s", f"{tokens[-1] / wall:,.0f} (prompt + completion tokens, {tokens[-1]:,.0f} in all)"))
+    elif tps:
+        rows.append(("tokens/s", f"{sum(tps) / len(tps):,.0f} (mean of tokens_per_second)"))
+    for key, label in SETTINGS:
+        value = _get(config, key)
+        if value is not None:
+            rows.append((label, f"`{value}`" if isinstance(value, list) else _fmt(value)))
+    lines += [f"| {a} | {b} |" for a, b in rows]
+    return lines
+
+
+def _first_last(metrics: list[dict[str, Any]]) -> list[str]:
+    n = len(metrics)
+    k = max(1, round(0.1 * n))
+    first, last = metrics[:k], metrics[-k:]
+    keys = ["reward"] + [f"rewards/{name}/mean" for name in reward_names(metrics)] + HEADLINE[1:]
+    keys = list(dict.fromkeys(keys))
+
+    def mean(rows, key):
+        _, v = _values(rows, key)
+        return sum(v) / len(v) if v else None
+
+    span = lambda rows: f"{rows[0]['step']}–{rows[-1]['step']}" if len(rows) > 1 else f"{rows[0]['step']}"
+    lines = [
+        "## First vs last 10% of steps",
+        "",
+        f"Means over the first {k} and the last {k} of {n} logged steps.",
+        "",
+        f"| metric | first 10% (steps {span(first)}) | last 10% (steps {span(last)}) | change |",
+        "|---|--:|--:|--:|",
+    ]
+    for key in keys:
+        a, b = mean(first, key), mean(last, key)
+        if a is None and b is None:
+            continue
+        change = _fmt(b - a, 3) if a is not None and b is not None else "n/a"
+        if change not in ("n/a",) and not change.startswith("-"):
+            change = "+" + change
+        lines.append(f"| {key} | {_fmt(a) if a is not None else 'n/a'} | {_fmt(b) if b is not None else 'n/a'} | {change} |")
+    return lines
+
+
+def reward_in_tens(metrics: list[dict[str, Any]]) -> list[tuple[int, int, float]]:
+    """(first step, last step, mean reward) of each run of ten steps that have a reward, as the seed
+    reports a run ("0.83 over the first 10 steps, 0.94 over the next 10"); the last may be shorter."""
+    steps, rewards = _values(metrics, "reward")
+    blocks = []
+    for start in range(0, len(steps), 10):
+        s, r = steps[start : start + 10], rewards[start : start + 10]
+        blocks.append((s[0], s[-1], sum(r) / len(r)))
+    return blocks
+
+
+def _reward_in_tens(metrics: list[dict[str, Any]]) -> list[str]:
+    blocks = reward_in_tens(metrics)
+    if not blocks:
+        return []
+    lines = ["## Training reward, ten steps at a time", "", "| steps | mean reward |", "|---|--:|"]
+    lines += [f"| {a}–{b} | {r:.3f} |" for a, b, r in blocks]
+    return lines
+
+
+def _fence(text: str) -> str:
+    fence = "```"
+    while fence in text:
+        fence += "`"
+    return f"{fence}text\n{text.rstrip()}\n{fence}"
+
+
+def _one_line(text: Any, limit: int = 200) -> str:
+    text = str(text).replace("\n", " ⏎ ").strip()
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _samples(run_dir: Path, per_end: int = 3) -> list[str]:
+    path = run_dir / "samples.jsonl"
+    if not path.is_file():
+        return []
+    rows = [r for r in _read_jsonl(path) if "completion" in r]
+    if not rows:
+        return []
+    steps = sorted({r.get("step", 0) for r in rows})
+    first_step, last_step = steps[0], steps[-1]
+    sections = [("Start of training", [r for r in rows if r.get("step", 0) == first_step][:per_end], first_step)]
+    if last_step != first_step:
+        sections.append(("End of training", [r for r in rows if r.get("step", 0) == last_step][:per_end], last_step))
+    lines = ["## Sample completions", ""]
+    for title, chosen, step in sections:
+        lines += [f"### {title} (step {step})", ""]
+        for r in chosen:
+            reward = r.get("reward")
+            lines.append(f"**Prompt:** {_one_line(r.get('prompt', ''))}  ")
+            lines.append(f"**Reward:** {_fmt(reward) if reward is not None else 'n/a'}")
+            lines += ["", _fence(str(r["completion"])), ""]
+    return lines
+
+
+def _eval_samples(before: list[EvalResult], after: list[EvalResult]) -> list[str]:
+    lines = []
+    for results in (before, after):
+        greedy = [r for r in results if r.temperature == 0] or results
+        if greedy and greedy[0].samples:
+            r, s = greedy[0], greedy[0].samples[0]
+            checked = f"; answer {s.get('answer')}, extracted {s.get('predicted')}" if "answer" in s else ""
+            lines += [
+                f"**{r.label}** ({r.decoding}, step {r.step}) — prompt: {_one_line(s.get('prompt', ''))}{checked}",
+                "",
+                _fence(str(s.get("completion", ""))),
+                "",
+            ]
+    return (["### Held-out examples", ""] + lines) if lines else []
+
+
+def build_report(run_dir: str | Path) -> Path:
+    """Write run_dir/plots/*.png and run_dir/report.md; return the report's path."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ReportError(f"run directory {run_dir} does not exist; pass the output_dir of a `grpo train` run")
+    metrics = read_metrics(run_dir)
+    _matplotlib()  # fail early, before writing anything, when matplotlib is missing
+    config = _read_config(run_dir)
+    eval_path = run_dir / "eval.jsonl"
+    eval_results = read_results(eval_path) if eval_path.is_file() else []
+
+    plots_dir = run_dir / "plots"
+    plots_dir.mkdir(exist_ok=True)
+    written: list[str] = []
+    for name, fig in figures(metrics, eval_results).items():
+        fig.savefig(plots_dir / f"{name}.png", dpi=DPI)
+        written.append(name)
+
+    title = config.get("logging", {}).get("run_name") if isinstance(config.get("logging"), dict) else None
+    lines = [f"# GRPO run report: {title or run_dir.name}", ""]
+    if metrics and not any(math.isfinite(m.get("reward", math.nan)) for m in metrics):
+        lines += ["**No reward was computed in any step: every reward call failed or returned None, so nothing "
+                  "was learned.** See `rewards/<name>/errors` and `/timeouts` in metrics.jsonl, and the first "
+                  "failure's traceback in the console log.", ""]
+    lines += _summary(run_dir, config, metrics) + [""]
+
+    before, after = latest(eval_results, "before"), latest(eval_results, "after")
+    if before or after:
+        lines += ["## Held-out evaluation", ""]
+        if before:
+            lines += [format_table(before, after or None), ""]
+        else:
+            lines += [format_table(after), ""]
+        from grpo.tasks.scorers import AnswerScorer, RewardScorer
+
+        counted = any("formatted" in r.counts for r in before + after)
+        lines += [(AnswerScorer if counted else RewardScorer).description, ""]
+        lines += _eval_samples(before, after)
+    elif eval_results:
+        lines += ["## Held-out evaluation", "", format_table(latest(eval_results, eval_results[-1].label)), ""]
+
+    lines += _reward_in_tens(metrics) + [""]
+    lines += _first_last(metrics) + [""]
+    lines += ["## Plots", ""]
+    for name in written:
+        lines += [f"![{name}](plots/{name}.png)", "", f"*{PLOT_CAPTIONS.get(name, name)}*", ""]
+    lines += _samples(run_dir)
+
+    path = run_dir / "report.md"
+    path.write_text("\n".join(lines).rstrip() + "\n")
+    return path

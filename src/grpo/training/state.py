@@ -1,0 +1,115 @@
+"""TrainState: everything that changes as a run trains, apart from the weights.
+
+The step and token counters, the optimizer and the learning-rate schedule,
+the prompt sampler's position, and every random stream a step draws from
+(Python's, NumPy's, torch's CPU and CUDA generators, and the generator that
+samples completions). `state_dict()` captures them all; building a TrainState
+with `restore=` that dict continues the run exactly: the same next prompts,
+the same next samples, the same next update (tests/test_state.py).
+
+State is restored through set-up: the optimizer and the sampler get their
+saved state as they are built, before anything uses them.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from grpo import algorithm
+from grpo.config.schema import Config
+from grpo.tasks.data import PromptSampler
+
+
+def _numpy():
+    try:
+        import numpy
+    except ImportError:  # numpy is optional; nothing here needs it
+        return None
+    return numpy
+
+
+def capture_rng() -> dict[str, Any]:
+    """The global random streams: Python's, NumPy's (when installed), torch's CPU and CUDA.
+
+    Only tensors and plain containers of numbers and strings, so that a checkpoint's train state
+    loads with `torch.load(weights_only=True)`: NumPy's key array is kept as a list of ints."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    numpy = _numpy()
+    if numpy is not None:
+        name, key, position, has_gauss, cached_gaussian = numpy.random.get_state(legacy=True)
+        state["numpy"] = [str(name), [int(k) for k in key], int(position), int(has_gauss), float(cached_gaussian)]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    numpy = _numpy()
+    if numpy is not None and "numpy" in state:
+        name, key, position, has_gauss, cached_gaussian = state["numpy"]
+        numpy.random.set_state((name, numpy.asarray(key, dtype=numpy.uint32), position, has_gauss, cached_gaussian))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@dataclass
+class TrainState:
+    step: int
+    """Generation batches trained on (each is num_iterations optimizer steps)."""
+    tokens_seen: int
+    """Prompt and completion tokens of every batch so far."""
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    sampler: PromptSampler
+    generator: torch.Generator
+    """Draws the per-prompt sampling seeds (grpo.rollout.types.prompt_seeds)."""
+    optimizer_state: Any = None
+    """What saves and loads the optimizer's state (`state_dict`, `load_state_dict`): the optimizer
+    itself, or the backend's stand-in for it (FSDP: the state of every shard, gathered)."""
+
+    @classmethod
+    def create(
+        cls,
+        cfg: Config,
+        optimizer: torch.optim.Optimizer,
+        num_rows: int,
+        device: torch.device,
+        restore: dict[str, Any] | None = None,
+        optimizer_state: Any = None,
+    ) -> "TrainState":
+        """A run's state at step 0 (seeded from `cfg`), or at the step `restore` was saved at.
+        `optimizer_state`: see the field (default: the optimizer)."""
+        t = cfg.training
+        total_updates = t.max_steps * cfg.algorithm.num_iterations
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer,
+            lambda i: algorithm.lr_multiplier(t.lr_scheduler_type, i, total_updates, t.warmup_steps),
+        )
+        torch.manual_seed(t.seed)
+        generator = torch.Generator(device=device).manual_seed(t.seed)
+        sampler = PromptSampler(num_rows, cfg.data.seed, state=restore["sampler"] if restore else None)
+        state = cls(0, 0, optimizer, scheduler, sampler, generator, optimizer_state or optimizer)
+        if restore is not None:
+            state.optimizer_state.load_state_dict(restore["optimizer"])
+            scheduler.load_state_dict(restore["scheduler"])
+            generator.set_state(restore["generator"])
+            restore_rng(restore["rng"])
+            state.step, state.tokens_seen = restore["step"], restore["tokens_seen"]
+        return state
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "optimizer": self.optimizer_state.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "generator": self.generator.get_state(),
+            "rng": capture_rng(),
+        }

@@ -1,0 +1,375 @@
+"""The policy update: log-probabilities of a generation batch, and the optimizer passes.
+
+    old / reference logprobs   no gradient, minibatch by minibatch (`batch_logprobs`)
+    num_iterations passes      each: zero the gradients; for every minibatch and each
+                               of its micro-batches, the loss's share and its backward;
+                               clip; optimizer step; scheduler step (`policy_update`)
+
+The loss of a micro-batch is the registered policy loss and aggregation
+(grpo.algorithm) with normalisers counted over the whole generation batch, so
+the gradient does not depend on how the batch is split (tests/test_trainer.py).
+The backend says where the output layer's weight gradient goes and how
+gradients are clipped; nothing here knows the device.
+
+A pass whose loss or gradient norm is NaN or inf is skipped: no optimizer or
+scheduler step, so weights and optimizer state are those of the last good pass
+(`Skips` counts them; training.max_consecutive_skips in a row raise
+TrainingDiverged). `check_finite_weights` refuses to let non-finite weights be saved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from grpo import algorithm
+from grpo.training.batching import GenerationBatch, microbatches, minibatches
+from grpo.config.schema import Config, ConfigError
+from grpo.training.logprobs import completion_logprobs
+
+
+log = logging.getLogger(__name__)
+
+
+class TrainingDiverged(RuntimeError):
+    """Training cannot go on: updates keep coming out non-finite, or the weights are. The weights
+    in memory are those of the last good update (a skipped update never touches them)."""
+
+
+@dataclass
+class Skips:
+    """Skipped optimizer passes: in a row (reset by a good pass) and over the run."""
+
+    limit: int
+    consecutive: int = 0
+    total: int = 0
+
+    def record(self, skipped: bool, why: str = "") -> None:
+        if not skipped:
+            self.consecutive = 0
+            return
+        self.consecutive += 1
+        self.total += 1
+        log.warning("update skipped (%s): weights and optimizer state left as they were; %d in a row, %d in the run",
+                    why, self.consecutive, self.total)
+        if self.consecutive >= self.limit:
+            raise TrainingDiverged(
+                f"{self.consecutive} optimizer passes in a row had a non-finite loss or gradient (last: {why}), "
+                f"so training stopped (training.max_consecutive_skips={self.limit}); the weights are those of the "
+                "last good update. Lower training.learning_rate, keep training.max_grad_norm > 0, or check the "
+                "rewards and the data"
+            )
+
+
+def check_finite_weights(model, what: str) -> None:
+    """Raises TrainingDiverged naming the first parameter that holds NaN or inf (before `what`, a save)."""
+    for name, p in model.named_parameters():
+        finite = torch.isfinite(p).all()
+        if hasattr(finite, "full_tensor"):  # a parameter sharded by FSDP: every rank's shard (a collective)
+            finite = finite.full_tensor()
+        if not bool(finite):
+            raise TrainingDiverged(
+                f"refusing to {what}: parameter {name} holds NaN or inf, so these weights would be useless; "
+                "lower training.learning_rate (and keep training.max_grad_norm > 0) and train again"
+            )
+
+
+def trim_left(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop leading columns that are padding in every row."""
+    first = int((mask.sum(0) > 0).nonzero()[0]) if mask.any() else mask.shape[1] - 1
+    return ids[:, first:], mask[:, first:]
+
+
+def split(batch: GenerationBatch, cfg: Config) -> list[list[torch.Tensor]]:
+    """The batch's minibatches, each as its micro-batches (row indices)."""
+    size, G = cfg.training.per_device_train_batch_size, cfg.rollout.num_generations
+    return [
+        microbatches(batch.rollout, rows, cfg.training.microbatch_tokens)
+        for rows in minibatches(batch.rollout.lengths.tolist(), G, size)
+    ]
+
+
+NO_ROWS = torch.zeros(0, dtype=torch.long)
+
+
+def evened(pieces: list[list[torch.Tensor]], backend) -> list[list[torch.Tensor]]:
+    """`pieces` and, when the backend needs every rank to run as many forward/backward passes
+    (FSDP: each is a collective), one more minibatch of empty micro-batches (NO_ROWS) to make
+    up this rank's difference to the busiest rank; an empty one runs `backend.idle_pass`."""
+    count = sum(len(m) for m in pieces)
+    missing = backend.passes_needed(count) - count
+    return pieces + [[NO_ROWS] * missing] if missing else pieces
+
+
+def rows_logprobs(model, batch: GenerationBatch, rows: torch.Tensor, cfg: Config, backend, grad: bool):
+    """(logp, entropy) [len(rows), width] of the completions `rows`, width = their longest."""
+    ro = batch.rollout
+    prompt_ids, prompt_mask = trim_left(ro.prompt_ids[rows], ro.prompt_mask[rows])
+    width = max(1, int(ro.completion_mask[rows].sum(-1).max()))
+    context = contextlib.nullcontext() if grad else torch.no_grad()
+    with context, backend.autocast():
+        return completion_logprobs(
+            model,
+            prompt_ids,
+            prompt_mask,
+            ro.completion_ids[rows, :width],
+            ro.completion_mask[rows, :width],
+            temperature=cfg.rollout.temperature,
+            chunk_size=cfg.training.logprob_chunk_size,
+            # the output layer's weight gradient goes straight into the sink (its preallocated .grad)
+            weight_grad_sink=backend.output_grad_sink(model) if grad else None,
+            compiled=backend.compiled_kernels(model),
+        )
+
+
+def batch_logprobs(model, batch: GenerationBatch, cfg: Config, backend) -> torch.Tensor:
+    """log pi [N, T] of every completion token under `model`, without gradients (in eval mode:
+    the sampling policy and the reference are scored, not trained)."""
+    was_training = model.training
+    model.eval()
+    out = torch.zeros(len(batch), batch.rollout.completion_ids.shape[1], device=backend.device)
+    try:
+        for pieces in evened(split(batch, cfg), backend):
+            for rows in pieces:
+                if not len(rows):
+                    backend.idle_pass(model, grad=False)
+                    continue
+                logp, _ = rows_logprobs(model, batch, rows, cfg, backend, grad=False)
+                out[rows, : logp.shape[1]] = logp
+    finally:
+        model.train(was_training)
+    return out
+
+
+def rollout_correction(cfg: Config) -> algorithm.RolloutCorrection | None:
+    """algorithm.rollout_correction as the loss takes it (`token_truncate` -> level token, mode
+    truncate); None when it is off."""
+    a = cfg.algorithm
+    if a.rollout_correction == "none":
+        return None
+    level, mode = a.rollout_correction.split("_")
+    return algorithm.RolloutCorrection(level=level, mode=mode, cap=a.rollout_correction_cap)
+
+
+def _rows_advantages(advantages: torch.Tensor, rows: torch.Tensor, width: int) -> torch.Tensor:
+    """The advantages of `rows`: one per completion [n], or per token [n, width] (gae)."""
+    return advantages[rows] if advantages.dim() == 1 else advantages[rows, :width]
+
+
+def _accumulate(sums: dict[str, float], stats: dict[str, torch.Tensor]) -> None:
+    for key, value in stats.items():
+        value = float(value)
+        if key.endswith("_max"):
+            sums[key] = max(sums.get(key, value), value)
+        else:
+            sums[key] = sums.get(key, 0.0) + value
+
+
+def policy_update(
+    model, optimizer, scheduler, batch: GenerationBatch, old_logp, ref_logp, cfg: Config, backend, skips: Skips | None = None
+) -> dict[str, float]:
+    """num_iterations optimizer steps over the generation batch; the update's metrics. A pass with a
+    non-finite loss or gradient norm is skipped and recorded in `skips` (which may raise TrainingDiverged)."""
+    a = cfg.algorithm
+    skips = skips if skips is not None else Skips(cfg.training.max_consecutive_skips)
+    skipped = 0
+    pieces = split(batch, cfg)
+    num_tokens = backend.sum(batch.loss_mask.sum().item())
+    num_sequences = int(backend.sum(len(batch)))
+    num_minibatches = int(backend.sum(len(pieces)))  # bnpo averages over every rank's minibatches
+    sums = {"kl": 0.0, "clip_low": 0.0, "clip_high": 0.0, "clip_region": 0.0, "entropy": 0.0, "loss": 0.0}
+    sampling_logp = batch.rollout.sampling_logprobs
+    correction = rollout_correction(cfg)
+    if correction is not None and sampling_logp is None:
+        raise ConfigError(
+            f"algorithm.rollout_correction={a.rollout_correction}: the rollout engine {cfg.rollout.engine!r} did not "
+            "report the logprobs it sampled with; set algorithm.rollout_correction=none"
+        )
+    grad_norms = []
+    pieces = evened(pieces, backend)  # after counting the minibatches: padding is not one
+    norms = [  # the same for every pass: counted once
+        dict(num_sequences=num_sequences, num_tokens=num_tokens, num_minibatches=num_minibatches,
+             minibatch_tokens=batch.loss_mask[torch.cat(minibatch)].sum().item())
+        for minibatch in pieces
+    ]
+    model.train()
+    for _ in range(a.num_iterations):
+        optimizer.zero_grad(set_to_none=False)  # in place: the gradient buffers stay allocated
+        pass_loss = 0.0
+        for minibatch, norm in zip(pieces, norms):
+            for rows in minibatch:
+                if not len(rows):
+                    backend.idle_pass(model, grad=True)
+                    continue
+                logp, entropy = rows_logprobs(model, batch, rows, cfg, backend, grad=True)
+                width = logp.shape[1]
+                mask = batch.loss_mask[rows, :width]
+                high_entropy = (
+                    algorithm.entropy_mask(entropy.detach(), mask, a.top_entropy_quantile, a.entropy_mask_scope)
+                    if a.top_entropy_quantile < 1.0 else None
+                )
+                loss, stats = algorithm.policy_loss(
+                    logp,
+                    old_logp[rows, :width] if old_logp is not None else None,
+                    _rows_advantages(batch.advantages, rows, width).to(backend.device),
+                    mask,
+                    objective=a.policy_loss,
+                    sapo_temperature_pos=a.sapo_temperature_pos,
+                    sapo_temperature_neg=a.sapo_temperature_neg,
+                    entropy_mask=high_entropy,
+                    # the engine's logprobs, against the policy the update starts from (old_logp,
+                    # or logp itself on a single pass: the weights have not moved yet)
+                    sampling_logp=sampling_logp[rows, :width].to(backend.device) if sampling_logp is not None else None,
+                    correction=correction,
+                    loss_type=a.loss_type,
+                    epsilon_low=a.epsilon,
+                    epsilon_high=cfg.epsilon_high,
+                    delta=a.delta,
+                    importance_sampling_level=a.importance_sampling_level,
+                    beta=a.beta,
+                    ref_logp=ref_logp[rows, :width] if ref_logp is not None else None,
+                    kl_estimator=a.kl_estimator,
+                    max_completion_length=cfg.rollout.max_completion_length,
+                    **norm,
+                )
+                sums["entropy"] += algorithm.masked_sum(entropy, mask).item()
+                if high_entropy is not None:
+                    sums["entropy_kept"] = sums.get("entropy_kept", 0.0) + algorithm.masked_sum(high_entropy.float(), mask).item()
+                loss.backward()
+                pass_loss += loss.item()
+                _accumulate(sums, stats)
+        pass_loss = backend.sum(pass_loss)  # every rank's share: the loss, and the same verdict everywhere
+        sums["loss"] += pass_loss
+        backend.reduce_gradients(model)  # summed over the ranks: each rank's shares were normalised globally
+        grad_norm = backend.clip_grad_norm(model, cfg.training.max_grad_norm)  # the norm before clipping
+        grad_norms.append(grad_norm)
+        if math.isfinite(pass_loss) and math.isfinite(grad_norm):
+            optimizer.step()
+            scheduler.step()
+            skips.record(False)
+        else:
+            # no step at all: AdamW would write NaN into the weights and its moments for good
+            optimizer.zero_grad(set_to_none=False)
+            skipped += 1
+            skips.record(True, f"loss {pass_loss}, gradient norm {grad_norm}")
+    backend.after_update()
+    loss_total = sums.pop("loss")  # already summed over the ranks, pass by pass
+    sums = backend.reduce_stats(sums)
+    sums["loss"] = loss_total
+    passes = a.num_iterations * max(1.0, num_tokens)
+    out = {
+        "loss": sums["loss"] / a.num_iterations,
+        "grad_norm": sum(grad_norms) / len(grad_norms),
+        "entropy": sums["entropy"] / passes,
+        "clip_ratio/low_mean": sums["clip_low"] / passes,
+        "clip_ratio/high_mean": sums["clip_high"] / passes,
+        "clip_ratio/region_mean": sums["clip_region"] / passes,
+        "train/skipped_updates": skipped,
+        "train/skipped_updates_total": skips.total,
+    }
+    if a.beta > 0:
+        out["kl"] = sums["kl"] / passes
+    if sampling_logp is not None and "logprob_diff_sum" in sums:
+        out["rollout/logprob_diff_mean"] = sums["logprob_diff_sum"] / passes
+        out["rollout/logprob_diff_max"] = sums["logprob_diff_max"]
+        out["rollout/is_ratio"] = sums["is_ratio_sum"] / passes
+        if correction is not None:
+            out["rollout/is_weight"] = sums["is_weight_sum"] / passes
+            out["rollout/is_capped_ratio"] = sums["is_capped"] / passes
+    if a.top_entropy_quantile < 1.0:
+        out["entropy/kept_ratio"] = sums["entropy_kept"] / passes
+    return out
+
+
+# --------------------------------------------------------------------------
+# PPO's critic (advantage_estimator: gae)
+# --------------------------------------------------------------------------
+
+
+def rows_values(value_model, batch: GenerationBatch, rows: torch.Tensor, cfg: Config, backend, grad: bool) -> torch.Tensor:
+    """V [len(rows), width] of the completions `rows` under the critic, width = their longest."""
+    ro = batch.rollout
+    prompt_ids, prompt_mask = trim_left(ro.prompt_ids[rows], ro.prompt_mask[rows])
+    width = max(1, int(ro.completion_mask[rows].sum(-1).max()))
+    context = contextlib.nullcontext() if grad else torch.no_grad()
+    with context, backend.autocast():
+        return value_model.values(prompt_ids, prompt_mask, ro.completion_ids[rows, :width], ro.completion_mask[rows, :width])
+
+
+def batch_values(value_model, batch: GenerationBatch, cfg: Config, backend) -> torch.Tensor:
+    """V [N, T] of every completion position before the update (GAE's values, the value clip's centre)."""
+    out = torch.zeros(len(batch), batch.rollout.completion_ids.shape[1], device=backend.device)
+    value_model.eval()
+    try:
+        for pieces in split(batch, cfg):
+            for rows in pieces:
+                values = rows_values(value_model, batch, rows, cfg, backend, grad=False)
+                out[rows, : values.shape[1]] = values
+    finally:
+        value_model.train()
+    return out
+
+
+def gae_batch_advantages(batch: GenerationBatch, values: torch.Tensor, cfg: Config, backend=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's per-token advantages and returns [N, T] of a batch from the critic's values: the
+    outcome reward on each completion's last token, GAE, then (by default) whitened over the
+    tokens that count. A completion without a reward (every function failed) leaves the loss."""
+    a = cfg.algorithm
+    rewards = batch.rewards.to(values.device)
+    batch.loss_mask[~torch.isfinite(rewards).to(batch.loss_mask.device)] = 0
+    mask = batch.rollout.completion_mask.to(values.device)
+    token_rewards = algorithm.outcome_token_rewards(rewards, mask)
+    advantages, returns = algorithm.gae_advantages(token_rewards, values, mask, a.gamma, a.lam)
+    if a.whiten_advantages:
+        counted = batch.loss_mask.to(values.device)
+        # the mean and std of every rank's counted tokens (data parallel), as one process would whiten
+        population = backend.gather_rows(advantages[counted.bool()])[0] if backend is not None else None
+        advantages = algorithm.masked_whiten(advantages, counted, population=population)
+    return advantages, returns
+
+
+def critic_update(critic, batch: GenerationBatch, old_values: torch.Tensor, returns: torch.Tensor, cfg: Config, backend) -> dict[str, float]:
+    """num_iterations passes of the critic's own optimizer over the batch: the clipped value loss,
+    a mean over every counted token of the batch (so the split does not change it)."""
+    a, model = cfg.algorithm, critic.model
+    pieces = split(batch, cfg)
+    num_tokens = max(1.0, backend.sum(batch.loss_mask.sum().item()))
+    losses, grad_norms = [], []
+    model.train()
+    for _ in range(a.num_iterations):
+        critic.optimizer.zero_grad(set_to_none=True)
+        pass_loss = 0.0
+        for minibatch in pieces:
+            for rows in minibatch:
+                values = rows_values(model, batch, rows, cfg, backend, grad=True)
+                width = values.shape[1]
+                mask = batch.loss_mask[rows, :width].to(values.device)
+                per_token = algorithm.clipped_value_loss(
+                    values, old_values[rows, :width], returns[rows, :width], mask, a.value_clip
+                )
+                loss = (per_token * mask).sum() / num_tokens
+                loss.backward()
+                pass_loss += loss.item()
+        pass_loss = backend.sum(pass_loss)
+        backend.reduce_gradients(model)
+        grad_norm = backend.clip_grad_norm(model, cfg.training.max_grad_norm)  # the norm before clipping
+        if math.isfinite(pass_loss) and math.isfinite(grad_norm):
+            critic.optimizer.step()
+        else:
+            log.warning("critic update skipped: loss %s, gradient norm %s", pass_loss, grad_norm)
+        losses.append(pass_loss)
+        grad_norms.append(grad_norm)
+    mask = batch.loss_mask.to(old_values.device).bool()
+    v, r = backend.gather_rows(old_values[mask])[0], backend.gather_rows(returns[mask])[0]  # every rank's tokens
+    explained = 1.0 - float((r - v).var() / r.var()) if r.numel() > 1 and float(r.var()) > 0 else float("nan")
+    return {
+        "critic/value_loss": sum(losses) / len(losses),
+        "critic/grad_norm": sum(grad_norms) / len(grad_norms),
+        "critic/values_mean": float(v.mean()) if v.numel() else float("nan"),
+        "critic/returns_mean": float(r.mean()) if r.numel() else float("nan"),
+        "critic/explained_variance": explained,
+    }
