@@ -702,6 +702,8 @@ def run_grpo(spec: dict, out_dir: Path, engine: str = "hf") -> dict:
 
 
 def child_main(args) -> int:
+    if args.side != "trl":  # as grpo's CLI does for a run with the CPU layer (grpo.cpu.memory.use_huge_pages)
+        os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     spec = json.loads(Path(args.spec).read_text())

@@ -16,6 +16,14 @@ LATEST = "latest"
 """`--resume` with no path: output_dir's latest checkpoint."""
 
 
+def _before_torch(cfg) -> None:
+    """What must happen before torch allocates: huge pages for the CPU layer's tensors."""
+    if cfg.cpu.enabled:
+        from grpo.cpu.memory import use_huge_pages
+
+        use_huge_pages()
+
+
 def _quiet_transformers() -> None:
     """Our own progress line is the one to read; drop transformers' per-shard bars."""
     from transformers.utils import logging as hf_logging
@@ -52,6 +60,7 @@ def _train(args: argparse.Namespace) -> int:
         args.overrides.append(args.resume)  # `--resume key=value`: an override, not the path to resume from
         args.resume = LATEST
     cfg = config.load(args.config, args.overrides)
+    _before_torch(cfg)
     _quiet_transformers()
     from grpo.run.checkpoint import SaveFailed
     from grpo.run.stop_signals import Interrupted
@@ -121,6 +130,7 @@ def _eval(args: argparse.Namespace) -> int:
     from grpo.tasks import load_task
 
     cfg = config.load(args.config, args.overrides)
+    _before_torch(cfg)
     _quiet_transformers()
     checkpoint = Path(args.checkpoint).expanduser() if args.checkpoint else None
     if checkpoint is not None and not (checkpoint / "config.json").is_file():
@@ -142,7 +152,7 @@ def _eval(args: argparse.Namespace) -> int:
         prompts = PromptEncoder(tokenizer, cfg.data.chat_template == "auto", cfg.data.few_shot, cfg.rollout.max_prompt_length)
         length = cfg.eval.max_completion_length or cfg.rollout.max_completion_length
         prompts.check_fits(rows, length, context_length(model), "held-out rows")  # before any generation
-        engine = create_engine(cfg.rollout.engine, backend.prepare_model(model), tokenizer, cfg)
+        engine = create_engine(cfg.rollout.engine, backend.prepare_model(model), tokenizer, cfg, backend.decoding)
         evaluator = Evaluator(cfg, engine, tokenizer, rows, task.scorer, reward_set)
         print(f"evaluating {model_cfg.name} (step {step}) on {len(evaluator.rows)} held-out problems", flush=True)
         with bar(evaluator.num_batches, f"eval {label}", "batch") as progress:

@@ -114,7 +114,7 @@ ROLLOUT_ENGINES = Registry(
     "rollout.engine",
     {"hf": "grpo.rollout.hf:TransformersEngine", "vllm": "grpo.rollout.vllm:VLLMEngine"},
 )
-"""A grpo.rollout.base.RolloutEngine class, built as cls(model, tokenizer, cfg) (grpo.rollout.base.create_engine)."""
+"""A grpo.rollout.base.RolloutEngine class, built as cls(model, tokenizer, cfg, decoding) (grpo.rollout.base.create_engine)."""
 
 TASKS = Registry(
     "data.task",

@@ -2,23 +2,25 @@
 
 The training loop (grpo.training.trainer) never asks which device or how many
 processes: it asks its backend to prepare the model, build the optimizer,
-open the compute autocast, say where the output layer's weight gradient goes,
-clip gradients, count and gather over all ranks, and tidy up after an update.
-There are two: a single process on one device (`single.SingleProcess`, with the
-CPU mechanisms inside it) and data parallelism over torchrun's processes
+open the compute autocast, hand out the output layer's kernels and the engine's
+decoding steps, clip gradients, count and gather over all ranks, and tidy up
+after an update. There are two: a single process on one device
+(`single.SingleProcess`) and data parallelism over torchrun's processes
 (`distributed.DataParallel`, the same plus the collectives), picked here at
-start-up from WORLD_SIZE.
+start-up from WORLD_SIZE. On the CPU both install the CPU speed layer
+(grpo.cpu.layer), the only place it is reached from.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
 from grpo.config.schema import Config, ConfigError
+from grpo.models.logprobs import OutputLayerKernels
 
 
 class Backend(Protocol):
@@ -39,8 +41,12 @@ class Backend(Protocol):
     def autocast(self) -> contextlib.AbstractContextManager:
         """The compute precision context of generation, logprobs and the loss."""
 
-    def output_grad_sink(self, model: torch.nn.Module) -> torch.Tensor | None:
-        """A tensor the tiled output layer adds its weight gradient into (None: autograd's .grad)."""
+    def output_layer_kernels(self) -> OutputLayerKernels:
+        """How the tiled output layer computes here (grpo.models.logprobs.OutputLayerKernels)."""
+
+    decoding: Callable | None
+    """`decoding(model, rows, max_length)`, a context yielding the `hf` engine's decoding steps
+    (grpo.rollout.hf.generate); None: transformers' modules."""
 
     def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> float:
         """Clip all gradients to a global norm of max_norm (0: no clipping); the norm before clipping."""

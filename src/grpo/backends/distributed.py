@@ -36,20 +36,21 @@ with FSDP2: `fully_shard` on each decoder layer and on the whole model (its
 embedding, final norm and output layer). FSDP then sums the gradients itself
 (reduce-scatter, as a mean, which `reduce_gradients` turns into the sum the
 globally normalised loss needs); the logprobs run as the model's registered FSDP
-forward method (grpo.training.logprobs.FSDP_METHOD), because they read the output
+forward method (grpo.models.logprobs.FSDP_METHOD), because they read the output
 weight outside any module's forward (each call one pass of the decoder: no
 prompt sharing, so every micro-batch costs every rank the same collectives);
 for generation every shard is gathered
 once and kept whole until the rollout ends (`generation`), so that ranks whose
 completions end at different steps never wait on each other's all-gathers.
-The CPU mechanisms that touch `.grad` or read weights directly (the gradient
-sink, the sparse embedding gradient, oneDNN's packed weights, fused decoding)
-are off under FSDP.
+The mechanisms that touch `.grad` or swap modules (the output layer's in-place
+gradient, the sparse embedding gradient, the CPU layer's oneDNN linears and
+fused decoding) are off under FSDP; the CPU layer's compiled kernels stay.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import os
 import types
@@ -58,7 +59,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from grpo.backends.single import SingleProcess, adamw, enable_checkpointing, resolve_device
+from grpo.backends.single import SingleProcess, adamw, cpu_layer, enable_checkpointing, resolve_device
 from grpo.config.schema import Config, ConfigError, validate
 
 # gradients are reduced in flat buckets of at most this many elements (a float32 bucket: 256 MB)
@@ -91,6 +92,7 @@ class DataParallel(SingleProcess):
         else:
             self.device = torch.device("cpu")
         self.fsdp = cfg.training.sharding == "fsdp"
+        self.cpu = cpu_layer(cfg, self.device)
         init_process_group(self.device.type)
         # on the CPU the collectives run on CPU tensors; with NCCL they must live on the GPU
         self._comm_device = self.device if self.device.type == "cuda" else torch.device("cpu")
@@ -107,15 +109,20 @@ class DataParallel(SingleProcess):
         model = model.to(self.device)
         enable_checkpointing(model, self.cfg.training.gradient_checkpointing)
         self.broadcast_module(model)  # every rank shards the same weights
-        return shard_with_fsdp(model)
+        model = shard_with_fsdp(model)
+        if self.cpu is not None:  # its compiled kernels only: the shards' modules stay as FSDP wraps them
+            self.cpu.install(model, swap_modules=False)
+        return model
 
     def make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         if not self.fsdp:
             return super().make_optimizer(model)
         return adamw(model, self.cfg.training, self.device)  # over the shards; FSDP allocates their gradients
 
-    def output_grad_sink(self, model: torch.nn.Module) -> torch.Tensor | None:
-        return None if self.fsdp else super().output_grad_sink(model)
+    def output_layer_kernels(self):
+        kernels = super().output_layer_kernels()
+        # FSDP allocates and reduces the shards' gradients itself: autograd's gradient, not in place
+        return dataclasses.replace(kernels, weight_grad_in_place=False) if self.fsdp else kernels
 
     def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> float:
         if not self.fsdp:
@@ -161,7 +168,7 @@ class DataParallel(SingleProcess):
     def idle_pass(self, model: torch.nn.Module, grad: bool) -> None:
         """One token through the model, and a backward of zero times it: the same all-gathers
         and reduce-scatters as a real micro-batch, without changing a gradient."""
-        from grpo.training.logprobs import completion_logprobs
+        from grpo.models.logprobs import completion_logprobs
 
         one = torch.ones(1, 1, dtype=torch.long, device=self.device)
         with contextlib.nullcontext() if grad else torch.no_grad(), self.autocast():
@@ -269,10 +276,10 @@ class DataParallel(SingleProcess):
 
 def shard_with_fsdp(model: torch.nn.Module) -> torch.nn.Module:
     """FSDP2 over the decoder layers and the whole model, gradients summed (not averaged), and
-    grpo's logprobs registered as a forward method (grpo.training.logprobs.FSDP_METHOD)."""
+    grpo's logprobs registered as a forward method (grpo.models.logprobs.FSDP_METHOD)."""
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
-    from grpo.training.logprobs import FSDP_METHOD, _completion_logprobs
+    from grpo.models.logprobs import FSDP_METHOD, _completion_logprobs
 
     body = getattr(model, getattr(model, "base_model_prefix", "model"), None)
     layers = getattr(body, "layers", None)

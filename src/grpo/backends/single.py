@@ -1,19 +1,20 @@
 """One process, one device: the backend of a run not started by torchrun.
 
-What it does differently on the CPU (each measured, see docs/performance.md):
+What it does for every device:
 
-- float32 Linear layers through oneDNN (grpo.cpu.kernels) and grouped-query
-  attention without key/value copies (grpo.cpu.attention), when model.cpu_kernels;
 - a tied input embedding sends a sparse gradient (no dense vocabulary x hidden
   zeros), and the tiled output layer adds its weight gradient straight into
   the preallocated .grad (no out-of-place sum of the two gradients);
-- gradients are allocated once and zeroed in place; AdamW is the fused kernel;
-- after each update the freed heap goes back to the OS (grpo.cpu.memory), so the
-  next rollout's buffers do not stack on the update's.
+- gradients are allocated once and zeroed in place; AdamW is the fused kernel.
+
+On the CPU, with cpu.enabled, it also installs the CPU speed layer
+(grpo.cpu.layer.CPULayer) and hands out what that layer provides: the output
+layer's kernels, the engine's decoding steps, and the memory release after
+each update. Without it, the same trainer runs plain PyTorch.
 
 The data-parallel backend (grpo.backends.distributed) keeps all of them: it
-sums gradients after the backward passes, when the sink's and the sparse rows'
-contributions are already in the dense .grad.
+sums gradients after the backward passes, when the in-place output-layer and
+sparse-row contributions are already in the dense .grad.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ import contextlib
 
 import torch
 
-from grpo.config.schema import Config, ConfigError, ModelConfig
-from grpo.cpu.memory import release_free_memory
+from grpo.config.schema import Config, ConfigError
+from grpo.models.logprobs import OutputLayerKernels
+from grpo.models.precision import bf16_autocast
 
 
 def resolve_device(name: str) -> torch.device:
@@ -35,19 +37,14 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def bf16_autocast(device: torch.device, enabled: bool):
-    """bf16 autocast on `device` when enabled (fp32 master weights stay as they are)."""
-    return torch.autocast(device.type, dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
+def cpu_layer(cfg: Config, device: torch.device):
+    """The CPU speed layer for a run on `device` (grpo.cpu.layer.CPULayer), or None: not on the
+    CPU, or cpu.enabled is false. grpo.cpu is imported only here, and only when it is used."""
+    if device.type != "cpu" or not cfg.cpu.enabled:
+        return None
+    from grpo.cpu.layer import CPULayer
 
-
-def prepare_for_device(model, cfg: ModelConfig) -> None:
-    """Device-specific kernels for a model about to be trained or evaluated (idempotent)."""
-    from grpo.cpu import attention
-    from grpo.cpu import kernels
-
-    if cfg.cpu_kernels and next(model.parameters()).device.type == "cpu":
-        kernels.use_cpu_linear(model)
-        attention.use_grouped_attention(model)
+    return CPULayer(cfg.cpu)
 
 
 def sparse_tied_embedding_gradient(model) -> None:
@@ -91,11 +88,11 @@ def adamw(model, t, device: torch.device) -> torch.optim.Optimizer:
 class SingleProcess:
     world_size = 1
     rank = 0
-    _compiled_kernels: bool | None = None  # training.kernels, resolved once (grpo.cpu.compiling)
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.device = resolve_device(cfg.training.device)
+        self.cpu = cpu_layer(cfg, self.device)
 
     @property
     def is_main(self) -> bool:
@@ -104,9 +101,10 @@ class SingleProcess:
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         if getattr(model, "hf_quantizer", None) is None:  # a QLoRA base is placed by bitsandbytes, and cannot move
             model = model.to(self.device)
-        prepare_for_device(model, self.cfg.model)
         enable_checkpointing(model, self.cfg.training.gradient_checkpointing)
         sparse_tied_embedding_gradient(model)
+        if self.cpu is not None:
+            self.cpu.install(model)
         return model
 
     def make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -120,22 +118,15 @@ class SingleProcess:
     def autocast(self):
         return bf16_autocast(self.device, self.cfg.training.bf16)
 
-    def compiled_kernels(self, model: torch.nn.Module) -> bool:
-        """Whether `model`'s update runs compiled kernels (training.kernels; decided once, when the
-        trainer is built): the output layer's tiles then take them (grpo.cpu.tile_math), and the model's
-        RMS norms are switched to them here (grpo.cpu.compiled_norms)."""
-        if self._compiled_kernels is None:
-            from grpo.cpu import compiled_norms
-            from grpo.cpu import compiling
+    def output_layer_kernels(self) -> OutputLayerKernels:
+        # the output weight's gradient goes straight into its preallocated .grad (make_optimizer)
+        if self.cpu is not None:
+            return self.cpu.output_layer_kernels(weight_grad_in_place=True)
+        return OutputLayerKernels(weight_grad_in_place=True)
 
-            self._compiled_kernels = compiling.use_compiled(self.cfg.training.kernels, model)
-            if self._compiled_kernels:
-                compiled_norms.use_compiled_norms(model)
-        return self._compiled_kernels
-
-    def output_grad_sink(self, model: torch.nn.Module) -> torch.Tensor | None:
-        weight = model.get_output_embeddings().weight
-        return weight.grad if weight.requires_grad else None
+    @property
+    def decoding(self):
+        return self.cpu.decoding if self.cpu is not None else None
 
     def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> float:
         if max_norm > 0:
@@ -186,5 +177,5 @@ class SingleProcess:
         return model
 
     def after_update(self) -> None:
-        if self.device.type == "cpu":
-            release_free_memory()  # the update's freed buffers, before the next rollout allocates its own
+        if self.cpu is not None:
+            self.cpu.after_update()

@@ -119,15 +119,6 @@ class ModelConfig:
     naming the files. Never asked on the terminal."""
     cache_dir: str | None = None
     """Where converted GGUF checkpoints are cached (default ~/.cache/grpo)."""
-    cpu_kernels: bool = True
-    """On the CPU, float32 Linear layers (and the output layer) run through oneDNN
-    instead of torch's default BLAS where it is faster (grpo.cpu.kernels.uses_onednn): the
-    same float32 arithmetic, about twice the rate on AMD CPUs, where MKL is slow, and
-    for decoding's few rows on any CPU (on Intel CPUs the update's products stay
-    with MKL, which is faster there); and grouped-query
-    attention lays the query heads that share a key/value head out as its
-    queries (grpo.cpu.attention) instead of copying keys and values per query
-    head. false: plain torch and transformers."""
     tiny_hidden_size: int = 64
     """Hidden size of the `tiny` model."""
     tiny_num_layers: int = 2
@@ -299,11 +290,6 @@ class RolloutConfig:
     """Generation engine (grpo.registry.ROLLOUT_ENGINES): `hf`, transformers' model with
     grpo's prefix sharing and compaction; `vllm`, a vLLM engine in the training process
     (needs the vllm package; settings under rollout.vllm)."""
-    decoding: str = "auto"
-    """How the `hf` engine runs a decoding step: `fused` (grpo.cpu.fused_decoding: fewer, larger
-    operations; Gemma 3 and the Llama family on the CPU), `plain` (transformers' modules),
-    or `auto`: fused where it applies (CPU, a supported architecture with model.cpu_kernels,
-    in bf16, or in float32 without a LoRA adapter), plain elsewhere."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """The `vllm` engine's settings (read only when rollout.engine is vllm)."""
 
@@ -321,7 +307,6 @@ class RolloutConfig:
                 "rollout.engine: vllm runs in one process on the first visible GPU and starts its own process "
                 f"group; it does not run under torchrun ({world_size} processes) yet: use rollout.engine: hf there"
             )
-        _choice("rollout.decoding", self.decoding, registry.DECODING)
         if self.num_generations < 2:
             raise ConfigError(
                 f"rollout.num_generations: must be >= 2 (advantages compare completions within a group), got {self.num_generations}"
@@ -654,14 +639,6 @@ class TrainingConfig:
     """bf16 autocast for generation and the update, with fp32 master weights."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
-    kernels: str = "auto"
-    """How the update's element-wise work runs: the output layer's tiles (grpo.cpu.tile_math: the
-    log-sum-exp, the softmax gradient, the weight block's cast, the weight-gradient sum) and the
-    decoder's RMS norms (grpo.cpu.compiled_norms). `compiled`, fused kernels built by torch.compile
-    (a C++ compiler on the CPU; cached on disk, about 20 s on a machine's first run); `eager`,
-    PyTorch operations one by one; `auto`: compiled on the CPU for models whose output layer has
-    at least 2^24 weights (Gemma-3-270M's has 168M) where the compiler works, eager elsewhere.
-    It may change on resume."""
     logprob_chunk_size: int = 4096
     """Completion tokens per chunk when computing logprobs from hidden states (each chunk
     is processed in vocabulary blocks sized to the device, so this rarely needs changing)."""
@@ -684,7 +661,6 @@ class TrainingConfig:
     def check(self, cfg: "Config", world_size: int = 1) -> None:
         _choice("training.lr_scheduler_type", self.lr_scheduler_type, registry.LR_SCHEDULES)
         _choice("training.sharding", self.sharding, ("none", "fsdp"))
-        _choice("training.kernels", self.kernels, ("auto", "compiled", "eager"))
         if self.sharding == "fsdp":
             _check_fsdp(cfg, world_size)
         _choice("training.device", self.device, ("auto", "cpu", "cuda"))
@@ -727,12 +703,44 @@ def _check_fsdp(cfg: "Config", world_size: int) -> None:
         (cfg.algorithm.advantage_estimator == "gae", "advantage_estimator=gae (the critic is not sharded yet)",
          "use another estimator"),
         (cfg.rollout.engine != "hf", f"rollout.engine={cfg.rollout.engine}", "set rollout.engine=hf"),
-        (cfg.rollout.decoding == "fused", "rollout.decoding=fused (it reads the weights outside the model's forward)",
-         "set rollout.decoding=auto"),
+        (cfg.cpu.decoding == "fused", "cpu.decoding=fused (it reads the weights outside the model's forward)",
+         "set cpu.decoding=auto"),
     ]
     for bad, what, fix in refused:
         if bad:
             raise ConfigError(f"training.sharding=fsdp does not support {what} yet; {fix}, or set training.sharding=none")
+
+
+@dataclass
+class CPUConfig:
+    """The CPU speed layer (grpo.cpu), installed by the backend on a CPU run; every setting
+    changes speed and memory, never the values beyond float tolerance, and may change on resume."""
+
+    enabled: bool = True
+    """false: no CPU mechanism at all (plain PyTorch and transformers everywhere): correct and slower."""
+    kernels: bool = True
+    """float32 Linear layers (and the output layer) run through oneDNN instead of torch's default
+    BLAS where it is faster (grpo.cpu.kernels.uses_onednn): the same float32 arithmetic, about twice
+    the rate on AMD CPUs, where MKL is slow, and for decoding's few rows on any CPU (on Intel CPUs
+    the update's products stay with MKL, which is faster there); and grouped-query attention lays
+    the query heads that share a key/value head out as its queries (grpo.cpu.attention) instead of
+    copying keys and values per query head. false: plain torch and transformers."""
+    compile: str = "auto"
+    """How the update's element-wise work runs: the output layer's tiles (grpo.cpu.tile_math: the
+    log-sum-exp, the softmax gradient, the weight block's cast, the weight-gradient sum) and the
+    decoder's RMS norms (grpo.cpu.compiled_norms). `compiled`, fused kernels built by torch.compile
+    (a C++ compiler; cached on disk, compiled once per machine); `eager`, PyTorch operations one by
+    one; `auto`: compiled for models whose output layer has at least 2^24 weights (Gemma-3-270M's
+    has 168M) where the compiler works, eager elsewhere."""
+    decoding: str = "auto"
+    """How the `hf` engine runs a decoding step: `fused` (grpo.cpu.fused_decoding: fewer, larger
+    operations; Gemma 3 and the Llama family), `plain` (transformers' modules), or `auto`: fused
+    where it applies (a supported architecture with cpu.kernels, in bf16, or in float32 without a
+    LoRA adapter), plain elsewhere."""
+
+    def check(self, cfg: "Config", world_size: int = 1) -> None:
+        _choice("cpu.compile", self.compile, ("auto", "compiled", "eager"))
+        _choice("cpu.decoding", self.decoding, registry.DECODING)
 
 
 @dataclass
@@ -803,6 +811,7 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    cpu: CPUConfig = field(default_factory=CPUConfig)
 
     @property
     def epsilon_high(self) -> float:
@@ -874,6 +883,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"{key}: unsupported type {_type_name(tp)}")
 
 
+MOVED_KEYS = {"model.cpu_kernels": "cpu.kernels", "training.kernels": "cpu.compile", "rollout.decoding": "cpu.decoding"}
+"""Keys of earlier versions and where they live now."""
+
+
 def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     if not isinstance(data, dict):
         where = prefix.rstrip(".") or "config"
@@ -883,6 +896,9 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     kwargs = {}
     for key, value in data.items():
         full = f"{prefix}{key}"
+        if full in MOVED_KEYS:
+            raise ConfigError(f"{full} is now {MOVED_KEYS[full]} (the CPU layer's settings live under cpu:); "
+                              f"write {MOVED_KEYS[full]}: {safe_yaml.shown(value)}")
         if key not in known:
             close = difflib.get_close_matches(str(key), sorted(known), n=1)
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; known keys: {', '.join(sorted(known))}"
@@ -1053,5 +1069,6 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     for key, seed in (("data.seed", cfg.data.seed), ("training.seed", cfg.training.seed), ("eval.seed", cfg.eval.seed)):
         if not 0 <= seed < 2**32:
             raise ConfigError(f"{key}: must be in [0, 2**32) as in TRL, whose seeds go to NumPy; got {seed}")
-    for section in (cfg.model, cfg.data, cfg.rollout, cfg.rewards, cfg.algorithm, cfg.training, cfg.eval, cfg.logging):
+    for section in (cfg.model, cfg.data, cfg.rollout, cfg.rewards, cfg.algorithm, cfg.training, cfg.eval, cfg.logging,
+                    cfg.cpu):
         section.check(cfg, world_size)

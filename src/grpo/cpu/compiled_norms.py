@@ -1,4 +1,4 @@
-"""The decoder's RMS norms as compiled kernels (training.kernels).
+"""The decoder's RMS norms as compiled kernels (cpu.compile).
 
 A transformers RMS norm is some nine element-wise operations, each its own pass
 over the input in float32 (Gemma 3's: a cast to float32, square, mean, add,

@@ -1,4 +1,4 @@
-"""torch.compile for training.kernels: compile once, fall back to eager, and decide where.
+"""torch.compile for cpu.compile: compile once, fall back to eager, and decide where.
 
 The update's element-wise work (the output layer's tiles, grpo.cpu.tile_math; the
 decoder's RMS norms, grpo.cpu.compiled_norms) is written as plain functions of
@@ -13,7 +13,7 @@ seconds.
 `call(fn, *args)` runs `fn` compiled, and eagerly for the rest of the process
 once a compile has failed (a full disk, an inductor error at a new shape), with
 one warning, so a run never stops for it. `use_compiled(setting, model)`
-resolves training.kernels for a model, probing once per process that the
+resolves cpu.compile for a model, probing once per process that the
 compiler works (`compile_works`).
 """
 
@@ -58,8 +58,8 @@ def call(fn, *args):
             return compiled(fn)(*args)
         except torch._dynamo.exc.TorchDynamoException as e:
             broken.append(_reason(e))
-            log.warning("compiling a kernel of training.kernels failed (%s); the rest of the run computes it eagerly, "
-                        "slower (training.kernels=eager avoids compiling)", broken[0])
+            log.warning("compiling a kernel of cpu.compile failed (%s); the rest of the run computes it eagerly, "
+                        "slower (cpu.compile=eager avoids compiling)", broken[0])
     return fn(*args)
 
 
@@ -74,7 +74,7 @@ def compile_works(device_type: str) -> str | None:
     """None when torch.compile builds a kernel on `device_type` that agrees with eager (probed once
     per process), else why not: the reason to show the user."""
     if os.environ.get("RANK", "0") == "0":  # said once, not by every rank of a torchrun job
-        print("building the update's compiled kernels (training.kernels; torch.compile: about 20 s the first "
+        print("building the update's compiled kernels (cpu.compile; torch.compile: about 20 s the first "
               "time on a machine, then loaded from its cache)", file=sys.stderr, flush=True)
     try:
         x = torch.randn(3, 70, generator=torch.Generator().manual_seed(0)).to(device_type)
@@ -88,13 +88,13 @@ def compile_works(device_type: str) -> str | None:
 
 
 AUTO_COMPILE_MIN_WEIGHTS = 1 << 24
-"""training.kernels=auto compiles for models whose output layer has at least this many weights
+"""cpu.compile=auto compiles for models whose output layer has at least this many weights
 (Gemma-3-270M's has 168M): below it, the element-wise work costs less than the seconds a process
 takes to load the compiled kernels."""
 
 
 def use_compiled(setting: str, model) -> bool:
-    """training.kernels resolved for `model`: whether its update runs compiled kernels. `auto`
+    """cpu.compile resolved for `model`: whether its update runs compiled kernels. `auto`
     compiles for large models on the CPU where the compiler works (probed once per process), and
     says why not when it does not; `compiled` where it does not is a config error."""
     weight = model.get_output_embeddings().weight
@@ -108,8 +108,8 @@ def use_compiled(setting: str, model) -> bool:
         return True
     if setting == "compiled":
         raise ConfigError(
-            f"training.kernels=compiled, but torch.compile cannot build kernels on {device.type} ({reason}); "
-            "install a C++ compiler (the CPU) or set training.kernels=eager"
+            f"cpu.compile=compiled, but torch.compile cannot build kernels on {device.type} ({reason}); "
+            "install a C++ compiler (the CPU) or set cpu.compile=eager"
         )
     log.warning("the update's element-wise work runs eagerly: torch.compile cannot build kernels here (%s)", reason)
     return False

@@ -25,9 +25,9 @@ with AMX, alternating in one process: transformers' modules 14.58 s, fused
 9.64 s (medians of 4; every pair faster).
 
 The transformers engine uses it for CPU rollouts where it applies
-(`rollout.decoding: auto` and `fused_decoding_applies`: bf16, or float32
+(`cpu.decoding: auto` and `fused_decoding_applies`: bf16, or float32
 without a LoRA adapter); every other case (CUDA, other architectures, a float32
-LoRA run, `rollout.decoding: plain`) decodes through transformers' modules.
+LoRA run, `cpu.decoding: plain`) decodes through transformers' modules.
 
 With a LoRA adapter (grpo.models.lora) the decoder packs each adapted layer's merged
 weight, W + scale * B @ A, computed when it is built (at the start of each
@@ -35,7 +35,7 @@ rollout, when the packed copies are made anyway) from the layer's current
 adapter; the model itself is left untouched, and decoding costs what it costs
 without an adapter. (In float32 nothing is packed, so the merged weights would
 be extra copies of the model: `auto` decodes such a run through transformers'
-modules, and `rollout.decoding: fused` is the user's choice of speed over that
+modules, and `cpu.decoding: fused` is the user's choice of speed over that
 memory.)
 """
 
@@ -51,7 +51,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # the
 from grpo.cpu import kernels
 from grpo.models import lora
 from grpo.cpu.attention import grouped_attention
-from grpo.training.logprobs import FSDP_METHOD
+from grpo.models.logprobs import FSDP_METHOD
 
 # config.model_type -> RMS-norm style: Gemma scales by (1 + w) and rounds after;
 # the Llama family rounds to the input dtype, then scales by w

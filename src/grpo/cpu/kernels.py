@@ -17,7 +17,7 @@ tensors where `uses_onednn` picks it, and through `F.linear` for everything
 else (MKL on Intel for training's products, CUDA, bf16 autocast, other
 dtypes). Parameters, state dicts and `isinstance(m, nn.Linear)` are
 unchanged. Products that are not layers (the tiled output layer in
-`grpo.training.logprobs`) call `linear_nt` directly.
+`grpo.models.logprobs`) call `linear_nt` directly.
 
 Decoding multiplies each weight by only a few rows (one token per
 completion), where oneDNN is faster with the weight reordered into its own

@@ -57,8 +57,9 @@ class DecodingSteps(Protocol):
         """Keep only the cached rows `rows` (finished completions leave the batch)."""
 
 
-def create_engine(name: str, model, tokenizer, cfg) -> RolloutEngine:
-    """The engine registered as `name` (rollout.engine), built for `model`."""
+def create_engine(name: str, model, tokenizer, cfg, decoding=None) -> RolloutEngine:
+    """The engine registered as `name` (rollout.engine), built for `model`. `decoding`: the
+    decoding steps the backend hands an engine that runs the policy module itself (`Backend.decoding`)."""
     from grpo.registry import ROLLOUT_ENGINES
 
-    return ROLLOUT_ENGINES.get(name)(model, tokenizer, cfg)
+    return ROLLOUT_ENGINES.get(name)(model, tokenizer, cfg, decoding)

@@ -10,22 +10,20 @@ Two things make this cheaper than `model.generate(num_return_sequences=G)`:
 Both are exact: under greedy decoding they give token-for-token the same
 completions as the plain path (tests/test_rollout.py).
 
-Each step is the model's own forward pass with transformers' cache, or, where
-`TransformersEngine` chooses it (CPU, bf16 or float32, the architectures
-grpo.cpu.fused_decoding covers), the same computation in fewer, larger operations
-(tests/test_fused_decoding.py).
+Each step is the model's own forward pass with transformers' cache (`plain_decoding`),
+or whatever decoding steps the backend hands the engine: on the CPU, grpo.cpu's fused
+steps, the same computation in fewer, larger operations (tests/test_fused_decoding.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-from grpo.cpu import kernels
-from grpo.training import logprobs
-from grpo.config.schema import ConfigError
-from grpo.cpu.fused_decoding import FusedDecoder, fused_decoding_applies, unsupported_reason
+from grpo.models import logprobs
+from grpo.models.precision import bf16_autocast
 from grpo.rollout.types import Rollout, SamplingParams, Seeds, prompt_seeds
-from grpo.backends.single import bf16_autocast
 
 
 def left_pad(sequences: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,7 +67,7 @@ def sample_with_logprobs(
     The draw uses `uniforms` [B, 2] in [0, 1) when given (`sample_from`), else numbers from `generator`.
 
     The logprob is the token's under softmax(logits / temperature), before top-k and top-p,
-    which is what the update computes (grpo.training.logprobs), so the two can be compared for the
+    which is what the update computes (grpo.models.logprobs), so the two can be compared for the
     rollout correction. None for greedy decoding (evaluation), which nothing compares.
     """
     if params.temperature == 0:
@@ -160,9 +158,8 @@ def prompt_noise(seeds: list[int], num_generations: int, max_new_tokens: int, de
 
 
 class TransformersSteps:
-    """The model's own forward pass and transformers' KV cache, as grpo.rollout.base.DecodingSteps
-    (the interface FusedDecoder also has): `steps(input_ids, attention_mask, position_ids)`
-    -> last-position logits [R, V]."""
+    """The model's own forward pass and transformers' KV cache, as grpo.rollout.base.DecodingSteps:
+    `steps(input_ids, attention_mask, position_ids)` -> last-position logits [R, V]."""
 
     def __init__(self, model):
         self.model, self.cache, self.cache_argument = model, None, logprobs.cache_argument(model)
@@ -215,7 +212,7 @@ def generate(
     share_prefix: bool = True,
     compact: bool = True,
     stop: StopStrings | None = None,
-    fused: bool = False,
+    decoding=None,
 ) -> Rollout:
     """Sample `num_generations` completions for each tokenised prompt.
 
@@ -223,19 +220,20 @@ def generate(
     group-major. `seeds`: one per prompt (or a generator to draw them from,
     grpo.rollout.types.prompt_seeds); a prompt's G completions depend on its seed
     and not on the batch around it. `share_prefix` and `compact` only change the cost.
-    `fused`: decode with grpo.cpu.fused_decoding.FusedDecoder (in bf16 from packed
-    weights under CPU bf16 autocast, else in the weights' dtype from the weights
-    themselves); False: transformers' modules.
+    `decoding(model, rows, max_length)`: a context that yields the decoding steps
+    (grpo.rollout.base.DecodingSteps) of one rollout; None: `plain_decoding`.
     """
     rows = len(prompts) * num_generations
-    args = (model, prompts, num_generations, params, eos_token_ids, pad_token_id, seeds, share_prefix, compact, stop)
-    if fused:
-        bf16 = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
-        max_length = max((len(p) for p in prompts), default=0) + params.max_new_tokens
-        return _generate(FusedDecoder(model, rows, max_length, pack=bf16 and kernels.packing_available()), *args)
-    # under CPU bf16 autocast, decode from oneDNN-reordered bf16 weights (grpo.cpu.kernels)
-    with kernels.packed_for_decoding(model, rows=rows):
-        return _generate(TransformersSteps(model), *args)
+    max_length = max((len(p) for p in prompts), default=0) + params.max_new_tokens
+    with (decoding or plain_decoding)(model, rows, max_length) as steps:
+        return _generate(steps, model, prompts, num_generations, params, eos_token_ids, pad_token_id, seeds,
+                         share_prefix, compact, stop)
+
+
+@contextlib.contextmanager
+def plain_decoding(model, rows: int, max_length: int):
+    """transformers' modules and cache (TransformersSteps), whatever the rows and length."""
+    yield TransformersSteps(model)
 
 
 def _generate(
@@ -313,17 +311,15 @@ class TransformersEngine:
     """The `hf` rollout engine: generation with the policy module itself (no copy), with
     prefix sharing and compaction, in the compute precision of training.bf16.
 
-    `rollout.decoding` picks the decoding steps explicitly: `fused`
-    (grpo.cpu.fused_decoding), `plain` (transformers' modules), or `auto`: fused where
-    `fused_decoding_applies` (a CPU model with grpo's CPU kernels, in bf16, or in
-    float32 without a LoRA adapter). Because it decodes from the policy's own
-    parameters (the fused steps pack their bf16 copies, or take the float32 weights
-    as they are, at the start of each rollout), an optimizer step needs no
-    weight transfer: `sync_weights` has nothing to do, and neither have
-    `sleep`/`wake` (every cache lives only for one `generate`).
+    `decoding`: the decoding steps the backend hands it (grpo.backends; on the CPU,
+    grpo.cpu.layer.CPULayer.decoding), else transformers' modules (`plain_decoding`).
+    Because it decodes from the policy's own parameters (any decoding steps read them,
+    or pack their copies, at the start of each rollout), an optimizer step needs no
+    weight transfer: `sync_weights` has nothing to do, and neither have `sleep`/`wake`
+    (every cache lives only for one `generate`).
     """
 
-    def __init__(self, model, tokenizer, cfg):
+    def __init__(self, model, tokenizer, cfg, decoding=None):
         from grpo.models.loading import generation_token_ids
 
         self.model = model
@@ -331,26 +327,11 @@ class TransformersEngine:
         r = cfg.rollout
         self.stop = StopStrings(tokenizer, r.stop_strings) if r.stop_strings else None
         self.bf16 = cfg.training.bf16
-        self.decoding = r.decoding
-        if self.decoding == "fused":
-            was_training = model.training
-            reason = unsupported_reason(model.eval())  # as it will decode: in eval mode
-            model.train(was_training)
-            if reason is not None:
-                raise ConfigError(
-                    f"rollout.decoding: fused decoding does not support this model ({reason}); "
-                    "use rollout.decoding=auto or plain"
-                )
+        self.decoding = decoding or plain_decoding
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
-
-    def uses_fused_decoding(self) -> bool:
-        if self.decoding != "auto":
-            return self.decoding == "fused"
-        compute_dtype = torch.bfloat16 if self.bf16 else self.model.get_output_embeddings().weight.dtype
-        return fused_decoding_applies(self.model, compute_dtype)
 
     def generate(self, prompts, num_generations, params, seeds: Seeds = None) -> Rollout:
         was_training = self.model.training
@@ -360,7 +341,7 @@ class TransformersEngine:
                 return generate(
                     self.model, prompts, num_generations, params,
                     eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id,
-                    seeds=seeds, stop=self.stop, fused=self.uses_fused_decoding(),
+                    seeds=seeds, stop=self.stop, decoding=self.decoding,
                 )
         finally:
             self.model.train(was_training)

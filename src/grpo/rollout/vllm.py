@@ -196,7 +196,7 @@ def process_state_kept(device: torch.device):
 class VLLMEngine:
     """The `vllm` rollout engine (see the module's docstring). Settings: rollout.vllm."""
 
-    def __init__(self, model, tokenizer, cfg):
+    def __init__(self, model, tokenizer, cfg, decoding=None):  # `decoding` is for engines that run the policy module
         from grpo.models.loading import context_length, generation_token_ids
 
         vllm = import_vllm()  # first, so a missing package is the one error a user sees

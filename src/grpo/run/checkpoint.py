@@ -66,9 +66,12 @@ _CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 _LEFTOVER = re.compile(r"\.(checkpoint-\d+|final)\.(tmp|old)-\d+")
 
 # Keys a resumed run may change: they decide how long to train, what to log or evaluate,
-# and which kernels compute a step's values (the same to float tolerance), never the values.
+# and which kernels compute a step's values (cpu.*: the same to float tolerance), never the values.
+# The CPU layer's keys of earlier versions (config.MOVED_KEYS) are among them, so that their
+# checkpoints resume.
 RESUMABLE_CHANGES = ("output_dir", "overwrite_output_dir", "training.max_steps", "training.save_steps",
-                     "training.save_total_limit", "training.kernels", "logging.", "eval.")
+                     "training.save_total_limit", "cpu.", "logging.", "eval.",
+                     "model.cpu_kernels", "training.kernels", "rollout.decoding")
 
 
 def _fsync(path: Path) -> None:
@@ -479,7 +482,7 @@ def load_checkpoint(path: Path, cfg) -> Checkpoint:
             f"--resume {path}: the checkpoint was made with another config; these keys differ: "
             + ", ".join(f"{k} (saved {a!r}, now {b!r})" for k, a, b in differing)
             + "; set them back to resume (only training.max_steps, training.save_steps, training.save_total_limit, "
-            "training.kernels, logging.* and eval.* may change), or start a new run in another output_dir"
+            "cpu.*, logging.* and eval.* may change), or start a new run in another output_dir"
         )
     try:
         state = _usable_state(path, verified=True)

@@ -31,10 +31,10 @@ class GenerationBatch:
     rollout: Rollout
     rewards_per_func: torch.Tensor  # [N, K], NaN = missing
     rewards: torch.Tensor  # [N] weighted total, NaN = all missing
-    advantages: torch.Tensor  # [N]
     loss_mask: torch.Tensor  # [N, T] completion tokens that count in the loss
     sampling_rounds: int = 1
     zero_std_groups_kept: int = 0
+    advantages: torch.Tensor | None = None  # [N], or [N, T] for gae: the step's advantages phase sets them
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -50,8 +50,8 @@ class GenerationBatch:
             self.rollout.select(rows),
             self.rewards_per_func[rows],
             self.rewards[rows],
-            self.advantages[rows],
             self.loss_mask[rows],
+            advantages=self.advantages[rows] if self.advantages is not None else None,
         )
 
     @staticmethod
@@ -67,7 +67,6 @@ class GenerationBatch:
             rollout,
             torch.cat([p.rewards_per_func for p in parts]),
             torch.cat([p.rewards for p in parts]),
-            torch.cat([p.advantages for p in parts]),
             torch.cat([torch.nn.functional.pad(p.loss_mask, (0, T - p.loss_mask.shape[1])) for p in parts]),
         )
 
@@ -142,8 +141,8 @@ def keep_groups_with_spread(
     batches: list[GenerationBatch], num_groups: int, group_size: int, pad_token_id: int,
     spread: list[list[bool]] | None = None, first_group: int = 0,
 ) -> GenerationBatch:
-    """The groups `choose_groups` keeps out of the rounds in `batches`. The advantages are the
-    caller's to recompute ("batch" scaling depends on the final batch).
+    """The groups `choose_groups` keeps out of the rounds in `batches` (before their advantages,
+    which the step computes once, over the final batch).
 
     Data parallel: `spread` holds every rank's flags of each round in rank order, and this
     process's round r is groups first_group .. first_group + len(batches[r]) / G of it, so every

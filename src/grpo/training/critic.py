@@ -8,7 +8,7 @@ moments, trained alongside the policy; which is the memory the seeds say GRPO
 saves (benchmarks/grpo_vs_ppo.py measures it).
 
 The critic reads the same positions as the policy's logprobs (the hidden state
-that predicts completion token t gives V_t, through grpo.training.logprobs'
+that predicts completion token t gives V_t, through grpo.models.logprobs'
 completion_hidden_states, prompt shared per group), in the same autocast. The
 update's math is grpo.algorithm.values: GAE, the clipped value loss.
 """
@@ -20,13 +20,13 @@ from typing import Any
 
 import torch
 
-from grpo.training.logprobs import _decoder, completion_hidden_states
+from grpo.models.logprobs import _decoder, completion_hidden_states
 
 
 class ValueModel(torch.nn.Module):
     """trunk (a copy of the policy's decoder body) -> a linear head -> one value per position."""
 
-    base_model_prefix = "body"  # what grpo.training.logprobs' completion_hidden_states looks the trunk up by
+    base_model_prefix = "body"  # what grpo.models.logprobs' completion_hidden_states looks the trunk up by
 
     def __init__(self, policy: torch.nn.Module):
         super().__init__()

@@ -152,16 +152,14 @@ class Trainer:
         self.rewards.start()  # a reward function that its worker processes cannot load fails here
         if model is None:
             model, tokenizer = load_model_and_tokenizer(cfg.model, self.backend.device)
-        # LoRA (model.lora.r > 0) before the device preparation, so its CPU kernels reach the base layers
+        # the backend prepares the model as it will train: with its LoRA adapters (model.lora.r > 0)
         model = apply_lora(model, cfg.model.lora, cfg.training.seed)
         self.model, self.tokenizer = self.backend.prepare_model(model), tokenizer
-        # training.kernels before the first rollout, and before the reference copies the model's norms
-        self.backend.compiled_kernels(self.model)
         self.reference = create_reference(cfg.algorithm, self.model, restore["reference"] if restore else None)
         if self.resumed is not None:  # after the reference: unless saved, it is a copy of the starting model
             self.backend.load_weights(self.resumed, self.model)
         self.critic = self._critic(restore)
-        self.engine = create_engine(cfg.rollout.engine, self.model, tokenizer, cfg)
+        self.engine = create_engine(cfg.rollout.engine, self.model, tokenizer, cfg, self.backend.decoding)
         d, r = cfg.data, cfg.rollout
         self.prompts = PromptEncoder(tokenizer, d.chat_template == "auto", d.few_shot, r.max_prompt_length)
         self.prompts.check_fits(self.task.train_rows, r.max_completion_length, context_length(self.model), "training rows")
@@ -198,10 +196,10 @@ class Trainer:
         a, timer = self.cfg.algorithm, PhaseTimer()
         take_counts()  # the step's sandbox and reward-failure counts are its own, not those of
         self.rewards.step_failures()  # the set-up's checks or an evaluation between steps
-        batch = self.collect_batch(timer)  # prompts -> engine.generate -> rewards -> advantages -> filter
+        batch = self.collect_batch(timer)  # generate -> rewards (-> filter: dynamic sampling's rounds)
         faults.reached("step")
         self.engine.sleep()  # the engine's memory (vLLM's weights and KV cache on CUDA) is the update's now
-        stats = self.update(batch, timer)  # old / reference logprobs -> num_iterations optimizer passes
+        stats = self.update(batch, timer)  # reference -> (values) -> advantages -> update (-> critic)
         with timer("sync"):
             self.engine.sync_weights(self.model)  # the new weights, into an engine woken by it if asleep
             self.state.step += 1
@@ -210,8 +208,8 @@ class Trainer:
         return self.step_metrics(batch, stats, timer), batch
 
     def collect_batch(self, timer: PhaseTimer | None = None) -> GenerationBatch:
-        """A scored generation batch: the next prompts' rollouts, rewards and advantages; with
-        dynamic sampling (DAPO), more rounds until enough groups have reward spread."""
+        """A scored generation batch: the next prompts' rollouts and rewards; with dynamic
+        sampling (DAPO), more rounds until enough groups have reward spread."""
         a, G, timer = self.cfg.algorithm, self.cfg.rollout.num_generations, timer or PhaseTimer()
         rounds: list[GenerationBatch] = []
         while not rounds or (
@@ -237,12 +235,11 @@ class Trainer:
                 for b in rounds
             ]
             batch = keep_groups_with_spread(rounds, self.num_prompts, G, self.engine.pad_token_id, spread, self.shard.start)
-            batch.advantages = self.advantages(batch.rewards)  # "batch" scaling needs the final batch
         return batch
 
     def update(self, batch: GenerationBatch, timer: PhaseTimer | None = None) -> dict[str, float]:
-        """Old and reference logprobs, then num_iterations optimizer passes over `batch`; with a
-        critic (gae), its values and GAE's advantages first and its own passes after."""
+        """Old and reference logprobs, (with a critic: its values), the batch's advantages, then
+        num_iterations optimizer passes over `batch` (with a critic: its own passes after)."""
         cfg, timer = self.cfg, timer or PhaseTimer()
         with timer("reference"):
             old_logp = batch_logprobs(self.model, batch, cfg, self.backend) if cfg.algorithm.num_iterations > 1 else None
@@ -250,10 +247,12 @@ class Trainer:
             if self.reference.enabled:
                 with self.reference.module() as reference:
                     ref_logp = batch_logprobs(reference, batch, cfg, self.backend)
+        old_values = None
         if self.critic is not None:
             with timer("values"):
                 old_values = batch_values(self.critic.model, batch, cfg, self.backend)
-                batch.advantages, returns = gae_batch_advantages(batch, old_values, cfg, self.backend)
+        with timer("advantages"):
+            batch.advantages, returns = self.advantages(batch, old_values)
         with timer("update"):
             s = self.state
             stats = policy_update(self.model, s.optimizer, s.scheduler, batch, old_logp, ref_logp, cfg, self.backend, self.skips)
@@ -265,16 +264,17 @@ class Trainer:
     def encode(self, rows: list[Row]) -> list[list[int]]:
         return self.prompts(rows)
 
-    def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
-        """The estimator's advantages of this rank's `rewards`, computed over every rank's (whole
-        groups each), so that "batch" scaling and the batch-wide estimators see the global batch."""
+    def advantages(self, batch: GenerationBatch, values: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's advantages, computed once over its final batch, and the returns the critic
+        learns from (gae only, else None). The registered estimator (algorithm.advantage_estimator)
+        sees every rank's rewards (whole groups each), so that "batch" scaling and the batch-wide
+        estimators see the global batch; `gae` is per token, from the critic's `values`."""
         a = self.cfg.algorithm
         if self.critic is not None:
-            # gae's advantages are per token and need the critic's values: `update` computes them
-            return torch.zeros_like(rewards)
+            return gae_batch_advantages(batch, values, self.cfg, self.backend)
         estimator = ADVANTAGE_ESTIMATORS.get(a.advantage_estimator)
-        everyone, mine = self.backend.gather_rows(rewards)
-        return estimator(everyone, self.cfg.rollout.num_generations, scale_rewards=a.scale_rewards)[mine]
+        everyone, mine = self.backend.gather_rows(batch.rewards)
+        return estimator(everyone, self.cfg.rollout.num_generations, scale_rewards=a.scale_rewards)[mine], None
 
     def _critic(self, restore: dict[str, Any] | None) -> Critic | None:
         """PPO's critic for the `gae` estimator (a copy of the policy's trunk, or the saved one)."""
@@ -284,7 +284,7 @@ class Trainer:
         return Critic(self.model, a.critic_learning_rate, self.cfg.training, restore.get("critic") if restore else None)
 
     def score(self, rows: list[Row], rollout) -> GenerationBatch:
-        """The rewards and advantages of a rollout of `rows` (one group of G per row)."""
+        """The rewards of a rollout of `rows` (one group of G per row), and the tokens the loss counts."""
         G = self.cfg.rollout.num_generations
         ids = [c[m.bool()].tolist() for c, m in zip(rollout.completion_ids.cpu(), rollout.completion_mask.cpu())]
         texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
@@ -299,9 +299,9 @@ class Trainer:
         loss_mask = rollout.completion_mask.clone()
         if self.cfg.algorithm.mask_truncated_completions:
             loss_mask[rollout.truncated] = 0
-        return GenerationBatch(
-            group_rows, prompts, completions, texts, rollout, rewards_per_func, rewards, self.advantages(rewards), loss_mask
-        )
+        if self.critic is not None:  # gae: a completion without a reward (every function failed) leaves the loss
+            loss_mask[~torch.isfinite(rewards).to(loss_mask.device)] = 0
+        return GenerationBatch(group_rows, prompts, completions, texts, rollout, rewards_per_func, rewards, loss_mask)
 
     def trainer_state(self) -> SimpleNamespace:
         """What TRL passes reward functions as `trainer_state`, under its attribute names: optimizer

@@ -8,8 +8,8 @@
 The loss of a micro-batch is the registered policy loss and aggregation
 (grpo.algorithm) with normalisers counted over the whole generation batch, so
 the gradient does not depend on how the batch is split (tests/test_trainer.py).
-The backend says where the output layer's weight gradient goes and how
-gradients are clipped; nothing here knows the device.
+The backend says how the output layer computes and how gradients are
+clipped; nothing here knows the device.
 
 A pass whose loss or gradient norm is NaN or inf is skipped: no optimizer or
 scheduler step, so weights and optimizer state are those of the last good pass
@@ -29,7 +29,7 @@ import torch
 from grpo import algorithm
 from grpo.training.batching import GenerationBatch, microbatches, minibatches
 from grpo.config.schema import Config, ConfigError
-from grpo.training.logprobs import completion_logprobs
+from grpo.models.logprobs import completion_logprobs
 
 
 log = logging.getLogger(__name__)
@@ -120,9 +120,7 @@ def rows_logprobs(model, batch: GenerationBatch, rows: torch.Tensor, cfg: Config
             ro.completion_mask[rows, :width],
             temperature=cfg.rollout.temperature,
             chunk_size=cfg.training.logprob_chunk_size,
-            # the output layer's weight gradient goes straight into the sink (its preallocated .grad)
-            weight_grad_sink=backend.output_grad_sink(model) if grad else None,
-            compiled=backend.compiled_kernels(model),
+            kernels=backend.output_layer_kernels(),
         )
 
 
@@ -317,10 +315,9 @@ def batch_values(value_model, batch: GenerationBatch, cfg: Config, backend) -> t
 def gae_batch_advantages(batch: GenerationBatch, values: torch.Tensor, cfg: Config, backend=None) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's per-token advantages and returns [N, T] of a batch from the critic's values: the
     outcome reward on each completion's last token, GAE, then (by default) whitened over the
-    tokens that count. A completion without a reward (every function failed) leaves the loss."""
+    tokens that count (a completion without a reward is not among them: Trainer.score)."""
     a = cfg.algorithm
     rewards = batch.rewards.to(values.device)
-    batch.loss_mask[~torch.isfinite(rewards).to(batch.loss_mask.device)] = 0
     mask = batch.rollout.completion_mask.to(values.device)
     token_rewards = algorithm.outcome_token_rewards(rewards, mask)
     advantages, returns = algorithm.gae_advantages(token_rewards, values, mask, a.gamma, a.lam)

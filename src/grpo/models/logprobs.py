@@ -13,40 +13,54 @@ included (tests/test_logprobs.py).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Callable
 
 import torch
 
-from grpo.cpu import tile_math
-from grpo.cpu.kernels import linear_nt, uses_onednn
+from grpo.models import tiles
 
 
-# Logit elements per (token chunk x vocabulary block) tile. On the CPU a tile of
-# 4M float32 (16 MB) stays mostly in cache across the passes made over it (max,
-# exp, sums); a GPU prefers fewer, larger tiles.
-TILE_ELEMENTS = {"cpu": 1 << 22}
-DEFAULT_TILE_ELEMENTS = 1 << 26
+@dataclass(frozen=True)
+class OutputLayerKernels:
+    """How the tiled output layer does its work. The defaults are plain PyTorch and correct
+    everywhere; a backend hands in faster ones for its device (grpo.backends: on the CPU,
+    grpo.cpu's compiled tile math, oneDNN products and cache-sized tiles)."""
+
+    tile: SimpleNamespace = field(default_factory=lambda: tiles.EAGER)
+    """The element-wise math of a tile (grpo.models.tiles.EAGER's interface)."""
+    product: Callable = tiles.product_nt
+    """`product(a, b, out)` -> a @ b.T, written into the buffer `out()` or returned as a new tensor."""
+    tile_elements: int = 1 << 26
+    """Logit elements per (token chunk x vocabulary block) tile."""
+    weight_grad_in_place: bool = False
+    """In a pass with gradients, the backward adds the output weight's gradient into the weight's
+    existing `.grad`, tile by tile, and autograd receives none for it. This saves a vocabulary x
+    hidden buffer per backward and, for a weight tied to the input embedding, the out-of-place sum
+    autograd makes of the two gradients of one tensor. Only for a caller that owns the backward and
+    keeps `.grad` allocated (the trainer's backend): `torch.autograd.grad` would not see this part."""
 
 
-def vocab_block_size(rows: int, hidden: int, vocab: int, device_type: str) -> int:
+PLAIN = OutputLayerKernels()
+
+
+def vocab_block_size(rows: int, hidden: int, vocab: int, tile_elements: int) -> int:
     """Vocabulary entries per tile for `rows` tokens: within the tile budget both for the
     logits (rows x block) and for the block's weight gradient (block x hidden), at least 256."""
-    budget = TILE_ELEMENTS.get(device_type, DEFAULT_TILE_ELEMENTS)
-    return min(vocab, max(256, budget // max(rows, hidden, 1)))
+    return min(vocab, max(256, tile_elements // max(rows, hidden, 1)))
 
 
-class _TileBuffers:
+class TileBuffers:
     """Flat buffers that every tile of one pass writes into, by name.
 
-    A new tensor per tile (16 MB for a float32 tile) costs allocator work and
-    first-touch page faults comparable to the tile's own element-wise work; the
-    first tile is the largest, so each buffer is allocated once per pass.
-    Measured with benchmarks/output_layer.py (Gemma-3-270M's shape, 1024 tokens,
-    bf16, together with the in-place entropy sum): forward 0.99-1.04 -> 0.64-0.72 s,
-    backward 1.64-1.69 -> 1.54-1.61 s, minor page faults per forward 66,000 -> 1,000.
+    A new tensor per tile costs allocator work and first-touch page faults comparable to
+    the tile's own element-wise work; the first tile is the largest, so each buffer is
+    allocated once per pass (measured: docs/performance.md).
     """
 
-    def __init__(self, device: torch.device, tile=tile_math.EAGER):
-        self.device, self.flat, self.tile = device, {}, tile
+    def __init__(self, device: torch.device, kernels: OutputLayerKernels = PLAIN):
+        self.device, self.flat, self.tile, self.kernels = device, {}, kernels.tile, kernels
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         size = math.prod(shape)
@@ -64,18 +78,15 @@ class _TileBuffers:
         return out
 
     def product(self, name: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """a @ b.T, into buffer `name`; a product through oneDNN (grpo.cpu.kernels.linear_nt)
-        returns its own tensor, so it gets no buffer."""
-        if uses_onednn(a, b):
-            return linear_nt(a, b)
-        return linear_nt(a, b, out=self.get(name, (a.shape[0], b.shape[0]), a.dtype))
+        """a @ b.T, into buffer `name` unless the kernels' product returns its own tensor."""
+        return self.kernels.product(a, b, lambda: self.get(name, (a.shape[0], b.shape[0]), a.dtype))
 
 
-def _tiles(n: int, hidden: int, vocab: int, chunk_size: int, block: int | None, device_type: str):
+def _tiles(n: int, hidden: int, vocab: int, chunk_size: int, block: int | None, tile_elements: int):
     """(token slice, vocabulary slice) pairs covering n x vocab, vocabulary innermost."""
     for t0 in range(0, n, chunk_size):
         t1 = min(t0 + chunk_size, n)
-        width = block or vocab_block_size(t1 - t0, hidden, vocab, device_type)
+        width = block or vocab_block_size(t1 - t0, hidden, vocab, tile_elements)
         for v0 in range(0, vocab, width):
             yield slice(t0, t1), slice(v0, min(v0 + width, vocab))
 
@@ -99,7 +110,7 @@ class _TiledTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, softcap, chunk_size, block, compute_dtype, weight_grad_sink,
-                compiled):
+                kernels):
         n, V = hidden.shape[0], weight.shape[0]
         dev = hidden.device
         # running max m, S = sum exp(z - m), U = sum exp(z - m) (z - m), per token
@@ -107,12 +118,12 @@ class _TiledTokenLogprobs(torch.autograd.Function):
         S = torch.zeros(n, device=dev)
         U = torch.zeros(n, device=dev)
         target_z = torch.zeros(n, device=dev)
-        tile = tile_math.kernels(compiled)
-        buffers = _TileBuffers(dev, tile)
+        tile = kernels.tile
+        buffers = TileBuffers(dev, kernels)
         with torch.autocast(dev.type, enabled=False):
             b = bias.float() if bias is not None else None
             h_all = hidden.to(compute_dtype)
-            for ts, vs in _tiles(n, hidden.shape[1], V, chunk_size, block, dev.type):
+            for ts, vs in _tiles(n, hidden.shape[1], V, chunk_size, block, kernels.tile_elements):
                 # the weight is cast one block at a time (no vocabulary-sized copy in bf16)
                 w = buffers.cast("w", weight[vs], compute_dtype)
                 product = buffers.product("low", h_all[ts], w)
@@ -125,7 +136,7 @@ class _TiledTokenLogprobs(torch.autograd.Function):
         # entropy = lse - sum p z = log S - U / S
         entropy = S.log() - U / S
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
-        ctx.settings = (temperature, softcap, chunk_size, block, compute_dtype, compiled)
+        ctx.settings = (temperature, softcap, chunk_size, block, compute_dtype, kernels)
         ctx.weight_grad_sink = weight_grad_sink
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
@@ -133,7 +144,7 @@ class _TiledTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
-        temperature, softcap, chunk_size, block, compute_dtype, compiled = ctx.settings
+        temperature, softcap, chunk_size, block, compute_dtype, kernels = ctx.settings
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         sink = ctx.weight_grad_sink
         n, V = hidden.shape[0], weight.shape[0]
@@ -149,12 +160,12 @@ class _TiledTokenLogprobs(torch.autograd.Function):
             grad_w = None
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=dev) if need_b else None
         g_all = grad_logp.float()
-        tile = tile_math.kernels(compiled)
-        buffers = _TileBuffers(dev, tile)
+        tile = kernels.tile
+        buffers = TileBuffers(dev, kernels)
         with torch.autocast(dev.type, enabled=False):
             b = bias.float() if bias is not None else None
             h_all = hidden.to(compute_dtype)
-            for ts, vs in _tiles(n, hidden.shape[1], V, chunk_size, block, dev.type):
+            for ts, vs in _tiles(n, hidden.shape[1], V, chunk_size, block, kernels.tile_elements):
                 h = h_all[ts]
                 w = buffers.cast("w", weight[vs], compute_dtype)
                 product = buffers.product("low", h, w)
@@ -189,39 +200,25 @@ def token_logprobs_from_hidden(
     softcap: float | None = None,
     chunk_size: int = 4096,
     vocab_block: int | None = None,
-    weight_grad_sink: torch.Tensor | None = None,
-    compiled: bool = False,
+    kernels: OutputLayerKernels = PLAIN,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logp [n] of `targets` and entropy [n] from final hidden states [n, H].
 
-    `chunk_size` tokens and `vocab_block` vocabulary entries per tile (None:
-    sized to the device's tile budget).
-
-    `weight_grad_sink`: a buffer shaped and typed like the output weight (normally
-    its `.grad`). The backward then adds the output weight's gradient into it
-    tile by tile, in place, and autograd receives no gradient for the weight.
-    This saves a vocabulary x hidden buffer per backward, and, for a weight
-    tied to the input embedding, the out-of-place sum autograd makes of the two
-    gradients of one tensor. Only for callers that own the backward (the
-    trainer): `torch.autograd.grad` would not see this part of the gradient.
-
-    `compiled`: each tile's element-wise work runs as torch.compile'd kernels
-    (grpo.cpu.tile_math) instead of eagerly; the same values to float tolerance."""
+    `chunk_size` tokens and `vocab_block` vocabulary entries per tile (None: sized to
+    `kernels.tile_elements`). `kernels`: how the tiles are computed (OutputLayerKernels);
+    every choice gives the same values to float tolerance."""
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
         compute_dtype = torch.get_autocast_dtype(device_type)
     else:
         compute_dtype = torch.promote_types(hidden.dtype, output_layer.weight.dtype)
     weight = output_layer.weight
-    if weight_grad_sink is not None:
-        if weight_grad_sink.shape != weight.shape or weight_grad_sink.dtype != weight.dtype:
-            raise ValueError(
-                f"weight_grad_sink must be shaped and typed like the weight ({weight.dtype} {tuple(weight.shape)}), "
-                f"got {weight_grad_sink.dtype} {tuple(weight_grad_sink.shape)}"
-            )
+    # (without an allocated .grad, autograd's own gradient: the same values)
+    in_place = kernels.weight_grad_in_place and torch.is_grad_enabled() and weight.requires_grad
+    sink = weight.grad if in_place else None
     return _TiledTokenLogprobs.apply(
         hidden, weight, output_layer.bias, targets, float(temperature), softcap, int(chunk_size),
-        vocab_block, compute_dtype, weight_grad_sink, compiled,
+        vocab_block, compute_dtype, sink, kernels,
     )
 
 
@@ -302,8 +299,7 @@ def completion_logprobs(
     chunk_size: int = 4096,
     vocab_block: int | None = None,
     share_prompts: bool = True,
-    weight_grad_sink: torch.Tensor | None = None,
-    compiled: bool = False,
+    kernels: OutputLayerKernels = PLAIN,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log pi(o_t | q, o_<t) and entropy for every completion token.
 
@@ -320,18 +316,17 @@ def completion_logprobs(
     sharded = getattr(model, FSDP_METHOD, None)
     if sharded is not None:
         return sharded(prompt_ids, prompt_mask, completion_ids, completion_mask, temperature=temperature,
-                       chunk_size=chunk_size, vocab_block=vocab_block, share_prompts=share_prompts,
-                       weight_grad_sink=weight_grad_sink, compiled=compiled)
+                       chunk_size=chunk_size, vocab_block=vocab_block, share_prompts=share_prompts, kernels=kernels)
     return _completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature=temperature,
                                 chunk_size=chunk_size, vocab_block=vocab_block, share_prompts=share_prompts,
-                                weight_grad_sink=weight_grad_sink, compiled=compiled)
+                                kernels=kernels)
 
 
 FSDP_METHOD = "grpo_completion_logprobs"
 
 
 def _completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *, temperature, chunk_size,
-                         vocab_block, share_prompts, weight_grad_sink, compiled) -> tuple[torch.Tensor, torch.Tensor]:
+                         vocab_block, share_prompts, kernels) -> tuple[torch.Tensor, torch.Tensor]:
     hidden = completion_hidden_states(model, prompt_ids, prompt_mask, completion_ids, completion_mask, share_prompts)
     keep = completion_mask.bool()
     softcap = getattr(model.config, "final_logit_softcapping", None)
@@ -343,8 +338,7 @@ def _completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, complet
         softcap=softcap,
         chunk_size=chunk_size,
         vocab_block=vocab_block,
-        weight_grad_sink=weight_grad_sink,
-        compiled=compiled,
+        kernels=kernels,
     )
     logp = torch.zeros(completion_ids.shape, dtype=torch.float32, device=hidden.device)
     entropy = torch.zeros(completion_ids.shape, dtype=torch.float32, device=hidden.device)
