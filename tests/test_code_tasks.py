@@ -15,7 +15,8 @@ import torch
 from grpo.config import schema as config
 from grpo.cli import main
 from grpo.config.schema import ConfigError
-from grpo.training.evaluate import EvalResult, Evaluator, format_table
+from grpo.run.eval_results import EvalResult, format_table
+from grpo.training.evaluate import Evaluator
 from grpo.tasks import load_task
 from grpo.tasks import code as code_module
 from grpo.tasks import humaneval

@@ -7,9 +7,11 @@ import json
 import pytest
 import torch
 
+from grpo.run import eval_results
 from grpo.training import evaluate as ev
 from grpo.config.schema import Config, ConfigError, ModelConfig, RewardsConfig
-from grpo.training.evaluate import EvalResult, Evaluator, evaluate, format_table
+from grpo.run.eval_results import EvalResult, format_table
+from grpo.training.evaluate import Evaluator, evaluate
 from grpo.rewards.reward_set import RewardSet
 from grpo.rollout import Rollout, TransformersEngine
 from grpo.tasks.scorers import AnswerScorer, RewardScorer
@@ -90,7 +92,7 @@ def _kwargs(**over):
 
 def _engine(model, tokenizer):
     cfg = Config()
-    cfg.rollout.decoding = "plain"
+    cfg.cpu.decoding = "plain"
     return TransformersEngine(model, tokenizer, cfg)
 
 
@@ -205,11 +207,11 @@ def test_evaluator_uses_config(model, tokenizer, tmp_path):
     assert evaluator.max_new_tokens == 4 and len(evaluator.rows) == 3 and evaluator.num_batches == 1
     before = evaluator("before", 0)
     after = evaluator("after", 10)
-    ev.append_results(tmp_path / "run" / "eval.jsonl", before + after)
+    eval_results.append_results(tmp_path / "run" / "eval.jsonl", before + after)
     lines = [json.loads(x) for x in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
     assert [(x["label"], x["step"], x["n"]) for x in lines] == [("before", 0, 3), ("after", 10, 3)]
     assert before[0].correct == lines[0]["counts"]["correct"][0] and after[0].n == 3
-    assert ev.latest(ev.read_results(tmp_path / "run" / "eval.jsonl"), "after")[0].step == 10
+    assert eval_results.latest(eval_results.read_results(tmp_path / "run" / "eval.jsonl"), "after")[0].step == 10
 
 
 def test_eval_jsonl_of_earlier_versions_still_reads():
@@ -397,7 +399,7 @@ def test_a_wording_gain_is_reported_beside_the_trained_one(tokenizer, tmp_path):
     table = format_table(before, after)
     assert _row_cells(table, "greedy")[1:5] == ["6/6 (100.0%)", "6/6 (100.0%)", "6/6 (100.0%)", "6/6 (100.0%)"]
     assert _row_cells(table, "greedy, wording 2")[1:5] == ["0/6 (0.0%)", "6/6 (100.0%)", "0/6 (0.0%)", "6/6 (100.0%)"]
-    assert [r.setting for r in ev.latest(before + after, "after")] == [(1, 0.0), (1, 1.0), (2, 0.0), (2, 1.0)]
+    assert [r.setting for r in eval_results.latest(before + after, "after")] == [(1, 0.0), (1, 1.0), (2, 0.0), (2, 1.0)]
 
 
 def test_instructions_are_for_task_arithmetic_and_need_the_expression(tmp_path):

@@ -12,7 +12,7 @@ pytest.importorskip("matplotlib")
 
 from grpo.config import schema as config_module  # noqa: E402
 from grpo.config.schema import Config  # noqa: E402
-from grpo.training.evaluate import EvalResult, append_results  # noqa: E402
+from grpo.run.eval_results import EvalResult, append_results  # noqa: E402
 from grpo.run.report import ReportError, build_report, figures, read_metrics  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -122,7 +122,8 @@ def _eval(args: argparse.Namespace) -> int:
     from grpo.config import schema as config
     from grpo.backends import create_backend
     from grpo.tasks.data import PromptEncoder, check_columns
-    from grpo.training.evaluate import Evaluator, append_results, format_table
+    from grpo.run.eval_results import append_results, format_table
+    from grpo.training.evaluate import Evaluator
     from grpo.models.loading import context_length, load_model_and_tokenizer
     from grpo.run.progress import bar
     from grpo.rewards.reward_set import RewardSet

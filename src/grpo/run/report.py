@@ -21,7 +21,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-from grpo.training.evaluate import ACCURACY_COUNTS, COLUMN_NAMES, EvalResult, format_table, latest, read_results
+from grpo.run.eval_results import ACCURACY_COUNTS, COLUMN_NAMES, EvalResult, format_table, latest, read_results
 
 DPI = 100
 SMOOTH_FRACTION = 20

@@ -26,7 +26,7 @@ from typing import Callable
 from grpo.run import checkpoint
 from grpo.config import schema as config_module
 from grpo.config.schema import Config, ConfigError
-from grpo.training.evaluate import EvalResult, append_results, format_table
+from grpo.run.eval_results import EvalResult, append_results, format_table
 from grpo.run.progress import TrainProgress, bar
 
 RUN_LOGS = ("metrics.jsonl", "samples.jsonl", "eval.jsonl")

@@ -33,7 +33,8 @@ from grpo.training.batching import GenerationBatch, groups_with_spread, keep_gro
 from grpo.config.schema import Config, ConfigError
 from grpo.training.critic import Critic
 from grpo.tasks.data import PromptEncoder, Row, check_columns, is_conversational
-from grpo.training.evaluate import EvalResult, Evaluator
+from grpo.run.eval_results import EvalResult
+from grpo.training.evaluate import Evaluator
 from grpo.training.metrics import Outcome, PhaseTimer, batch_metrics, sum_counts
 from grpo.models.lora import apply_lora
 from grpo.models.loading import context_length, load_model_and_tokenizer
