@@ -4,14 +4,10 @@ A transformers RMS norm is some nine element-wise operations, each its own pass
 over the input in float32 (Gemma 3's: a cast to float32, square, mean, add,
 rsqrt, multiply, 1 + weight, multiply, a cast back), and autograd keeps their
 intermediates and runs as many again backward. Gemma-3-270M has six norms a
-layer (four over the hidden state, two over the query and key heads): in a
-profile of one bf16 update of the benchmark's work on a 2-core Intel Xeon with
-AMX (torch 2.13), element-wise multiplications alone took 0.94 s of 9.7 s,
-most of them the norms'. Compiled by torch.compile, a norm's forward is one
-pass and its backward one or two. Measured there, forward and backward of one
-norm over 8 x 63 tokens, alternating: hidden size 640, 2.59 -> 1.10 ms in
-float32 and 2.54 -> 0.99 ms in bf16; the query heads (4 x 256), 4.41 -> 1.49 ms
-and 3.68 -> 1.37 ms.
+layer (four over the hidden state, two over the query and key heads), and in a
+profile of a bf16 update most of its element-wise multiplications are the
+norms'. Compiled by torch.compile, a norm's forward is one pass and its
+backward one or two (measured: docs/performance.md).
 
 `use_compiled_norms(model)` switches every RMS-norm module of a model (a class
 named `...RMSNorm` whose forward takes one tensor: Gemma 3, Llama, Qwen2,
@@ -23,7 +19,7 @@ aside (tests/test_compiled_norms.py). Through a whole bf16 model that rounding
 moves bf16 results as any reordering does: Gemma-3-270M's token log-probabilities
 were 0.024 (eager) and 0.025 (compiled) from float32's on average. Inputs below
 `MIN_ELEMENTS` (a decoding step's few rows) run eagerly, where a compiled
-call's fixed cost (about 40 us measured) is more than the work. Parameters,
+call's fixed cost is more than the work. Parameters,
 state dicts and `isinstance` are unchanged.
 
 Autograd through a compiled function has its backward compiled too;

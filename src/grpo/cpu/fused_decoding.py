@@ -13,16 +13,11 @@ in place. It reuses the model's own embedding, rotary-embedding and
 activation modules, and mirrors where transformers rounds to bf16 under
 autocast, so its logits equal transformers' to rounding (tests compare every
 step, and greedy completions, for Llama, Qwen2, Qwen3 and Gemma 3 with a
-sliding window). Measured on Gemma-3-270M, 16 rows, bf16, 2-core CPU,
-alternating in one process: a decoding step 29.6-31.9 -> 25.3-26.9 ms; a
-trainer's rollout of 16 x 64 tokens 3.45 -> 2.92 s (medians of 4).
+sliding window). Measured: docs/performance.md.
 
 In float32 it decodes from the layers' own weights, without copies: a product
 per layer through oneDNN (grpo.cpu.kernels; torch would send these to MKL), the
-output layer computed transposed (`kernels.tall_linear_nt`). Measured on
-Gemma-3-270M, a trainer's float32 rollout of 16 x 64 tokens, 2-core Intel Xeon
-with AMX, alternating in one process: transformers' modules 14.58 s, fused
-9.64 s (medians of 4; every pair faster).
+output layer computed transposed (`kernels.tall_linear_nt`).
 
 The transformers engine uses it for CPU rollouts where it applies
 (`cpu.decoding: auto` and `fused_decoding_applies`: bf16, or float32

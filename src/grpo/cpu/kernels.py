@@ -3,10 +3,8 @@
 torch sends a float32 `F.linear` on the CPU to MKL. On AMD CPUs MKL runs a
 generic code path; oneDNN, which ships inside the same torch build, does the
 same float32 products (float32 accumulation, no reduced-precision shortcut)
-about twice as fast. Measured on the 2-core AMD EPYC this project is
-developed on, 1024 x 640 by 640 x 262,144 (Gemma's output layer): 2.34 s with
-MKL, 1.06 s with oneDNN; results agree with a float64 product to 1e-6
-relative either way (tests/test_kernels.py). On Intel CPUs MKL takes its own
+about twice as fast (docs/performance.md); results agree with a float64 product
+to 1e-6 relative either way (tests/test_kernels.py). On Intel CPUs MKL takes its own
 fast path and is the faster of the two for training's products, while oneDNN
 stays faster for decoding's few rows: `uses_onednn` picks by the CPU's make
 and the product's rows.
@@ -24,17 +22,11 @@ completion), where oneDNN is faster with the weight reordered into its own
 blocked layout. `packed_for_decoding(model, rows)` makes such a copy of every
 CPULinear weight in the bf16 autocast dtype for the duration of a rollout;
 it replaces the bf16 copies autocast would otherwise cache, so it holds no
-more memory (the cast and reorder go a 32 MB piece at a time). Measured with
-16 rows in bf16: Gemma's output layer (262,144 x 640) 16.6 -> 10.9 ms, a
-2048 x 640 layer 0.118 -> 0.078 ms, same results; a trainer's rollout of 16 x
-64 tokens 3.58 -> 3.08 s, same peak memory.
-(float32 products gain as much, but there the copy would be extra memory on
-top of the float32 weights, so float32 weights are not packed: float32
-decoding multiplies by the weights themselves, grpo.cpu.fused_decoding.)
-
-A cast-once cache of bf16 weight copies for bf16 autocast in every forward
-pass (training included) was tried and measured no faster in the benchmark
-(10.5 s vs 10.6 s per bf16 step) while holding 0.54 GB more, so it is not kept.
+more memory (the cast and reorder go a 32 MB piece at a time). float32
+weights are not packed: there the copy would be extra memory on top of the
+float32 weights (float32 decoding multiplies by the weights themselves,
+grpo.cpu.fused_decoding). Measurements, and a cast-once cache of bf16 weights
+that was tried and not kept: docs/performance.md.
 """
 
 from __future__ import annotations
@@ -91,10 +83,7 @@ def uses_onednn(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether the float32 product a @ b.T (a [..., K], b [N, K]) goes through oneDNN:
     where it applies (onednn_applies), for a product with few rows on either side
     (decoding) on every CPU, and for training's larger products where MKL has no fast
-    path. On the 2-core Intel Xeon with AMX, MKL ran the update's products (640 tokens
-    by Gemma-3-270M's layers) at 203-263 GFLOP/s against oneDNN's 103-232 (the weight
-    gradients 207-245 against 103-189), while oneDNN was faster up to 32 rows (24
-    decoder weights: 16 rows 12.8 vs 16.0 ms, 32 rows 17.7 vs 22.9 ms)."""
+    path (the measurements behind FEW_ROWS and this choice: docs/performance.md)."""
     if not onednn_applies(a, b):
         return False
     rows = min(a.numel() // a.shape[-1], b.shape[0])

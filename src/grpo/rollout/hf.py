@@ -115,9 +115,8 @@ def sample_from(
     Inverse-CDF sampling in two levels: a block of CDF_BLOCK entries by the
     blocks' totals, then an entry of that block by its weights, each with its
     own uniform number. That is one reduction over the vocabulary instead of a
-    cumulative sum over it (a sequential scan, 1.7 ms for 16 x 262,144 on the
-    2-core CPU this was developed on); torch.multinomial, which draws a random
-    number per vocabulary entry, took ~40% of decoding. A zero-weight entry is
+    cumulative sum over it (a sequential scan) or torch.multinomial, which draws a
+    random number per vocabulary entry (measured: docs/performance.md). A zero-weight entry is
     never drawn.
     """
     B, V = weights.shape

@@ -1,0 +1,110 @@
+"""The layout docs/architecture.md describes is the one in src/grpo: every module it names
+exists and every module is named there; the folders import each other without a circle; the
+CPU speed layer is reached only through the backends; each folder says its one job; and no
+docstring quotes a timing (measurements live in docs/performance.md, with their machine)."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src" / "grpo"
+PAGE = ROOT / "docs" / "architecture.md"
+
+
+def _modules() -> dict[str, Path]:
+    """Dotted name -> file of every module under src/grpo."""
+    out = {}
+    for path in SRC.rglob("*.py"):
+        parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The grpo modules `path` imports (anywhere in it, lazily too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "grpo" and node.level == 0:
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                found.add(full if full in modules else node.module)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "grpo"}
+    return found
+
+
+def _folder(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def test_the_page_names_every_module_and_only_modules_that_exist():
+    page = PAGE.read_text()
+    named = set(re.findall(r"`((?:[a-z_]+/)*[a-z_]+\.py)`", page))
+    files = {p.relative_to(SRC).as_posix() for p in SRC.rglob("*.py") if p.name not in ("__init__.py", "__main__.py")}
+    missing = sorted(files - named)
+    assert not missing, f"docs/architecture.md does not name {missing}"
+    stale = sorted(n for n in named if not (SRC / n).is_file() and not (ROOT / n).is_file())
+    assert not stale, f"docs/architecture.md names modules that do not exist: {stale}"
+
+
+def test_folders_import_each_other_without_a_circle():
+    modules = _modules()
+    edges: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        for target in _imports(path, modules):
+            a, b = _folder(name), _folder(target)
+            if a != b and b != "grpo":
+                edges.setdefault(a, set()).add(b)
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        for nxt in edges.get(start, ()):
+            if nxt == goal or (nxt not in seen and reaches(nxt, goal, seen | {nxt})):
+                return True
+        return False
+
+    circles = sorted(f"{a} -> {b}" for a, targets in edges.items() for b in targets if reaches(b, a, {b}))
+    assert not circles, f"folders that import each other in a circle: {circles}"
+
+
+def test_only_the_backends_and_the_program_reach_the_cpu_layer():
+    modules = _modules()
+    allowed = {"grpo.backends.single", "grpo.cli"}  # the backend builds CPULayer; the CLI asks for huge pages
+    reaching = sorted(
+        name for name, path in modules.items()
+        if _folder(name) != "cpu" and any(_folder(t) == "cpu" for t in _imports(path, modules)) and name not in allowed
+    )
+    assert not reaching, f"modules outside the backends that import grpo.cpu: {reaching}"
+
+
+def test_each_folder_says_its_one_job_and_the_top_level_stays_small():
+    for init in SRC.rglob("__init__.py"):
+        assert ast.get_docstring(ast.parse(init.read_text())), f"{init.relative_to(ROOT)} has no docstring"
+    top = [p.name for p in SRC.iterdir() if p.name not in ("__pycache__",) and (p.suffix == ".py" or p.is_dir())]
+    assert len(top) <= 16, f"src/grpo has {len(top)} top-level names: {sorted(top)}"
+
+
+TIMING = re.compile(r"\b\d+\.\d+\s?s\b|\b\d+(?:\.\d+)?\s?(?:ms|us|µs|GB/s|GFLOP/s|MB/s)(?!\w)")
+
+
+def _docstrings(tree: ast.AST):
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list):
+            for stmt in body:  # module, class and function docstrings, and attribute docstrings
+                if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant) and isinstance(stmt.value.value, str):
+                    yield stmt.lineno, stmt.value.value
+
+
+def test_no_docstring_quotes_a_timing():
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        for line, text in _docstrings(ast.parse(path.read_text())):
+            for match in TIMING.finditer(text):
+                found.append(f"{path.relative_to(ROOT)}:{line}: {match.group(0)!r}")
+    assert not found, "docstrings quoting timings (move them to docs/performance.md):\n" + "\n".join(found)
