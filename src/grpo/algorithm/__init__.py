@@ -38,6 +38,7 @@ from grpo.algorithm.correction import (
 from grpo.algorithm.losses import (
     ENTROPY_MASK_SCOPES,
     LossNormalisers,
+    LossSettings,
     PolicyLossParams,
     aggregate_loss,
     batch_token_mean,
@@ -70,7 +71,7 @@ from grpo.registry import IMPORTANCE_LEVELS, KL_ESTIMATORS, SCALE_REWARDS
 
 __all__ = [
     "ADVANTAGE_EPS", "CORRECTION_LEVELS", "CORRECTION_MODES", "ENTROPY_MASK_SCOPES", "IMPORTANCE_LEVELS",
-    "KL_ESTIMATORS", "SCALE_REWARDS", "LossNormalisers", "PolicyLossParams", "RolloutCorrection",
+    "KL_ESTIMATORS", "SCALE_REWARDS", "LossNormalisers", "LossSettings", "PolicyLossParams", "RolloutCorrection",
     "aggregate_loss", "batch_token_mean", "cispo_policy_loss", "clipped_policy_loss", "clipped_surrogate",
     "clipped_value_loss", "combine_rewards", "correction_weights", "dr_grpo_advantages", "entropy_from_logits",
     "entropy_mask", "explained_variance", "fixed_length_mean", "gae_advantages", "gae_estimator",

@@ -30,6 +30,7 @@ TRL's loss_type is split into the policy loss and the aggregation):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -141,14 +142,25 @@ class LossNormalisers:
     The minibatch is one of `num_minibatches` pieces of a generation batch that
     holds `num_sequences` completions and `num_tokens` completion tokens (all
     ranks); `minibatch_tokens` counts the tokens of this minibatch (bnpo), and
-    `max_completion_length` is dr_grpo's fixed length.
+    `max_completion_length` is dr_grpo's fixed length. A count left None is taken
+    from the tensors given (`filled`), i.e. a batch of one piece.
     """
 
-    num_sequences: int
-    num_tokens: float
+    num_sequences: int | None = None
+    num_tokens: float | None = None
     num_minibatches: int = 1
     minibatch_tokens: float | None = None
     max_completion_length: int | None = None
+
+    def filled(self, mask: torch.Tensor, dtype: torch.dtype) -> "LossNormalisers":
+        """These counts, with those left None counted from `mask` (one piece: the whole batch)."""
+        whole = mask.to(dtype).sum()
+        return dataclasses.replace(
+            self,
+            num_sequences=mask.shape[0] if self.num_sequences is None else self.num_sequences,
+            num_tokens=whole if self.num_tokens is None else self.num_tokens,
+            minibatch_tokens=whole if self.minibatch_tokens is None else self.minibatch_tokens,
+        )
 
 
 def _masked(per_token_loss: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,15 +203,7 @@ def batch_token_mean(per_token_loss: torch.Tensor, mask: torch.Tensor, norm: Los
 
 
 def aggregate_loss(
-    per_token_loss: torch.Tensor,
-    mask: torch.Tensor,
-    loss_type: str,
-    *,
-    max_completion_length: int | None = None,
-    num_sequences: int | None = None,
-    num_tokens: float | None = None,
-    num_minibatches: int = 1,
-    minibatch_tokens: float | None = None,
+    per_token_loss: torch.Tensor, mask: torch.Tensor, loss_type: str, norms: LossNormalisers = LossNormalisers()
 ) -> torch.Tensor:
     """Reduce per-token losses of one minibatch to the scalar to backpropagate, with the
     aggregation registered as `loss_type`. Summing the results over the pieces of a
@@ -214,22 +218,14 @@ def aggregate_loss(
     the batch is split; bnpo normalises per minibatch, as TRL does. A minibatch
     may itself be computed in micro-batches (to bound activation memory): each
     passes its minibatch's `minibatch_tokens`, and the micro-batches' results
-    sum to the minibatch's. Defaults (None) take the totals from the tensors
-    given, i.e. a single-piece batch.
+    sum to the minibatch's. Counts left None in `norms` are taken from the
+    tensors given, i.e. a single-piece batch.
 
     Example: L = [[1, 3], [2, x]], M = [[1, 1], [1, 0]], one piece, T_max=4:
     grpo (2 + 2)/2 = 2;  bnpo 6/3 = 2;  dr_grpo 6/(2*4) = 0.75;  dapo 6/3 = 2.
     """
     aggregate = LOSS_AGGREGATIONS.get(loss_type)  # a ConfigError (a ValueError) for an unknown name
-    whole = mask.to(per_token_loss.dtype).sum()
-    norm = LossNormalisers(
-        num_sequences=mask.shape[0] if num_sequences is None else num_sequences,
-        num_tokens=whole if num_tokens is None else num_tokens,
-        num_minibatches=num_minibatches,
-        minibatch_tokens=whole if minibatch_tokens is None else minibatch_tokens,
-        max_completion_length=max_completion_length,
-    )
-    return aggregate(per_token_loss, mask, norm)
+    return aggregate(per_token_loss, mask, norms.filled(mask, per_token_loss.dtype))
 
 
 # --------------------------------------------------------------------------
@@ -424,34 +420,40 @@ def entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float, sco
     return selected.reshape(entropy.shape)
 
 
+@dataclass(frozen=True)
+class LossSettings:
+    """How a run's policy loss is computed (algorithm.*): the same for every micro-batch.
+
+    objective:  the registered policy loss (`clipped`, `cispo`, `sapo`), reading `params`
+    loss_type:  the registered aggregation (`grpo`, `bnpo`, `dr_grpo`, `dapo`)
+    beta:       the KL term's weight (0: none), with `kl_estimator` (k1, k2, k3)
+    correction: truncated importance sampling against the engine's sampling logprobs
+                (`correction_weights`), or None
+    """
+
+    objective: str = "clipped"
+    loss_type: str = "dapo"
+    params: PolicyLossParams = PolicyLossParams()
+    beta: float = 0.0
+    kl_estimator: str = "k3"
+    correction: RolloutCorrection | None = None
+
+
 def policy_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor | None,
     advantages: torch.Tensor,
     mask: torch.Tensor,
+    settings: LossSettings = LossSettings(),
+    norms: LossNormalisers = LossNormalisers(),
     *,
-    objective: str = "clipped",
-    loss_type: str = "dapo",
-    epsilon_low: float = 0.2,
-    epsilon_high: float = 0.2,
-    delta: float | None = None,
-    importance_sampling_level: str = "token",
-    beta: float = 0.0,
     ref_logp: torch.Tensor | None = None,
-    kl_estimator: str = "k3",
-    max_completion_length: int | None = None,
-    num_sequences: int | None = None,
-    num_tokens: float | None = None,
-    num_minibatches: int = 1,
-    minibatch_tokens: float | None = None,
-    sapo_temperature_pos: float = 1.0,
-    sapo_temperature_neg: float = 1.05,
     entropy_mask: torch.Tensor | None = None,
     sampling_logp: torch.Tensor | None = None,
-    correction: RolloutCorrection | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The GRPO objective for one minibatch: policy loss `objective` (times the entropy mask
-    and the rollout correction's weights, when given) + beta * KL, aggregated by `loss_type`.
+    """The GRPO objective for one minibatch: policy loss `settings.objective` (times the entropy
+    mask and the rollout correction's weights, when given) + beta * KL, aggregated by
+    `settings.loss_type` with the batch's `norms`.
 
         l_{i,t} = keep_{i,t} * w_{i,t} * policy_{i,t} + beta * KL_{i,t}
 
@@ -466,26 +468,23 @@ def policy_loss(
                stay those of `mask` (a dropped token still counts in the
                denominators), as TRL's top_entropy_quantile does.
     sampling_logp: [N, T] log-probs the rollout engine sampled with, or None;
-               given, the statistics gain the mismatch sums (`mismatch_stats`).
-    correction: with sampling_logp, multiply the policy term by the detached
-               weights of `correction_weights(old_logp, sampling_logp, mask, correction)`
-               (truncated importance sampling); None: no re-weighting. The
-               policy loss's own ratio stays pi_theta / pi_old.
+               given, the statistics gain the mismatch sums (`mismatch_stats`), and
+               `settings.correction` multiplies the policy term by the detached
+               weights of `correction_weights(old_logp, sampling_logp, mask, correction)`.
+               The policy loss's own ratio stays pi_theta / pi_old.
 
     Returns the scalar loss and detached float64 statistics summed over masked
     tokens (the caller divides by token counts): clip_low, clip_high,
     clip_region (as the policy loss defines them); kl when beta > 0;
     logprob_diff_sum, logprob_diff_max (a max, not a sum), is_ratio_sum when
-    sampling_logp is given; is_weight_sum, is_capped when correction is too.
+    sampling_logp is given; is_weight_sum, is_capped when a correction is too.
     """
     if old_logp is None:
         old_logp = logp.detach()
+    correction = settings.correction
     if correction is not None and sampling_logp is None:
         raise ValueError("a rollout correction needs sampling_logp, the log-probs the engine sampled with")
-    params = PolicyLossParams(
-        epsilon_low, epsilon_high, delta, importance_sampling_level, sapo_temperature_pos, sapo_temperature_neg
-    )
-    per_token, stats = POLICY_LOSSES.get(objective)(logp, old_logp, advantages, mask, params)
+    per_token, stats = POLICY_LOSSES.get(settings.objective)(logp, old_logp, advantages, mask, settings.params)
     if entropy_mask is not None:
         if entropy_mask.shape != mask.shape:
             raise ValueError(f"entropy_mask must have mask's shape {tuple(mask.shape)}, got {tuple(entropy_mask.shape)}")
@@ -496,23 +495,13 @@ def policy_loss(
         stats.update(mismatch_stats(old_logp, sampling_logp, mask, correction))
         if correction is not None:
             per_token = per_token * correction_weights(old_logp, sampling_logp, mask, correction).to(per_token.dtype)
-    if beta != 0.0:
+    if settings.beta != 0.0:
         if ref_logp is None:
             raise ValueError("beta > 0 needs ref_logp")
-        kl = kl_estimate(logp, ref_logp, kl_estimator)
-        per_token = per_token + beta * kl
+        kl = kl_estimate(logp, ref_logp, settings.kl_estimator)
+        per_token = per_token + settings.beta * kl
         stats["kl"] = masked_sum(kl.detach(), mask)
-    loss = aggregate_loss(
-        per_token,
-        mask,
-        loss_type,
-        max_completion_length=max_completion_length,
-        num_sequences=num_sequences,
-        num_tokens=num_tokens,
-        num_minibatches=num_minibatches,
-        minibatch_tokens=minibatch_tokens,
-    )
-    return loss, stats
+    return aggregate_loss(per_token, mask, settings.loss_type, norms), stats
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -143,14 +143,26 @@ def batch_logprobs(model, batch: GenerationBatch, cfg: Config, backend) -> torch
     return out
 
 
-def rollout_correction(cfg: Config) -> algorithm.RolloutCorrection | None:
-    """algorithm.rollout_correction as the loss takes it (`token_truncate` -> level token, mode
-    truncate); None when it is off."""
+def loss_settings(cfg: Config) -> algorithm.LossSettings:
+    """algorithm.* as the policy loss takes it; algorithm.rollout_correction `token_truncate` is
+    level token, mode truncate (none: no correction)."""
     a = cfg.algorithm
-    if a.rollout_correction == "none":
-        return None
-    level, mode = a.rollout_correction.split("_")
-    return algorithm.RolloutCorrection(level=level, mode=mode, cap=a.rollout_correction_cap)
+    correction = None
+    if a.rollout_correction != "none":
+        level, mode = a.rollout_correction.split("_")
+        correction = algorithm.RolloutCorrection(level=level, mode=mode, cap=a.rollout_correction_cap)
+    return algorithm.LossSettings(
+        objective=a.policy_loss,
+        loss_type=a.loss_type,
+        params=algorithm.PolicyLossParams(
+            epsilon_low=a.epsilon, epsilon_high=cfg.epsilon_high, delta=a.delta,
+            importance_sampling_level=a.importance_sampling_level,
+            sapo_temperature_pos=a.sapo_temperature_pos, sapo_temperature_neg=a.sapo_temperature_neg,
+        ),
+        beta=a.beta,
+        kl_estimator=a.kl_estimator,
+        correction=correction,
+    )
 
 
 def _rows_advantages(advantages: torch.Tensor, rows: torch.Tensor, width: int) -> torch.Tensor:
@@ -181,8 +193,8 @@ def policy_update(
     num_minibatches = int(backend.sum(len(pieces)))  # bnpo averages over every rank's minibatches
     sums = {"kl": 0.0, "clip_low": 0.0, "clip_high": 0.0, "clip_region": 0.0, "entropy": 0.0, "loss": 0.0}
     sampling_logp = batch.rollout.sampling_logprobs
-    correction = rollout_correction(cfg)
-    if correction is not None and sampling_logp is None:
+    settings = loss_settings(cfg)
+    if settings.correction is not None and sampling_logp is None:
         raise ConfigError(
             f"algorithm.rollout_correction={a.rollout_correction}: the rollout engine {cfg.rollout.engine!r} did not "
             "report the logprobs it sampled with; set algorithm.rollout_correction=none"
@@ -190,8 +202,11 @@ def policy_update(
     grad_norms = []
     pieces = evened(pieces, backend)  # after counting the minibatches: padding is not one
     norms = [  # the same for every pass: counted once
-        dict(num_sequences=num_sequences, num_tokens=num_tokens, num_minibatches=num_minibatches,
-             minibatch_tokens=batch.loss_mask[torch.cat(minibatch)].sum().item())
+        algorithm.LossNormalisers(
+            num_sequences=num_sequences, num_tokens=num_tokens, num_minibatches=num_minibatches,
+            minibatch_tokens=batch.loss_mask[torch.cat(minibatch)].sum().item(),
+            max_completion_length=cfg.rollout.max_completion_length,
+        )
         for minibatch in pieces
     ]
     model.train()
@@ -215,24 +230,13 @@ def policy_update(
                     old_logp[rows, :width] if old_logp is not None else None,
                     _rows_advantages(batch.advantages, rows, width).to(backend.device),
                     mask,
-                    objective=a.policy_loss,
-                    sapo_temperature_pos=a.sapo_temperature_pos,
-                    sapo_temperature_neg=a.sapo_temperature_neg,
+                    settings,
+                    norm,
+                    ref_logp=ref_logp[rows, :width] if ref_logp is not None else None,
                     entropy_mask=high_entropy,
                     # the engine's logprobs, against the policy the update starts from (old_logp,
                     # or logp itself on a single pass: the weights have not moved yet)
                     sampling_logp=sampling_logp[rows, :width].to(backend.device) if sampling_logp is not None else None,
-                    correction=correction,
-                    loss_type=a.loss_type,
-                    epsilon_low=a.epsilon,
-                    epsilon_high=cfg.epsilon_high,
-                    delta=a.delta,
-                    importance_sampling_level=a.importance_sampling_level,
-                    beta=a.beta,
-                    ref_logp=ref_logp[rows, :width] if ref_logp is not None else None,
-                    kl_estimator=a.kl_estimator,
-                    max_completion_length=cfg.rollout.max_completion_length,
-                    **norm,
                 )
                 sums["entropy"] += algorithm.masked_sum(entropy, mask).item()
                 if high_entropy is not None:
@@ -275,7 +279,7 @@ def policy_update(
         out["rollout/logprob_diff_mean"] = sums["logprob_diff_sum"] / passes
         out["rollout/logprob_diff_max"] = sums["logprob_diff_max"]
         out["rollout/is_ratio"] = sums["is_ratio_sum"] / passes
-        if correction is not None:
+        if settings.correction is not None:
             out["rollout/is_weight"] = sums["is_weight_sum"] / passes
             out["rollout/is_capped_ratio"] = sums["is_capped"] / passes
     if a.top_entropy_quantile < 1.0:
