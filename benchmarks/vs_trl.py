@@ -302,10 +302,10 @@ def measure_peak_flops(dtype_name: str, device: str, size: int, repeats: int) ->
     for m, k, n in peak_shapes(size):
         a = torch.randn(m, k, device=device).to(dtype)
         b = torch.randn(k, n, device=device).to(dtype)
-        kernels = {"torch matmul": lambda: a @ b}
+        kernels = {"torch matmul": lambda a=a, b=b: a @ b}
         if device == "cpu" and dtype == torch.float32 and onednn_available():
             bt = b.t().contiguous()
-            kernels["oneDNN"] = lambda: linear_nt(a, bt)
+            kernels["oneDNN"] = lambda a=a, bt=bt: linear_nt(a, bt)
         for name, product in kernels.items():
             product()  # warm-up (thread pool, kernels)
             _sync(device)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import errno
 import sys
+from pathlib import Path
 
 from grpo.config.schema import ConfigError
 
