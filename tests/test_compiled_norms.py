@@ -1,6 +1,6 @@
 """The decoder's RMS norms as compiled kernels (grpo.cpu.compiled_norms): the compiled forward equals the
 module's own, values and gradients, in float32 and bf16; small inputs stay eager; which modules are
-switched; and a trainer with training.kernels=compiled trains as the eager one does."""
+switched; and a trainer with cpu.compile=compiled trains as the eager one does."""
 
 import pytest
 import torch
@@ -76,6 +76,6 @@ def test_the_trainer_switches_norms_only_with_compiled_kernels(tokenizer, tmp_pa
 
     monkeypatch.setattr(compiling, "compile_works", lambda device_type: None)  # no compile happens below
     for kernels, switched in (("eager", False), ("compiled", True)):
-        trainer = make_trainer(tokenizer, tmp_path / kernels, [f"training.kernels={kernels}", "training.max_steps=1"])
+        trainer = make_trainer(tokenizer, tmp_path / kernels, [f"cpu.compile={kernels}", "training.max_steps=1"])
         norms = [m for m in trainer.model.modules() if type(m).__name__.endswith("RMSNorm")]
         assert norms and all(isinstance(m, compiled_norms.CompiledNorm) is switched for m in norms)

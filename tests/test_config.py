@@ -49,7 +49,7 @@ def test_overrides_do_not_mutate_input():
         ({}, ["training.max_steps"], "expected key=value"),
         ({"model": "gpt2"}, [], "model: expected a mapping"),
         ({}, ["rollout.engine=sglang"], "rollout.engine: 'sglang' is not one of hf"),
-        ({}, ["rollout.decoding=fast"], "rollout.decoding: 'fast' is not one of auto, fused, plain"),
+        ({}, ["cpu.decoding=fast"], "cpu.decoding: 'fast' is not one of auto, fused, plain"),
         ({}, ["algorithm.advantage_estimator=rlo"], "algorithm.advantage_estimator: 'rlo' is not one of grpo, dr_grpo, rloo, reinforce_pp, gae (did you mean 'rloo'?)"),
         ({}, ["algorithm.policy_loss=clip"], "algorithm.policy_loss: 'clip' is not one of clipped, cispo, sapo (did you mean 'clipped'?)"),
         ({}, ["data.task=json"], "data.task: 'json' is not one of arithmetic, jsonl, gsm8k, math"),
@@ -60,6 +60,34 @@ def test_bad_config_names_the_key(data, overrides, expected):
     with pytest.raises(ConfigError) as err:
         config.from_dict(data, overrides)
     assert expected in str(err.value)
+
+
+MOVED = [("model.cpu_kernels", "false", "cpu.kernels"), ("training.kernels", "eager", "cpu.compile"),
+         ("rollout.decoding", "plain", "cpu.decoding")]
+
+
+@pytest.mark.parametrize("old, value, new", MOVED)
+def test_a_moved_key_is_refused_naming_its_new_key(old, value, new, tmp_path):
+    """The CPU layer's settings moved under cpu:; a config of an earlier version (an override or a
+    file) is refused with the key to write instead, never silently ignored or guessed."""
+    assert config.MOVED_KEYS[old] == new
+    with pytest.raises(ConfigError) as err:
+        config.from_dict({}, [f"{old}={value}"])
+    message = str(err.value)
+    assert f"{old} is now {new}" in message
+    assert message.split(f"write {new}: ")[1].strip("'").lower() == value  # and the value to write there
+    section, key = old.split(".")
+    path = tmp_path / "old.yaml"
+    path.write_text(f"{section}:\n  {key}: {value}\n")
+    with pytest.raises(ConfigError, match=f"{old} is now {new}"):
+        config.load(path)
+    # the new key takes the same value
+    cpu = config.from_dict({}, [f"{new}={value}"]).cpu
+    assert str(getattr(cpu, new.split(".")[1])).lower() == value
+
+
+def test_every_moved_key_is_covered():
+    assert sorted(config.MOVED_KEYS.items()) == sorted((old, new) for old, _, new in MOVED)
 
 
 def test_indivisible_batch_suggests_a_fix():

@@ -91,9 +91,8 @@ def _kwargs(**over):
 
 
 def _engine(model, tokenizer):
-    cfg = Config()
-    cfg.cpu.decoding = "plain"
-    return TransformersEngine(model, tokenizer, cfg)
+    # no decoding steps handed in (no backend's CPU layer): transformers' modules
+    return TransformersEngine(model, tokenizer, Config(), decoding=None)
 
 
 class ScriptedEngine:

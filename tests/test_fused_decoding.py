@@ -5,10 +5,11 @@ import pytest
 import torch
 
 from grpo.cpu import kernels
-from grpo.training import logprobs
+from grpo.models import logprobs
 from grpo.config import schema as config
-from grpo.backends.single import prepare_for_device
-from grpo.config.schema import ConfigError, ModelConfig
+from grpo.backends.single import SingleProcess
+from grpo.config.schema import ConfigError, CPUConfig
+from grpo.cpu.layer import CPULayer
 from grpo.rollout import SamplingParams, TransformersEngine, generate
 from grpo.cpu.fused_decoding import FusedDecoder, fused_decoding_applies
 from grpo.rollout.hf import TransformersSteps, left_pad
@@ -39,6 +40,11 @@ def _model(arch, tokenizer, gemma3_tiny):
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
     return model
+
+
+def _install(model):
+    """The CPU layer's kernels on `model`, as a CPU run's backend installs them (cpu: defaults)."""
+    CPULayer(CPUConfig()).install(model)
 
 
 def _prompts(tokenizer):
@@ -91,7 +97,7 @@ def test_logits_equal_transformers_under_bf16_autocast(arch, tokenizer, gemma3_t
     if not kernels.packing_available():
         pytest.skip("oneDNN weight packing is not available in this torch build")
     model = _model(arch, tokenizer, gemma3_tiny)
-    prepare_for_device(model, ModelConfig(name="tiny"))
+    _install(model)
     ids, mask = left_pad(_prompts(tokenizer), tokenizer.pad_token_id)
     positions = logprobs.position_ids_from_mask(mask)
     n = 8
@@ -105,12 +111,17 @@ def test_logits_equal_transformers_under_bf16_autocast(arch, tokenizer, gemma3_t
         torch.testing.assert_close(a.float(), b.float(), rtol=0.02, atol=0.02, msg=f"step {t}")
 
 
+FUSED = CPULayer(CPUConfig(decoding="fused")).decoding
+"""Decoding steps that are always FusedDecoder's (None: transformers' modules)."""
+
+
 def _generate_all_ways(model, tokenizer, stop_token, **kw):
     params = SamplingParams(max_new_tokens=20, temperature=0)
     return {
         (fused, share, compact): generate(
             model, _prompts(tokenizer), 2, params, eos_token_ids=[tokenizer.eos_token_id, stop_token],
-            pad_token_id=tokenizer.pad_token_id, share_prefix=share, compact=compact, fused=fused, **kw,
+            pad_token_id=tokenizer.pad_token_id, share_prefix=share, compact=compact,
+            decoding=FUSED if fused else None, **kw,
         )
         for fused in (False, True)
         for share in (False, True)
@@ -123,7 +134,7 @@ def test_greedy_completions_equal_transformers(arch, tokenizer, gemma3_tiny, ass
     model = _model(arch, tokenizer, gemma3_tiny)
     # a token some rows emit early: rows finish at different steps, so compaction happens
     free = generate(model, _prompts(tokenizer), 1, SamplingParams(20, temperature=0),
-                    eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id, fused=False)
+                    eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
     counts = torch.bincount(free.completion_ids[:, :10].flatten(), minlength=len(tokenizer))
     stop_token = int(counts.argmax())
     results = _generate_all_ways(model, tokenizer, stop_token)
@@ -138,23 +149,42 @@ def test_greedy_completions_equal_transformers(arch, tokenizer, gemma3_tiny, ass
 
 
 def _engine(model, tokenizer, decoding="auto", bf16=True):
-    cfg = config.from_dict({"rollout": {"decoding": decoding}, "training": {"bf16": bf16}})
-    return TransformersEngine(model, tokenizer, cfg)
+    """The engine as a CPU run builds it: the backend prepares the model (installing the CPU layer,
+    which refuses cpu.decoding=fused for a model it cannot decode) and hands over its decoding."""
+    cfg = config.from_dict({"cpu": {"decoding": decoding}, "training": {"bf16": bf16, "device": "cpu"}})
+    backend = SingleProcess(cfg)
+    backend.prepare_model(model)
+    return TransformersEngine(model, tokenizer, cfg, decoding=backend.decoding)
+
+
+def _decodes_fused(engine, tokenizer) -> bool:
+    """Whether a generate of `engine` decodes with a FusedDecoder (one is built per rollout)."""
+    built = []
+    original = FusedDecoder.__init__
+
+    def spy(self, *args, **kwargs):
+        built.append(1)
+        original(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(FusedDecoder, "__init__", spy)
+        engine.generate(_prompts(tokenizer)[:1], 1, SamplingParams(max_new_tokens=2, temperature=0, ignore_eos=True))
+    assert len(built) <= 1
+    return bool(built)
 
 
 def test_engine_decodes_fused_in_bf16_on_the_cpu(tokenizer, gemma3_tiny, monkeypatch, assert_same_greedy):
-    """The default path of a prepared CPU model in a bf16 run (rollout.decoding=auto), with
-    the same greedy completions as transformers' modules (rollout.decoding=plain)."""
+    """The default path of a prepared CPU model in a bf16 run (cpu.decoding=auto), with
+    the same greedy completions as transformers' modules (cpu.decoding=plain)."""
     if not kernels.packing_available():
         pytest.skip("oneDNN weight packing is not available in this torch build")
     model = _model("gemma3", tokenizer, gemma3_tiny)
-    prepare_for_device(model, ModelConfig(name="tiny"))
+    _install(model)
     calls = []
     original = FusedDecoder.__call__
     monkeypatch.setattr(FusedDecoder, "__call__", lambda self, *a: calls.append(1) or original(self, *a))
     params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
     auto, plain = _engine(model, tokenizer), _engine(model, tokenizer, "plain")
-    assert auto.uses_fused_decoding() and not plain.uses_fused_decoding()
     ours = auto.generate(_prompts(tokenizer), 2, params)
     assert len(calls) == params.max_new_tokens  # the prefill and every step but the last sample
     reference = plain.generate(_prompts(tokenizer), 2, params)
@@ -162,12 +192,19 @@ def test_engine_decodes_fused_in_bf16_on_the_cpu(tokenizer, gemma3_tiny, monkeyp
     # bf16 logits through other code (and on another CPU, other bf16 kernels): a logit a bf16 step
     # (~0.002 here) apart may pick the other side of a tie; the logits agree to 0.02 (above)
     assert_same_greedy(model, ours, reference, atol=0.02, autocast_dtype=torch.bfloat16)
+    assert _decodes_fused(auto, tokenizer) and not _decodes_fused(plain, tokenizer)
     # the choice is the engine's, whatever autocast the caller is under
     with torch.autocast("cpu", enabled=False):
-        assert auto.uses_fused_decoding()
-    assert _engine(model, tokenizer, bf16=False).uses_fused_decoding() == kernels.onednn_available()
-    assert not _engine(model, tokenizer, "plain", bf16=False).uses_fused_decoding()
-    assert _engine(model, tokenizer, "fused", bf16=False).uses_fused_decoding()
+        assert _decodes_fused(auto, tokenizer)
+    assert _decodes_fused(_engine(model, tokenizer, bf16=False), tokenizer) == kernels.onednn_available()
+    assert not _decodes_fused(_engine(model, tokenizer, "plain", bf16=False), tokenizer)
+    assert _decodes_fused(_engine(model, tokenizer, "fused", bf16=False), tokenizer)
+    # which the CPU layer decides from the model and the compute dtype
+    layer = CPULayer(CPUConfig())
+    assert layer.uses_fused_decoding(model, torch.bfloat16)
+    assert layer.uses_fused_decoding(model, torch.float32) == kernels.onednn_available()
+    assert not CPULayer(CPUConfig(decoding="plain")).uses_fused_decoding(model, torch.bfloat16)
+    assert CPULayer(CPUConfig(decoding="fused")).uses_fused_decoding(model, torch.float32)
 
 
 def test_engine_decodes_fused_in_float32_on_the_cpu(tokenizer, gemma3_tiny, assert_same_greedy):
@@ -176,9 +213,9 @@ def test_engine_decodes_fused_in_float32_on_the_cpu(tokenizer, gemma3_tiny, asse
     if not kernels.onednn_available():
         pytest.skip("oneDNN is not available in this torch build")
     model = _model("gemma3", tokenizer, gemma3_tiny)
-    prepare_for_device(model, ModelConfig(name="tiny"))
+    _install(model)
     auto, plain = _engine(model, tokenizer, bf16=False), _engine(model, tokenizer, "plain", bf16=False)
-    assert auto.uses_fused_decoding() and not plain.uses_fused_decoding()
+    assert _decodes_fused(auto, tokenizer) and not _decodes_fused(plain, tokenizer)
     for temperature in (0.0, 1.0):
         params = SamplingParams(max_new_tokens=12, temperature=temperature, ignore_eos=True)
         ours = auto.generate(_prompts(tokenizer), 2, params, seeds=[3, 4, 5, 6])
@@ -193,7 +230,7 @@ def test_engine_decodes_fused_in_float32_on_the_cpu(tokenizer, gemma3_tiny, asse
 
 def test_float32_decodes_fused_only_with_grpo_kernels(model, tokenizer):
     assert not fused_decoding_applies(model, torch.float32)  # plain nn.Linear layers: transformers' modules
-    prepare_for_device(model, ModelConfig(name="tiny"))
+    _install(model)
     assert fused_decoding_applies(model, torch.float32) == kernels.onednn_available()
     assert fused_decoding_applies(model, torch.bfloat16) == kernels.packing_available()
     assert not fused_decoding_applies(model, torch.float16)
@@ -205,12 +242,12 @@ def test_unsupported_architectures_decode_through_transformers(tokenizer):
     config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2, n_positions=64)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(config).eval()
-    prepare_for_device(model, ModelConfig(name="tiny"))
+    _install(model)
     with pytest.raises(ValueError, match="'gpt2'"):
         FusedDecoder(model, rows=2, max_length=8)
-    with pytest.raises(ConfigError, match="rollout.decoding: fused decoding does not support this model"):
+    with pytest.raises(ConfigError, match="cpu.decoding: fused decoding does not support this model"):
         _engine(model, tokenizer, "fused")  # at start-up, not at the first rollout
-    assert not _engine(model, tokenizer).uses_fused_decoding()
+    assert not _decodes_fused(_engine(model, tokenizer), tokenizer)
     assert not fused_decoding_applies(model, torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = generate(model, _prompts(tokenizer), 2, SamplingParams(6, temperature=0),
@@ -226,7 +263,7 @@ def test_models_it_does_not_compute_decode_through_transformers(setting, tokeniz
     else:
         model.config.attention_dropout = 0.1
         model.train()
-    prepare_for_device(model, ModelConfig(name="tiny"))
+    _install(model)
     with pytest.raises(ValueError, match="bidirectional" if setting == "bidirectional" else "dropout"):
         FusedDecoder(model, rows=2, max_length=8)
     assert not fused_decoding_applies(model, torch.bfloat16)

@@ -8,6 +8,7 @@ import torch
 
 from grpo.config import schema as config
 from grpo.cpu import kernels
+from grpo.cpu.fused_decoding import FusedDecoder
 from grpo.models.tiny import tiny_model
 from grpo.training.trainer import Trainer
 
@@ -94,13 +95,17 @@ def test_gae_resume_restores_the_critic(tokenizer, tmp_path):
 
 
 @pytest.mark.parametrize("decoding", ["plain", "auto"])
-def test_sampling_logprobs_are_the_updates(decoding, tokenizer, tmp_path):
+def test_sampling_logprobs_are_the_updates(decoding, tokenizer, tmp_path, monkeypatch):
     """In float32, with transformers' decoding steps or the fused ones (auto on the CPU), the
     engine's logprobs equal the update's, so the mismatch metric reads ~0; it is logged every step."""
     trainer = make_trainer(tokenizer, tmp_path, ["training.max_steps=1", "rollout.max_completion_length=4",
-                                                 f"rollout.decoding={decoding}", "training.per_device_train_batch_size=32"])
-    assert trainer.engine.uses_fused_decoding() == (decoding == "auto" and kernels.onednn_available())
+                                                 f"cpu.decoding={decoding}", "training.per_device_train_batch_size=32"])
+    fused = decoding == "auto" and kernels.onednn_available()
+    assert trainer.backend.cpu.uses_fused_decoding(trainer.model, torch.float32) == fused
+    built, original = [], FusedDecoder.__init__
+    monkeypatch.setattr(FusedDecoder, "__init__", lambda self, *a, **kw: built.append(1) or original(self, *a, **kw))
     history = trainer.train()
+    assert len(built) == (1 if fused else 0)  # the step's rollout decoded fused, or through transformers
     m = history[-1]
     assert m["rollout/logprob_diff_mean"] < 1e-5 and m["rollout/logprob_diff_max"] < 1e-4
     assert math.isclose(m["rollout/is_ratio"], 1.0, abs_tol=1e-4)

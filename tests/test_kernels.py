@@ -183,15 +183,20 @@ def test_generation_with_packed_weights_matches_autocast(model, tokenizer, monke
     models grpo.cpu.fused_decoding does not cover): the same tokens with and without the packed weights."""
     import contextlib
 
-    from grpo.rollout import SamplingParams, generate, hf
+    from grpo.config.schema import CPUConfig
+    from grpo.cpu.layer import CPULayer
+    from grpo.rollout import SamplingParams, generate
 
     kernels.use_cpu_linear(model)
     prompts = [tokenizer(t)["input_ids"] for t in ["abc", "hello world", "1+2="]]
+    # the CPU layer's decoding when not fused: transformers' modules inside kernels.packed_for_decoding
+    decoding = CPULayer(CPUConfig(decoding="plain")).decoding
 
     def run():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return generate(model, prompts, 2, SamplingParams(16, temperature=0),
-                            eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id, fused=False)
+                            eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id,
+                            decoding=decoding)
 
     real, packed_rows = kernels.packed_for_decoding, []
 
@@ -199,10 +204,10 @@ def test_generation_with_packed_weights_matches_autocast(model, tokenizer, monke
         packed_rows.append(rows)
         return real(m, rows)
 
-    monkeypatch.setattr(hf.kernels, "packed_for_decoding", spy)
+    monkeypatch.setattr(kernels, "packed_for_decoding", spy)  # the module grpo.cpu.layer calls it from
     packed = run()
     assert packed_rows == [6]
-    monkeypatch.setattr(hf.kernels, "packed_for_decoding", lambda m, rows: contextlib.nullcontext())
+    monkeypatch.setattr(kernels, "packed_for_decoding", lambda m, rows: contextlib.nullcontext())
     plain = run()
     # oneDNN's product from the reordered copy vs autocast's F.linear: other kernels (which ones
     # depends on the CPU), bf16 logits a step (~0.002 here) apart at most, so the same tokens but at a tie

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from grpo.training.logprobs import completion_logprobs, reference_logprobs, token_logprobs_from_hidden
+from grpo.models.logprobs import OutputLayerKernels, completion_logprobs, reference_logprobs, token_logprobs_from_hidden
 
 
 def _batch(seed=0):
@@ -129,37 +129,52 @@ def test_shared_prompt_pass_equals_plain(model, gemma3_tiny, arch):
 
 
 @pytest.mark.parametrize("vocab_block", [None, 13])
-def test_weight_grad_sink_accumulates_the_autograd_gradient(vocab_block):
-    """With a sink, the output weight's gradient is added into the given buffer (on top of what
-    it holds) instead of being returned to autograd; hidden-state gradients are unchanged."""
+def test_weight_grad_in_place_accumulates_the_autograd_gradient(vocab_block):
+    """With weight_grad_in_place, the output weight's gradient is added into its existing .grad
+    (on top of what it holds, the same tensor) instead of being returned to autograd; hidden-state
+    gradients are unchanged. Without an allocated .grad, or without gradients, autograd's own."""
     torch.manual_seed(0)
     layer = torch.nn.Linear(8, 50, bias=False)
     hidden = torch.randn(12, 8, requires_grad=True)
     targets = torch.randint(0, 50, (12,))
     upstream = torch.randn(12)
+    in_place = OutputLayerKernels(weight_grad_in_place=True)
 
     logp, _ = token_logprobs_from_hidden(hidden, layer, targets, chunk_size=5, vocab_block=vocab_block)
     (logp * upstream).sum().backward()
     expected_w, expected_h = layer.weight.grad.clone(), hidden.grad.clone()
 
     hidden.grad = None
-    layer.weight.grad = None
-    sink = torch.full_like(layer.weight, 0.5)
+    layer.weight.grad = buffer = torch.full_like(layer.weight, 0.5)
     logp2, _ = token_logprobs_from_hidden(
-        hidden, layer, targets, chunk_size=5, vocab_block=vocab_block, weight_grad_sink=sink
+        hidden, layer, targets, chunk_size=5, vocab_block=vocab_block, kernels=in_place
     )
     (logp2 * upstream).sum().backward()
     torch.testing.assert_close(logp2, logp)
-    assert layer.weight.grad is None  # autograd got nothing for the weight
-    torch.testing.assert_close(sink, expected_w + 0.5, rtol=1e-5, atol=1e-6)
+    assert layer.weight.grad is buffer  # written in place, not replaced
+    # 0.5 + the gradient once: autograd got nothing for the weight (else it would be added twice)
+    torch.testing.assert_close(buffer, expected_w + 0.5, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(hidden.grad, expected_h, rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match="weight_grad_sink"):
-        token_logprobs_from_hidden(hidden, layer, targets, weight_grad_sink=torch.zeros(3, 3))
+
+    # no .grad to add into: autograd's gradient, the same values
+    hidden.grad = layer.weight.grad = None
+    logp3, _ = token_logprobs_from_hidden(hidden, layer, targets, chunk_size=5, vocab_block=vocab_block, kernels=in_place)
+    (logp3 * upstream).sum().backward()
+    torch.testing.assert_close(layer.weight.grad, expected_w, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(hidden.grad, expected_h, rtol=1e-5, atol=1e-6)
+
+    # a pass without gradients leaves .grad alone
+    before = layer.weight.grad.clone()
+    with torch.no_grad():
+        logp4, _ = token_logprobs_from_hidden(hidden, layer, targets, chunk_size=5, vocab_block=vocab_block,
+                                              kernels=in_place)
+    torch.testing.assert_close(logp4, logp.detach())
+    assert torch.equal(layer.weight.grad, before)
 
 
 @pytest.mark.parametrize("chunk_size, vocab_block", [(4, 16), (9, 7), (4096, None)])
-@pytest.mark.parametrize("sink", [False, True])
-def test_bf16_tiles_equal_plain_bf16_product(chunk_size, vocab_block, sink):
+@pytest.mark.parametrize("in_place", [False, True])
+def test_bf16_tiles_equal_plain_bf16_product(chunk_size, vocab_block, in_place):
     """Under bf16 autocast (the logits from a bf16 product, everything after it in float32)
     the tiled pass, which reuses its tile buffers across tiles of different shapes
     (a last token chunk and vocabulary block smaller than the others), equals the
@@ -178,14 +193,18 @@ def test_bf16_tiles_equal_plain_bf16_product(chunk_size, vocab_block, sink):
     expected_h, expected_w = hidden.grad.clone(), layer.weight.grad.clone()
 
     hidden.grad, layer.weight.grad = None, None
-    buffer = torch.zeros_like(layer.weight) if sink else None
+    buffer = torch.zeros_like(layer.weight) if in_place else None
+    layer.weight.grad = buffer  # with `in_place`, the backward adds the weight's gradient into it
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logp, entropy = token_logprobs_from_hidden(
-            hidden, layer, targets, chunk_size=chunk_size, vocab_block=vocab_block, weight_grad_sink=buffer
+            hidden, layer, targets, chunk_size=chunk_size, vocab_block=vocab_block,
+            kernels=OutputLayerKernels(weight_grad_in_place=in_place),
         )
     (logp * upstream).sum().backward()
+    if in_place:
+        assert layer.weight.grad is buffer
     torch.testing.assert_close(logp, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(entropy, expected_entropy, rtol=1e-5, atol=1e-5)
     # the gradients' products are bf16 in both; the sums over vocabulary blocks are float32 here
     torch.testing.assert_close(hidden.grad, expected_h, rtol=1e-2, atol=1e-3)
-    torch.testing.assert_close(buffer if sink else layer.weight.grad, expected_w, rtol=1e-2, atol=1e-3)
+    torch.testing.assert_close(layer.weight.grad, expected_w, rtol=1e-2, atol=1e-3)

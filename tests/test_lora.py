@@ -14,9 +14,9 @@ from grpo.run import checkpoint
 from grpo.config import schema as config
 from grpo.cpu import kernels
 from grpo.models import lora
-from grpo.training import logprobs
-from grpo.backends.single import prepare_for_device
-from grpo.config.schema import ConfigError, ModelConfig
+from grpo.models import logprobs
+from grpo.config.schema import ConfigError, CPUConfig, ModelConfig
+from grpo.cpu.layer import CPULayer
 from grpo.run.export import export_checkpoint
 from grpo.training.reference import AdapterDisabled, FrozenAdapter, FrozenCopy
 from grpo.rewards.arithmetic import completion_text
@@ -116,12 +116,15 @@ def test_only_the_adapter_trains_and_the_base_is_bitwise_unchanged(tokenizer, tm
 
 def test_a_tied_model_with_a_frozen_base(tokenizer, tmp_path, gemma3_tiny):
     """Gemma ties its output layer to the embedding: with LoRA both are frozen, so no gradient is
-    preallocated for them, the output layer's gradient sink is off, and neither moves."""
+    preallocated for them, the output layer's in-place weight gradient does not apply, and neither moves."""
     model = gemma3_tiny()
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     embedding = model.get_input_embeddings().weight.detach().clone()
     trainer = _trainer(tokenizer, tmp_path, ["training.max_steps=2"], model=model)
-    assert trainer.backend.output_grad_sink(trainer.model) is None
+    # the backend asks for the output weight's gradient in place, which a frozen weight never takes
+    assert trainer.backend.output_layer_kernels().weight_grad_in_place
+    output = trainer.model.get_output_embeddings().weight
+    assert not output.requires_grad and output.grad is None
     frozen = [p for p in trainer.model.parameters() if not p.requires_grad]
     assert frozen and all(p.grad is None for p in frozen)
     assert all(p.grad is not None for p in trainer.model.parameters() if p.requires_grad)  # preallocated
@@ -149,7 +152,7 @@ def test_adapter_disabled_reference_is_the_base_model_exactly(tokenizer, tmp_pat
     model = tiny_model(tokenizer, hidden_size=32, num_layers=2, seed=0)
     base = copy.deepcopy(model)  # the model before wrapping
     trainer = _trainer(tokenizer, tmp_path, ["algorithm.beta=0.04"], model=model)
-    prepare_for_device(base, trainer.cfg.model)  # the same kernels as the policy's base layers
+    CPULayer(trainer.cfg.cpu).install(base)  # the same kernels as the policy's base layers
     assert isinstance(trainer.reference, AdapterDisabled)
     trainer.train()  # the adapter moves away from zero
     batch = _batch(tokenizer)
@@ -406,7 +409,7 @@ def test_fused_decoding_with_an_adapter_in_bf16(tokenizer, gemma3_tiny):
     if not kernels.packing_available():
         pytest.skip("oneDNN weight packing is not available in this torch build")
     model = _adapted(tokenizer, gemma3_tiny)
-    prepare_for_device(model, ModelConfig(name="tiny"))
+    CPULayer(CPUConfig()).install(model)
     assert fused_decoding_applies(model, torch.bfloat16)
     # float32 would decode from merged copies of every adapted weight: transformers' modules instead
     assert not fused_decoding_applies(model, torch.float32)
@@ -422,7 +425,7 @@ def test_fused_decoding_with_an_adapter_in_bf16(tokenizer, gemma3_tiny):
 
 def test_tiled_logprobs_of_a_lora_model_equal_the_peft_model_forward(tokenizer):
     model = _adapted(tokenizer)
-    prepare_for_device(model, ModelConfig(name="tiny"))
+    CPULayer(CPUConfig()).install(model)
     batch = _batch(tokenizer)
     wrapper = lora.peft_model(model)
     with torch.no_grad():
@@ -439,16 +442,19 @@ def test_tiled_logprobs_of_a_lora_model_equal_the_peft_model_forward(tokenizer):
     assert any(float(g.abs().sum()) > 0 for n, g in grads.items() if "lora_A" in n)
 
 
-def test_a_bf16_lora_run_decodes_fused_and_trains(tokenizer, tmp_path):
+def test_a_bf16_lora_run_decodes_fused_and_trains(tokenizer, tmp_path, monkeypatch):
     """The CPU bf16 default path with an adapter and a reference adapter: fused decoding
     applies (the adapters' own small layers are merged, not packed alone), and it trains."""
     if not kernels.packing_available():
         pytest.skip("oneDNN weight packing is not available in this torch build")
     trainer = _trainer(tokenizer, tmp_path, ["training.bf16=true", "algorithm.beta=0.04", "algorithm.ref_sync_steps=1",
                                              "training.max_steps=2"])
-    assert trainer.engine.uses_fused_decoding()
+    assert trainer.backend.cpu.uses_fused_decoding(trainer.model, torch.bfloat16)
+    built, original = [], FusedDecoder.__init__
+    monkeypatch.setattr(FusedDecoder, "__init__", lambda self, *a, **kw: built.append(1) or original(self, *a, **kw))
     before = {k: v.detach().clone() for k, v in lora.adapter_parameters(trainer.model).items()}
     history = trainer.train()
+    assert len(built) == 2  # each step's rollout decoded fused
     assert len(history) == 2 and all(h["kl"] >= 0 for h in history)
     assert any(not torch.equal(v, before[k]) for k, v in lora.adapter_parameters(trainer.model).items())
 

@@ -69,6 +69,35 @@ def test_greedy_matches_transformers_generate(model, tokenizer, assert_same_gree
             assert not ours.truncated[i]
 
 
+def test_generate_decodes_with_the_steps_it_is_handed(model, tokenizer):
+    """`decoding(model, rows, max_length)` opens once per rollout, for all its rows and positions,
+    its steps compute every logit, and it closes before generate returns; the default is
+    transformers' modules (plain_decoding), with the same completions."""
+    import contextlib
+
+    from grpo.rollout.hf import TransformersSteps
+
+    prompts, opened, calls, closed = _prompts(tokenizer), [], [], []
+
+    class Counting(TransformersSteps):
+        def __call__(self, *args):
+            calls.append(1)
+            return super().__call__(*args)
+
+    @contextlib.contextmanager
+    def decoding(m, rows, max_length):
+        opened.append((m, rows, max_length))
+        yield Counting(m)
+        closed.append(1)
+
+    params = SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True)
+    ours = _gen(model, tokenizer, prompts, 2, params, decoding=decoding)
+    assert opened == [(model, 6, max(map(len, prompts)) + 5)] and closed == [1]
+    assert len(calls) == 5  # the prefill and every step but the last sample
+    plain = _gen(model, tokenizer, prompts, 2, params)
+    assert torch.equal(ours.completion_ids, plain.completion_ids)
+
+
 def test_rollout_shapes_mask_and_truncation(model, tokenizer):
     prompts = _prompts(tokenizer)
     gen = torch.Generator().manual_seed(0)

@@ -1,6 +1,6 @@
-"""The output layer's tile kernels (grpo.cpu.tile_math): the compiled kernels, the eager in-place
-operations and the plain definition agree, alone and inside the tiled logprobs (values and
-gradients); and how training.kernels is resolved."""
+"""The output layer's tile kernels: the compiled kernels (grpo.cpu.tile_math), the eager in-place
+operations and the plain definition (grpo.models.tiles) agree, alone and inside the tiled logprobs (values and
+gradients); and how cpu.compile is resolved."""
 
 import logging
 from types import SimpleNamespace
@@ -12,7 +12,8 @@ from grpo.cpu import compiling
 from grpo.cpu import tile_math
 from grpo.backends import single
 from grpo.config.schema import ConfigError, from_dict
-from grpo.training.logprobs import _TileBuffers, token_logprobs_from_hidden
+from grpo.models import tiles
+from grpo.models.logprobs import OutputLayerKernels, TileBuffers, token_logprobs_from_hidden
 
 needs_compile = pytest.mark.skipif(
     compiling.compile_works("cpu") is not None, reason=f"torch.compile unavailable: {compiling.compile_works('cpu')}"
@@ -51,7 +52,7 @@ def test_definition_is_the_log_sum_exp_and_the_softmax_gradient(softcap, tempera
     bias = bias if with_bias else None
     rows = product.shape[0]
     start = (torch.full((rows,), float("-inf")), torch.zeros(rows), torch.zeros(rows), torch.zeros(rows))
-    m, S, U, target = tile_math.forward_tile(product, bias, column, *start, softcap, temperature)
+    m, S, U, target = tiles.forward_tile(product, bias, column, *start, softcap, temperature)
     z = _dense(product, bias, softcap, temperature)
     zs = z - z.amax(-1, keepdim=True)
     close = dict(rtol=1e-5, atol=1e-5)  # float32 against float64
@@ -64,7 +65,7 @@ def test_definition_is_the_log_sum_exp_and_the_softmax_gradient(softcap, tempera
 
     lse = torch.logsumexp(z, -1).float()
     grad = torch.linspace(-1, 2, rows)
-    gz, _ = tile_math.backward_tile(product, bias, column, lse, grad, softcap, temperature, torch.float32, False)
+    gz, _ = tiles.backward_tile(product, bias, column, lse, grad, softcap, temperature, torch.float32, False)
     p = product.double().requires_grad_()
     zp = _dense(p, bias, softcap, temperature)
     onehot = torch.zeros_like(zp)
@@ -81,18 +82,18 @@ def _both(kernels, product, bias, column, softcap, temperature, out_dtype):
     g = torch.Generator().manual_seed(5)
     start = (torch.randn(rows, generator=g), torch.rand(rows, generator=g) + 1, torch.randn(rows, generator=g),
              torch.randn(rows, generator=g))
-    buffers = _TileBuffers(product.device, kernels)
+    buffers = TileBuffers(product.device, OutputLayerKernels(tile=kernels))
     forward = kernels.forward(product.clone(), bias, column, *start, softcap, temperature, buffers)
     lse = torch.logsumexp(_dense(product, bias, softcap, temperature), -1).float()
     grad = torch.linspace(-1, 2, rows)
-    buffers = _TileBuffers(product.device, kernels)
+    buffers = TileBuffers(product.device, OutputLayerKernels(tile=kernels))
     backward = kernels.backward(product.clone(), bias, column, lse, grad, softcap, temperature, out_dtype,
                                 bias is not None, buffers)
     return forward, backward
 
 
 DEFINITION = SimpleNamespace(  # the plain functions, called like the kernels (without the buffers)
-    forward=lambda *args: tile_math.forward_tile(*args[:-1]), backward=lambda *args: tile_math.backward_tile(*args[:-1]),
+    forward=lambda *args: tiles.forward_tile(*args[:-1]), backward=lambda *args: tiles.backward_tile(*args[:-1]),
 )
 
 
@@ -115,7 +116,7 @@ def test_eager_in_place_equals_the_definition(dtype, softcap, temperature, with_
     product, bias, column = _tile(dtype)
     bias = bias if with_bias else None
     exact = dict(rtol=1e-6, atol=1e-6)
-    _assert_same(_both(tile_math.EAGER, product, bias, column, softcap, temperature, dtype),
+    _assert_same(_both(tiles.EAGER, product, bias, column, softcap, temperature, dtype),
                  _both(DEFINITION, product, bias, column, softcap, temperature, dtype), dtype, with_bias, exact, exact)
 
 
@@ -128,7 +129,7 @@ def test_compiled_kernels_equal_eager(dtype, softcap, temperature, with_bias):
     # a bf16 gradient may round a float32 value that differs in its last bit the other way
     gradient_tolerance = dict(rtol=1e-2, atol=1e-3) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
     compiled = _both(tile_math.COMPILED, product, bias, column, softcap, temperature, dtype)
-    _assert_same(compiled, _both(tile_math.EAGER, product, bias, column, softcap, temperature, dtype), dtype, with_bias,
+    _assert_same(compiled, _both(tiles.EAGER, product, bias, column, softcap, temperature, dtype), dtype, with_bias,
                  dict(rtol=1e-5, atol=1e-5), gradient_tolerance)
     assert compiled[1][0].t().is_contiguous()  # column-major, for the products that follow
     # the cast and the accumulation
@@ -145,7 +146,7 @@ def test_compiled_kernels_equal_eager(dtype, softcap, temperature, with_bias):
 @pytest.mark.parametrize("softcap, temperature, with_bias", COMPILED_SETTINGS)
 def test_tiled_logprobs_compiled_equal_eager_values_and_gradients(precision, softcap, temperature, with_bias):
     """The whole tiled pass over several token chunks and vocabulary blocks (the last ones
-    smaller), with a weight-gradient sink: compiled and eager agree on logp, entropy and every
+    smaller), the weight's gradient added in place into its .grad: compiled and eager agree on logp, entropy and every
     gradient."""
     torch.manual_seed(0)
     layer = torch.nn.Linear(16, 70, bias=with_bias)
@@ -156,14 +157,15 @@ def test_tiled_logprobs_compiled_equal_eager_values_and_gradients(precision, sof
     for compiled in (False, True):
         hidden = hidden0.clone().requires_grad_()
         layer.zero_grad(set_to_none=True)
-        sink = torch.zeros_like(layer.weight)
+        layer.weight.grad = torch.zeros_like(layer.weight)
+        kernels = OutputLayerKernels(tile=tile_math.COMPILED if compiled else tiles.EAGER, weight_grad_in_place=True)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
             logp, entropy = token_logprobs_from_hidden(
                 hidden, layer, targets, temperature=temperature, softcap=softcap, chunk_size=4, vocab_block=16,
-                weight_grad_sink=sink, compiled=compiled,
+                kernels=kernels,
             )
         (logp * upstream).sum().backward()
-        results[compiled] = (logp, entropy, hidden.grad, sink, layer.bias.grad if with_bias else None)
+        results[compiled] = (logp, entropy, hidden.grad, layer.weight.grad, layer.bias.grad if with_bias else None)
     tolerance = dict(rtol=1e-5, atol=1e-5) if precision == "fp32" else dict(rtol=1e-2, atol=1e-3)
     for name, a, b in zip(("logp", "entropy", "grad h", "grad w", "grad b"), results[True], results[False]):
         if b is None:
@@ -173,12 +175,12 @@ def test_tiled_logprobs_compiled_equal_eager_values_and_gradients(precision, sof
                                    msg=name)
 
 
-# -- training.kernels ---------------------------------------------------------------------------
+# -- cpu.compile ---------------------------------------------------------------------------
 
 
 def test_unknown_setting_is_refused_with_the_choices():
-    with pytest.raises(ConfigError, match="training.kernels.*auto.*compiled.*eager"):
-        from_dict({"training": {"kernels": "fast"}})
+    with pytest.raises(ConfigError, match="cpu.compile.*auto.*compiled.*eager"):
+        from_dict({"cpu": {"compile": "fast"}})
 
 
 def _failing_probe(monkeypatch):
@@ -219,23 +221,25 @@ def test_a_failing_compiler_falls_back_under_auto_and_is_an_error_when_asked_for
     with caplog.at_level(logging.WARNING):
         assert compiling.use_compiled("auto", _Model(compiling.AUTO_COMPILE_MIN_WEIGHTS)) is False
     assert "no C++ compiler" in caplog.text
-    with pytest.raises(ConfigError, match="training.kernels=compiled.*no C\\+\\+ compiler.*training.kernels=eager"):
+    with pytest.raises(ConfigError, match="cpu.compile=compiled.*no C\\+\\+ compiler.*cpu.compile=eager"):
         compiling.use_compiled("compiled", _Model(10))
 
 
 def test_the_backend_decides_once_per_run(monkeypatch, model):
     calls = _failing_probe(monkeypatch)
     monkeypatch.setattr(compiling, "AUTO_COMPILE_MIN_WEIGHTS", 1)
-    backend = single.SingleProcess(from_dict({"training": {"kernels": "auto", "device": "cpu"}}))
-    assert backend.compiled_kernels(model) is False
-    assert backend.compiled_kernels(model) is False
+    backend = single.SingleProcess(from_dict({"cpu": {"compile": "auto"}, "training": {"device": "cpu"}}))
+    backend.prepare_model(model)  # the CPU layer resolves cpu.compile here, once
+    assert backend.cpu.compiled is False
+    assert backend.output_layer_kernels().tile is tiles.EAGER
+    assert backend.output_layer_kernels().tile is tiles.EAGER
     assert calls == ["cpu"]
 
 
 @needs_compile
 @pytest.mark.parametrize("bf16", [False, True])
 def test_training_with_compiled_kernels_equals_eager(tokenizer, tmp_path, bf16, monkeypatch):
-    """training.kernels=compiled against eager, a few steps of a tiny model (the updates through
+    """cpu.compile=compiled against eager, a few steps of a tiny model (the updates through
     the compiled tiles and norms): the same completions, and weights equal to float tolerance."""
     from test_trainer import make_trainer
 
@@ -248,9 +252,10 @@ def test_training_with_compiled_kernels_equals_eager(tokenizer, tmp_path, bf16, 
     for kernels in ("eager", "compiled"):
         trainer = make_trainer(tokenizer, tmp_path / kernels, [
             "training.max_steps=3", "training.per_device_train_batch_size=32", "rollout.max_completion_length=3",
-            f"training.kernels={kernels}", f"training.bf16={str(bf16).lower()}", "training.logprob_chunk_size=5",
+            f"cpu.compile={kernels}", f"training.bf16={str(bf16).lower()}", "training.logprob_chunk_size=5",
         ])
-        assert trainer.backend.compiled_kernels(trainer.model) is (kernels == "compiled")
+        assert trainer.backend.cpu.compiled is (kernels == "compiled")
+        assert trainer.backend.output_layer_kernels().tile is (tile_math.COMPILED if kernels == "compiled" else tiles.EAGER)
         completions = []
         for _ in range(3):
             batch = trainer.collect_batch()
@@ -282,8 +287,8 @@ def test_a_compile_failing_mid_run_falls_back_to_the_definition(monkeypatch, cap
     with caplog.at_level(logging.WARNING):
         got = _both(tile_math.COMPILED, product, bias, column, 3.0, 0.7, torch.float32)
         _both(tile_math.COMPILED, product, bias, column, 3.0, 0.7, torch.float32)
-    want = _both(tile_math.EAGER, product, bias, column, 3.0, 0.7, torch.float32)
+    want = _both(tiles.EAGER, product, bias, column, 3.0, 0.7, torch.float32)
     for a, b in zip(got[0] + got[1], want[0] + want[1]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    assert caplog.text.count("compiling a kernel of training.kernels failed") == 1
+    assert caplog.text.count("compiling a kernel of cpu.compile failed") == 1
     assert "No space left" in caplog.text
