@@ -16,6 +16,9 @@ from torch.testing import assert_close
 
 from grpo.algorithm import (
     ADVANTAGE_EPS,
+    LossNormalisers,
+    LossSettings,
+    PolicyLossParams,
     aggregate_loss,
     clipped_surrogate,
     combine_rewards,
@@ -336,7 +339,8 @@ def test_aggregate_loss_each_type():
     # bnpo: (1 + 3 + 5 + 2) / 4 tokens = 11/4
     assert_close(aggregate_loss(L, M, "bnpo"), t(11 / 4))
     # dr_grpo: 11 / (3 sequences * T_max 5) = 11/15
-    assert_close(aggregate_loss(L, M, "dr_grpo", max_completion_length=5), t(11 / 15))
+    norms = LossNormalisers(max_completion_length=5)
+    assert_close(aggregate_loss(L, M, "dr_grpo", norms), t(11 / 15))
     # dapo: 11 / 4 tokens
     assert_close(aggregate_loss(L, M, "dapo"), t(11 / 4))
 
@@ -345,23 +349,26 @@ def test_aggregate_loss_docstring_example():
     # L = [[1, 3], [2, x]], M = [[1, 1], [1, 0]], T_max = 4
     # grpo (2 + 2)/2 = 2;  bnpo 6/3 = 2;  dr_grpo 6/(2*4) = 0.75;  dapo 6/3 = 2
     L, M = t([[1.0, 3.0], [2.0, X]]), torch.tensor([[1, 1], [1, 0]])
-    got = [aggregate_loss(L, M, lt, max_completion_length=4).item() for lt in ("grpo", "bnpo", "dr_grpo", "dapo")]
+    norms = LossNormalisers(max_completion_length=4)
+    got = [aggregate_loss(L, M, lt, norms).item() for lt in ("grpo", "bnpo", "dr_grpo", "dapo")]
     assert got == pytest.approx([2.0, 2.0, 0.75, 2.0], abs=1e-12)
 
 
 def test_aggregate_loss_batch_arguments():
     L, M = t(L3), torch.tensor(M3)
     # num_sequences = 6 (this is one piece of a 6-sequence batch): grpo (3 + 2 + 0)/6 = 5/6
-    assert_close(aggregate_loss(L, M, "grpo", num_sequences=6), t(5 / 6))
+    assert_close(aggregate_loss(L, M, "grpo", LossNormalisers(num_sequences=6)), t(5 / 6))
     # dr_grpo: 11 / (6 * 5) = 11/30
-    assert_close(aggregate_loss(L, M, "dr_grpo", max_completion_length=5, num_sequences=6), t(11 / 30))
+    norms = LossNormalisers(max_completion_length=5, num_sequences=6)
+    assert_close(aggregate_loss(L, M, "dr_grpo", norms), t(11 / 30))
     # dapo with 22 tokens in the whole batch: 11/22 = 0.5 (a Python number or a tensor)
-    assert_close(aggregate_loss(L, M, "dapo", num_tokens=22), t(0.5))
-    assert_close(aggregate_loss(L, M, "dapo", num_tokens=torch.tensor(22.0)), t(0.5))
+    assert_close(aggregate_loss(L, M, "dapo", LossNormalisers(num_tokens=22)), t(0.5))
+    norms = LossNormalisers(num_tokens=torch.tensor(22.0))
+    assert_close(aggregate_loss(L, M, "dapo", norms), t(0.5))
     # bnpo with 2 minibatches: 11/4 / 2 = 11/8
-    assert_close(aggregate_loss(L, M, "bnpo", num_minibatches=2), t(11 / 8))
+    assert_close(aggregate_loss(L, M, "bnpo", LossNormalisers(num_minibatches=2)), t(11 / 8))
     # num_minibatches only affects bnpo
-    assert_close(aggregate_loss(L, M, "grpo", num_minibatches=2), t(5 / 3))
+    assert_close(aggregate_loss(L, M, "grpo", LossNormalisers(num_minibatches=2)), t(5 / 3))
 
 
 def test_aggregate_loss_gradients_respect_mask():
@@ -382,13 +389,14 @@ def test_aggregate_loss_sequence_shaped_loss_broadcasts():
     assert_close(aggregate_loss(L, M, "grpo"), t(3.0))
     assert_close(aggregate_loss(L, M, "bnpo"), t(8 / 3))
     assert_close(aggregate_loss(L, M, "dapo"), t(8 / 3))
-    assert_close(aggregate_loss(L, M, "dr_grpo", max_completion_length=3), t(4 / 3))
+    norms = LossNormalisers(max_completion_length=3)
+    assert_close(aggregate_loss(L, M, "dr_grpo", norms), t(4 / 3))
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
 def test_aggregate_loss_fully_masked_batch_is_zero(loss_type):
     L, M = t([[X, X], [X, X]]), torch.zeros(2, 2)
-    assert aggregate_loss(L, M, loss_type, max_completion_length=2).item() == 0.0
+    assert aggregate_loss(L, M, loss_type, LossNormalisers(max_completion_length=2)).item() == 0.0
 
 
 def test_aggregate_loss_errors():
@@ -407,10 +415,12 @@ def _split_sum(L, M, loss_type, bounds, T_max):
             L[a:b],
             M[a:b],
             loss_type,
-            max_completion_length=T_max,
-            num_sequences=n_seq,
-            num_tokens=n_tok,
-            num_minibatches=len(pieces),
+            LossNormalisers(
+                max_completion_length=T_max,
+                num_sequences=n_seq,
+                num_tokens=n_tok,
+                num_minibatches=len(pieces),
+            ),
         )
         for a, b in pieces
     )
@@ -425,7 +435,7 @@ def test_split_batch_hand_example():
     # dr_grpo (T_max 3): whole (9 + 2 + 8)/(4 * 3) = 19/12; pieces 11/12 + 8/12
     # dapo: whole 19/6 (6 tokens); pieces 11/6 + 8/6
     for lt, whole in (("grpo", 9 / 4), ("dr_grpo", 19 / 12), ("dapo", 19 / 6)):
-        assert_close(aggregate_loss(L, M, lt, max_completion_length=3), t(whole))
+        assert_close(aggregate_loss(L, M, lt, LossNormalisers(max_completion_length=3)), t(whole))
         assert_close(_split_sum(L, M, lt, bounds, 3), t(whole))
     # bnpo normalises per piece: (11/4)/2 + (8/2)/2 = 1.375 + 2 = 3.375, whereas the whole batch gives 19/6
     assert_close(_split_sum(L, M, "bnpo", bounds, 3), t(3.375))
@@ -449,7 +459,7 @@ def test_property_split_invariance(n, T, seed, loss_type, data):
     M = (torch.rand(n, T, generator=gen) < 0.7).to(D)
     cuts = sorted(set(data.draw(st.lists(st.integers(1, n - 1), max_size=n - 1))))
     bounds = [0, *cuts, n]
-    whole = aggregate_loss(L, M, loss_type, max_completion_length=T)
+    whole = aggregate_loss(L, M, loss_type, LossNormalisers(max_completion_length=T))
     assert_close(_split_sum(L, M, loss_type, bounds, T), whole, rtol=1e-10, atol=1e-12)
 
 
@@ -475,13 +485,20 @@ def test_policy_loss_on_policy_is_plain_policy_gradient(loss_type, level):
     expected = {"grpo": -0.5, "bnpo": -0.7, "dapo": -0.7, "dr_grpo": -0.4375}[loss_type]
     logp = _logp()
     loss, stats = policy_loss(
-        logp, None, ADV, MASK, loss_type=loss_type, importance_sampling_level=level, max_completion_length=4
+        logp,
+        None,
+        ADV,
+        MASK,
+        LossSettings(loss_type=loss_type, params=PolicyLossParams(importance_sampling_level=level)),
+        LossNormalisers(max_completion_length=4),
     )
     assert_close(loss, t(expected), rtol=1e-12, atol=1e-12)
     (g,) = torch.autograd.grad(loss, logp)
     # the plain policy gradient: d/dlogp of aggregate(-A * logp)
     logp2 = _logp()
-    pg = aggregate_loss(-ADV.unsqueeze(-1) * logp2, MASK, loss_type, max_completion_length=4)
+    pg = aggregate_loss(
+        -ADV.unsqueeze(-1) * logp2, MASK, loss_type, LossNormalisers(max_completion_length=4)
+    )
     (g_pg,) = torch.autograd.grad(pg, logp2)
     assert_close(g, g_pg, rtol=1e-12, atol=1e-12)
     # by hand for grpo: -A_i / len_i / N -> row 0: -1.5/3/2 = -0.25; row 1: 0.5/2/2 = 0.125, padding 0
@@ -494,8 +511,8 @@ def test_policy_loss_on_policy_is_plain_policy_gradient(loss_type, level):
 
 def test_policy_loss_old_logp_equal_to_logp_matches_none():
     logp = _logp()
-    a, _ = policy_loss(logp, None, ADV, MASK, loss_type="grpo")
-    b, _ = policy_loss(logp, logp.detach().clone(), ADV, MASK, loss_type="grpo")
+    a, _ = policy_loss(logp, None, ADV, MASK, LossSettings(loss_type="grpo"))
+    b, _ = policy_loss(logp, logp.detach().clone(), ADV, MASK, LossSettings(loss_type="grpo"))
     assert_close(a, b)
 
 
@@ -513,10 +530,10 @@ def test_policy_loss_clipping_values_and_stats():
     adv = t([1.0, -1.0])
     # per-token losses (eps 0.2): row 0: -1.2 (clipped high), -1.0, -0.5; row 1: 0.8 (clipped low), 1.5, (padding)
     # grpo: row means -2.7/3 = -0.9 and 2.3/2 = 1.15 -> (-0.9 + 1.15)/2 = 0.125
-    loss, stats = policy_loss(logp, old, adv, MASK, loss_type="grpo")
+    loss, stats = policy_loss(logp, old, adv, MASK, LossSettings(loss_type="grpo"))
     assert_close(loss, t(0.125), rtol=1e-12, atol=1e-12)
     # dapo: (-2.7 + 2.3)/5 = -0.08
-    loss_dapo, _ = policy_loss(logp, old, adv, MASK, loss_type="dapo")
+    loss_dapo, _ = policy_loss(logp, old, adv, MASK, LossSettings(loss_type="dapo"))
     assert_close(loss_dapo, t(-0.08), rtol=1e-12, atol=1e-12)
     # counts over masked tokens: high = (row 0, tok 0); low = (row 1, tok 0) - the padded 0.5 is not counted
     # (rho=0.5 with A=+1 in row 0 is below the range but not "clipped": min picks the unclipped term)
@@ -533,15 +550,18 @@ def test_policy_loss_asymmetric_and_delta():
     logp, old = _clip_case_logps()
     adv = t([1.0, -1.0])
     # eps_high 0.28: row 0 tok 0 -> -1.28; row sums -2.78 and 2.3 -> grpo (-2.78/3 + 1.15)/2
-    loss, stats = policy_loss(logp, old, adv, MASK, loss_type="grpo", epsilon_high=0.28)
+    settings = LossSettings(loss_type="grpo", params=PolicyLossParams(epsilon_high=0.28))
+    loss, stats = policy_loss(logp, old, adv, MASK, settings)
     assert_close(loss, t((-2.78 / 3 + 1.15) / 2), rtol=1e-12, atol=1e-12)
     assert stats["clip_high"].item() == 1.0  # 1.5 > 1.28 still
     # eps_high 0.6: 1.5 is inside -> -1.5, not clipped; row 0 sum -3.0
-    loss, stats = policy_loss(logp, old, adv, MASK, loss_type="grpo", epsilon_high=0.6)
+    settings = LossSettings(loss_type="grpo", params=PolicyLossParams(epsilon_high=0.6))
+    loss, stats = policy_loss(logp, old, adv, MASK, settings)
     assert_close(loss, t((-1.0 + 1.15) / 2), rtol=1e-12, atol=1e-12)
     assert stats["clip_high"].item() == 0.0 and stats["clip_region"].item() == 1.0
     # delta 1.3: row 1 tok 1 (A=-1, rho 1.5) -> 1.3; row 1 sum 0.8 + 1.3 = 2.1 -> grpo (-0.9 + 1.05)/2 = 0.075
-    loss, _ = policy_loss(logp, old, adv, MASK, loss_type="grpo", delta=1.3)
+    settings = LossSettings(loss_type="grpo", params=PolicyLossParams(delta=1.3))
+    loss, _ = policy_loss(logp, old, adv, MASK, settings)
     assert_close(loss, t(0.075), rtol=1e-12, atol=1e-12)
 
 
@@ -552,12 +572,13 @@ def test_policy_loss_sequence_level_clip_counts_tokens():
     logp = t([[math.log(2), math.log(2), 9.0], [0.0, 0.0, 0.0]]).requires_grad_(True)
     adv = t([1.0, -1.0])
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
-    loss, stats = policy_loss(logp, old, adv, mask, loss_type="grpo", importance_sampling_level="sequence")
+    sequence = PolicyLossParams(importance_sampling_level="sequence")
+    loss, stats = policy_loss(logp, old, adv, mask, LossSettings(loss_type="grpo", params=sequence))
     # per-token loss row 0: -min(2, 1.2) = -1.2; row 1: -(-1) = 1 -> grpo (-1.2 + 1)/2 = -0.1
     assert_close(loss, t(-0.1), rtol=1e-12, atol=1e-12)
     assert stats["clip_high"].item() == 2.0 and stats["clip_low"].item() == 0.0
     # token level instead: row 0 tokens rho 2 -> same two clipped; padded exp(9) not counted
-    _, stats_tok = policy_loss(logp, old, adv, mask, loss_type="grpo")
+    _, stats_tok = policy_loss(logp, old, adv, mask, LossSettings(loss_type="grpo"))
     assert stats_tok["clip_high"].item() == 2.0
 
 
@@ -566,31 +587,42 @@ def test_policy_loss_kl_term():
     logp = torch.full((2, 3), math.log(0.5), dtype=D, requires_grad=True)
     ref = torch.full((2, 3), math.log(0.25), dtype=D)
     k3 = 0.5 + math.log(2) - 1
-    loss, stats = policy_loss(logp, None, ADV, MASK, loss_type="dapo", beta=0.04, ref_logp=ref)
+    loss, stats = policy_loss(
+        logp, None, ADV, MASK, LossSettings(loss_type="dapo", beta=0.04), ref_logp=ref
+    )
     # dapo: (-3.5 + 0.04 * 5 * k3)/5 = -0.7 + 0.04 * k3
     assert_close(loss, t(-0.7 + 0.04 * k3), rtol=1e-12, atol=1e-12)
     assert_close(stats["kl"], t(5 * k3), rtol=1e-12, atol=1e-12)  # summed over the 5 masked tokens
     # k1 instead: ln 2 per token -> -0.7 + 0.04 ln 2
-    loss, stats = policy_loss(logp, None, ADV, MASK, loss_type="dapo", beta=0.04, ref_logp=ref, kl_estimator="k1")
+    k1 = LossSettings(loss_type="dapo", beta=0.04, kl_estimator="k1")
+    loss, stats = policy_loss(logp, None, ADV, MASK, k1, ref_logp=ref)
     assert_close(loss, t(-0.7 + 0.04 * math.log(2)), rtol=1e-12, atol=1e-12)
     # gradient, dapo k3: (-A_i + beta * (1 - e^x)) / 5 with e^x = 0.5 -> row 0 (-1.5 + 0.02)/5, row 1 (0.5 + 0.02)/5
-    loss, _ = policy_loss(logp, None, ADV, MASK, loss_type="dapo", beta=0.04, ref_logp=ref)
+    loss, _ = policy_loss(
+        logp, None, ADV, MASK, LossSettings(loss_type="dapo", beta=0.04), ref_logp=ref
+    )
     (g,) = torch.autograd.grad(loss, logp)
     assert_close(g, t([[-1.48 / 5] * 3, [0.52 / 5, 0.52 / 5, 0.0]]), rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError):
-        policy_loss(logp, None, ADV, MASK, beta=0.04)  # no ref_logp
+        policy_loss(logp, None, ADV, MASK, LossSettings(beta=0.04))  # no ref_logp
 
 
 def test_policy_loss_passes_batch_arguments():
     logp = _logp()
     # on-policy dapo over a 10-token batch: -3.5/10
-    loss, _ = policy_loss(logp, None, ADV, MASK, loss_type="dapo", num_tokens=10)
+    loss, _ = policy_loss(
+        logp, None, ADV, MASK, LossSettings(loss_type="dapo"), LossNormalisers(num_tokens=10)
+    )
     assert_close(loss, t(-0.35), rtol=1e-12, atol=1e-12)
     # grpo over 4 sequences: (-1.5 + 0.5)/4
-    loss, _ = policy_loss(logp, None, ADV, MASK, loss_type="grpo", num_sequences=4)
+    loss, _ = policy_loss(
+        logp, None, ADV, MASK, LossSettings(loss_type="grpo"), LossNormalisers(num_sequences=4)
+    )
     assert_close(loss, t(-0.25), rtol=1e-12, atol=1e-12)
     # bnpo over 2 minibatches: -0.7/2
-    loss, _ = policy_loss(logp, None, ADV, MASK, loss_type="bnpo", num_minibatches=2)
+    loss, _ = policy_loss(
+        logp, None, ADV, MASK, LossSettings(loss_type="bnpo"), LossNormalisers(num_minibatches=2)
+    )
     assert_close(loss, t(-0.35), rtol=1e-12, atol=1e-12)
 
 

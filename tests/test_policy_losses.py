@@ -13,6 +13,7 @@ import torch
 from torch.testing import assert_close
 
 from grpo.algorithm import (
+    LossSettings,
     PolicyLossParams,
     RolloutCorrection,
     cispo_policy_loss,
@@ -72,9 +73,10 @@ def test_per_completion_advantages_equal_their_broadcast_per_token(objective):
     old = logp.detach() + 0.3 * torch.randn(3, 4, generator=gen, dtype=D)
     adv = t([1.0, -0.5, 2.0])
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]])
-    kw = dict(objective=objective, epsilon_high=0.28 if objective != "cispo" else 1.2)
-    a, sa = policy_loss(logp, old, adv, mask, **kw)
-    b, sb = policy_loss(logp, old, adv.unsqueeze(1).expand(3, 4), mask, **kw)
+    params = PolicyLossParams(epsilon_high=0.28 if objective != "cispo" else 1.2)
+    settings = LossSettings(objective=objective, params=params)
+    a, sa = policy_loss(logp, old, adv, mask, settings)
+    b, sb = policy_loss(logp, old, adv.unsqueeze(1).expand(3, 4), mask, settings)
     assert_close(a, b)
     assert sa == sb
 
@@ -169,7 +171,11 @@ def test_sapo_gate_attenuates_far_off_policy_tokens():
 def test_policy_loss_passes_the_sapo_temperatures():
     # one token, rho 1, A -1: (4 / tau_neg) / 2 ... aggregated by dapo over one token
     loss, _ = policy_loss(
-        torch.zeros(1, 1, dtype=D), None, t([-1.0]), torch.ones(1, 1), objective="sapo", sapo_temperature_neg=2.0
+        torch.zeros(1, 1, dtype=D),
+        None,
+        t([-1.0]),
+        torch.ones(1, 1),
+        LossSettings(objective="sapo", params=PolicyLossParams(sapo_temperature_neg=2.0)),
     )
     assert loss.item() == pytest.approx(1.0)
 
@@ -245,8 +251,10 @@ def test_policy_loss_entropy_mask_drops_the_policy_term_only():
     logp = torch.zeros(1, 2, dtype=D, requires_grad=True)
     ref = t([[-0.5, -0.5]])
     keep = torch.tensor([[True, False]])
-    loss, _ = policy_loss(logp, None, t([1.0]), torch.ones(1, 2), beta=0.1, ref_logp=ref, kl_estimator="k1",
-                          entropy_mask=keep)  # fmt: skip
+    settings = LossSettings(beta=0.1, kl_estimator="k1")
+    loss, _ = policy_loss(
+        logp, None, t([1.0]), torch.ones(1, 2), settings, ref_logp=ref, entropy_mask=keep
+    )
     # dapo over both tokens (the normaliser stays 2): (-1 + 0.05 + 0 + 0.05) / 2 = -0.45
     assert loss.item() == pytest.approx(-0.45)
     (grad,) = torch.autograd.grad(loss, logp)
@@ -324,7 +332,9 @@ def test_policy_loss_applies_the_correction_to_the_policy_term():
     # [[0.5, 2, 3], [1.5, 0.5, x]], dapo over 5 tokens: -(0.5 + 2 + 3 + 1.5 + 0.5) / 5 = -1.5
     logp = OLD.clone().requires_grad_(True)
     corr = RolloutCorrection(cap=3.0)
-    loss, stats = policy_loss(logp, None, t([1.0, 1.0]), CM, sampling_logp=SAMPLING, correction=corr)
+    loss, stats = policy_loss(
+        logp, None, t([1.0, 1.0]), CM, LossSettings(correction=corr), sampling_logp=SAMPLING
+    )
     assert loss.item() == pytest.approx(-1.5)
     (grad,) = torch.autograd.grad(loss, logp)
     assert_close(grad, -t([[0.5, 2.0, 3.0], [1.5, 0.5, 0.0]]) / 5)  # weights are constants of the gradient
@@ -336,4 +346,4 @@ def test_policy_loss_applies_the_correction_to_the_policy_term():
     assert "is_ratio_sum" in observed_stats and "is_weight_sum" not in observed_stats
     assert set(plain_stats) == {"clip_low", "clip_high", "clip_region"}
     with pytest.raises(ValueError, match="sampling_logp"):
-        policy_loss(logp, None, t([1.0, 1.0]), CM, correction=corr)
+        policy_loss(logp, None, t([1.0, 1.0]), CM, LossSettings(correction=corr))

@@ -40,7 +40,12 @@ from torch.testing import assert_close
 pytest.importorskip("trl")
 from trl.trainer.grpo_trainer import GRPOTrainer  # noqa: E402
 
-from grpo.algorithm import policy_loss  # noqa: E402
+from grpo.algorithm import (  # noqa: E402
+    LossNormalisers,
+    LossSettings,
+    PolicyLossParams,
+    policy_loss,
+)
 
 D = torch.float64
 MAX_LEN = 7
@@ -193,16 +198,19 @@ def test_loss_and_gradient_match_trl(loss_type, level, beta, config):
         old,
         adv,
         mask,
-        loss_type=loss_type,
-        epsilon_low=eps_low,
-        epsilon_high=eps_high,
-        delta=delta,
-        importance_sampling_level=level,
-        beta=beta,
+        LossSettings(
+            loss_type=loss_type,
+            params=PolicyLossParams(
+                epsilon_low=eps_low,
+                epsilon_high=eps_high,
+                delta=delta,
+                importance_sampling_level=level,
+            ),
+            beta=beta,
+            kl_estimator="k3",
+        ),
+        LossNormalisers(max_completion_length=MAX_LEN, num_tokens=mask.sum()),
         ref_logp=ref if beta else None,
-        kl_estimator="k3",
-        max_completion_length=MAX_LEN,
-        num_tokens=mask.sum(),
     )
     (our_grad,) = torch.autograd.grad(ours, logp)
     assert_close(ours, trl_loss)
@@ -240,10 +248,13 @@ def test_on_policy_matches_trl(loss_type, level):
         level=level, beta=0.04, eps_low=0.2, eps_high=0.28, delta=None,
     )  # fmt: skip
     (trl_grad,) = torch.autograd.grad(trl_loss, logp)
-    ours, stats = policy_loss(
-        logp, None, adv, mask, loss_type=loss_type, epsilon_high=0.28, importance_sampling_level=level,
-        beta=0.04, ref_logp=ref, max_completion_length=MAX_LEN, num_tokens=mask.sum(),
-    )  # fmt: skip
+    settings = LossSettings(
+        loss_type=loss_type,
+        params=PolicyLossParams(epsilon_high=0.28, importance_sampling_level=level),
+        beta=0.04,
+    )
+    norms = LossNormalisers(max_completion_length=MAX_LEN, num_tokens=mask.sum())
+    ours, stats = policy_loss(logp, None, adv, mask, settings, norms, ref_logp=ref)
     (our_grad,) = torch.autograd.grad(ours, logp)
     assert_close(ours, trl_loss)
     assert_close(our_grad, trl_grad)
@@ -260,6 +271,12 @@ def test_gradient_accumulation_mapping_matches_trl(loss_type):
     logp, old, ref, adv, mask = _tensors(seed=11, all_masked_row=False)
     total_tokens = mask.sum()
     trl_total, ours_total = 0.0, 0.0
+    settings = LossSettings(
+        loss_type=loss_type, params=PolicyLossParams(epsilon_high=0.28, delta=1.5), beta=0.04
+    )
+    norms = LossNormalisers(
+        max_completion_length=MAX_LEN, num_sequences=8, num_tokens=total_tokens, num_minibatches=2
+    )
     for rows in (slice(0, 4), slice(4, 8)):
         kw = dict(old_logp=old[rows], ref_logp=ref[rows], advantages=adv[rows], mask=mask[rows])
         trl_loss, _ = _trl_loss(
@@ -267,10 +284,8 @@ def test_gradient_accumulation_mapping_matches_trl(loss_type):
             delta=1.5, grad_accum=2, steps_per_generation=2, num_items_in_batch=total_tokens, **kw,
         )  # fmt: skip
         ours, _ = policy_loss(
-            logp[rows], old[rows], adv[rows], mask[rows], loss_type=loss_type, epsilon_high=0.28, delta=1.5,
-            beta=0.04, ref_logp=ref[rows], max_completion_length=MAX_LEN, num_sequences=8,
-            num_tokens=total_tokens, num_minibatches=2,
-        )  # fmt: skip
+            logp[rows], old[rows], adv[rows], mask[rows], settings, norms, ref_logp=ref[rows]
+        )
         assert_close(ours, trl_loss)
         trl_total = trl_total + trl_loss
         ours_total = ours_total + ours
@@ -279,10 +294,8 @@ def test_gradient_accumulation_mapping_matches_trl(loss_type):
     assert_close(our_grad, trl_grad)
     if loss_type != "bnpo":
         # the accumulated loss is the whole batch's loss, as if it had not been split
-        whole, _ = policy_loss(
-            logp, old, adv, mask, loss_type=loss_type, epsilon_high=0.28, delta=1.5, beta=0.04, ref_logp=ref,
-            max_completion_length=MAX_LEN,
-        )  # fmt: skip
+        one_piece = LossNormalisers(max_completion_length=MAX_LEN)
+        whole, _ = policy_loss(logp, old, adv, mask, settings, one_piece, ref_logp=ref)
         assert_close(ours_total, whole)
 
 
@@ -310,10 +323,14 @@ def test_cispo_matches_trl(level, beta, cap):
         beta=beta, eps_low=0.2, eps_high=cap, delta=None,
     )  # fmt: skip
     (trl_grad,) = torch.autograd.grad(trl_loss, logp)
-    ours, stats = policy_loss(
-        logp, old, adv, mask, objective="cispo", loss_type="dapo", epsilon_high=cap, importance_sampling_level=level,
-        beta=beta, ref_logp=ref if beta else None, num_tokens=mask.sum(),
-    )  # fmt: skip
+    settings = LossSettings(
+        objective="cispo",
+        loss_type="dapo",
+        params=PolicyLossParams(epsilon_high=cap, importance_sampling_level=level),
+        beta=beta,
+    )
+    norms = LossNormalisers(num_tokens=mask.sum())
+    ours, stats = policy_loss(logp, old, adv, mask, settings, norms, ref_logp=ref if beta else None)
     (our_grad,) = torch.autograd.grad(ours, logp)
     assert_close(ours, trl_loss)
     assert_close(our_grad, trl_grad)
@@ -336,10 +353,17 @@ def test_sapo_matches_trl(level, beta, temperatures):
         beta=beta, eps_low=0.2, eps_high=0.2, delta=None, sapo_temperature_pos=tau_pos, sapo_temperature_neg=tau_neg,
     )  # fmt: skip
     (trl_grad,) = torch.autograd.grad(trl_loss, logp)
-    ours, _ = policy_loss(
-        logp, old, adv, mask, objective="sapo", loss_type="grpo", importance_sampling_level=level, beta=beta,
-        ref_logp=ref if beta else None, sapo_temperature_pos=tau_pos, sapo_temperature_neg=tau_neg,
-    )  # fmt: skip
+    settings = LossSettings(
+        objective="sapo",
+        loss_type="grpo",
+        params=PolicyLossParams(
+            importance_sampling_level=level,
+            sapo_temperature_pos=tau_pos,
+            sapo_temperature_neg=tau_neg,
+        ),
+        beta=beta,
+    )
+    ours, _ = policy_loss(logp, old, adv, mask, settings, ref_logp=ref if beta else None)
     (our_grad,) = torch.autograd.grad(ours, logp)
     assert_close(ours, trl_loss)
     assert_close(our_grad, trl_grad)
@@ -373,10 +397,11 @@ def test_loss_with_entropy_mask_matches_trl(loss_type):
     )  # fmt: skip
     (trl_grad,) = torch.autograd.grad(trl_loss, logp)
     keep = entropy_mask(entropies, mask, 0.2, "batch")
-    ours, _ = policy_loss(
-        logp, old, adv, mask, loss_type=loss_type, epsilon_high=0.28, beta=0.04, ref_logp=ref,
-        num_tokens=mask.sum(), entropy_mask=keep,
-    )  # fmt: skip
+    settings = LossSettings(
+        loss_type=loss_type, params=PolicyLossParams(epsilon_high=0.28), beta=0.04
+    )
+    norms = LossNormalisers(num_tokens=mask.sum())
+    ours, _ = policy_loss(logp, old, adv, mask, settings, norms, ref_logp=ref, entropy_mask=keep)
     (our_grad,) = torch.autograd.grad(ours, logp)
     assert_close(ours, trl_loss)
     assert_close(our_grad, trl_grad)
@@ -399,10 +424,17 @@ def test_rollout_correction_is_applied_as_trl_applies_it(objective, trl_loss_typ
         sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
     )  # fmt: skip
     (trl_grad,) = torch.autograd.grad(trl_loss, logp)
+    settings = LossSettings(
+        objective=objective,
+        loss_type=loss_type,
+        params=PolicyLossParams(epsilon_high=0.28),
+        beta=0.04,
+        correction=correction,
+    )
+    norms = LossNormalisers(num_tokens=mask.sum())
     ours, stats = policy_loss(
-        logp, old, adv, mask, objective=objective, loss_type=loss_type, epsilon_high=0.28, beta=0.04, ref_logp=ref,
-        num_tokens=mask.sum(), sampling_logp=sampling, correction=correction,
-    )  # fmt: skip
+        logp, old, adv, mask, settings, norms, ref_logp=ref, sampling_logp=sampling
+    )
     (our_grad,) = torch.autograd.grad(ours, logp)
     assert_close(ours, trl_loss)
     assert_close(our_grad, trl_grad)
