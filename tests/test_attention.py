@@ -3,8 +3,8 @@ import torch
 import torch.nn.functional as F
 
 from grpo.cpu import attention
-from grpo.training import logprobs
-from grpo.training.logprobs import completion_logprobs
+from grpo.models import logprobs
+from grpo.models.logprobs import completion_logprobs
 from grpo.rollout import SamplingParams, generate
 from grpo.models.tiny import tiny_model
 

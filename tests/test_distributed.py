@@ -197,7 +197,7 @@ def test_what_fsdp_does_not_cover_is_refused():
 
     base = {**BASE, "output_dir": "/tmp/unused", "rewards": {"isolation": "thread"}}
     for override, named in [("algorithm.beta=0.04", "algorithm.beta"), ("model.lora.r=8", "LoRA"),
-                            ("algorithm.advantage_estimator=gae", "gae"), ("rollout.decoding=fused", "fused")]:
+                            ("algorithm.advantage_estimator=gae", "gae"), ("cpu.decoding=fused", "fused")]:
         with pytest.raises(ConfigError, match=f"training.sharding=fsdp does not support .*{named}"):
             config.from_dict(base, ["training.sharding=fsdp", override])
     with pytest.raises(ConfigError, match="shards over torchrun's processes"):

@@ -202,7 +202,7 @@ def test_a_changed_config_is_refused_naming_the_keys(tmp_path, capsys):
     assert "training.max_steps" not in err.split("differ:")[1].split(";")[0]
     # what may change: how long, what is logged and evaluated, which kernels compute the tiles
     assert main(["train", str(path), "--resume", "training.max_steps=3", "logging.sample_every=1",
-                 "eval.every=0", "training.save_total_limit=1", "training.kernels=eager"]) == 0
+                 "eval.every=0", "training.save_total_limit=1", "cpu.compile=eager"]) == 0
     assert [r["step"] for r in _rows(run / "metrics.jsonl")] == [1, 2, 3]
     assert sorted(p.name for p in checkpoint.checkpoints(run)) == ["checkpoint-3", "final"]
 
@@ -311,3 +311,18 @@ def test_resuming_a_finished_run_neither_repeats_nor_loses_its_evaluations(tmp_p
     assert main(["train", str(path), "--resume", "training.max_steps=3"]) == 0
     assert labels() == [("after", 2), ("after", 2), ("after", 3), ("after", 3)]
     assert [r["step"] for r in _rows(run / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_a_checkpoint_with_the_earlier_cpu_keys_resumes():
+    """A checkpoint written before the CPU layer's keys moved under cpu: (model.cpu_kernels,
+    training.kernels, rollout.decoding) differs from today's config only in keys that pick
+    kernels, which a resumed run may change; any other difference is still named."""
+    now = yaml.safe_load(yaml.safe_dump(config.from_dict({}).to_dict()))
+    saved = yaml.safe_load(yaml.safe_dump(now))
+    del saved["cpu"]
+    saved["model"]["cpu_kernels"] = False
+    saved["training"]["kernels"] = "eager"
+    saved["rollout"]["decoding"] = "plain"
+    assert checkpoint.config_differences(saved, now) == []
+    saved["training"]["learning_rate"] = 0.5
+    assert [key for key, _, _ in checkpoint.config_differences(saved, now)] == ["training.learning_rate"]

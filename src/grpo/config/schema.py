@@ -897,8 +897,9 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     for key, value in data.items():
         full = f"{prefix}{key}"
         if full in MOVED_KEYS:
+            shown = str(value).lower() if isinstance(value, bool) else safe_yaml.shown(value).strip("'")
             raise ConfigError(f"{full} is now {MOVED_KEYS[full]} (the CPU layer's settings live under cpu:); "
-                              f"write {MOVED_KEYS[full]}: {safe_yaml.shown(value)}")
+                              f"write {MOVED_KEYS[full]}: {shown}")
         if key not in known:
             close = difflib.get_close_matches(str(key), sorted(known), n=1)
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; known keys: {', '.join(sorted(known))}"

@@ -25,6 +25,7 @@ import os
 import sys
 
 import torch
+import torch._functorch.config  # its settings are set below; torch does not import it for us
 
 from grpo.config.schema import ConfigError
 
