@@ -727,7 +727,7 @@ def _tokenizer_of(model):
 
 def _reward_funcs(funcs, processing_classes, cfg: Config) -> dict[str, Callable]:
     """Named reward functions, as TRL names them (the function's __name__, a model by its path)."""
-    from grpo.rewards.reward_set import reward_set as rewards
+    from grpo.rewards import reward_set as rewards
 
     funcs = funcs if isinstance(funcs, list) else [funcs]
     classes = processing_classes if isinstance(processing_classes, list) else [processing_classes] * len(funcs)

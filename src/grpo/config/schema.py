@@ -357,7 +357,8 @@ TASK_REWARDS = {
     "code": ["humaneval_tests"],
     "humaneval": ["humaneval_tests"],
 }
-"""rewards.funcs for tasks whose reward is not the default one, when rewards.funcs is left at the default."""
+"""rewards.funcs for tasks whose reward is not the default one, when the config leaves rewards.funcs
+unset (`apply_task_rewards`)."""
 
 
 @dataclass
@@ -366,8 +367,8 @@ class RewardsConfig:
     """Reward functions: built-in names (see `grpo.rewards.reward_set.BUILTIN`) or
     `module.path:function` / `path/to/file.py:function`, called TRL-style as
     fn(prompts, completions, **columns) -> list[float | None], or `reward_model:PATH`
-    (a sequence-classification model, grpo.rewards.reward_model). Left at this default,
-    tasks gsm8k and math use `math_answer` instead, code and humaneval `humaneval_tests`."""
+    (a sequence-classification model, grpo.rewards.reward_model). Left unset, tasks gsm8k
+    and math use `math_answer` instead, code and humaneval `humaneval_tests`."""
     weights: list[float] | None = None
     """reward_weights: one weight per function; None weighs each 1.0."""
     overlong_buffer: int | None = None
@@ -410,10 +411,6 @@ class RewardsConfig:
     """Where the code rewards run model-written programs."""
 
     def check(self, cfg: "Config", world_size: int = 1) -> None:
-        if self.funcs == DEFAULT_REWARDS and cfg.data.task in TASK_REWARDS:
-            # left at the default, which is the arithmetic task's reward: use the task's own
-            # (set here, so the run's saved config names the reward actually used)
-            self.funcs = list(TASK_REWARDS[cfg.data.task])
         if not self.funcs and self.overlong_buffer is None:
             raise ConfigError("rewards.funcs: empty; name at least one reward function (e.g. [arithmetic_correct])")
         if self.weights is not None and len(self.weights) != len(self.funcs):
@@ -946,6 +943,7 @@ def from_dict(data: dict[str, Any], overrides: list[str] | tuple[str, ...] = ())
         key, value = parse_override(text)
         _set_dotted(data, key, value)
     apply_preset(data)
+    apply_task_rewards(data)
     cfg = _build(Config, data, "")
     validate(cfg)
     return cfg
@@ -1010,6 +1008,15 @@ def apply_preset(data: dict[str, Any]) -> None:
         for key, value in values.items():
             if key not in node:
                 node[key] = _preset_value(value, data)
+
+
+def apply_task_rewards(data: dict[str, Any]) -> None:
+    """rewards.funcs, when the config leaves it unset, for a task whose reward is not the default
+    (TASK_REWARDS): set in the config itself, so the run's saved config names the reward used."""
+    data_section, rewards = data.get("data"), data.get("rewards")
+    task = data_section.get("task") if isinstance(data_section, dict) else None
+    if task in TASK_REWARDS and (rewards is None or (isinstance(rewards, dict) and "funcs" not in rewards)):
+        data["rewards"] = {**(rewards or {}), "funcs": list(TASK_REWARDS[task])}
 
 
 def describe_preset(cfg: Config) -> str | None:
