@@ -1,18 +1,37 @@
 """The GRPO training loop.
 
-`Trainer.train_step` is one step in the order of GRPO's data flow (docs/architecture.md):
+`Trainer.train_step` is one step: its phases in the order of GRPO's data flow, each
+timed under its name in metrics.jsonl (time/<phase>; docs/architecture.md is the map):
 
-    prompts -> engine.generate -> rewards.score -> advantage estimator
-    -> [filter: DAPO dynamic sampling] -> old / reference logprobs
-    -> update (num_iterations optimizer passes) -> engine.sync_weights
-    -> [reference refresh] -> metrics
+    generate    G completions of each of the step's prompts         engine.generate (grpo.rollout)
+    rewards     each completion scored; the loss mask                 Trainer.score (grpo.rewards)
+    filter      DAPO: more rounds until enough groups vary            dynamic_sampling only
+    reference   pi_old (num_iterations > 1) and pi_ref logprobs       update.batch_logprobs
+    values      the critic's values                                   gae only
+    advantages  once, over the final batch                            Trainer.advantages
+    update      num_iterations optimizer passes                       update.policy_update
+    critic      the critic's own passes                               gae only
+    sync        the engine takes the new weights; the reference refresh
 
-Each phase is timed under its name (time/generate, time/rewards, ...). The
-parts it calls each live in their own module: the rollout engine
-(grpo.rollout), rewards (grpo.rewards.reward_set), the math (grpo.algorithm), batching and
-the update (grpo.training.batching, grpo.training.update), the reference (grpo.training.reference), the
-device and process (grpo.backends), the train state (grpo.training.state), the run
-directory and console (grpo.run.runlog). docs/architecture.md is the map.
+The algorithmic choices (algorithm.*, with TRL's names and defaults where TRL has them):
+
+    advantage_estimator   grpo (reward minus its group's mean, over `scale_rewards`' std), dr_grpo
+                          (no std), rloo (leave-one-out), reinforce_pp (batch-normalised), gae (critic)
+    policy_loss           clipped (the PPO/GRPO surrogate; `importance_sampling_level` sequence: GSPO),
+                          cispo (the clipped ratio as a detached weight), sapo (a soft gate)
+    loss_type             grpo, bnpo, dr_grpo, dapo: how per-token losses become one scalar, with
+                          normalisers counted over the whole generation batch
+    beta, kl_estimator    the KL penalty against the reference (beta 0: no reference model)
+    num_iterations        optimizer passes per generation batch (1: pi_old is pi_theta, no extra pass)
+    dynamic_sampling, mask_truncated_completions, top_entropy_quantile, rollout_correction,
+    ref_sync_steps        DAPO's filter and truncation mask, the entropy mask, the correction for an
+                          engine that samples differently, TR-DPO's reference refresh
+
+The parts live in their own modules: the rollout engine (grpo.rollout), rewards
+(grpo.rewards.reward_set), the math (grpo.algorithm), batching and the update
+(grpo.training.batching, grpo.training.update), the reference (grpo.training.reference),
+the device and processes (grpo.backends), the train state (grpo.training.state), the run
+directory and console (grpo.run.runlog).
 """
 
 from __future__ import annotations
