@@ -1,8 +1,27 @@
+"""Fixtures the tests share: the character tokenizer and tiny models, the toy task's trainer,
+a saved tiny reward model, the greedy-tokens comparison, and the `needs_compile` marker."""
+
+import copy
+
 import pytest
 import torch
-import torch
 
+from grpo.config import schema
 from grpo.models.tiny import char_tokenizer, tiny_model
+from grpo.rewards.arithmetic import completion_text
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "needs_compile: skipped where torch.compile cannot build a CPU kernel")
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("needs_compile"):
+        from grpo.cpu import compiling
+
+        problem = compiling.compile_works("cpu")  # probed once per process
+        if problem is not None:
+            pytest.skip(f"torch.compile unavailable: {problem}")
 
 
 @pytest.fixture(scope="session")
@@ -82,3 +101,88 @@ def _assert_same_greedy(model, got, expected, atol: float, autocast_dtype=None, 
 def assert_same_greedy():
     """_assert_same_greedy: greedy tokens from two code paths, equal but for ties within rounding."""
     return _assert_same_greedy
+
+
+# ---------------------------------------------------------------- the toy task's trainer
+
+TOY = {
+    "output_dir": "UNSET",
+    "model": {"name": "tiny"},
+    "data": {
+        "chat_template": "never",
+        "arithmetic": {"operands": [[1, 4], [1, 4]], "operators": ["+"], "instruction": "{expression}=", "num_eval": 4},
+    },
+    "rollout": {"num_generations": 16, "max_completion_length": 1},
+    "training": {"max_steps": 200, "per_device_train_batch_size": 128, "learning_rate": 1e-3, "lr_scheduler_type": "constant"},
+    "logging": {"log_every": 1000, "sample_every": 0},
+    # Reward functions defined in the tests, in worker processes, would make each worker import their
+    # module (torch, transformers: seconds a trainer); reward isolation is tested in
+    # tests/test_reward_execution.py.
+    "rewards": {"isolation": "thread"},
+}
+
+
+def first_char_correct(completions, answer, **kwargs):
+    # arithmetic rows are chat messages, so completions come as [{"role": "assistant", "content": ...}]
+    return [float(completion_text(c)[:1] == str(a)) for c, a in zip(completions, answer)]
+
+
+@pytest.fixture
+def toy_config():
+    """The toy task (a+b= for a, b in 1..4, answered by one token) as a config dict: 200 steps
+    of 128 completions, rewards in threads; output_dir is for the test to set."""
+    return copy.deepcopy(TOY)
+
+
+@pytest.fixture(name="first_char_correct")
+def first_char_correct_fixture():
+    """The toy task's reward: 1 where the completion's first character is the answer."""
+    return first_char_correct
+
+
+@pytest.fixture
+def make_trainer(toy_config):
+    """make_trainer(tokenizer, tmp_path, overrides=(), reward_funcs=None, hidden=64, **data): a
+    Trainer of the toy task on a tiny model (2 layers of `hidden`), writing to tmp_path/run,
+    rewarded by first_char_correct unless reward_funcs is given; **data goes to the Trainer."""
+
+    def build(tokenizer, tmp_path, overrides=(), reward_funcs=None, hidden=64, **data):
+        from grpo.training.trainer import Trainer
+
+        cfg = schema.from_dict({**toy_config, "output_dir": str(tmp_path / "run")}, list(overrides))
+        model = tiny_model(tokenizer, hidden_size=hidden, num_layers=2, seed=0)
+        return Trainer(cfg, model=model, tokenizer=tokenizer, reward_funcs=reward_funcs or {"correct": first_char_correct},
+                       **data)
+
+    return build
+
+
+# ---------------------------------------------------------------- a saved reward model
+
+
+@pytest.fixture
+def save_reward_model():
+    """save_reward_model(path, *, num_labels=1, pad=True, chat_template=None, seed=0): a tiny random
+    LlamaForSequenceClassification with the character tokenizer, saved to `path`; returns
+    (model in eval mode, tokenizer)."""
+
+    def save(path, *, num_labels=1, pad=True, chat_template=None, seed=0):
+        from transformers import LlamaConfig, LlamaForSequenceClassification
+
+        tok = char_tokenizer()
+        if not pad:
+            tok.pad_token = None  # like many decoder reward models: the scorer must pad with eos
+        if chat_template:
+            tok.chat_template = chat_template
+        cfg = LlamaConfig(
+            vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, max_position_embeddings=256, num_labels=num_labels,
+            pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+        )
+        torch.manual_seed(seed)
+        model = LlamaForSequenceClassification(cfg)
+        model.save_pretrained(path)
+        tok.save_pretrained(path)
+        return model.eval(), tok
+
+    return save

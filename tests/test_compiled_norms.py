@@ -9,7 +9,6 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from grpo.cpu import compiled_norms
 from grpo.cpu import compiling
-from test_tile_math import needs_compile
 
 
 def _norm(cls, size: int):
@@ -28,7 +27,7 @@ def _forward_backward(norm, x):
     return y.detach(), x.grad, norm.weight.grad.clone()
 
 
-@needs_compile
+@pytest.mark.needs_compile
 @pytest.mark.parametrize("cls", [Gemma3RMSNorm, LlamaRMSNorm])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_norm_equals_the_module_values_and_gradients(cls, dtype):
@@ -71,9 +70,7 @@ def test_every_rms_norm_of_a_model_is_switched_once(gemma3_tiny):
     assert not any(isinstance(m, compiled_norms.CompiledNorm) for m in model.modules() if m not in norms)
 
 
-def test_the_trainer_switches_norms_only_with_compiled_kernels(tokenizer, tmp_path, monkeypatch):
-    from test_trainer import make_trainer
-
+def test_the_trainer_switches_norms_only_with_compiled_kernels(tokenizer, tmp_path, monkeypatch, make_trainer):
     monkeypatch.setattr(compiling, "compile_works", lambda device_type: None)  # no compile happens below
     for kernels, switched in (("eager", False), ("compiled", True)):
         trainer = make_trainer(tokenizer, tmp_path / kernels, [f"cpu.compile={kernels}", "training.max_steps=1"])

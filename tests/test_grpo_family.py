@@ -12,28 +12,26 @@ from grpo.cpu.fused_decoding import FusedDecoder
 from grpo.models.tiny import tiny_model
 from grpo.training.trainer import Trainer
 
-from test_trainer import TOY, first_char_correct, make_trainer
-
 
 def mean(history, key, part):
     rows = history[:10] if part == "first" else history[-10:]
     return sum(h[key] for h in rows) / len(rows)
 
 
-def learns(tokenizer, tmp_path, overrides, steps=100):
+def learns(make_trainer, tokenizer, tmp_path, overrides, steps=100):
     trainer = make_trainer(tokenizer, tmp_path, [f"training.max_steps={steps}", *overrides])
     history = trainer.train()
     return trainer, history
 
 
 @pytest.mark.parametrize("preset", ["grpo", "dr_grpo", "dapo", "gspo"])
-def test_each_preset_learns(tokenizer, tmp_path, preset):
+def test_each_preset_learns(tokenizer, tmp_path, preset, make_trainer):
     overrides = [f"algorithm.preset={preset}"]
     if preset == "gspo":
         # GSPO's clipping range (3e-4) is sized for its many updates per batch; with one pass the
         # ratio is 1 and the range never binds, so the toy's learning rate works unchanged
         overrides.append("algorithm.num_iterations=1")
-    trainer, history = learns(tokenizer, tmp_path, overrides)
+    trainer, history = learns(make_trainer, tokenizer, tmp_path, overrides)
     first, last = mean(history, "reward", "first"), mean(history, "reward", "last")
     assert last > first + 0.3, (preset, first, last)
     if preset == "grpo":
@@ -43,15 +41,15 @@ def test_each_preset_learns(tokenizer, tmp_path, preset):
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce_pp"])
-def test_each_outcome_estimator_learns(tokenizer, tmp_path, estimator):
-    _, history = learns(tokenizer, tmp_path, [f"algorithm.advantage_estimator={estimator}"])
+def test_each_outcome_estimator_learns(tokenizer, tmp_path, estimator, make_trainer):
+    _, history = learns(make_trainer, tokenizer, tmp_path, [f"algorithm.advantage_estimator={estimator}"])
     first, last = mean(history, "reward", "first"), mean(history, "reward", "last")
     assert last > first + 0.3, (estimator, first, last)
 
 
-def test_gae_learns(tokenizer, tmp_path):
+def test_gae_learns(tokenizer, tmp_path, make_trainer):
     """PPO through the `gae` estimator: the policy's reward rises with a learned value baseline."""
-    trainer, history = learns(tokenizer, tmp_path, ["algorithm.advantage_estimator=gae", "algorithm.critic_learning_rate=1e-3"])
+    trainer, history = learns(make_trainer, tokenizer, tmp_path, ["algorithm.advantage_estimator=gae", "algorithm.critic_learning_rate=1e-3"])
     assert trainer.critic is not None
     first, last = mean(history, "reward", "first"), mean(history, "reward", "last")
     assert last > first + 0.3, (first, last)
@@ -65,7 +63,7 @@ def answer_over_ten(completions, answer, **kwargs):
     return [a / 10 for a in answer]
 
 
-def test_gae_critic_learns_the_values(tokenizer, tmp_path):
+def test_gae_critic_learns_the_values(tokenizer, tmp_path, make_trainer):
     """With rewards a critic can predict from the prompt, its value loss falls towards 0 and its
     values come to explain the returns."""
     trainer = make_trainer(
@@ -79,14 +77,14 @@ def test_gae_critic_learns_the_values(tokenizer, tmp_path):
     assert mean(history, "critic/explained_variance", "last") > 0.8
 
 
-def test_gae_resume_restores_the_critic(tokenizer, tmp_path):
+def test_gae_resume_restores_the_critic(tokenizer, tmp_path, make_trainer, toy_config, first_char_correct):
     cfg_overrides = ["algorithm.advantage_estimator=gae", "algorithm.critic_learning_rate=1e-3",
                      "training.max_steps=4", "training.save_steps=2", "training.per_device_train_batch_size=32"]
     full = make_trainer(tokenizer, tmp_path / "a", cfg_overrides)
     full.train()
     cut = make_trainer(tokenizer, tmp_path / "b", [*cfg_overrides, "training.max_steps=2"])
     cut.train()
-    cfg = config.from_dict({**TOY, "output_dir": str(tmp_path / "b" / "run")}, cfg_overrides)
+    cfg = config.from_dict({**toy_config, "output_dir": str(tmp_path / "b" / "run")}, cfg_overrides)
     resumed = Trainer(cfg, model=tiny_model(tokenizer, hidden_size=64, num_layers=2, seed=0), tokenizer=tokenizer,
                       reward_funcs={"correct": first_char_correct}, resume=tmp_path / "b" / "run" / "checkpoint-2")
     resumed.train()
@@ -95,7 +93,7 @@ def test_gae_resume_restores_the_critic(tokenizer, tmp_path):
 
 
 @pytest.mark.parametrize("decoding", ["plain", "auto"])
-def test_sampling_logprobs_are_the_updates(decoding, tokenizer, tmp_path, monkeypatch):
+def test_sampling_logprobs_are_the_updates(decoding, tokenizer, tmp_path, monkeypatch, make_trainer):
     """In float32, with transformers' decoding steps or the fused ones (auto on the CPU), the
     engine's logprobs equal the update's, so the mismatch metric reads ~0; it is logged every step."""
     trainer = make_trainer(tokenizer, tmp_path, ["training.max_steps=1", "rollout.max_completion_length=4",
@@ -111,7 +109,7 @@ def test_sampling_logprobs_are_the_updates(decoding, tokenizer, tmp_path, monkey
     assert math.isclose(m["rollout/is_ratio"], 1.0, abs_tol=1e-4)
 
 
-def test_rollout_correction_metrics_under_bf16(tokenizer, tmp_path):
+def test_rollout_correction_metrics_under_bf16(tokenizer, tmp_path, make_trainer):
     """bf16 decoding against the bf16 update: a small, logged mismatch, the weights capped at the cap."""
     trainer = make_trainer(tokenizer, tmp_path, ["training.max_steps=2", "rollout.max_completion_length=4",
                                                  "training.bf16=true", "algorithm.rollout_correction=token_truncate",
@@ -124,16 +122,16 @@ def test_rollout_correction_metrics_under_bf16(tokenizer, tmp_path):
 
 
 @pytest.mark.parametrize("loss", ["cispo", "sapo"])
-def test_each_policy_loss_learns(tokenizer, tmp_path, loss):
+def test_each_policy_loss_learns(tokenizer, tmp_path, loss, make_trainer):
     overrides = [f"algorithm.policy_loss={loss}"]
     if loss == "cispo":
         overrides.append("algorithm.epsilon_high=5.0")  # CISPO's cap on the importance weight (TRL's advice)
-    _, history = learns(tokenizer, tmp_path, overrides)
+    _, history = learns(make_trainer, tokenizer, tmp_path, overrides)
     assert mean(history, "reward", "last") > mean(history, "reward", "first") + 0.3
 
 
-def test_top_entropy_quantile_trains_on_a_fraction_of_the_tokens(tokenizer, tmp_path):
-    _, history = learns(tokenizer, tmp_path, ["algorithm.top_entropy_quantile=0.5", "rollout.max_completion_length=4",
+def test_top_entropy_quantile_trains_on_a_fraction_of_the_tokens(tokenizer, tmp_path, make_trainer):
+    _, history = learns(make_trainer, tokenizer, tmp_path, ["algorithm.top_entropy_quantile=0.5", "rollout.max_completion_length=4",
                                               "training.per_device_train_batch_size=64"], steps=3)
     kept = history[-1]["entropy/kept_ratio"]
     assert 0.4 <= kept <= 0.75, kept

@@ -24,8 +24,6 @@ from grpo.sandbox.counts import record
 from grpo.models.tiny import tiny_model
 from grpo.training.trainer import Trainer
 
-from test_trainer import TOY
-
 REWARDS = '''
 import asyncio, os, sys, time
 
@@ -330,19 +328,19 @@ def _alive(pid: int) -> bool:
     ("workers", "-1", "rewards.workers: must be >= 0"),
     ("isolation", "fork", "rewards.isolation: 'fork' is not one of process, thread"),
 ])
-def test_config_refuses_bad_execution_settings(key, value, message, tmp_path):
+def test_config_refuses_bad_execution_settings(key, value, message, tmp_path, toy_config):
     with pytest.raises(ConfigError, match=message):
-        config.from_dict({**TOY, "output_dir": str(tmp_path)}, [f"rewards.{key}={value}"])
+        config.from_dict({**toy_config, "output_dir": str(tmp_path)}, [f"rewards.{key}={value}"])
     cfg = config.from_dict({"output_dir": str(tmp_path)})
     assert (cfg.rewards.timeout, cfg.rewards.workers, cfg.rewards.isolation) == (60.0, 0, "process")
 
 
-def test_training_goes_on_whatever_the_rewards_do(tokenizer, tmp_path, reward_file):
+def test_training_goes_on_whatever_the_rewards_do(tokenizer, tmp_path, reward_file, toy_config):
     """Acceptance: a function that raises on some completions, one that hangs, one that calls
     os._exit and a normal one; two steps run and finish, the failures are missing rewards (NaN,
     not 0) and counted in metrics.jsonl, the normal rewards are intact."""
     funcs = [f"{reward_file}:{name}" for name in ("raises_on_poison", "hangs", "hard_exits", "length")]
-    cfg = config.from_dict({**TOY, "output_dir": str(tmp_path / "run")}, [
+    cfg = config.from_dict({**toy_config, "output_dir": str(tmp_path / "run")}, [
         f"rewards.funcs={json.dumps(funcs)}", "rewards.isolation=process", "rewards.timeout=2",
         "rewards.workers=8",  # 2 chunks a function
         "training.max_steps=2", "training.per_device_train_batch_size=32", "rollout.max_completion_length=2",

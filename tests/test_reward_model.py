@@ -21,27 +21,6 @@ TEXTS = [
 TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
 
 
-def save_reward_model(path, *, num_labels=1, pad=True, chat_template=None, seed=0):
-    """A tiny random LlamaForSequenceClassification with the character tokenizer, saved to `path`."""
-    from transformers import LlamaConfig, LlamaForSequenceClassification
-
-    tok = char_tokenizer()
-    if not pad:
-        tok.pad_token = None  # like many decoder reward models: the scorer must pad with eos
-    if chat_template:
-        tok.chat_template = chat_template
-    cfg = LlamaConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=256, num_labels=num_labels,
-        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForSequenceClassification(cfg)
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return model.eval(), tok
-
-
 def hand_scores(model, tok, texts, label=0, add_special_tokens=True):
     """Each text alone, unpadded: the model's logit `label` at the last token."""
     out = []
@@ -53,7 +32,7 @@ def hand_scores(model, tok, texts, label=0, add_special_tokens=True):
 
 
 @pytest.mark.parametrize("pad", [True, False])
-def test_scores_equal_a_hand_forward_batched_or_not(tmp_path, pad):
+def test_scores_equal_a_hand_forward_batched_or_not(tmp_path, pad, save_reward_model):
     model, tok = save_reward_model(tmp_path / "rm", pad=pad)
     prompts, completions = [p for p, _ in TEXTS], [c for _, c in TEXTS]
     expected = hand_scores(model, tok, [p + c for p, c in TEXTS])
@@ -69,7 +48,7 @@ def test_scores_equal_a_hand_forward_batched_or_not(tmp_path, pad):
     assert padded[0] == pytest.approx(alone[0], abs=1e-5)
 
 
-def test_conversational_prompts_use_the_reward_models_chat_template(tmp_path):
+def test_conversational_prompts_use_the_reward_models_chat_template(tmp_path, save_reward_model):
     model, tok = save_reward_model(tmp_path / "rm", chat_template=TEMPLATE)
     prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
     completion = [{"role": "assistant", "content": "4"}]
@@ -84,7 +63,7 @@ def test_conversational_prompts_use_the_reward_models_chat_template(tmp_path):
     assert plain.text(prompt, completion) == ("Be brief.\n2+2?\n4", False)  # no template: the contents joined
 
 
-def test_no_gradients_and_truncation(tmp_path):
+def test_no_gradients_and_truncation(tmp_path, save_reward_model):
     model, tok = save_reward_model(tmp_path / "rm")
     rm = RewardModel(tmp_path / "rm", device="cpu", max_length=6)
     grad_enabled = []
@@ -97,7 +76,7 @@ def test_no_gradients_and_truncation(tmp_path):
     assert rm(["a long prompt"], [" and its end"], [[0]]) == pytest.approx(hand_scores(model, tok, ["ts end"]), abs=1e-5)
 
 
-def test_dtype_and_device_are_its_own(tmp_path):
+def test_dtype_and_device_are_its_own(tmp_path, save_reward_model):
     model, tok = save_reward_model(tmp_path / "rm")
     rm = RewardModel(tmp_path / "rm", device="cpu", dtype="bfloat16")
     assert rm.model.dtype == torch.bfloat16 and rm.model.device.type == "cpu"
@@ -111,7 +90,7 @@ def test_dtype_and_device_are_its_own(tmp_path):
     assert model.dtype == torch.float32  # the model it was saved from is untouched
 
 
-def test_labels_of_a_multi_output_model(tmp_path):
+def test_labels_of_a_multi_output_model(tmp_path, save_reward_model):
     model, tok = save_reward_model(tmp_path / "rm3", num_labels=3)
     rm = RewardModel(tmp_path / "rm3", device="cpu", label=2)
     assert rm(["q"], [" a"], [[0]]) == pytest.approx(hand_scores(model, tok, ["q a"], label=2), abs=1e-5)
@@ -137,7 +116,7 @@ def test_bad_paths_are_config_errors(tmp_path):
         RewardModel(tmp_path / "lm")
 
 
-def test_spec_and_config_keys(tmp_path):
+def test_spec_and_config_keys(tmp_path, save_reward_model):
     save_reward_model(tmp_path / "my-rm")
     cfg = config.from_dict({"rewards": {"reward_model_device": "cpu", "reward_model_batch_size": 3,
                                         "reward_model_dtype": "bfloat16"}}).rewards
@@ -153,7 +132,7 @@ def test_spec_and_config_keys(tmp_path):
         from_spec("reward_model:", cfg)
 
 
-def test_rewards_funcs_names_a_reward_model(tmp_path):
+def test_rewards_funcs_names_a_reward_model(tmp_path, save_reward_model):
     from grpo.config.schema import RewardsConfig
     from grpo.rewards.reward_set import resolve
 

@@ -15,11 +15,6 @@ from grpo.config.schema import ConfigError, from_dict
 from grpo.models import tiles
 from grpo.models.logprobs import OutputLayerKernels, TileBuffers, token_logprobs_from_hidden
 
-needs_compile = pytest.mark.skipif(
-    compiling.compile_works("cpu") is not None, reason=f"torch.compile unavailable: {compiling.compile_works('cpu')}"
-)
-
-
 def _tile(dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
     rows, cols = 6, 37
@@ -120,7 +115,7 @@ def test_eager_in_place_equals_the_definition(dtype, softcap, temperature, with_
                  _both(DEFINITION, product, bias, column, softcap, temperature, dtype), dtype, with_bias, exact, exact)
 
 
-@needs_compile
+@pytest.mark.needs_compile
 @pytest.mark.parametrize("softcap, temperature, with_bias", COMPILED_SETTINGS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_kernels_equal_eager(dtype, softcap, temperature, with_bias):
@@ -141,7 +136,7 @@ def test_compiled_kernels_equal_eager(dtype, softcap, temperature, with_bias):
     assert torch.equal(acc, 1 + product.float())  # exact: so does a single addition
 
 
-@needs_compile
+@pytest.mark.needs_compile
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("softcap, temperature, with_bias", COMPILED_SETTINGS)
 def test_tiled_logprobs_compiled_equal_eager_values_and_gradients(precision, softcap, temperature, with_bias):
@@ -236,13 +231,11 @@ def test_the_backend_decides_once_per_run(monkeypatch, model):
     assert calls == ["cpu"]
 
 
-@needs_compile
+@pytest.mark.needs_compile
 @pytest.mark.parametrize("bf16", [False, True])
-def test_training_with_compiled_kernels_equals_eager(tokenizer, tmp_path, bf16, monkeypatch):
+def test_training_with_compiled_kernels_equals_eager(tokenizer, tmp_path, bf16, monkeypatch, make_trainer):
     """cpu.compile=compiled against eager, a few steps of a tiny model (the updates through
     the compiled tiles and norms): the same completions, and weights equal to float tolerance."""
-    from test_trainer import make_trainer
-
     from grpo.cpu import compiled_norms
 
     # the tiny model's norms compiled in the update and the prefill (thousands of elements), not when decoding

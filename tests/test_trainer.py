@@ -6,40 +6,12 @@ import pytest
 import torch
 
 from grpo.config import schema as config
-from grpo.rewards.arithmetic import completion_text
 from grpo.rollout import Rollout
 from grpo.models.tiny import tiny_model
 from grpo.training.batching import GenerationBatch, microbatches, minibatches
 from grpo.training.trainer import Trainer
 
-TOY = {
-    "output_dir": "UNSET",
-    "model": {"name": "tiny"},
-    "data": {
-        "chat_template": "never",
-        "arithmetic": {"operands": [[1, 4], [1, 4]], "operators": ["+"], "instruction": "{expression}=", "num_eval": 4},
-    },
-    "rollout": {"num_generations": 16, "max_completion_length": 1},
-    "training": {"max_steps": 200, "per_device_train_batch_size": 128, "learning_rate": 1e-3, "lr_scheduler_type": "constant"},
-    "logging": {"log_every": 1000, "sample_every": 0},
-    # This module's reward functions in worker processes would make each worker import this module
-    # (torch, transformers: seconds a trainer); reward isolation is tested in test_reward_execution.py.
-    "rewards": {"isolation": "thread"},
-}
-
-
-def first_char_correct(completions, answer, **kwargs):
-    # arithmetic rows are chat messages, so completions come as [{"role": "assistant", "content": ...}]
-    return [float(completion_text(c)[:1] == str(a)) for c, a in zip(completions, answer)]
-
-
-def make_trainer(tokenizer, tmp_path, overrides=(), reward_funcs=None, hidden=64, **data):
-    cfg = config.from_dict({**TOY, "output_dir": str(tmp_path / "run")}, list(overrides))
-    model = tiny_model(tokenizer, hidden_size=hidden, num_layers=2, seed=0)
-    return Trainer(cfg, model=model, tokenizer=tokenizer, reward_funcs=reward_funcs or {"correct": first_char_correct}, **data)
-
-
-def test_learns_toy_task(tokenizer, tmp_path):
+def test_learns_toy_task(tokenizer, tmp_path, make_trainer):
     """A random-initialised model learns to answer a+b= with the right digit."""
     trainer = make_trainer(tokenizer, tmp_path)
     history = trainer.train()
@@ -53,7 +25,7 @@ def test_learns_toy_task(tokenizer, tmp_path):
     assert (tmp_path / "run" / "config.yaml").exists()
 
 
-def test_metrics_have_trl_names(tokenizer, tmp_path):
+def test_metrics_have_trl_names(tokenizer, tmp_path, make_trainer):
     trainer = make_trainer(
         tokenizer, tmp_path, ["training.max_steps=2", "algorithm.beta=0.04", "training.per_device_train_batch_size=32"]
     )
@@ -90,7 +62,7 @@ def _hand_batch(trainer, seed=0):
     )
 
 
-def _gradient(tokenizer, tmp_path, loss_type, minibatch, model_state, batch, extra=()):
+def _gradient(make_trainer, tokenizer, tmp_path, loss_type, minibatch, model_state, batch, extra=()):
     trainer = make_trainer(
         tokenizer,
         tmp_path,
@@ -107,13 +79,13 @@ def _gradient(tokenizer, tmp_path, loss_type, minibatch, model_state, batch, ext
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
 @pytest.mark.parametrize("extra", [(), ("algorithm.beta=0.04",), ("training.bf16=true",)])
-def test_gradient_independent_of_minibatch_split(tokenizer, tmp_path, loss_type, extra):
+def test_gradient_independent_of_minibatch_split(tokenizer, tmp_path, loss_type, extra, make_trainer):
     """One optimizer step's gradient is the same for 1 minibatch of 16 or 4 of 4 with accumulation."""
     state = copy.deepcopy(tiny_model(tokenizer, hidden_size=64, num_layers=2, seed=7).state_dict())
     trainer = make_trainer(tokenizer, tmp_path)
     batch = _hand_batch(trainer)
-    whole = _gradient(tokenizer, tmp_path, loss_type, 16, state, batch, extra)
-    split = _gradient(tokenizer, tmp_path, loss_type, 4, state, batch, extra)
+    whole = _gradient(make_trainer, tokenizer, tmp_path, loss_type, 16, state, batch, extra)
+    split = _gradient(make_trainer, tokenizer, tmp_path, loss_type, 4, state, batch, extra)
     assert whole.keys() == split.keys() and whole
     tol = 2e-2 if extra == ("training.bf16=true",) else 1e-5
     for name in whole:
@@ -124,20 +96,20 @@ def test_gradient_independent_of_minibatch_split(tokenizer, tmp_path, loss_type,
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo", "bnpo"])
 @pytest.mark.parametrize("extra", [(), ("algorithm.beta=0.04",), ("training.bf16=true",)])
-def test_gradient_independent_of_microbatches(tokenizer, tmp_path, loss_type, extra):
+def test_gradient_independent_of_microbatches(tokenizer, tmp_path, loss_type, extra, make_trainer):
     """Splitting each minibatch into token-bounded micro-batches leaves the gradient unchanged,
     bnpo included (it normalises by the whole minibatch's tokens)."""
     state = copy.deepcopy(tiny_model(tokenizer, hidden_size=64, num_layers=2, seed=7).state_dict())
     batch = _hand_batch(make_trainer(tokenizer, tmp_path))
-    whole = _gradient(tokenizer, tmp_path, loss_type, 8, state, batch, extra)
-    split = _gradient(tokenizer, tmp_path, loss_type, 8, state, batch, (*extra, "training.microbatch_tokens=20"))
+    whole = _gradient(make_trainer, tokenizer, tmp_path, loss_type, 8, state, batch, extra)
+    split = _gradient(make_trainer, tokenizer, tmp_path, loss_type, 8, state, batch, (*extra, "training.microbatch_tokens=20"))
     tol = 2e-2 if extra == ("training.bf16=true",) else 1e-5
     for name in whole:
         torch.testing.assert_close(split[name], whole[name], atol=tol * whole[name].abs().max().item() + 1e-8, rtol=tol, msg=name)
     assert max(g.abs().max().item() for g in whole.values()) > 1e-4
 
 
-def test_microbatches_respect_the_token_budget(tokenizer, tmp_path):
+def test_microbatches_respect_the_token_budget(tokenizer, tmp_path, make_trainer):
     trainer = make_trainer(tokenizer, tmp_path, ["rollout.num_generations=4", "training.per_device_train_batch_size=8",
                                                  "training.gradient_accumulation_steps=2", "training.microbatch_tokens=24"])
     batch = _hand_batch(trainer)
@@ -153,7 +125,7 @@ def test_microbatches_respect_the_token_budget(tokenizer, tmp_path):
     assert all(len(microbatches(ro, mb, 0)) == 1 for mb in minibatches(ro.lengths.tolist(), 4, 8))
 
 
-def test_same_seed_same_run(tokenizer, tmp_path):
+def test_same_seed_same_run(tokenizer, tmp_path, make_trainer):
     a = make_trainer(tokenizer, tmp_path / "a", ["training.max_steps=3"]).train()
     b = make_trainer(tokenizer, tmp_path / "b", ["training.max_steps=3"]).train()
     keys = ["reward", "loss", "grad_norm", "entropy", "completions/mean_length"]
@@ -167,7 +139,7 @@ def third_of_first_characters(prompts, completions, **kwargs):
     return [float(bool(t) and ord(t[0]) % 3 == 0) for t in texts]
 
 
-def test_num_iterations_and_clipping(tokenizer, tmp_path):
+def test_num_iterations_and_clipping(tokenizer, tmp_path, make_trainer):
     """With several passes per batch the ratio moves away from 1 and clipping engages."""
     trainer = make_trainer(
         tokenizer, tmp_path,
@@ -181,7 +153,7 @@ def test_num_iterations_and_clipping(tokenizer, tmp_path):
     assert any(h["clip_ratio/region_mean"] > 0 for h in history)
 
 
-def test_reference_sync_replaces_reference(tokenizer, tmp_path):
+def test_reference_sync_replaces_reference(tokenizer, tmp_path, make_trainer):
     trainer = make_trainer(
         tokenizer, tmp_path,
         ["training.max_steps=2", "algorithm.beta=0.04", "algorithm.ref_sync_steps=2", "training.per_device_train_batch_size=32"],
@@ -195,7 +167,7 @@ def test_reference_sync_replaces_reference(tokenizer, tmp_path):
     assert any(not torch.equal(before[n], ref[n]) for n in before)
 
 
-def test_failing_reward_is_missing_not_fatal(tokenizer, tmp_path, caplog):
+def test_failing_reward_is_missing_not_fatal(tokenizer, tmp_path, caplog, make_trainer, first_char_correct):
     calls = {"n": 0}
 
     def flaky(completions, **kw):
@@ -215,7 +187,7 @@ def test_failing_reward_is_missing_not_fatal(tokenizer, tmp_path, caplog):
     assert "sandbox crashed" in caplog.text
 
 
-def test_dynamic_sampling_keeps_groups_with_spread(tokenizer, tmp_path):
+def test_dynamic_sampling_keeps_groups_with_spread(tokenizer, tmp_path, make_trainer):
     def half_right(completions, **kw):
         # the first group of every batch has spread, the others are all zero
         return [float(i < 8 and i % 2 == 0) for i in range(len(completions))]
@@ -234,7 +206,7 @@ def test_dynamic_sampling_keeps_groups_with_spread(tokenizer, tmp_path):
     assert (spread[:3] > 0).all() and spread[3] == 0
 
 
-def test_mask_truncated_completions(tokenizer, tmp_path):
+def test_mask_truncated_completions(tokenizer, tmp_path, make_trainer):
     trainer = make_trainer(
         tokenizer, tmp_path, ["algorithm.mask_truncated_completions=true", "training.per_device_train_batch_size=32"]
     )
@@ -244,7 +216,7 @@ def test_mask_truncated_completions(tokenizer, tmp_path):
     assert batch.loss_mask.sum() == 0
 
 
-def test_overlong_penalty_is_added_as_a_reward(tokenizer, tmp_path):
+def test_overlong_penalty_is_added_as_a_reward(tokenizer, tmp_path, make_trainer):
     trainer = make_trainer(
         tokenizer, tmp_path,
         ["rewards.overlong_buffer=1", "training.per_device_train_batch_size=32", "rollout.max_completion_length=2"],
@@ -257,16 +229,16 @@ def test_overlong_penalty_is_added_as_a_reward(tokenizer, tmp_path):
     torch.testing.assert_close(batch.rewards_per_func[:, 1], expected)
 
 
-def test_gradient_checkpointing_same_gradient(tokenizer, tmp_path):
+def test_gradient_checkpointing_same_gradient(tokenizer, tmp_path, make_trainer):
     state = copy.deepcopy(tiny_model(tokenizer, hidden_size=64, num_layers=2, seed=7).state_dict())
     batch = _hand_batch(make_trainer(tokenizer, tmp_path))
-    plain = _gradient(tokenizer, tmp_path, "dapo", 8, state, batch)
-    checkpointed = _gradient(tokenizer, tmp_path, "dapo", 8, state, batch, ("training.gradient_checkpointing=true",))
+    plain = _gradient(make_trainer, tokenizer, tmp_path, "dapo", 8, state, batch)
+    checkpointed = _gradient(make_trainer, tokenizer, tmp_path, "dapo", 8, state, batch, ("training.gradient_checkpointing=true",))
     for name in plain:
         torch.testing.assert_close(checkpointed[name], plain[name], atol=1e-6, rtol=1e-5, msg=name)
 
 
-def test_minibatches_group_similar_lengths(tokenizer, tmp_path):
+def test_minibatches_group_similar_lengths(tokenizer, tmp_path, make_trainer):
     trainer = make_trainer(tokenizer, tmp_path, ["rollout.num_generations=4", "training.per_device_train_batch_size=4",
                                                  "training.gradient_accumulation_steps=4"])
     batch = _hand_batch(trainer)
@@ -280,7 +252,7 @@ def test_minibatches_group_similar_lengths(tokenizer, tmp_path):
     assert longest == sorted(longest)
 
 
-def test_tied_embedding_sparse_gradient_equals_dense(tokenizer, tmp_path):
+def test_tied_embedding_sparse_gradient_equals_dense(tokenizer, tmp_path, toy_config, first_char_correct):
     """A tied embedding's lookup sends a sparse gradient; the weight's total gradient is unchanged."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -293,7 +265,7 @@ def test_tied_embedding_sparse_gradient_equals_dense(tokenizer, tmp_path):
     for sparse in (True, False):
         model = copy.deepcopy(tied)
         cfg = config.from_dict(
-            {**TOY, "output_dir": str(tmp_path / "run")},
+            {**toy_config, "output_dir": str(tmp_path / "run")},
             ["training.learning_rate=0.0", "training.max_grad_norm=0", "rollout.num_generations=4",
              "rollout.max_completion_length=6", "training.per_device_train_batch_size=16"],
         )
@@ -308,7 +280,7 @@ def test_tied_embedding_sparse_gradient_equals_dense(tokenizer, tmp_path):
     assert grads[True].abs().max() > 0
 
 
-def test_refuses_to_overwrite_a_run(tokenizer, tmp_path):
+def test_refuses_to_overwrite_a_run(tokenizer, tmp_path, make_trainer):
     run = tmp_path / "run"
     (run / "checkpoint-1").mkdir(parents=True)  # metrics.jsonl alone (no checkpoint yet) is simply run again
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
@@ -320,7 +292,7 @@ def test_refuses_to_overwrite_a_run(tokenizer, tmp_path):
     assert [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()] == [1]
 
 
-def test_evaluates_before_every_n_and_after(tokenizer, tmp_path):
+def test_evaluates_before_every_n_and_after(tokenizer, tmp_path, make_trainer):
     trainer = make_trainer(tokenizer, tmp_path, ["training.max_steps=3", "training.per_device_train_batch_size=32",
                                                  "eval.before=true", "eval.after=true", "eval.every=2"])
     trainer.train()
@@ -332,10 +304,10 @@ def test_evaluates_before_every_n_and_after(tokenizer, tmp_path):
     assert (tmp_path / "run" / "report.md").exists()
 
 
-def test_bf16_weights_train(tokenizer, tmp_path):
+def test_bf16_weights_train(tokenizer, tmp_path, toy_config, first_char_correct):
     """model.dtype=bfloat16 (bf16 weights, bf16 gradients) runs a step and moves the weights,
     the output layer's gradient included."""
-    cfg = config.from_dict({**TOY, "output_dir": str(tmp_path / "run")},
+    cfg = config.from_dict({**toy_config, "output_dir": str(tmp_path / "run")},
                            ["training.max_steps=1", "rollout.num_generations=4", "training.per_device_train_batch_size=16"])
     model = tiny_model(tokenizer, hidden_size=32, num_layers=1, seed=0, dtype=torch.bfloat16)
     trainer = Trainer(cfg, model=model, tokenizer=tokenizer, reward_funcs={"correct": first_char_correct})
@@ -346,7 +318,7 @@ def test_bf16_weights_train(tokenizer, tmp_path):
     assert head.grad.abs().sum() > 0
 
 
-def test_a_registered_estimator_is_what_the_step_uses(tokenizer, tmp_path):
+def test_a_registered_estimator_is_what_the_step_uses(tokenizer, tmp_path, make_trainer):
     """A new advantage estimator is one registered function; the config picks it by name."""
     from grpo.registry import ADVANTAGE_ESTIMATORS
 
@@ -368,12 +340,12 @@ def test_a_registered_estimator_is_what_the_step_uses(tokenizer, tmp_path):
     assert metrics["loss"] == 0.0 and metrics["grad_norm"] == 0.0
 
 
-def test_unknown_engine_fails_before_the_model_loads(tokenizer, tmp_path):
+def test_unknown_engine_fails_before_the_model_loads(tokenizer, tmp_path, make_trainer):
     with pytest.raises(config.ConfigError, match="rollout.engine: 'sglang' is not one of hf"):
         make_trainer(tokenizer, tmp_path, ["rollout.engine=sglang"])
 
 
-def test_jsonl_task_without_answers_trains_and_evaluates_by_its_rewards(tokenizer, tmp_path, capsys):
+def test_jsonl_task_without_answers_trains_and_evaluates_by_its_rewards(tokenizer, tmp_path, capsys, toy_config):
     """Rows with no integer answer: training and the before/after evaluation use the reward functions."""
     rows = [{"prompt": f"{a}+{b}=", "target": str(a + b)} for a in range(1, 5) for b in range(1, 5)]
     for name, part in (("train", rows), ("eval", rows[:4])):
@@ -383,7 +355,7 @@ def test_jsonl_task_without_answers_trains_and_evaluates_by_its_rewards(tokenize
         return [float(c[:1] == t[:1]) for c, t in zip(completions, target)]
 
     cfg = config.from_dict(
-        {**TOY, "output_dir": str(tmp_path / "run"),
+        {**toy_config, "output_dir": str(tmp_path / "run"),
          "data": {"task": "jsonl", "train_file": str(tmp_path / "train.jsonl"), "eval_file": str(tmp_path / "eval.jsonl"),
                   "chat_template": "never"},
          "eval": {"before": True, "after": True, "temperatures": [0.0]}},
@@ -401,7 +373,7 @@ def test_jsonl_task_without_answers_trains_and_evaluates_by_its_rewards(tokenize
     assert "Scored by the configured reward functions" in (tmp_path / "run" / "report.md").read_text()
 
 
-def test_console_eta_counts_training_steps_only(tokenizer, tmp_path, capsys, monkeypatch):
+def test_console_eta_counts_training_steps_only(tokenizer, tmp_path, capsys, monkeypatch, make_trainer):
     """A slow evaluation before training shows its own progress bar and does not enter the ETA."""
     import re
     import time

@@ -373,9 +373,7 @@ def test_resume_from_checkpoint(tmp_path):
     assert untimed(resumed.state.log_history[0]) == pytest.approx(untimed(whole.state.log_history[-1]), rel=1e-3, abs=1e-6)
 
 
-def test_reward_model_by_path_and_evaluate(tmp_path):
-    from test_reward_model import save_reward_model
-
+def test_reward_model_by_path_and_evaluate(tmp_path, save_reward_model):
     save_reward_model(tmp_path / "rm")
     rows = [{"prompt": f"{a}+{a}=", "answer": 2 * a} for a in range(4)]
     args = GRPOConfig(output_dir=str(tmp_path / "run"), num_generations=2, per_device_train_batch_size=4,
