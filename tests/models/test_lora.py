@@ -528,7 +528,7 @@ def test_benchmark_has_lora_rows(tmp_path):
     from pathlib import Path
 
     pytest.importorskip("trl")
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     out = tmp_path / "vs_trl.json"
     cmd = [sys.executable, str(repo / "benchmarks" / "vs_trl.py"), "--model", "tiny", "--precision", "fp32",
            "--steps", "1", "--warmup", "1", "--repeats", "1", "--lora", "4", "--out", str(out)]

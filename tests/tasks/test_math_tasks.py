@@ -14,7 +14,7 @@ from grpo.tasks import load_task
 from grpo.tasks.math_tasks import gsm8k_gold, math_gold
 from grpo.tasks.scorers import MathScorer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 GSM8K_ROWS = [
     {"question": "Natalia sold 48 clips in April and half as many in May. How many in all?",

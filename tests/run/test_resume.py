@@ -26,7 +26,7 @@ from grpo.run import run_lock
 from grpo.run import runlog
 from grpo.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TIMING = ("time/", "tokens_per_second")
 
 BASE = {
