@@ -6,7 +6,8 @@ it, or refused when named; one run at a time holds output_dir (a second `grpo tr
 output_dir is refused before the model loads, and a full disk ends the run with the
 previous checkpoint intact and a message that says so.
 
-The runs are `grpo train` as in tests/test_resume.py: forked children, or `main` in this process."""
+The runs are `grpo train` as in tests/run/test_resume.py (the fixtures of tests/run/conftest.py):
+forked children, or `main` in this process."""
 
 import contextlib
 import errno
@@ -27,13 +28,12 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from grpo.run import checkpoint
-from grpo.config import schema as config
-from grpo.run import run_lock
 from grpo.cli import main
+from grpo.config import schema as config
 from grpo.config.schema import ConfigError
+from grpo.run import checkpoint, run_lock
 
-from test_resume import _assert_same_run, _quick, _rows, _run, _train_to, _write_config  # noqa: F401 (_quick: autouse)
+pytestmark = pytest.mark.usefixtures("quick")
 
 SHORT = ["training.max_steps=3", "training.save_steps=1", "eval.every=0", "eval.after=false"]
 
@@ -61,8 +61,8 @@ class _WritesAFile:
 # ---------------------------------------------------------------- checkpoints safe to load
 
 
-def test_a_crafted_train_state_runs_no_code_and_is_refused_or_passed_over(tmp_path, capsys, caplog):
-    path, run = _train_to(tmp_path, "run", SHORT)
+def test_a_crafted_train_state_runs_no_code_and_is_refused_or_passed_over(tmp_path, capsys, caplog, read_rows, train_to):
+    path, run = train_to(tmp_path, "run", SHORT)
     marker = tmp_path / "code-ran"
     # in final/: a torch.save archive whose pickle calls os.system; in checkpoint-3: a bare pickle
     torch.save({"train": {"step": 3}, "payload": _WritesAFile(marker)}, run / "final" / checkpoint.STATE)
@@ -86,12 +86,12 @@ def test_a_crafted_train_state_runs_no_code_and_is_refused_or_passed_over(tmp_pa
     assert f"checkpoint {run / 'final'} cannot be loaded (train_state.pt was written by an older grpo" in caplog.text
     assert f"checkpoint {run / 'checkpoint-3'} cannot be loaded (train_state.pt is unreadable" in caplog.text
     assert f"resuming from {run / 'checkpoint-2'} instead" in caplog.text
-    assert [r["step"] for r in _rows(run / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert [r["step"] for r in read_rows(run / "metrics.jsonl")] == [1, 2, 3, 4]
     assert checkpoint.problem(run / "final") == ""
 
 
-def test_a_train_state_that_needs_unpickling_numpy_is_refused_as_an_older_grpos(tmp_path):
-    path, run = _train_to(tmp_path, "run", SHORT)
+def test_a_train_state_that_needs_unpickling_numpy_is_refused_as_an_older_grpos(tmp_path, train_to):
+    path, run = train_to(tmp_path, "run", SHORT)
     state = torch.load(run / "final" / checkpoint.STATE, weights_only=True)
     assert isinstance(state["train"]["rng"]["numpy"], list)  # NumPy's key array saved as ints
     state["train"]["rng"]["numpy"] = numpy.random.get_state()  # as grpo wrote it before: an ndarray
@@ -102,9 +102,9 @@ def test_a_train_state_that_needs_unpickling_numpy_is_refused_as_an_older_grpos(
         checkpoint.load_checkpoint(run / "final", config.load(path))
 
 
-def test_a_checkpoint_that_fails_to_load_is_passed_over_and_a_named_one_refused(tmp_path, capsys, caplog):
+def test_a_checkpoint_that_fails_to_load_is_passed_over_and_a_named_one_refused(tmp_path, capsys, caplog, run_grpo, train_to, assert_same_run):
     overrides = ["training.max_steps=4", "training.save_steps=1", "eval.every=0", "eval.after=false"]
-    path, run = _train_to(tmp_path, "run", overrides)
+    path, run = train_to(tmp_path, "run", overrides)
     # final/: train state cut short; checkpoint-4: weights cut short; checkpoint-3: a NaN weight
     state = (run / "final" / checkpoint.STATE).read_bytes()
     (run / "final" / checkpoint.STATE).write_bytes(state[: len(state) // 2])
@@ -131,9 +131,9 @@ def test_a_checkpoint_that_fails_to_load_is_passed_over_and_a_named_one_refused(
     assert f"--resume {run / 'checkpoint-3'}: cannot resume from it: model.safetensors holds non-finite weights" in err
 
     # --resume alone: from checkpoint-2, and the run ends as the one never damaged
-    assert _run(["train", str(path), "--resume"]) == 0
-    _, expected = _train_to(tmp_path, "expected", overrides)
-    _assert_same_run(run, expected)
+    assert run_grpo(["train", str(path), "--resume"]) == 0
+    _, expected = train_to(tmp_path, "expected", overrides)
+    assert_same_run(run, expected)
 
 
 # ---------------------------------------------------------------- one run per output_dir
@@ -156,8 +156,8 @@ def gated(completions, **kwargs):
 """
 
 
-def _gated_config(tmp_path, overrides):
-    path = _write_config(tmp_path, "run", overrides)
+def _gated_config(write_config, tmp_path, overrides):
+    path = write_config(tmp_path, "run", overrides)
     (tmp_path / "gated.py").write_text(GATE)
     data = yaml.safe_load(path.read_text())
     data["rewards"]["funcs"] = [*data["rewards"]["funcs"], f"{tmp_path / 'gated.py'}:gated"]
@@ -185,8 +185,8 @@ def _wait_for(condition, what, timeout=60):
         time.sleep(0.01)
 
 
-def test_a_second_run_resume_or_overwrite_during_a_run_is_refused_naming_its_pid(tmp_path):
-    path = _gated_config(tmp_path, SHORT)
+def test_a_second_run_resume_or_overwrite_during_a_run_is_refused_naming_its_pid(tmp_path, write_config, read_rows):
+    path = _gated_config(write_config, tmp_path, SHORT)
     run = tmp_path / "run"
     lock = run / run_lock.LOCK
     first = _start(["train", str(path)], tmp_path / "first.err")
@@ -206,22 +206,22 @@ def test_a_second_run_resume_or_overwrite_during_a_run_is_refused_naming_its_pid
     first.join(120)
     assert first.exitcode == 0, (tmp_path / "first.err").read_text()
     # the first run's results, as it wrote them alone
-    assert [r["step"] for r in _rows(run / "metrics.jsonl")] == [1, 2, 3]
-    assert [r["step"] for r in _rows(run / "samples.jsonl")] == sorted(r["step"] for r in _rows(run / "samples.jsonl"))
+    assert [r["step"] for r in read_rows(run / "metrics.jsonl")] == [1, 2, 3]
+    assert [r["step"] for r in read_rows(run / "samples.jsonl")] == sorted(r["step"] for r in read_rows(run / "samples.jsonl"))
     assert [p.name for p in checkpoint.checkpoints(run)] == ["checkpoint-1", "checkpoint-2", "checkpoint-3", "final"]
     assert all(checkpoint.problem(p) == "" for p in checkpoint.checkpoints(run))
     # over: the directory is free again (a resume of the finished run is accepted)
     assert main(["train", str(path), "--resume"]) == 0
 
 
-def test_a_sigkilled_run_leaves_no_stale_lock(tmp_path):
-    path = _write_config(tmp_path, "run", SHORT)
+def test_a_sigkilled_run_leaves_no_stale_lock(tmp_path, write_config, run_grpo, read_rows):
+    path = write_config(tmp_path, "run", SHORT)
     run = tmp_path / "run"
-    assert _run(["train", str(path)], kill_at="logged:2") == -signal.SIGKILL  # step 2 logged, checkpoint-1 saved
+    assert run_grpo(["train", str(path)], kill_at="logged:2") == -signal.SIGKILL  # step 2 logged, checkpoint-1 saved
     assert (run / run_lock.LOCK).is_file()  # the file stays; its lock died with the process
     assert [p.name for p in checkpoint.checkpoints(run)] == ["checkpoint-1"]
-    assert _run(["train", str(path), "--resume"]) == 0  # no manual unlock
-    assert [r["step"] for r in _rows(run / "metrics.jsonl")] == [1, 2, 3]
+    assert run_grpo(["train", str(path), "--resume"]) == 0  # no manual unlock
+    assert [r["step"] for r in read_rows(run / "metrics.jsonl")] == [1, 2, 3]
 
 
 def test_trainers_in_one_process_share_its_claim_and_a_failed_start_leaves_nothing(tmp_path):
@@ -240,8 +240,8 @@ def test_trainers_in_one_process_share_its_claim_and_a_failed_start_leaves_nothi
 # ---------------------------------------------------------------- unwritable or full disks
 
 
-def test_an_unwritable_output_dir_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
-    path = _write_config(tmp_path, "run", SHORT)
+def test_an_unwritable_output_dir_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch, write_config):
+    path = write_config(tmp_path, "run", SHORT)
 
     def no_model(*args, **kwargs):
         raise AssertionError("the model was loaded")
@@ -260,10 +260,10 @@ def test_an_unwritable_output_dir_is_refused_before_the_model_loads(tmp_path, ca
         run_lock.claim(tmp_path / "run")
 
 
-def test_too_little_free_space_for_a_checkpoint_is_warned_at_start(tmp_path, monkeypatch, caplog):
+def test_too_little_free_space_for_a_checkpoint_is_warned_at_start(tmp_path, monkeypatch, caplog, write_config):
     from grpo.training.trainer import Trainer
 
-    path = _write_config(tmp_path, "run", SHORT)
+    path = write_config(tmp_path, "run", SHORT)
     Usage = namedtuple("Usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(10 << 20, 10 << 20, 1000))
     with caplog.at_level("WARNING"):
@@ -275,9 +275,9 @@ def test_too_little_free_space_for_a_checkpoint_is_warned_at_start(tmp_path, mon
            f"{checkpoint.format_bytes(size)}" in caplog.text
 
 
-def test_a_full_disk_at_a_save_keeps_the_previous_checkpoint_and_says_so(tmp_path, capsys, monkeypatch):
+def test_a_full_disk_at_a_save_keeps_the_previous_checkpoint_and_says_so(tmp_path, capsys, monkeypatch, write_config, run_grpo, train_to, assert_same_run):
     overrides = ["training.max_steps=3", "training.save_steps=1", "eval.every=0", "eval.after=false"]
-    path = _write_config(tmp_path, "run", overrides)
+    path = write_config(tmp_path, "run", overrides)
     run = tmp_path / "run"
     real_save = torch.save
 
@@ -300,9 +300,9 @@ def test_a_full_disk_at_a_save_keeps_the_previous_checkpoint_and_says_so(tmp_pat
     assert [p.name for p in checkpoint.checkpoints(run)] == ["checkpoint-1"] and checkpoint.problem(run / "checkpoint-1") == ""
 
     monkeypatch.undo()  # space freed
-    assert _run(["train", str(path), "--resume"]) == 0
-    _, expected = _train_to(tmp_path, "expected", overrides)
-    _assert_same_run(run, expected)
+    assert run_grpo(["train", str(path), "--resume"]) == 0
+    _, expected = train_to(tmp_path, "expected", overrides)
+    assert_same_run(run, expected)
 
 
 def test_a_failed_replacement_keeps_the_checkpoint_it_would_replace(tmp_path):

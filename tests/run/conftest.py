@@ -1,0 +1,161 @@
+"""`grpo train` runs in forked children, shared by tests/run/test_resume.py and
+tests/run/test_run_safety.py (a fresh interpreter would spend ~10 s importing torch and
+transformers on 2 cores; a fork starts in milliseconds): a run's config on the toy task, the
+run itself, its logs, and the check that two runs are the same."""
+
+import json
+import multiprocessing
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+import tqdm
+from safetensors.torch import load_file
+
+from grpo.cli import main
+from grpo.config import schema as config
+from grpo.run import runlog
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMING = ("time/", "tokens_per_second")
+
+BASE = {
+    "model": {"name": "tiny", "tiny_hidden_size": 32, "tiny_num_layers": 1},
+    "data": {"chat_template": "never", "arithmetic": {
+        "operands": [[1, 4], [1, 4]], "operators": ["+"], "instruction": "{expression}=", "num_train": 200, "num_eval": 4}},
+    "rollout": {"num_generations": 4, "max_completion_length": 2, "temperature": 0.9},
+    "rewards": {"isolation": "thread"},  # the functions: REWARDS, below
+    # a KL reference that ref_sync_steps changes, a schedule with warm-up: all of it must come back
+    "algorithm": {"beta": 0.04, "ref_sync_steps": 3},
+    "training": {"max_steps": 6, "per_device_train_batch_size": 16, "learning_rate": 0.003,
+                 "lr_scheduler_type": "linear", "warmup_steps": 1, "save_steps": 1},
+    "eval": {"every": 2, "after": True, "temperatures": [0.0, 1.0]},
+    "logging": {"log_every": 100, "sample_every": 2},
+}
+
+
+# The toy task's reward is almost always 0 for a random model: no learning signal, weights that
+# hardly move, and a resume that forgot something could still look exact. This one rewards a
+# third of all first characters, so most groups have spread and every step changes the weights.
+REWARDS = """
+import time
+
+
+def slow(completions, **kwargs):
+    time.sleep(1.0)  # a step long enough that two signals surely land in the same one
+    return [0.0] * len(completions)
+
+
+def third(completions, **kwargs):
+    texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+    return [float(bool(t) and ord(t[0]) % 3 == 0) for t in texts]
+"""
+
+
+@pytest.fixture
+def quick(monkeypatch):
+    """For the files that run `grpo train` (pytestmark = pytest.mark.usefixtures("quick")): no
+    plots, and no tqdm monitor thread."""
+    monkeypatch.setattr(runlog.RunLog, "report", lambda self: None)  # plots: seconds, and not what is tested here
+    monkeypatch.setattr(tqdm.tqdm, "monitor_interval", 0)  # no monitor thread whose lock a fork could copy held
+
+
+def _write_config(tmp_path, name, overrides=()):
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text(REWARDS)
+    funcs = [f"{rewards}:third", f"{ROOT / 'examples' / 'toy_rewards.py'}:first_char_correct"]
+    cfg = config.from_dict({**BASE, "output_dir": str(tmp_path / name), "rewards": {**BASE["rewards"], "funcs": funcs}},
+                           list(overrides))
+    path = tmp_path / f"{name}.yaml"
+    config.save(cfg, path)
+    return path
+
+
+def _child(argv, kill_at):
+    if kill_at:
+        os.environ["GRPO_KILL_AT"] = kill_at
+    os._exit(main(argv))
+
+
+def _start(argv, kill_at=None):
+    process = multiprocessing.get_context("fork").Process(target=_child, args=(argv, kill_at))
+    process.start()
+    return process
+
+
+def _run(argv, kill_at=None, kill_after=None):
+    """`grpo train ...` in a child; its exit code (-9: SIGKILLed). `kill_after`: seconds."""
+    process = _start(argv, kill_at)
+    process.join(kill_after)
+    if process.is_alive():
+        os.kill(process.pid, signal.SIGKILL)
+    process.join(120)
+    return process.exitcode
+
+
+def _rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _untimed(rows):
+    return [{k: v for k, v in row.items() if not k.startswith(TIMING)} for row in rows]
+
+
+def _assert_same_run(got: Path, expected: Path):
+    assert _untimed(_rows(got / "metrics.jsonl")) == _untimed(_rows(expected / "metrics.jsonl"))
+    assert _rows(got / "samples.jsonl") == _rows(expected / "samples.jsonl")
+    assert _rows(got / "eval.jsonl") == _rows(expected / "eval.jsonl")
+    a, b = load_file(got / "final" / "model.safetensors"), load_file(expected / "final" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def _train_to(tmp_path, name, overrides=()):
+    path = _write_config(tmp_path, name, overrides)
+    assert _run(["train", str(path)]) == 0
+    return path, tmp_path / name
+
+
+@pytest.fixture
+def write_config():
+    """write_config(tmp_path, name, overrides=()): tmp_path/name.yaml, a 6-step run of the toy task
+    into tmp_path/name, rewarded by `third` (tmp_path/rewards.py, beside `slow`) and
+    first_char_correct; returns its path."""
+    return _write_config
+
+
+@pytest.fixture
+def start_grpo():
+    """start_grpo(argv, kill_at=None): `grpo argv` started in a forked child (GRPO_KILL_AT=kill_at
+    there); returns the multiprocessing.Process."""
+    return _start
+
+
+@pytest.fixture
+def run_grpo():
+    """run_grpo(argv, kill_at=None, kill_after=None): `grpo argv` in a forked child; its exit code
+    (-9: SIGKILLed). `kill_after`: seconds."""
+    return _run
+
+
+@pytest.fixture
+def read_rows():
+    """read_rows(path): a .jsonl file's rows ([] if there is no file)."""
+    return _rows
+
+
+@pytest.fixture
+def train_to():
+    """train_to(tmp_path, name, overrides=()): write_config's run, trained to its end (exit 0
+    asserted); returns (config path, run directory)."""
+    return _train_to
+
+
+@pytest.fixture
+def assert_same_run():
+    """assert_same_run(got, expected): two run directories hold the same metrics (but timings),
+    samples, evaluations and final weights."""
+    return _assert_same_run
