@@ -1,7 +1,9 @@
-"""Hand-computed tests for the policy losses cispo and sapo, per-token advantages, the
-entropy mask and the rollout correction (grpo.algorithm.losses, grpo.algorithm.correction).
+"""Hand-computed tests for grpo.algorithm.losses: importance weights, the clipped surrogate and
+the KL estimators, the loss aggregations (and their invariance to how a batch is split),
+policy_loss, the policy losses cispo and sapo, per-token advantages and the entropy mask.
 
-Every expected number is derived by hand in the comment next to it.
+Every expected number is derived by hand in the comment next to it. Tensors are float64
+where a check is to float precision.
 """
 
 from __future__ import annotations
@@ -10,18 +12,23 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.testing import assert_close
 
 from grpo.algorithm import (
+    LossNormalisers,
     LossSettings,
     PolicyLossParams,
-    RolloutCorrection,
+    aggregate_loss,
     cispo_policy_loss,
     clipped_policy_loss,
     clipped_surrogate,
-    correction_weights,
+    entropy_from_logits,
     entropy_mask,
-    mismatch_stats,
+    kl_estimate,
+    log_importance_weights,
+    masked_mean,
     policy_loss,
     sapo_policy_loss,
     token_advantages,
@@ -45,6 +52,427 @@ def test_registry():
 def test_params_defaults_are_trls():
     p = PolicyLossParams()
     assert (p.sapo_temperature_pos, p.sapo_temperature_neg) == (1.0, 1.05)
+
+
+# --------------------------------------------------------------------------
+# Importance weights, surrogate, KL
+# --------------------------------------------------------------------------
+
+
+def test_log_importance_weights_token_and_sequence():
+    # logp - old = [[0.2, 0.4, 5.0 (padding)], [0.7, -0.3, 0.1 (all padding)]]
+    old = t([[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0]])
+    diff = t([[0.2, 0.4, 5.0], [0.7, -0.3, 0.1]])
+    logp = (old + diff).requires_grad_(True)
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0]])
+    tok = log_importance_weights(logp, old, mask, "token")
+    assert_close(tok, diff)  # token level: the difference itself, padding untouched
+    seq = log_importance_weights(logp, old, mask, "sequence")
+    # row 0: (0.2 + 0.4)/2 = 0.3 (the 5.0 is masked out); row 1: 0 / clamp(0, 1) = 0
+    assert seq.shape == (2, 1)
+    assert_close(seq, t([[0.3], [0.0]]))
+    # d(sum seq)/d logp = m / sum(m): row 0 [1/2, 1/2, 0]; row 1 all 0
+    (grad,) = torch.autograd.grad(seq.sum(), logp)
+    assert_close(grad, t([[0.5, 0.5, 0.0], [0.0, 0.0, 0.0]]))
+    with pytest.raises(ValueError):
+        log_importance_weights(logp, old, mask, "sentence")
+
+
+def test_clipped_surrogate_both_sides():
+    # eps = 0.2 -> clip range [0.8, 1.2]; rows are tokens with ratio rho and advantage A
+    #   A=+1, rho=1.5: -min(1.5, 1.2) = -1.2   (clipped above, no gradient)
+    #   A=+1, rho=0.5: -min(0.5, 0.8) = -0.5   (unclipped, gradient -A = -1)
+    #   A=-1, rho=0.5: -min(-0.5, -0.8) = 0.8  (clipped below, no gradient)
+    #   A=-1, rho=1.5: -min(-1.5, -1.2) = 1.5  (unclipped, gradient -A = +1)
+    #   A=+2, rho=1.0: -2                      (inside, gradient -2)
+    #   A=0,  rho=3.0: 0
+    ratio = t([[1.5], [0.5], [0.5], [1.5], [1.0], [3.0]]).requires_grad_(True)
+    adv = t([1.0, 1.0, -1.0, -1.0, 2.0, 0.0])
+    loss = clipped_surrogate(ratio, adv, 0.2, 0.2)
+    assert loss.shape == (6, 1)
+    assert_close(loss, t([[-1.2], [-0.5], [0.8], [1.5], [-2.0], [0.0]]))
+    (grad,) = torch.autograd.grad(loss.sum(), ratio)
+    assert_close(grad, t([[0.0], [-1.0], [0.0], [1.0], [-2.0], [0.0]]))
+
+
+def test_clipped_surrogate_asymmetric_epsilon():
+    # eps_low = 0.2, eps_high = 0.28 -> clip range [0.8, 1.28]
+    #   A=+1, rho=1.5:  -min(1.5, 1.28) = -1.28
+    #   A=+1, rho=1.25: inside -> -1.25   (symmetric 0.2 would clip it to -1.2)
+    #   A=-1, rho=0.75: -min(-0.75, -0.8) = 0.8
+    #   A=-1, rho=0.85: inside -> 0.85
+    ratio = t([[1.5, 1.25], [0.75, 0.85]])
+    adv = t([1.0, -1.0])
+    assert_close(clipped_surrogate(ratio, adv, 0.2, 0.28), t([[-1.28, -1.25], [0.8, 0.85]]))
+    assert_close(clipped_surrogate(ratio, adv, 0.2, 0.2), t([[-1.2, -1.2], [0.8, 0.85]]))
+    # eps_low = 0.3 moves only the lower edge: A=-1, rho=0.75 now inside -> 0.75
+    assert_close(clipped_surrogate(ratio, adv, 0.3, 0.28), t([[-1.28, -1.25], [0.75, 0.85]]))
+
+
+def test_clipped_surrogate_delta():
+    # delta = 1.3 caps rho in the unclipped term only:
+    #   A=-1, rho=1.5: -min(-1.3, -1.2) = 1.3          (would be 1.5 without delta); gradient 0
+    #   A=-1, rho=5.0: -min(-1.3, -1.2) = 1.3
+    #   A=+1, rho=1.5: -min(1.3, 1.2) = -1.2           (unchanged)
+    #   A=-1, rho=0.5: -min(-0.5, -0.8) = 0.8          (unchanged)
+    #   A=-1, rho=1.1: -min(-1.1, -1.1) = 1.1          (below delta: unchanged)
+    ratio = t([[1.5], [5.0], [1.5], [0.5], [1.1]]).requires_grad_(True)
+    adv = t([-1.0, -1.0, 1.0, -1.0, -1.0])
+    loss = clipped_surrogate(ratio, adv, 0.2, 0.2, delta=1.3)
+    assert_close(loss, t([[1.3], [1.3], [-1.2], [0.8], [1.1]]))
+    no_delta = clipped_surrogate(ratio, adv, 0.2, 0.2)
+    assert_close(no_delta, t([[1.5], [5.0], [-1.2], [0.8], [1.1]]))
+    (grad,) = torch.autograd.grad(loss.sum(), ratio)
+    # the capped tokens have no gradient; rho=1.1, A=-1 has gradient -A = 1
+    assert_close(grad, t([[0.0], [0.0], [0.0], [0.0], [1.0]]))
+
+
+def test_kl_estimators():
+    ln2 = math.log(2.0)
+    # logp = log .5, ref = log .25 -> x = ref - logp = -ln 2
+    #   k1 = ln 2 = 0.693147;  k2 = (ln 2)^2 / 2 = 0.240227;  k3 = e^{-ln2} + ln2 - 1 = 0.5 + 0.693147 - 1 = 0.193147
+    # logp = log .25, ref = log .5 -> x = +ln 2
+    #   k1 = -ln 2 (k1 can be negative);  k2 = 0.240227;  k3 = 2 - ln2 - 1 = 0.306853
+    # logp = ref -> all 0
+    logp = t([math.log(0.5), math.log(0.25), -1.7]).requires_grad_(True)
+    ref = t([math.log(0.25), math.log(0.5), -1.7])
+    expected = {
+        "k1": [ln2, -ln2, 0.0],
+        "k2": [ln2**2 / 2, ln2**2 / 2, 0.0],
+        "k3": [0.5 + ln2 - 1, 2 - ln2 - 1, 0.0],
+    }
+    # d/dlogp with x = ref - logp:  k1 -> 1;  k2 -> -x;  k3 -> 1 - e^x
+    grads = {
+        "k1": [1.0, 1.0, 1.0],
+        "k2": [ln2, -ln2, 0.0],
+        "k3": [1 - 0.5, 1 - 2.0, 0.0],
+    }
+    for est in ("k1", "k2", "k3"):
+        k = kl_estimate(logp, ref, est)
+        assert_close(k, t(expected[est]), rtol=1e-12, atol=1e-12)
+        (g,) = torch.autograd.grad(k.sum(), logp)
+        assert_close(g, t(grads[est]), rtol=1e-12, atol=1e-12)
+    # default is k3
+    assert_close(kl_estimate(logp, ref), t(expected["k3"]))
+    with pytest.raises(ValueError):
+        kl_estimate(logp, ref, "k4")
+
+
+# --------------------------------------------------------------------------
+# Aggregation
+# --------------------------------------------------------------------------
+
+X = 100.0  # value under padding: any leak of it shows up in the result
+L3 = [[1.0, 3.0, 5.0], [2.0, X, X], [X, X, X]]
+M3 = [[1, 1, 1], [1, 0, 0], [0, 0, 0]]  # lengths 3, 1, 0 (an all-masked row)
+
+
+def test_aggregate_loss_each_type():
+    L, M = t(L3), torch.tensor(M3)
+    # grpo: per-sequence means 9/3 = 3, 2/1 = 2, 0 (empty row: 0 / clamp(0,1)); (3 + 2 + 0) / 3 = 5/3
+    assert_close(aggregate_loss(L, M, "grpo"), t(5 / 3))
+    # bnpo: (1 + 3 + 5 + 2) / 4 tokens = 11/4
+    assert_close(aggregate_loss(L, M, "bnpo"), t(11 / 4))
+    # dr_grpo: 11 / (3 sequences * T_max 5) = 11/15
+    norms = LossNormalisers(max_completion_length=5)
+    assert_close(aggregate_loss(L, M, "dr_grpo", norms), t(11 / 15))
+    # dapo: 11 / 4 tokens
+    assert_close(aggregate_loss(L, M, "dapo"), t(11 / 4))
+
+
+def test_aggregate_loss_docstring_example():
+    # L = [[1, 3], [2, x]], M = [[1, 1], [1, 0]], T_max = 4
+    # grpo (2 + 2)/2 = 2;  bnpo 6/3 = 2;  dr_grpo 6/(2*4) = 0.75;  dapo 6/3 = 2
+    L, M = t([[1.0, 3.0], [2.0, X]]), torch.tensor([[1, 1], [1, 0]])
+    norms = LossNormalisers(max_completion_length=4)
+    got = [aggregate_loss(L, M, lt, norms).item() for lt in ("grpo", "bnpo", "dr_grpo", "dapo")]
+    assert got == pytest.approx([2.0, 2.0, 0.75, 2.0], abs=1e-12)
+
+
+def test_aggregate_loss_batch_arguments():
+    L, M = t(L3), torch.tensor(M3)
+    # num_sequences = 6 (this is one piece of a 6-sequence batch): grpo (3 + 2 + 0)/6 = 5/6
+    assert_close(aggregate_loss(L, M, "grpo", LossNormalisers(num_sequences=6)), t(5 / 6))
+    # dr_grpo: 11 / (6 * 5) = 11/30
+    norms = LossNormalisers(max_completion_length=5, num_sequences=6)
+    assert_close(aggregate_loss(L, M, "dr_grpo", norms), t(11 / 30))
+    # dapo with 22 tokens in the whole batch: 11/22 = 0.5 (a Python number or a tensor)
+    assert_close(aggregate_loss(L, M, "dapo", LossNormalisers(num_tokens=22)), t(0.5))
+    norms = LossNormalisers(num_tokens=torch.tensor(22.0))
+    assert_close(aggregate_loss(L, M, "dapo", norms), t(0.5))
+    # bnpo with 2 minibatches: 11/4 / 2 = 11/8
+    assert_close(aggregate_loss(L, M, "bnpo", LossNormalisers(num_minibatches=2)), t(11 / 8))
+    # num_minibatches only affects bnpo
+    assert_close(aggregate_loss(L, M, "grpo", LossNormalisers(num_minibatches=2)), t(5 / 3))
+
+
+def test_aggregate_loss_gradients_respect_mask():
+    L = t(L3).requires_grad_(True)
+    M = torch.tensor(M3)
+    # grpo: dL/dL_it = m_it / len_i / N: row 0 1/(3*3) = 1/9; row 1 1/(1*3) = 1/3 on its first token; row 2 0
+    (g,) = torch.autograd.grad(aggregate_loss(L, M, "grpo"), L)
+    assert_close(g, t([[1 / 9, 1 / 9, 1 / 9], [1 / 3, 0, 0], [0, 0, 0]]))
+    # dapo: m / 4
+    (g,) = torch.autograd.grad(aggregate_loss(L, M, "dapo"), L)
+    assert_close(g, t(M3) / 4)
+
+
+def test_aggregate_loss_sequence_shaped_loss_broadcasts():
+    # per-sequence loss [N, 1] = [[2], [4]], mask lengths 2 and 1 (T = 3)
+    # grpo: (2 + 4)/2 = 3; bnpo/dapo: (2*2 + 4)/3 = 8/3; dr_grpo (T_max 3): 8/(2*3) = 4/3
+    L, M = t([[2.0], [4.0]]), torch.tensor([[1, 1, 0], [1, 0, 0]])
+    assert_close(aggregate_loss(L, M, "grpo"), t(3.0))
+    assert_close(aggregate_loss(L, M, "bnpo"), t(8 / 3))
+    assert_close(aggregate_loss(L, M, "dapo"), t(8 / 3))
+    norms = LossNormalisers(max_completion_length=3)
+    assert_close(aggregate_loss(L, M, "dr_grpo", norms), t(4 / 3))
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_aggregate_loss_fully_masked_batch_is_zero(loss_type):
+    L, M = t([[X, X], [X, X]]), torch.zeros(2, 2)
+    assert aggregate_loss(L, M, loss_type, LossNormalisers(max_completion_length=2)).item() == 0.0
+
+
+def test_aggregate_loss_errors():
+    L, M = t(L3), torch.tensor(M3)
+    with pytest.raises(ValueError):
+        aggregate_loss(L, M, "dr_grpo")  # needs max_completion_length
+    with pytest.raises(ValueError):
+        aggregate_loss(L, M, "sum")
+
+
+def _split_sum(L, M, loss_type, bounds, T_max):
+    n_seq, n_tok = L.shape[0], M.sum().item()
+    pieces = list(zip(bounds[:-1], bounds[1:]))
+    return sum(
+        aggregate_loss(
+            L[a:b],
+            M[a:b],
+            loss_type,
+            LossNormalisers(
+                max_completion_length=T_max,
+                num_sequences=n_seq,
+                num_tokens=n_tok,
+                num_minibatches=len(pieces),
+            ),
+        )
+        for a, b in pieces
+    )
+
+
+def test_split_batch_hand_example():
+    # L rows (masked sums / lengths): [1,3,5]->9/3, [2]->2/1, []->0, [4,4]->8/2
+    L = t([[1.0, 3.0, 5.0], [2.0, X, X], [X, X, X], [4.0, 4.0, X]])
+    M = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0], [1, 1, 0]])
+    bounds = [0, 2, 4]  # pieces: rows 0, 1 (4 tokens) | rows 2, 3 (2 tokens)
+    # grpo whole: (3 + 2 + 0 + 4)/4 = 9/4; pieces (3 + 2)/4 + (0 + 4)/4 = 9/4
+    # dr_grpo (T_max 3): whole (9 + 2 + 8)/(4 * 3) = 19/12; pieces 11/12 + 8/12
+    # dapo: whole 19/6 (6 tokens); pieces 11/6 + 8/6
+    for lt, whole in (("grpo", 9 / 4), ("dr_grpo", 19 / 12), ("dapo", 19 / 6)):
+        assert_close(aggregate_loss(L, M, lt, LossNormalisers(max_completion_length=3)), t(whole))
+        assert_close(_split_sum(L, M, lt, bounds, 3), t(whole))
+    # bnpo normalises per piece: (11/4)/2 + (8/2)/2 = 1.375 + 2 = 3.375, whereas the whole batch gives 19/6
+    assert_close(_split_sum(L, M, "bnpo", bounds, 3), t(3.375))
+    assert_close(aggregate_loss(L, M, "bnpo"), t(19 / 6))
+    # ... but equals the whole when every piece has the same token count:
+    # row 0 (3 tokens) | rows 1..3 (1 + 0 + 2 = 3 tokens): (9/3)/2 + (10/3)/2 = 19/6
+    assert_close(_split_sum(L, M, "bnpo", [0, 1, 4], 3), t(19 / 6))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.integers(min_value=2, max_value=6),
+    st.integers(min_value=1, max_value=5),
+    st.integers(min_value=0, max_value=2**31 - 1),
+    st.sampled_from(["grpo", "dr_grpo", "dapo"]),
+    st.data(),
+)
+def test_property_split_invariance(n, T, seed, loss_type, data):
+    gen = torch.Generator().manual_seed(seed)
+    L = torch.randn(n, T, generator=gen, dtype=D)
+    M = (torch.rand(n, T, generator=gen) < 0.7).to(D)
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, n - 1), max_size=n - 1))))
+    bounds = [0, *cuts, n]
+    whole = aggregate_loss(L, M, loss_type, LossNormalisers(max_completion_length=T))
+    assert_close(_split_sum(L, M, loss_type, bounds, T), whole, rtol=1e-10, atol=1e-12)
+
+
+# --------------------------------------------------------------------------
+# policy_loss
+# --------------------------------------------------------------------------
+
+MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])  # lengths 3 and 2; 5 tokens
+ADV = t([1.5, -0.5])
+
+
+def _logp():
+    return t([[-0.5, -1.2, -2.0], [-0.1, -3.0, -0.7]]).requires_grad_(True)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_policy_loss_on_policy_is_plain_policy_gradient(loss_type, level):
+    # old_logp=None: old = logp.detach(), so rho = 1 and every token's loss is -A_i.
+    # value: grpo  mean_i(-A_i) = (-1.5 + 0.5)/2 = -0.5
+    #        bnpo/dapo  (3 * -1.5 + 2 * 0.5)/5 = -3.5/5 = -0.7
+    #        dr_grpo (T_max 4)  -3.5/(2 * 4) = -0.4375
+    expected = {"grpo": -0.5, "bnpo": -0.7, "dapo": -0.7, "dr_grpo": -0.4375}[loss_type]
+    logp = _logp()
+    loss, stats = policy_loss(
+        logp,
+        None,
+        ADV,
+        MASK,
+        LossSettings(loss_type=loss_type, params=PolicyLossParams(importance_sampling_level=level)),
+        LossNormalisers(max_completion_length=4),
+    )
+    assert_close(loss, t(expected), rtol=1e-12, atol=1e-12)
+    (g,) = torch.autograd.grad(loss, logp)
+    # the plain policy gradient: d/dlogp of aggregate(-A * logp)
+    logp2 = _logp()
+    pg = aggregate_loss(
+        -ADV.unsqueeze(-1) * logp2, MASK, loss_type, LossNormalisers(max_completion_length=4)
+    )
+    (g_pg,) = torch.autograd.grad(pg, logp2)
+    assert_close(g, g_pg, rtol=1e-12, atol=1e-12)
+    # by hand for grpo: -A_i / len_i / N -> row 0: -1.5/3/2 = -0.25; row 1: 0.5/2/2 = 0.125, padding 0
+    if loss_type == "grpo":
+        assert_close(g, t([[-0.25, -0.25, -0.25], [0.125, 0.125, 0.0]]), rtol=1e-12, atol=1e-12)
+    # nothing is clipped at rho = 1
+    assert stats["clip_low"].item() == stats["clip_high"].item() == stats["clip_region"].item() == 0.0
+    assert "kl" not in stats
+
+
+def test_policy_loss_old_logp_equal_to_logp_matches_none():
+    logp = _logp()
+    a, _ = policy_loss(logp, None, ADV, MASK, LossSettings(loss_type="grpo"))
+    b, _ = policy_loss(logp, logp.detach().clone(), ADV, MASK, LossSettings(loss_type="grpo"))
+    assert_close(a, b)
+
+
+def _clip_case_logps():
+    # ratios rho = exp(logp - old):
+    #   row 0 (A = +1): [1.5, 1.0, 0.5]
+    #   row 1 (A = -1): [0.5, 1.5, 0.5 (padding)]
+    old = t([[-1.0, -1.0, -1.0], [-2.0, -2.0, -2.0]])
+    rho = t([[1.5, 1.0, 0.5], [0.5, 1.5, 0.5]])
+    return (old + torch.log(rho)).requires_grad_(True), old
+
+
+def test_policy_loss_clipping_values_and_stats():
+    logp, old = _clip_case_logps()
+    adv = t([1.0, -1.0])
+    # per-token losses (eps 0.2): row 0: -1.2 (clipped high), -1.0, -0.5; row 1: 0.8 (clipped low), 1.5, (padding)
+    # grpo: row means -2.7/3 = -0.9 and 2.3/2 = 1.15 -> (-0.9 + 1.15)/2 = 0.125
+    loss, stats = policy_loss(logp, old, adv, MASK, LossSettings(loss_type="grpo"))
+    assert_close(loss, t(0.125), rtol=1e-12, atol=1e-12)
+    # dapo: (-2.7 + 2.3)/5 = -0.08
+    loss_dapo, _ = policy_loss(logp, old, adv, MASK, LossSettings(loss_type="dapo"))
+    assert_close(loss_dapo, t(-0.08), rtol=1e-12, atol=1e-12)
+    # counts over masked tokens: high = (row 0, tok 0); low = (row 1, tok 0) - the padded 0.5 is not counted
+    # (rho=0.5 with A=+1 in row 0 is below the range but not "clipped": min picks the unclipped term)
+    assert stats["clip_high"].item() == 1.0
+    assert stats["clip_low"].item() == 1.0
+    assert stats["clip_region"].item() == 2.0
+    # gradient, grpo: unclipped tokens get -A * rho / len_i / N:
+    #   row 0 tok 1: -1 * 1.0 / 3 / 2 = -1/6; tok 2: -1 * 0.5 / 6 = -1/12;  row 1 tok 1: +1 * 1.5 / 2 / 2 = 0.375
+    (g,) = torch.autograd.grad(loss, logp)
+    assert_close(g, t([[0.0, -1 / 6, -1 / 12], [0.0, 0.375, 0.0]]), rtol=1e-12, atol=1e-12)
+
+
+def test_policy_loss_asymmetric_and_delta():
+    logp, old = _clip_case_logps()
+    adv = t([1.0, -1.0])
+    # eps_high 0.28: row 0 tok 0 -> -1.28; row sums -2.78 and 2.3 -> grpo (-2.78/3 + 1.15)/2
+    settings = LossSettings(loss_type="grpo", params=PolicyLossParams(epsilon_high=0.28))
+    loss, stats = policy_loss(logp, old, adv, MASK, settings)
+    assert_close(loss, t((-2.78 / 3 + 1.15) / 2), rtol=1e-12, atol=1e-12)
+    assert stats["clip_high"].item() == 1.0  # 1.5 > 1.28 still
+    # eps_high 0.6: 1.5 is inside -> -1.5, not clipped; row 0 sum -3.0
+    settings = LossSettings(loss_type="grpo", params=PolicyLossParams(epsilon_high=0.6))
+    loss, stats = policy_loss(logp, old, adv, MASK, settings)
+    assert_close(loss, t((-1.0 + 1.15) / 2), rtol=1e-12, atol=1e-12)
+    assert stats["clip_high"].item() == 0.0 and stats["clip_region"].item() == 1.0
+    # delta 1.3: row 1 tok 1 (A=-1, rho 1.5) -> 1.3; row 1 sum 0.8 + 1.3 = 2.1 -> grpo (-0.9 + 1.05)/2 = 0.075
+    settings = LossSettings(loss_type="grpo", params=PolicyLossParams(delta=1.3))
+    loss, _ = policy_loss(logp, old, adv, MASK, settings)
+    assert_close(loss, t(0.075), rtol=1e-12, atol=1e-12)
+
+
+def test_policy_loss_sequence_level_clip_counts_tokens():
+    # row 0: A=+1, log ratios [ln 2, ln 2, padding 9] -> sequence rho = 2 > 1.2: both tokens clipped high
+    # row 1: A=-1, log ratios [0, 0, 0] -> rho 1
+    old = torch.zeros(2, 3, dtype=D)
+    logp = t([[math.log(2), math.log(2), 9.0], [0.0, 0.0, 0.0]]).requires_grad_(True)
+    adv = t([1.0, -1.0])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    sequence = PolicyLossParams(importance_sampling_level="sequence")
+    loss, stats = policy_loss(logp, old, adv, mask, LossSettings(loss_type="grpo", params=sequence))
+    # per-token loss row 0: -min(2, 1.2) = -1.2; row 1: -(-1) = 1 -> grpo (-1.2 + 1)/2 = -0.1
+    assert_close(loss, t(-0.1), rtol=1e-12, atol=1e-12)
+    assert stats["clip_high"].item() == 2.0 and stats["clip_low"].item() == 0.0
+    # token level instead: row 0 tokens rho 2 -> same two clipped; padded exp(9) not counted
+    _, stats_tok = policy_loss(logp, old, adv, mask, LossSettings(loss_type="grpo"))
+    assert stats_tok["clip_high"].item() == 2.0
+
+
+def test_policy_loss_kl_term():
+    # logp = log 0.5 everywhere, ref = log 0.25: k3 = 0.193147 per token (see test_kl_estimators), on-policy
+    logp = torch.full((2, 3), math.log(0.5), dtype=D, requires_grad=True)
+    ref = torch.full((2, 3), math.log(0.25), dtype=D)
+    k3 = 0.5 + math.log(2) - 1
+    loss, stats = policy_loss(
+        logp, None, ADV, MASK, LossSettings(loss_type="dapo", beta=0.04), ref_logp=ref
+    )
+    # dapo: (-3.5 + 0.04 * 5 * k3)/5 = -0.7 + 0.04 * k3
+    assert_close(loss, t(-0.7 + 0.04 * k3), rtol=1e-12, atol=1e-12)
+    assert_close(stats["kl"], t(5 * k3), rtol=1e-12, atol=1e-12)  # summed over the 5 masked tokens
+    # k1 instead: ln 2 per token -> -0.7 + 0.04 ln 2
+    k1 = LossSettings(loss_type="dapo", beta=0.04, kl_estimator="k1")
+    loss, stats = policy_loss(logp, None, ADV, MASK, k1, ref_logp=ref)
+    assert_close(loss, t(-0.7 + 0.04 * math.log(2)), rtol=1e-12, atol=1e-12)
+    # gradient, dapo k3: (-A_i + beta * (1 - e^x)) / 5 with e^x = 0.5 -> row 0 (-1.5 + 0.02)/5, row 1 (0.5 + 0.02)/5
+    loss, _ = policy_loss(
+        logp, None, ADV, MASK, LossSettings(loss_type="dapo", beta=0.04), ref_logp=ref
+    )
+    (g,) = torch.autograd.grad(loss, logp)
+    assert_close(g, t([[-1.48 / 5] * 3, [0.52 / 5, 0.52 / 5, 0.0]]), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError):
+        policy_loss(logp, None, ADV, MASK, LossSettings(beta=0.04))  # no ref_logp
+
+
+def test_policy_loss_passes_batch_arguments():
+    logp = _logp()
+    # on-policy dapo over a 10-token batch: -3.5/10
+    loss, _ = policy_loss(
+        logp, None, ADV, MASK, LossSettings(loss_type="dapo"), LossNormalisers(num_tokens=10)
+    )
+    assert_close(loss, t(-0.35), rtol=1e-12, atol=1e-12)
+    # grpo over 4 sequences: (-1.5 + 0.5)/4
+    loss, _ = policy_loss(
+        logp, None, ADV, MASK, LossSettings(loss_type="grpo"), LossNormalisers(num_sequences=4)
+    )
+    assert_close(loss, t(-0.25), rtol=1e-12, atol=1e-12)
+    # bnpo over 2 minibatches: -0.7/2
+    loss, _ = policy_loss(
+        logp, None, ADV, MASK, LossSettings(loss_type="bnpo"), LossNormalisers(num_minibatches=2)
+    )
+    assert_close(loss, t(-0.35), rtol=1e-12, atol=1e-12)
+
+
+# --------------------------------------------------------------------------
+# Small helpers
+# --------------------------------------------------------------------------
+
+
+def test_masked_mean_and_entropy():
+    # (1 + 3)/2 = 2; empty mask -> 0
+    assert masked_mean(t([1.0, X, 3.0]), torch.tensor([1, 0, 1])).item() == 2.0
+    assert masked_mean(t([1.0, 2.0]), torch.tensor([0, 0])).item() == 0.0
+    # uniform over 4 -> ln 4; one-hot-ish (huge gap) -> ~0
+    assert_close(entropy_from_logits(torch.zeros(1, 4)), torch.tensor([math.log(4.0)]))
+    assert entropy_from_logits(torch.tensor([[0.0, -100.0]])).item() < 1e-6
 
 
 # --------------------------------------------------------------------------
@@ -261,89 +689,3 @@ def test_policy_loss_entropy_mask_drops_the_policy_term_only():
     assert_close(grad, t([[(-1 + 0.1) / 2, 0.1 / 2]]))  # the dropped token keeps its KL gradient
     with pytest.raises(ValueError, match="entropy_mask"):
         policy_loss(logp, None, t([1.0]), torch.ones(1, 2), entropy_mask=torch.ones(1, 3, dtype=torch.bool))
-
-
-# --------------------------------------------------------------------------
-# Rollout correction
-# --------------------------------------------------------------------------
-
-# row 0: old - sampling = [ln 0.5, ln 2, ln 4] (token ratios 0.5, 2, 4; sequence 0.5 * 2 * 4 = 4)
-# row 1: [ln 1.5, ln 0.5, padding 5.0] (ratios 1.5, 0.5; sequence 0.75)
-SAMPLING = t([[-1.0, -1.0, -1.0], [-2.0, -2.0, -2.0]])
-OLD = SAMPLING + t([[LN(0.5), LN(2.0), LN(4.0)], [LN(1.5), LN(0.5), 5.0]])
-CM = torch.tensor([[1, 1, 1], [1, 1, 0]])
-
-
-def test_rollout_correction_defaults_and_checks():
-    c = RolloutCorrection()
-    assert (c.level, c.mode, c.cap, c.floor) == ("token", "truncate", 3.0, None)  # TRL 1.16's clip_max 3.0
-    for bad in (dict(level="seq"), dict(mode="clip"), dict(cap=0.0), dict(floor=3.0)):
-        with pytest.raises(ValueError, match="rollout correction"):
-            RolloutCorrection(**bad)
-
-
-@pytest.mark.parametrize(
-    "level,mode,expected",
-    [
-        ("token", "truncate", [[0.5, 2.0, 3.0], [1.5, 0.5, 1.0]]),  # 4 -> 3; padding 1
-        ("token", "mask", [[0.5, 2.0, 0.0], [1.5, 0.5, 1.0]]),  # 4 > 3 -> 0; 0.5 kept (no floor)
-        ("sequence", "truncate", [[3.0], [0.75]]),  # products 4 -> 3 and 0.75 (sum of log-ratios)
-        ("sequence", "mask", [[0.0], [0.75]]),
-    ],
-)
-def test_correction_weights(level, mode, expected):
-    w = correction_weights(OLD, SAMPLING, CM, RolloutCorrection(level=level, mode=mode, cap=3.0))
-    assert_close(w, t(expected))
-
-
-def test_correction_floor():
-    # floor 0.6: the ratios 0.5 become 0.6 (truncate) or 0 (mask)
-    truncate = correction_weights(OLD, SAMPLING, CM, RolloutCorrection(mode="truncate", cap=3.0, floor=0.6))
-    mask = correction_weights(OLD, SAMPLING, CM, RolloutCorrection(mode="mask", cap=3.0, floor=0.6))
-    assert_close(truncate, t([[0.6, 2.0, 3.0], [1.5, 0.6, 1.0]]))
-    assert_close(mask, t([[0.0, 2.0, 0.0], [1.5, 0.0, 1.0]]))
-
-
-def test_correction_treats_a_missing_sampling_logprob_as_no_mismatch():
-    sampling = SAMPLING.clone()
-    sampling[0, 2] = float("nan")
-    w = correction_weights(OLD, sampling, CM, RolloutCorrection(level="sequence", cap=3.0))
-    assert_close(w, t([[1.0], [0.75]]))  # row 0: 0.5 * 2 * 1
-
-
-def test_mismatch_stats():
-    stats = mismatch_stats(OLD, SAMPLING, CM)
-    assert set(stats) == {"logprob_diff_sum", "logprob_diff_max", "is_ratio_sum"}
-    # |ln 0.5| + ln 2 + ln 4 + ln 1.5 + |ln 0.5| = 5 ln 2 + ln 1.5 = 3.8712 (padding's 5.0 left out)
-    assert stats["logprob_diff_sum"].item() == pytest.approx(5 * LN(2) + LN(1.5))
-    assert stats["logprob_diff_max"].item() == pytest.approx(LN(4))
-    assert stats["is_ratio_sum"].item() == pytest.approx(0.5 + 2 + 4 + 1.5 + 0.5)  # 8.5
-    assert all(v.dtype == D and not v.requires_grad for v in stats.values())
-    tok = mismatch_stats(OLD, SAMPLING, CM, RolloutCorrection(cap=3.0))
-    assert tok["is_weight_sum"].item() == pytest.approx(7.5)  # 0.5 + 2 + 3 + 1.5 + 0.5
-    assert tok["is_capped"].item() == 1.0
-    seq = mismatch_stats(OLD, SAMPLING, CM, RolloutCorrection(level="sequence", mode="mask", cap=3.0))
-    assert seq["is_weight_sum"].item() == pytest.approx(1.5)  # row 0 masked (3 tokens x 0), row 1 2 x 0.75
-    assert seq["is_capped"].item() == 3.0  # the tokens of row 0
-
-
-def test_policy_loss_applies_the_correction_to_the_policy_term():
-    # on-policy (old = logp): clipped's per-token loss is -A = -1 each; token truncate weights
-    # [[0.5, 2, 3], [1.5, 0.5, x]], dapo over 5 tokens: -(0.5 + 2 + 3 + 1.5 + 0.5) / 5 = -1.5
-    logp = OLD.clone().requires_grad_(True)
-    corr = RolloutCorrection(cap=3.0)
-    loss, stats = policy_loss(
-        logp, None, t([1.0, 1.0]), CM, LossSettings(correction=corr), sampling_logp=SAMPLING
-    )
-    assert loss.item() == pytest.approx(-1.5)
-    (grad,) = torch.autograd.grad(loss, logp)
-    assert_close(grad, -t([[0.5, 2.0, 3.0], [1.5, 0.5, 0.0]]) / 5)  # weights are constants of the gradient
-    assert {"logprob_diff_sum", "logprob_diff_max", "is_ratio_sum", "is_weight_sum", "is_capped"} <= set(stats)
-    # sampling_logp without a correction: statistics only, the loss unchanged
-    plain, plain_stats = policy_loss(logp, None, t([1.0, 1.0]), CM)
-    observed, observed_stats = policy_loss(logp, None, t([1.0, 1.0]), CM, sampling_logp=SAMPLING)
-    assert observed.item() == plain.item() == pytest.approx(-1.0)
-    assert "is_ratio_sum" in observed_stats and "is_weight_sum" not in observed_stats
-    assert set(plain_stats) == {"clip_low", "clip_high", "clip_region"}
-    with pytest.raises(ValueError, match="sampling_logp"):
-        policy_loss(logp, None, t([1.0, 1.0]), CM, LossSettings(correction=corr))
