@@ -326,7 +326,7 @@ class SandboxConfig:
 
     isolation: str = "bwrap"
     """bwrap: namespaces, a read-only filesystem and no network (needs bubblewrap); process:
-    resource limits and a separate uid only, with a loud warning (see the README's threat model)."""
+    resource limits and a separate uid only, with a loud warning (see docs/rewards.md, the threat model)."""
     python: str | None = None
     """The interpreter programs run with; None: the first of this one, /usr/bin/python3 and
     /usr/local/bin/python3 that runs inside the sandbox."""
