@@ -1,5 +1,6 @@
-"""math_answer: every final-answer form, the gold forms, exact numbers, math-verify's
-equivalences, bounded time on adversarial input; the <think> format rewards."""
+"""math_answer (grpo.rewards.math_answer): every final-answer form, the gold forms, exact numbers,
+math-verify's equivalences, bounded time on adversarial input; the built-in math and format
+reward names resolve."""
 
 import threading
 import time
@@ -7,9 +8,8 @@ import time
 import pytest
 
 from grpo.config import schema as config
-from grpo.rewards.reward_set import RewardSet
-from grpo.rewards.format import think_format, think_format_lenient, think_tag_count
 from grpo.rewards.math_answer import MathAnswer, as_number, extract_answer, normalise_gold
+from grpo.rewards.reward_set import RewardSet
 
 
 @pytest.fixture(scope="module")
@@ -125,27 +125,6 @@ def test_works_outside_the_main_thread(math_answer):
     thread.start()
     thread.join(60)
     assert out == [[1.0]]
-
-
-FORMAT_CASES = [
-    # text, strict, lenient, tag count
-    ("<think>add them</think>42", 1.0, 1.0, 1.0),
-    ("\n<think>\nreasoning\n</think>\nAnswer: 3", 1.0, 1.0, 1.0),
-    ("<think></think>3", 0.0, 1.0, 1.0),  # empty reasoning: lenient only
-    ("<think>only thinking</think>", 0.0, 0.0, 0.75),  # no answer after it
-    ("preamble <think>a</think>3", 0.0, 1.0, 1.0),  # text before the block
-    ("<think>a</think>3<think>b</think>4", 0.0, 1.0, 0.5),  # two blocks
-    ("</think>x<think>", 0.0, 0.0, 0.5),  # tags in the wrong order
-    ("just an answer", 0.0, 0.0, 0.0),
-]
-
-
-@pytest.mark.parametrize("text, strict, lenient, tags", FORMAT_CASES)
-def test_think_format_rewards(text, strict, lenient, tags):
-    assert think_format([text]) == [strict]
-    assert think_format_lenient([text]) == [lenient]
-    assert think_tag_count([text]) == [tags]
-    assert think_format([[{"role": "assistant", "content": text}]]) == [strict]
 
 
 def test_builtin_names_resolve():

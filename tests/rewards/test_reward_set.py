@@ -1,3 +1,7 @@
+"""The reward set (grpo.rewards.reward_set): functions resolved by name, module or file, their
+signatures checked against the data's columns, scores weighted with missing rewards and
+failures counted, the columns passed per completion, and what counts as a reward."""
+
 import itertools
 import math
 import re
@@ -8,31 +12,9 @@ import pytest
 import torch
 
 from grpo.config.schema import ConfigError
-from grpo.rewards.worker import as_rewards
+from grpo.rewards.arithmetic import arithmetic_correct, arithmetic_format
 from grpo.rewards.reward_set import RewardSet, check_signature, resolve
-from grpo.rewards.arithmetic import arithmetic_correct, arithmetic_format, extract_answer
-
-
-@pytest.mark.parametrize(
-    "text, expected",
-    [
-        ("Answer: 127", 127),
-        ("Answer:127", 127),
-        ("84 + 43 = 127\nAnswer: 1,270", 1270),
-        ("Answer: 5\nwait\nAnswer: -3", -3),
-        ("the answer is 127", None),
-        ("\\boxed{127}", None),
-        ("answer: 127", None),
-    ],
-)
-def test_extract_answer_follows_the_seed(text, expected):
-    assert extract_answer(text) == expected
-
-
-def test_arithmetic_rewards_on_text_and_messages():
-    completions = ["Answer: 127", [{"role": "assistant", "content": "so\nAnswer: 12"}], "127"]
-    assert arithmetic_correct(completions, answer=[127, 127, 127]) == [1.0, 0.0, 0.0]
-    assert arithmetic_format(completions) == [1.0, 1.0, 0.0]
+from grpo.rewards.worker import as_rewards
 
 
 def test_resolve_builtin_module_and_file(tmp_path):
