@@ -87,7 +87,7 @@ $(VLLM_VENV)/.dev: pyproject.toml $(VLLM_VENV)/.vllm
 	touch $@
 
 test-vllm: $(VLLM_VENV)/.dev
-	$(VLLM_BIN)/python -m pytest -q -m 'vllm or not slow' tests/test_vllm_engine.py
+	$(VLLM_BIN)/python -m pytest -q -m 'vllm or not slow' tests/rollout/test_vllm.py
 
 # grpo vs TRL side by side in one run (TRL is a dev extra)
 bench-tiny: $(VENV)/.dev

@@ -4,7 +4,7 @@
 # TRL 1.16 on the same work when it is installed or its wheels are carried, printing step time,
 # generated tokens per second and peak GPU memory side by side (benchmarks/vs_trl.py). Data
 # parallelism is not in it: NCCL needs one GPU per rank, and its equivalence with one process is
-# tested on the CPU (gloo) by `make test` (tests/test_distributed.py).
+# tested on the CPU (gloo) by `make test` (tests/backends/test_distributed.py).
 #
 #   bash benchmarks/gpu_check.sh                 # on the GPU machine, from the repository root
 #   GPU_CHECK_DEVICE=cpu GPU_CHECK_SHAPE=qwen-tiny bash benchmarks/gpu_check.sh   # a dry run on a CPU

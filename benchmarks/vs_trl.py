@@ -88,7 +88,7 @@ VLLM_VENV = REPO / ".venv-vllm"
 VLLM_HINT = "make .venv-vllm/.dev"
 VLLM_SETTINGS = {"kv_cache_gb": 1.0, "enforce_eager": True}
 """rollout.vllm of the grpo-vllm side: vLLM's CPU build needs a fixed KV cache size (1 GiB holds
-Gemma-3-270M's longest sequence, which vLLM requires at start); eager, as tests/test_vllm_engine.py
+Gemma-3-270M's longest sequence, which vLLM requires at start); eager, as tests/rollout/test_vllm.py
 runs it (no torch.compile of the model)."""
 
 # Work per step; both sides get exactly these values.

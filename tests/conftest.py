@@ -117,7 +117,7 @@ TOY = {
     "logging": {"log_every": 1000, "sample_every": 0},
     # Reward functions defined in the tests, in worker processes, would make each worker import their
     # module (torch, transformers: seconds a trainer); reward isolation is tested in
-    # tests/test_reward_execution.py.
+    # tests/rewards/test_execution.py.
     "rewards": {"isolation": "thread"},
 }
 

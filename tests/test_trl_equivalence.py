@@ -306,7 +306,7 @@ def test_gradient_accumulation_mapping_matches_trl(loss_type):
 # the cap of the ratio); "sapo" = our sapo + aggregation grpo. TRL's top_entropy_quantile
 # is our entropy_mask at scope "batch" over the tensors of one forward pass. TRL computes
 # its vLLM importance-sampling weights while generating (not callable without a model), so
-# the weights are checked by hand in tests/test_policy_losses.py; here TRL is given our
+# the weights are checked by hand in tests/algorithm/test_correction.py; here TRL is given our
 # weights and we check that both apply them to the loss the same way.
 # --------------------------------------------------------------------------
 

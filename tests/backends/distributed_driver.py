@@ -1,5 +1,5 @@
 """Trains each config named on the command line, one after another, in this torchrun process
-(tests/test_distributed.py starts it once for all its cases: a torchrun launch costs seconds)."""
+(tests/backends/test_distributed.py starts it once for all its cases: a torchrun launch costs seconds)."""
 
 import sys
 

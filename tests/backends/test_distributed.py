@@ -4,7 +4,7 @@ evaluation, and weights equal to float tolerance, for the grpo and dapo losses, 
 without dynamic sampling; a distributed run killed mid-run and resumed ends exactly where the
 uninterrupted one does.
 
-The 2-process runs are one torchrun launch of tests/distributed_driver.py for every case (a
+The 2-process runs are one torchrun launch of tests/backends/distributed_driver.py for every case (a
 launch costs seconds of imports), plus a killed and a resumed `torchrun -m grpo train`."""
 
 import json

@@ -2,8 +2,8 @@
 
 Nothing here touches a model, an optimizer or a config object: every function
 takes tensors and plain numbers and returns tensors, so each formula can be
-checked by hand (tests/test_algorithm.py) and against TRL
-(tests/test_trl_equivalence.py).
+checked by hand (tests/algorithm/, a file for each module here) and against
+TRL (tests/test_trl_equivalence.py).
 
     advantages.py  rewards -> advantages (registered advantage estimators: grpo, dr_grpo, rloo, reinforce_pp)
     values.py      PPO's critic math: outcome token rewards, GAE (the `gae` estimator), whitening, value loss

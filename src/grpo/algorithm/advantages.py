@@ -2,7 +2,7 @@
 
 Shapes: N completions in the batch (= prompts x G), G completions per prompt
 (one group), K reward functions. Each function's docstring has its formula
-and a worked example (checked in tests/test_algorithm.py).
+and a worked example (checked in tests/algorithm/test_advantages.py).
 
 An advantage estimator, the registered kind (grpo.registry.ADVANTAGE_ESTIMATORS),
 has one signature:

@@ -1,8 +1,8 @@
 """The policy loss, as pure tensor functions.
 
 Shapes: N completions, T completion tokens (padded). Each function's docstring
-has its formula and a worked example (checked in tests/test_algorithm.py and
-tests/test_policy_losses.py, and against TRL in tests/test_trl_equivalence.py).
+has its formula and a worked example (checked in tests/algorithm/test_losses.py,
+and against TRL in tests/test_trl_equivalence.py).
 
 Two registered kinds, one signature each:
 

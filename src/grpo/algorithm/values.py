@@ -2,7 +2,7 @@
 
 Shapes: N completions, T completion tokens, right-padded (a row's mask is
 1...1 0...0). Each function's docstring has its formula and a worked example
-(checked in tests/test_estimators.py).
+(checked in tests/algorithm/test_values.py).
 
 With `algorithm.advantage_estimator: gae` the advantages are per token, [N, T]:
 the trainer scores a completion with its outcome reward on its last token

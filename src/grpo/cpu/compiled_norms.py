@@ -15,7 +15,7 @@ Qwen3 and their kin) to a subclass whose forward is the class's own forward,
 compiled: the same operations, in float32 where the original computes in
 float32 and rounded to bf16 where it rounds (grpo.cpu.compiling keeps those casts),
 so the values agree with eager to float32 rounding, the order of the mean's sum
-aside (tests/test_compiled_norms.py). Through a whole bf16 model that rounding
+aside (tests/cpu/test_compiled_norms.py). Through a whole bf16 model that rounding
 moves bf16 results as any reordering does: Gemma-3-270M's token log-probabilities
 were 0.024 (eager) and 0.025 (compiled) from float32's on average. Inputs below
 `MIN_ELEMENTS` (a decoding step's few rows) run eagerly, where a compiled

@@ -4,7 +4,7 @@ torch sends a float32 `F.linear` on the CPU to MKL. On AMD CPUs MKL runs a
 generic code path; oneDNN, which ships inside the same torch build, does the
 same float32 products (float32 accumulation, no reduced-precision shortcut)
 about twice as fast (docs/performance.md); results agree with a float64 product
-to 1e-6 relative either way (tests/test_kernels.py). On Intel CPUs MKL takes its own
+to 1e-6 relative either way (tests/cpu/test_kernels.py). On Intel CPUs MKL takes its own
 fast path and is the faster of the two for training's products, while oneDNN
 stays faster for decoding's few rows: `uses_onednn` picks by the CPU's make
 and the product's rows.

@@ -14,7 +14,7 @@ A backend running on the CPU with `cpu.enabled` builds one `CPULayer` and asks i
 
 Nothing else in grpo imports grpo.cpu: the training loop, the update, the log-probabilities
 and the engine take what the backend hands them, and without this layer they run plain
-PyTorch, with the same results to float tolerance (tests/test_cpu_layer.py).
+PyTorch, with the same results to float tolerance (tests/cpu/test_layer.py).
 """
 
 from __future__ import annotations

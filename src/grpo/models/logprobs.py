@@ -7,7 +7,7 @@ x a block of the vocabulary) at a time, in the forward pass and again in the
 backward pass (recomputed rather than stored), and only at completion
 positions. The result equals the plain
 `log_softmax(model(...).logits)` computation to float tolerance, gradients
-included (tests/test_logprobs.py).
+included (tests/models/test_logprobs.py).
 """
 
 from __future__ import annotations

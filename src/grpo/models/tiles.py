@@ -10,7 +10,7 @@ weight gradient is added into the float32 gradient.
 
 `forward_tile` and `backward_tile` are the definition, written as plain functions
 of tensors (grpo.cpu.tile_math compiles these very functions); `EAGER` is the same
-math written in place into reused buffers (tests/test_tile_math.py checks the two
+math written in place into reused buffers (tests/cpu/test_tile_math.py checks the two
 against each other).
 
 Conventions (one tile: rows r of a token chunk, columns c of a vocabulary block):
@@ -88,7 +88,7 @@ def backward_tile(product, bias, column, lse, grad, softcap, temperature, out_dt
 # Run op by op, the functions above would allocate a tile-sized temporary per operation (with
 # first-touch page faults on the CPU), which costs as much again as the work; these write into
 # `buffers` (grpo.models.logprobs.TileBuffers: get(name, shape, dtype), cast(name, x, dtype)) and
-# modify the product. tests/test_tile_math.py checks both against each other.
+# modify the product. tests/cpu/test_tile_math.py checks both against each other.
 
 
 def _logits_in_place(product, bias, softcap, temperature, buffers):

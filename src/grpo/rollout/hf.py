@@ -8,11 +8,11 @@ Two things make this cheaper than `model.generate(num_return_sequences=G)`:
   group costs what its actual lengths cost, not G x the longest.
 
 Both are exact: under greedy decoding they give token-for-token the same
-completions as the plain path (tests/test_rollout.py).
+completions as the plain path (tests/rollout/test_hf.py).
 
 Each step is the model's own forward pass with transformers' cache (`plain_decoding`),
 or whatever decoding steps the backend hands the engine: on the CPU, grpo.cpu's fused
-steps, the same computation in fewer, larger operations (tests/test_fused_decoding.py).
+steps, the same computation in fewer, larger operations (tests/cpu/test_fused_decoding.py).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ the prompt sampler's position, and every random stream a step draws from
 (Python's, NumPy's, torch's CPU and CUDA generators, and the generator that
 samples completions). `state_dict()` captures them all; building a TrainState
 with `restore=` that dict continues the run exactly: the same next prompts,
-the same next samples, the same next update (tests/test_state.py).
+the same next samples, the same next update (tests/training/test_state.py).
 
 State is restored through set-up: the optimizer and the sampler get their
 saved state as they are built, before anything uses them.

@@ -7,7 +7,7 @@
 
 The loss of a micro-batch is the registered policy loss and aggregation
 (grpo.algorithm) with normalisers counted over the whole generation batch, so
-the gradient does not depend on how the batch is split (tests/test_trainer.py).
+the gradient does not depend on how the batch is split (tests/training/test_trainer.py).
 The backend says how the output layer computes and how gradients are
 clipped; nothing here knows the device.
 
