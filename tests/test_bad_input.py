@@ -9,10 +9,10 @@ import pytest
 
 from grpo.config import schema as config
 from grpo.config.schema import ConfigError, ModelConfig
-from grpo.tasks.data import PromptEncoder, truncate_prompt
 from grpo.models.loading import load_model_and_tokenizer
-from grpo.rewards.reward_set import resolve
 from grpo.models.tiny import tiny_model
+from grpo.rewards.reward_set import resolve
+from grpo.tasks.data import PromptEncoder, truncate_prompt
 from grpo.training.trainer import Trainer
 
 FAST = {

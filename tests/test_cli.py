@@ -3,8 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from grpo.config import schema as config
 from grpo.cli import main
+from grpo.config import schema as config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,7 +26,7 @@ def test_tiny_example_runs_and_writes_metrics(tmp_path, monkeypatch, capsys):
                 "time/step", "tokens_per_second"]:
         assert key in lines[-1], key
     assert (run / "config.yaml").exists() and (run / "final" / "config.json").exists()
-    assert [json.loads(l)["step"] for l in (run / "samples.jsonl").read_text().splitlines()][::4] == [1, 2]
+    assert [json.loads(line)["step"] for line in (run / "samples.jsonl").read_text().splitlines()][::4] == [1, 2]
     out = capsys.readouterr().out
     assert "3/3" in out and "ETA" in out
     # the trained model, exported as a plain model directory

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from grpo.config import schema as config
 from grpo.config import safe_yaml
+from grpo.config import schema as config
 from grpo.config.schema import ConfigError
 
 BASE = {
@@ -198,8 +198,8 @@ def test_from_dict_refuses_a_structure_too_large_to_be_a_config():
 
 
 def _remote_code_model(tmp_path: Path) -> tuple[Path, Path]:
-    from grpo.models.loading import load_model_and_tokenizer
     from grpo.config.schema import ModelConfig
+    from grpo.models.loading import load_model_and_tokenizer
 
     model, tok = load_model_and_tokenizer(ModelConfig(name="tiny", tiny_hidden_size=32, tiny_num_layers=1))
     folder = tmp_path / "model"

@@ -9,11 +9,11 @@ import torch
 from grpo import algorithm
 from grpo.config import schema as config
 from grpo.config.schema import ConfigError
-from grpo.rewards.worker import as_rewards
+from grpo.models.tiny import tiny_model
 from grpo.rewards.arithmetic import completion_text
+from grpo.rewards.worker import as_rewards
 from grpo.rollout import SamplingParams
 from grpo.rollout.hf import NonFiniteProbabilities, sample_next_token
-from grpo.models.tiny import tiny_model
 from grpo.training.trainer import Trainer
 from grpo.training.update import TrainingDiverged
 

@@ -5,8 +5,8 @@ import torch.nn.functional as F
 from grpo.cpu import attention
 from grpo.models import logprobs
 from grpo.models.logprobs import completion_logprobs
-from grpo.rollout import SamplingParams, generate
 from grpo.models.tiny import tiny_model
+from grpo.rollout import SamplingParams, generate
 
 
 def _models(tokenizer, gemma3_tiny, arch):

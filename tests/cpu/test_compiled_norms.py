@@ -7,8 +7,7 @@ import torch
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from grpo.cpu import compiled_norms
-from grpo.cpu import compiling
+from grpo.cpu import compiled_norms, compiling
 
 
 def _norm(cls, size: int):

@@ -4,16 +4,16 @@ same greedy completions, for each supported architecture."""
 import pytest
 import torch
 
-from grpo.cpu import kernels
-from grpo.models import logprobs
-from grpo.config import schema as config
 from grpo.backends.single import SingleProcess
+from grpo.config import schema as config
 from grpo.config.schema import ConfigError, CPUConfig
-from grpo.cpu.layer import CPULayer
-from grpo.rollout import SamplingParams, TransformersEngine, generate
+from grpo.cpu import kernels
 from grpo.cpu.fused_decoding import FusedDecoder, fused_decoding_applies
-from grpo.rollout.hf import TransformersSteps, left_pad
+from grpo.cpu.layer import CPULayer
+from grpo.models import logprobs
 from grpo.models.tiny import tiny_model
+from grpo.rollout import SamplingParams, TransformersEngine, generate
+from grpo.rollout.hf import TransformersSteps, left_pad
 
 ARCHS = ["llama", "qwen2", "qwen3", "gemma3"]
 

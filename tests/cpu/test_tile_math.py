@@ -8,12 +8,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grpo.cpu import compiling
-from grpo.cpu import tile_math
 from grpo.backends import single
 from grpo.config.schema import ConfigError, from_dict
+from grpo.cpu import compiling, tile_math
 from grpo.models import tiles
 from grpo.models.logprobs import OutputLayerKernels, TileBuffers, token_logprobs_from_hidden
+
 
 def _tile(dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)

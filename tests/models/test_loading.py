@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
+from grpo.config.schema import ConfigError, ModelConfig
 from grpo.models import loading as models
 from grpo.models import tiny
-from grpo.config.schema import ConfigError, ModelConfig
 from grpo.models.loading import (
     EMBEDDED_MODEL,
     convert_gguf,

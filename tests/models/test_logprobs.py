@@ -1,7 +1,12 @@
 import pytest
 import torch
 
-from grpo.models.logprobs import OutputLayerKernels, completion_logprobs, reference_logprobs, token_logprobs_from_hidden
+from grpo.models.logprobs import (
+    OutputLayerKernels,
+    completion_logprobs,
+    reference_logprobs,
+    token_logprobs_from_hidden,
+)
 
 
 def _batch(seed=0):

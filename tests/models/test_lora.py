@@ -10,19 +10,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from grpo.run import checkpoint
 from grpo.config import schema as config
-from grpo.cpu import kernels
-from grpo.models import lora
-from grpo.models import logprobs
 from grpo.config.schema import ConfigError, CPUConfig, ModelConfig
+from grpo.cpu import kernels
+from grpo.cpu.fused_decoding import FusedDecoder, fused_decoding_applies
 from grpo.cpu.layer import CPULayer
+from grpo.models import logprobs, lora
+from grpo.models.tiny import tiny_model
+from grpo.rewards.arithmetic import completion_text
+from grpo.rollout.hf import TransformersSteps, left_pad
+from grpo.run import checkpoint
 from grpo.run.export import export_checkpoint
 from grpo.training.reference import AdapterDisabled, FrozenAdapter, FrozenCopy
-from grpo.rewards.arithmetic import completion_text
-from grpo.cpu.fused_decoding import FusedDecoder, fused_decoding_applies
-from grpo.rollout.hf import TransformersSteps, left_pad
-from grpo.models.tiny import tiny_model
 from grpo.training.trainer import Trainer
 
 TOY = {

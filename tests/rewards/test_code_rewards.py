@@ -10,8 +10,15 @@ import pytest
 
 from grpo import sandbox
 from grpo.config.schema import ConfigError, RewardsConfig, SandboxConfig
+from grpo.rewards.code import (
+    CodeTests,
+    HumanEvalTests,
+    code_tests,
+    extract_program,
+    humaneval_outcomes,
+    humaneval_tests,
+)
 from grpo.rewards.reward_set import resolve
-from grpo.rewards.code import CodeTests, HumanEvalTests, code_tests, extract_program, humaneval_outcomes, humaneval_tests
 
 if sandbox.bwrap_path() is None and not os.environ.get("GRPO_REQUIRE_SANDBOX"):
     pytest.skip("bubblewrap is not installed (make test installs it)", allow_module_level=True)

@@ -17,11 +17,11 @@ import torch
 
 from grpo.config import schema as config
 from grpo.config.schema import ConfigError
-from grpo.rewards.reward_set import RewardSet, resolve
+from grpo.models.tiny import tiny_model
 from grpo.rewards.arithmetic import arithmetic_format
 from grpo.rewards.execution import RewardExecutor
+from grpo.rewards.reward_set import RewardSet, resolve
 from grpo.sandbox.counts import record
-from grpo.models.tiny import tiny_model
 from grpo.training.trainer import Trainer
 
 REWARDS = '''

@@ -7,9 +7,9 @@ import torch
 
 from grpo.config import schema as config
 from grpo.config.schema import ConfigError, RewardsConfig
-from grpo.rewards.reward_set import check_signature
-from grpo.rewards.reward_model import RewardModel, from_spec
 from grpo.models.tiny import char_tokenizer
+from grpo.rewards.reward_model import RewardModel, from_spec
+from grpo.rewards.reward_set import check_signature
 
 TEXTS = [
     ("What is 2+3?", " 5"),

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from grpo.rewards.worker import descendants, kill_tree
-from grpo.rewards.reward_set import resolve
 from grpo.rewards.execution import OUTPUT_LIMIT, RewardExecutor, escaped
+from grpo.rewards.reward_set import resolve
+from grpo.rewards.worker import descendants, kill_tree
 
 REWARDS = r'''
 import os, signal, sys, time

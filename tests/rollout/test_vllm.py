@@ -222,7 +222,7 @@ def test_sync_weights_updates_vllm_in_place(tokenizer, assert_same_greedy):
     greedy = SamplingParams(max_new_tokens=12, temperature=0)
     before = fast.generate(prompts_of(tokenizer), 1, greedy)
     with torch.no_grad():
-        for name, parameter in model.named_parameters():
+        for _name, parameter in model.named_parameters():
             parameter.add_(0.5 * torch.randn_like(parameter) * parameter.std())
     fast.sleep()  # on the CPU there is no sleep mode: nothing is released, nothing changes
     fast.wake()

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
+import grpo.sandbox.runner as run_module
 from grpo import sandbox
 from grpo.sandbox import Limits, SandboxUnavailable, run, seccomp
-import grpo.sandbox.runner as run_module
 
 if sandbox.bwrap_path() is None and not os.environ.get("GRPO_REQUIRE_SANDBOX"):
     pytest.skip("bubblewrap is not installed (make test installs it)", allow_module_level=True)

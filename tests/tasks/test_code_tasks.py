@@ -10,18 +10,15 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-import torch
 
-from grpo.config import schema as config
 from grpo.cli import main
+from grpo.config import schema as config
 from grpo.config.schema import ConfigError
 from grpo.run.eval_results import EvalResult, format_table
-from grpo.training.evaluate import Evaluator
-from grpo.tasks import load_task
-from grpo.tasks import code as code_module
-from grpo.tasks import humaneval
+from grpo.tasks import humaneval, load_task
 from grpo.tasks.code import CodeScorer, cut_at_stop
 from grpo.tasks.code_problems import HELD_OUT, PROBLEMS
+from grpo.training.evaluate import Evaluator
 
 COLUMNS = {"task_id", "prompt", "test", "entry_point", "canonical_solution"}
 

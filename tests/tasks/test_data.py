@@ -5,7 +5,14 @@ import pytest
 from grpo.config import schema as config
 from grpo.config.schema import ArithmeticConfig, ConfigError
 from grpo.tasks import load_task
-from grpo.tasks.data import arithmetic_splits, encode_prompts, evaluate_expression, PromptSampler, read_jsonl, render_prompt
+from grpo.tasks.data import (
+    PromptSampler,
+    arithmetic_splits,
+    encode_prompts,
+    evaluate_expression,
+    read_jsonl,
+    render_prompt,
+)
 
 SEED_INSTRUCTION = 'Calculate {expression}. Show your work briefly, then write the last line as "Answer: <number>".'
 

@@ -7,14 +7,13 @@ import json
 import pytest
 import torch
 
-from grpo.run import eval_results
-from grpo.training import evaluate as ev
 from grpo.config.schema import Config, ConfigError, ModelConfig, RewardsConfig
-from grpo.run.eval_results import EvalResult, format_table
-from grpo.training.evaluate import Evaluator, evaluate
 from grpo.rewards.reward_set import RewardSet
 from grpo.rollout import Rollout, TransformersEngine
+from grpo.run import eval_results
+from grpo.run.eval_results import EvalResult, format_table
 from grpo.tasks.scorers import AnswerScorer, RewardScorer
+from grpo.training.evaluate import Evaluator, evaluate
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -276,8 +275,8 @@ def test_cli_eval_before_and_after_checkpoint(tmp_path, capsys):
     import yaml
 
     from grpo import cli
-    from grpo.run.checkpoint import save_checkpoint
     from grpo.models.loading import load_model_and_tokenizer
+    from grpo.run.checkpoint import save_checkpoint
 
     run = tmp_path / "run"
     config = {

@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from grpo.config import schema as config
-from grpo.rollout import Rollout
 from grpo.models.tiny import tiny_model
+from grpo.rollout import Rollout
 from grpo.training.batching import GenerationBatch, microbatches, minibatches
 from grpo.training.trainer import Trainer
+
 
 def test_learns_toy_task(tokenizer, tmp_path, make_trainer):
     """A random-initialised model learns to answer a+b= with the right digit."""
@@ -289,14 +290,14 @@ def test_refuses_to_overwrite_a_run(tokenizer, tmp_path, make_trainer):
     trainer = make_trainer(tokenizer, tmp_path, ["training.max_steps=1", "overwrite_output_dir=true",
                                                   "training.per_device_train_batch_size=32"])
     trainer.train()
-    assert [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1]
 
 
 def test_evaluates_before_every_n_and_after(tokenizer, tmp_path, make_trainer):
     trainer = make_trainer(tokenizer, tmp_path, ["training.max_steps=3", "training.per_device_train_batch_size=32",
                                                  "eval.before=true", "eval.after=true", "eval.every=2"])
     trainer.train()
-    results = [json.loads(l) for l in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    results = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
     # two decodings (greedy, temperature 1) per evaluation, on the 4 held-out problems
     assert [(r["label"], r["step"]) for r in results] == [
         ("before", 0), ("before", 0), ("step 2", 2), ("step 2", 2), ("after", 3), ("after", 3)]
@@ -365,7 +366,7 @@ def test_jsonl_task_without_answers_trains_and_evaluates_by_its_rewards(tokenize
                       reward_funcs={"target": starts_with_target})
     history = trainer.train()
     assert len(history) == 2 and "rewards/target/mean" in history[0]
-    results = [json.loads(l) for l in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    results = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
     assert [(r["label"], r["counts"]) for r in results] == [("before", {}), ("after", {})]
     assert all(0.0 <= r["mean_reward"] <= 1.0 and set(r["rewards"]) == {"target"} for r in results)
     out = capsys.readouterr().out
