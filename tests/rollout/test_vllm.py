@@ -47,7 +47,7 @@ def llama(tokenizer, seed=0, hidden=64):
 
 
 def make_cfg(*overrides, **rollout):
-    data = {"rollout": {"engine": "vllm", "decoding": "plain", "vllm": dict(SETTINGS), **rollout}}
+    data = {"rollout": {"engine": "vllm", "vllm": dict(SETTINGS), **rollout}, "cpu": {"decoding": "plain"}}
     return config.from_dict(data, list(overrides))
 
 

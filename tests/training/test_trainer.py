@@ -46,7 +46,8 @@ def test_metrics_have_trl_names(tokenizer, tmp_path, make_trainer):
 
 
 def _hand_batch(trainer, seed=0):
-    """A generation batch with varied completion lengths and non-zero advantages."""
+    """A generation batch with varied completion lengths and varied rewards (so non-zero advantages:
+    Trainer.update computes them from the rewards, in its advantages phase)."""
     g = torch.Generator().manual_seed(seed)
     N, Lp, T = 16, 5, 6
     prompt_ids = torch.randint(5, 95, (N, Lp), generator=g)
@@ -56,10 +57,10 @@ def _hand_batch(trainer, seed=0):
     completion_mask = (torch.arange(T)[None] < lengths[:, None]).long()
     completion_ids = torch.randint(5, 95, (N, T), generator=g) * completion_mask
     rollout = Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, lengths == T)
-    advantages = torch.randn(N, generator=g)
+    rewards = torch.randn(N, generator=g)
     return GenerationBatch(
         rows=[{}] * N, prompts=[""] * N, completions=[""] * N, completion_texts=[""] * N, rollout=rollout,
-        rewards_per_func=torch.zeros(N, 1), rewards=torch.zeros(N), advantages=advantages, loss_mask=completion_mask.clone(),
+        rewards_per_func=rewards[:, None], rewards=rewards, loss_mask=completion_mask.clone(),
     )
 
 
