@@ -35,7 +35,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vs_trl import (  # noqa: E402  (the machine and model helpers both benchmarks share)
-    BenchmarkError, _cpu_model, _gb_from_kb, _reset_peak_rss, _rows, _status_kb, prepare_model,
+    BenchmarkError,
+    _cpu_model,
+    _gb_from_kb,
+    _reset_peak_rss,
+    _rows,
+    _status_kb,
+    prepare_model,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -58,7 +64,12 @@ def tensors_held(*modules) -> dict[int, int]:
 def optimizer_elements(optimizer) -> int:
     import torch
 
-    return sum(v.numel() for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return sum(
+        v.numel()
+        for state in optimizer.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    )
 
 
 def gradient_elements(*modules) -> int:
@@ -81,20 +92,33 @@ def run_side(spec: dict, out_dir: Path) -> dict:
     if spec["threads"]:
         torch.set_num_threads(spec["threads"])
     W, S = spec["warmup"], spec["steps"]
-    cfg = grpo_config.from_dict({
-        "output_dir": str(out_dir),
-        "model": {"name": spec["model_dir"]},
-        "data": {"chat_template": "never"},
-        "rollout": {"num_generations": NUM_GENERATIONS, "max_completion_length": spec["max_completion_length"],
-                    "ignore_eos": True},
-        "rewards": {"funcs": ["arithmetic_correct"]},
-        "algorithm": {"advantage_estimator": "gae" if spec["side"] == "ppo" else "grpo", "beta": spec["beta"],
-                      "loss_type": "dapo"},
-        "training": {"max_steps": W + S, "per_device_train_batch_size": NUM_PROMPTS * NUM_GENERATIONS,
-                     "learning_rate": 1e-6, "bf16": spec["precision"] == "bf16", "device": "cpu",
-                     "microbatch_tokens": spec["microbatch_tokens"]},
-        "logging": {"sample_every": 0},
-    })
+    cfg = grpo_config.from_dict(
+        {
+            "output_dir": str(out_dir),
+            "model": {"name": spec["model_dir"]},
+            "data": {"chat_template": "never"},
+            "rollout": {
+                "num_generations": NUM_GENERATIONS,
+                "max_completion_length": spec["max_completion_length"],
+                "ignore_eos": True,
+            },
+            "rewards": {"funcs": ["arithmetic_correct"]},
+            "algorithm": {
+                "advantage_estimator": "gae" if spec["side"] == "ppo" else "grpo",
+                "beta": spec["beta"],
+                "loss_type": "dapo",
+            },
+            "training": {
+                "max_steps": W + S,
+                "per_device_train_batch_size": NUM_PROMPTS * NUM_GENERATIONS,
+                "learning_rate": 1e-6,
+                "bf16": spec["precision"] == "bf16",
+                "device": "cpu",
+                "microbatch_tokens": spec["microbatch_tokens"],
+            },
+            "logging": {"sample_every": 0},
+        }
+    )
     trainer = Trainer(cfg, train_rows=_rows({"data_seed": 0}))
     reference = trainer.reference.model if trainer.reference.enabled else None
     critic = trainer.critic.model if trainer.critic is not None else None
@@ -110,7 +134,9 @@ def run_side(spec: dict, out_dir: Path) -> dict:
             memory["steady_rss_gb"] = _gb_from_kb(_status_kb("VmRSS"))
             memory["hwm_reset"] = _reset_peak_rss()
     memory["train_peak_rss_gb"] = _gb_from_kb(_status_kb("VmHWM"))
-    optimizers = [trainer.state.optimizer] + ([trainer.critic.optimizer] if trainer.critic is not None else [])
+    optimizers = [trainer.state.optimizer] + (
+        [trainer.critic.optimizer] if trainer.critic is not None else []
+    )
     return {
         "side": spec["side"],
         "parameters_held": sum(tensors_held(trainer.model, reference, critic).values()),
@@ -125,8 +151,20 @@ def run_side(spec: dict, out_dir: Path) -> dict:
 def run_child(side: str, spec: dict, workdir: Path, label: str) -> dict:
     spec_path, result_path = workdir / f"spec-{label}.json", workdir / f"result-{label}.json"
     spec_path.write_text(json.dumps({**spec, "side": side}))
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(spec_path), "--result", str(result_path)]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", TOKENIZERS_PARALLELISM="false")
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--child",
+        str(spec_path),
+        "--result",
+        str(result_path),
+    ]
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_VERBOSITY="error",
+        TOKENIZERS_PARALLELISM="false",
+    )
     proc = subprocess.run(cmd, env=env, cwd=str(REPO), capture_output=True, text=True)
     if proc.returncode != 0 or not result_path.is_file():
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-40:])
@@ -157,9 +195,11 @@ def print_table(summary: dict, args, command: str) -> None:
         ("step time (s, median)", "step_s", 2),
     ]
     print(f"\n{command}")
-    print(f"CPU: {_cpu_model()}; model {args.model}, {args.precision}, beta {args.beta}, "
-          f"{NUM_PROMPTS} prompts x {NUM_GENERATIONS} completions x {args.max_completion_length} tokens, "
-          f"{args.repeats} process pair(s), {args.steps} measured step(s) each\n")
+    print(
+        f"CPU: {_cpu_model()}; model {args.model}, {args.precision}, beta {args.beta}, "
+        f"{NUM_PROMPTS} prompts x {NUM_GENERATIONS} completions x {args.max_completion_length} tokens, "
+        f"{args.repeats} process pair(s), {args.steps} measured step(s) each\n"
+    )
     print("| | GRPO (no critic) | PPO (critic) | GRPO / PPO |")
     print("|---|---|---|---|")
     for name, key, digits in rows:
@@ -177,9 +217,16 @@ def parent_main(args) -> int:
     with tempfile.TemporaryDirectory(prefix="grpo_vs_ppo-") as tmp:
         workdir = Path(tmp)
         model_dir, label = prepare_model(args.model, workdir)
-        spec = {"model_dir": str(model_dir), "max_completion_length": args.max_completion_length, "beta": args.beta,
-                "precision": args.precision, "warmup": args.warmup, "steps": args.steps, "threads": threads,
-                "microbatch_tokens": args.microbatch_tokens}
+        spec = {
+            "model_dir": str(model_dir),
+            "max_completion_length": args.max_completion_length,
+            "beta": args.beta,
+            "precision": args.precision,
+            "warmup": args.warmup,
+            "steps": args.steps,
+            "threads": threads,
+            "microbatch_tokens": args.microbatch_tokens,
+        }
         results = {side: [] for side in SIDES}
         for repeat in range(args.repeats):
             order = SIDES if repeat % 2 == 0 else SIDES[::-1]
@@ -188,18 +235,38 @@ def parent_main(args) -> int:
                 results[side].append(run_child(side, spec, workdir, f"{side}-{repeat}"))
     summary = {side: summarize(rs) for side, rs in results.items()}
     print_table(summary, args, command)
-    out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"grpo_vs_ppo-{label}.json"
+    out = (
+        Path(args.out)
+        if args.out
+        else REPO / "benchmarks" / "results" / f"grpo_vs_ppo-{label}.json"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"command": command, "cpu": _cpu_model(), "summary": summary, "raw": results}, indent=1) + "\n")
+    out.write_text(
+        json.dumps(
+            {"command": command, "cpu": _cpu_model(), "summary": summary, "raw": results}, indent=1
+        )
+        + "\n"
+    )
     print(f"results: {out}")
     return 0
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="gemma-3-270m", help="gemma-3-270m (embedded), tiny, or a save_pretrained directory")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--model",
+        default="gemma-3-270m",
+        help="gemma-3-270m (embedded), tiny, or a save_pretrained directory",
+    )
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="bf16")
-    ap.add_argument("--beta", type=float, default=0.0, help="KL coefficient on both sides (> 0 adds a reference copy to each)")
+    ap.add_argument(
+        "--beta",
+        type=float,
+        default=0.0,
+        help="KL coefficient on both sides (> 0 adds a reference copy to each)",
+    )
     ap.add_argument("--max-completion-length", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=2)

@@ -41,8 +41,10 @@ def _kernels(args) -> logprobs.OutputLayerKernels:
     from grpo.cpu import layer, tile_math
 
     return logprobs.OutputLayerKernels(
-        tile=tile_math.COMPILED if args.compiled else tiles.EAGER, product=layer.onednn_product,
-        tile_elements=layer.TILE_ELEMENTS, weight_grad_in_place=True,
+        tile=tile_math.COMPILED if args.compiled else tiles.EAGER,
+        product=layer.onednn_product,
+        tile_elements=layer.TILE_ELEMENTS,
+        weight_grad_in_place=True,
     )
 
 
@@ -54,8 +56,12 @@ def main() -> None:
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="bf16")
     parser.add_argument("--repeats", type=int, default=4)
     kind = parser.add_mutually_exclusive_group()
-    kind.add_argument("--compiled", action="store_true", help="the tiles' element-wise work as compiled kernels")
-    kind.add_argument("--plain", action="store_true", help="plain PyTorch tiles, as without the CPU layer")
+    kind.add_argument(
+        "--compiled", action="store_true", help="the tiles' element-wise work as compiled kernels"
+    )
+    kind.add_argument(
+        "--plain", action="store_true", help="plain PyTorch tiles, as without the CPU layer"
+    )
     args = parser.parse_args()
     kernels = _kernels(args)
 
@@ -67,9 +73,11 @@ def main() -> None:
     targets = torch.randint(0, args.vocab, (args.tokens,))
     upstream = torch.linspace(-1, 1, args.tokens)
     flop = 2 * args.tokens * args.vocab * args.hidden
-    print(f"{args.tokens} tokens x {args.vocab} x {args.hidden}, {args.precision}: "
-          f"{flop / 1e9:.0f} GFLOP per product, {torch.get_num_threads()} threads, "
-          f"{'plain' if args.plain else 'compiled' if args.compiled else 'eager'} tiles")
+    print(
+        f"{args.tokens} tokens x {args.vocab} x {args.hidden}, {args.precision}: "
+        f"{flop / 1e9:.0f} GFLOP per product, {torch.get_num_threads()} threads, "
+        f"{'plain' if args.plain else 'compiled' if args.compiled else 'eager'} tiles"
+    )
     for _ in range(args.repeats):
         hidden = hidden0.clone().requires_grad_()
         f0, t0 = _faults(), time.perf_counter()

@@ -45,8 +45,13 @@ import vs_trl
 # the products a step can run: aten's (matmul's, F.linear's, torch.mm's with and without out=) and
 # oneDNN's linear (grpo.cpu.kernels), by op name -> (index of the [.., k] input, of the second operand)
 PRODUCTS = {
-    "aten.mm.default": (0, 1), "aten.mm.out": (0, 1), "aten.addmm.default": (1, 2), "aten.addmm.out": (1, 2),
-    "aten.bmm.default": (0, 1), "aten.bmm.out": (0, 1), "aten.baddbmm.default": (1, 2),
+    "aten.mm.default": (0, 1),
+    "aten.mm.out": (0, 1),
+    "aten.addmm.default": (1, 2),
+    "aten.addmm.out": (1, 2),
+    "aten.bmm.default": (0, 1),
+    "aten.bmm.out": (0, 1),
+    "aten.baddbmm.default": (1, 2),
     "mkldnn._linear_pointwise.default": (0, 1),
 }
 
@@ -103,7 +108,11 @@ def record_products(run):
             t0 = time.perf_counter()
             out = func(*args, **kwargs)
             seconds = time.perf_counter() - t0
-            key = (name, tuple(_meta(a) for a in args), tuple((k, _meta(v)) for k, v in sorted(kwargs.items())))
+            key = (
+                name,
+                tuple(_meta(a) for a in args),
+                tuple((k, _meta(v)) for k, v in sorted(kwargs.items())),
+            )
             entry = found.setdefault(key, [0, 0.0])
             entry[0] += 1
             entry[1] += seconds
@@ -160,9 +169,15 @@ def decode_products(trainer, rows: int, length: int, steps: int = 20) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="gemma-3-270m", help="gemma-3-270m (embedded), tiny, or a save_pretrained directory")
+    ap.add_argument(
+        "--model",
+        default="gemma-3-270m",
+        help="gemma-3-270m (embedded), tiny, or a save_pretrained directory",
+    )
     ap.add_argument("--steps", type=int, default=2, help="measured steps (after one warm-up step)")
-    ap.add_argument("--repeats", type=int, default=5, help="best-of for the limits and the replayed products")
+    ap.add_argument(
+        "--repeats", type=int, default=5, help="best-of for the limits and the replayed products"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.steps < 1 or args.repeats < 1:
@@ -172,15 +187,22 @@ def main(argv=None) -> int:
     from grpo.cpu import kernels
 
     if not kernels.packing_available():
-        print("error: this measures grpo's packed bf16 CPU products; oneDNN bf16 packing is not available here",
-              file=sys.stderr)
+        print(
+            "error: this measures grpo's packed bf16 CPU products; oneDNN bf16 packing is not available here",
+            file=sys.stderr,
+        )
         return 2
     threads = torch.get_num_threads()
     bench_args = vs_trl.parse_args(["--model", args.model])
     with tempfile.TemporaryDirectory(prefix="product_floor-") as tmp:
         model_dir, label = vs_trl.prepare_model(args.model, Path(tmp))
-        spec = dict(vs_trl.base_spec(bench_args, model_dir, label, threads, "cpu"), precision="bf16", lora_r=0,
-                    warmup=1, steps=args.steps + 2)
+        spec = dict(
+            vs_trl.base_spec(bench_args, model_dir, label, threads, "cpu"),
+            precision="bf16",
+            lora_r=0,
+            warmup=1,
+            steps=args.steps + 2,
+        )
         limits = [vs_trl.measure_limits(("bf16",), "cpu", 2048, args.repeats)["bf16"]]
         trainer = vs_trl.grpo_trainer(spec, Path(tmp) / "run")
         shape = vs_trl.model_shape(trainer.model)
@@ -197,14 +219,21 @@ def main(argv=None) -> int:
         batch = trainer.collect_batch()
         found = record_products(lambda: trainer.update(batch))
         ro = batch.rollout
-        prompt_lengths, completion_lengths = ro.prompt_mask.sum(-1).tolist(), ro.completion_mask.sum(-1).tolist()
+        prompt_lengths, completion_lengths = (
+            ro.prompt_mask.sum(-1).tolist(),
+            ro.completion_mask.sum(-1).tolist(),
+        )
         rows, length = len(prompt_lengths), max(prompt_lengths) + max(completion_lengths) + 1
         replayed = {key: replay(key, args.repeats) for key in found}
         decode_s = decode_products(trainer, rows, length)
-        limits.append(vs_trl.measure_limits(("bf16",), "cpu", 2048, max(1, args.repeats // 2))["bf16"])
+        limits.append(
+            vs_trl.measure_limits(("bf16",), "cpu", 2048, max(1, args.repeats // 2))["bf16"]
+        )
     peak, kernel, _ = max(limits, key=lambda m: m[0])
     bandwidth = max(m[2] for m in limits)
-    roof_generate, roof_update = vs_trl.step_roofline(shape, prompt_lengths, completion_lengths, 2, peak, bandwidth)
+    roof_generate, roof_update = vs_trl.step_roofline(
+        shape, prompt_lengths, completion_lengths, 2, peak, bandwidth
+    )
     weight_bytes = vs_trl.decode_bytes(shape, [], 2)
     steps_decoded = max(completion_lengths) - 1
     product_flops = sum(n * _flops(key[0], key[1]) for key, (n, _) in found.items())
@@ -213,17 +242,33 @@ def main(argv=None) -> int:
     result = {
         "command": " ".join(["python", *sys.argv]),
         "machine": vs_trl.machine_info("cpu", threads),
-        "peak_flops": peak, "peak_kernel": kernel, "bandwidth": bandwidth, "shape": shape,
-        "prompt_lengths": prompt_lengths, "completion_lengths": completion_lengths,
-        "generate_s": generate_s, "update_s": update_s,
+        "peak_flops": peak,
+        "peak_kernel": kernel,
+        "bandwidth": bandwidth,
+        "shape": shape,
+        "prompt_lengths": prompt_lengths,
+        "completion_lengths": completion_lengths,
+        "generate_s": generate_s,
+        "update_s": update_s,
         "roofline": {"generate_s": roof_generate, "update_s": roof_update},
         "update_products": {
-            "count": sum(n for n, _ in found.values()), "shapes": len(found), "gflop": product_flops / 1e9,
-            "in_place_s": in_place_s, "replayed_s": replayed_s,
+            "count": sum(n for n, _ in found.values()),
+            "shapes": len(found),
+            "gflop": product_flops / 1e9,
+            "in_place_s": in_place_s,
+            "replayed_s": replayed_s,
         },
-        "decode_products": {"step_s": decode_s, "weight_bytes": weight_bytes, "steps": steps_decoded},
+        "decode_products": {
+            "step_s": decode_s,
+            "weight_bytes": weight_bytes,
+            "steps": steps_decoded,
+        },
     }
-    out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"product_floor-{label}.json"
+    out = (
+        Path(args.out)
+        if args.out
+        else Path(__file__).parent / "results" / f"product_floor-{label}.json"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(report(result))

@@ -18,15 +18,31 @@ from pathlib import Path
 # Qwen2.5-0.5B-Instruct's config.json (the seeds' reference model): 494M parameters, tied embeddings.
 SHAPES = {
     "qwen2.5-0.5b": dict(
-        architecture="Qwen2ForCausalLM", vocab_size=151936, hidden_size=896, intermediate_size=4864,
-        num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
-        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        architecture="Qwen2ForCausalLM",
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
     ),
     # a small model of the same family, for trying the script on a CPU
     "qwen-tiny": dict(
-        architecture="Qwen2ForCausalLM", vocab_size=512, hidden_size=128, intermediate_size=256,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        architecture="Qwen2ForCausalLM",
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
     ),
 }
 SPECIAL = ["<pad>", "<bos>", "<eos>", "<unk>"]
@@ -39,11 +55,19 @@ def tokenizer_of_size(vocab_size: int):
     characters = sorted(set(string.printable) - set("\x0b\x0c\r"))
     tokens = SPECIAL + characters
     tokens += [f"<t{i}>" for i in range(vocab_size - len(tokens))]
-    backend = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(tokens)}, unk_token="<unk>"))
+    backend = Tokenizer(
+        models.WordLevel(vocab={t: i for i, t in enumerate(tokens)}, unk_token="<unk>")
+    )
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     backend.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
-                                   unk_token="<unk>", padding_side="left")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        padding_side="left",
+    )
 
 
 def write_random_model(shape: str, out: Path, seed: int = 0) -> Path:

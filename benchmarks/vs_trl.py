@@ -175,7 +175,9 @@ def _resolve_device(name: str) -> str:
 def model_shape(model) -> dict:
     """What the FLOP count needs from the model; shared (tied) weights counted once, LoRA
     adapters left out (the base model's shape, the same for both sides)."""
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cfg = (
+        model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    )
     # deduplicated: a tied embedding appears once
     params = [p for name, p in model.named_parameters() if "lora_" not in name]
     total = sum(p.numel() for p in params)
@@ -198,7 +200,8 @@ def model_shape(model) -> dict:
         "vocab_size": out.shape[0],
         "num_layers": layers,
         "attention_width": heads * head_dim,  # query heads x head dim
-        "kv_width": kv_heads * head_dim,  # key (or value) heads x head dim: one layer's K (or V) per position
+        "kv_width": kv_heads
+        * head_dim,  # key (or value) heads x head dim: one layer's K (or V) per position
         "layer_windows": windows,
         "tied_embeddings": tied,
         "param_bytes": sum(p.numel() * p.element_size() for p in params),
@@ -233,11 +236,17 @@ def sequence_forward_flops(shape: dict, prompt_len: int, completion_len: int) ->
     return linear + attention + logits
 
 
-def step_flops(shape: dict, prompt_lengths: list[int], completion_lengths: list[int],
-               update_passes: float = 3.0) -> tuple[float, float]:
+def step_flops(
+    shape: dict,
+    prompt_lengths: list[int],
+    completion_lengths: list[int],
+    update_passes: float = 3.0,
+) -> tuple[float, float]:
     """(generation FLOPs, update FLOPs) of one step: every sequence prefilled and trained on in full.
     The update is forward + backward: 3 forwards with weight gradients, 2 without (LoRA's frozen base)."""
-    forward = sum(sequence_forward_flops(shape, p, c) for p, c in zip(prompt_lengths, completion_lengths))
+    forward = sum(
+        sequence_forward_flops(shape, p, c) for p, c in zip(prompt_lengths, completion_lengths)
+    )
     return forward, update_passes * forward
 
 
@@ -252,8 +261,15 @@ def decode_bytes(shape: dict, contexts: list[int], element_bytes: int) -> float:
     return element_bytes * (weights + 2 * shape["kv_width"] * keys)
 
 
-def step_roofline(shape: dict, prompt_lengths: list[int], completion_lengths: list[int], element_bytes: int,
-                  peak_flops: float, bandwidth: float, update_passes: float = 3.0) -> tuple[float, float]:
+def step_roofline(
+    shape: dict,
+    prompt_lengths: list[int],
+    completion_lengths: list[int],
+    element_bytes: int,
+    peak_flops: float,
+    bandwidth: float,
+    update_passes: float = 3.0,
+) -> tuple[float, float]:
     """(generation s, update s) of one step at the machine's limits. Generation: the prefill (every
     prompt, up to the first completion token's logits) at the matmul peak, then each decode step t
     (feeding completion token t, so a row attends to p + t keys) at the slower of its FLOPs / peak
@@ -264,7 +280,10 @@ def step_roofline(shape: dict, prompt_lengths: list[int], completion_lengths: li
     for t in range(1, max(completion_lengths, default=0)):
         active = [(p, c) for p, c in rows if c > t]
         # one more position per row: the difference of two forward counts
-        flops = sum(sequence_forward_flops(shape, p, t + 1) - sequence_forward_flops(shape, p, t) for p, _ in active)
+        flops = sum(
+            sequence_forward_flops(shape, p, t + 1) - sequence_forward_flops(shape, p, t)
+            for p, _ in active
+        )
         read = decode_bytes(shape, [p + t for p, _ in active], element_bytes)
         generate += max(flops / peak_flops, read / bandwidth)
     _, update = step_flops(shape, prompt_lengths, completion_lengths, update_passes)
@@ -277,7 +296,11 @@ def trainable_bytes(model) -> int:
 
 
 def lora_label(spec: dict) -> str:
-    return f"LoRA r={spec['lora_r']}, alpha={spec['lora_alpha']:g}, all-linear" if spec.get("lora_r") else "full fine-tuning"
+    return (
+        f"LoRA r={spec['lora_r']}, alpha={spec['lora_alpha']:g}, all-linear"
+        if spec.get("lora_r")
+        else "full fine-tuning"
+    )
 
 
 def peak_shapes(size: int) -> list[tuple[int, int, int]]:
@@ -361,7 +384,11 @@ class _DtypeProbe:
         self.phase = "setup"
         self.seen: dict[str, set[str]] = {}
         target = next(
-            (m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in name),
+            (
+                m
+                for name, m in model.named_modules()
+                if isinstance(m, torch.nn.Linear) and "lm_head" not in name
+            ),
             None,
         )
         if target is not None:
@@ -431,7 +458,9 @@ class _Recorder:
                 "rss_gb": _gb_from_kb(_status_kb("VmRSS")),
             }
         )
-        if index == self.spec["warmup"] - 1:  # end of the warm-up: steady state, then measure peaks from here
+        if (
+            index == self.spec["warmup"] - 1
+        ):  # end of the warm-up: steady state, then measure peaks from here
             m = self.memory
             m["steady_rss_gb"] = _gb_from_kb(_status_kb("VmRSS"))
             m["peak_rss_through_warmup_gb"] = _gb_from_kb(_status_kb("VmHWM"))
@@ -442,7 +471,9 @@ class _Recorder:
         if index == self.spec["warmup"] + self.spec["steps"] - 1:  # last measured step
             m = self.memory
             m["train_peak_rss_gb"] = _gb_from_kb(_status_kb("VmHWM"))
-            m["process_peak_rss_gb"] = max(m["train_peak_rss_gb"] or 0, m["peak_rss_through_warmup_gb"] or 0)
+            m["process_peak_rss_gb"] = max(
+                m["train_peak_rss_gb"] or 0, m["peak_rss_through_warmup_gb"] or 0
+            )
             if self.device == "cuda":
                 m["train_peak_cuda_gb"] = torch.cuda.max_memory_allocated() / GB
 
@@ -454,7 +485,10 @@ def _rows(spec: dict) -> list[dict]:
 
     train, _ = arithmetic_splits(ArithmeticConfig(), seed=spec["data_seed"])
     # render_prompt without a template joins the message contents: "<instruction>\n"
-    return [{"prompt": render_prompt(r["prompt"], None, False, None)[0], "answer": r["answer"]} for r in train]
+    return [
+        {"prompt": render_prompt(r["prompt"], None, False, None)[0], "answer": r["answer"]}
+        for r in train
+    ]
 
 
 def _optimizer_name(optimizer) -> str:
@@ -473,10 +507,15 @@ def _set_threads(spec: dict) -> None:
 def _versions() -> dict[str, str | None]:
     """The versions of the libraries a side ran with (the vLLM side's venv has its own); None
     for one the side did not import."""
-    return {name: getattr(sys.modules.get(name), "__version__", None) for name in ("torch", "transformers", "trl", "vllm")}
+    return {
+        name: getattr(sys.modules.get(name), "__version__", None)
+        for name in ("torch", "transformers", "trl", "vllm")
+    }
 
 
-def _side_result(rec, shape: dict, probe, setup_s: float, optimizer, autocast: str, trained_bytes: int) -> dict:
+def _side_result(
+    rec, shape: dict, probe, setup_s: float, optimizer, autocast: str, trained_bytes: int
+) -> dict:
     """What a child reports to the parent (the same fields for every side)."""
     return {
         "python": sys.executable,
@@ -571,8 +610,12 @@ def run_trl(spec: dict, out_dir: Path) -> dict:
         from peft import LoraConfig
 
         peft_config = LoraConfig(
-            r=spec["lora_r"], lora_alpha=spec["lora_alpha"], lora_dropout=0.0, target_modules="all-linear",
-            bias="none", task_type="CAUSAL_LM",
+            r=spec["lora_r"],
+            lora_alpha=spec["lora_alpha"],
+            lora_dropout=0.0,
+            target_modules="all-linear",
+            bias="none",
+            task_type="CAUSAL_LM",
         )
     trainer = GRPOTrainer(
         model=model,
@@ -604,8 +647,15 @@ def run_trl(spec: dict, out_dir: Path) -> dict:
     rec.after_load()
     setup_s = time.perf_counter() - t_setup
     trainer.train()
-    return _side_result(rec, shape, probe, setup_s, trainer.optimizer, str(getattr(trainer.accelerator, "mixed_precision", None)),
-                        trainable_bytes(trainer.model))
+    return _side_result(
+        rec,
+        shape,
+        probe,
+        setup_s,
+        trainer.optimizer,
+        str(getattr(trainer.accelerator, "mixed_precision", None)),
+        trainable_bytes(trainer.model),
+    )
 
 
 def grpo_trainer(spec: dict, out_dir: Path, engine: str = "hf"):
@@ -621,8 +671,12 @@ def grpo_trainer(spec: dict, out_dir: Path, engine: str = "hf"):
             "model": {
                 "name": spec["model_dir"],
                 "dtype": "float32",
-                "lora": {"r": spec.get("lora_r", 0), "alpha": spec.get("lora_alpha", 16.0), "dropout": 0.0,
-                         "target_modules": ["all-linear"]},
+                "lora": {
+                    "r": spec.get("lora_r", 0),
+                    "alpha": spec.get("lora_alpha", 16.0),
+                    "dropout": 0.0,
+                    "target_modules": ["all-linear"],
+                },
             },
             "data": {"chat_template": "never", "seed": spec["data_seed"]},
             "rollout": {
@@ -691,23 +745,36 @@ def run_grpo(spec: dict, out_dir: Path, engine: str = "hf") -> dict:
         rec.generate_s = time.perf_counter() - t0
         probe.phase = "update"
         trainer.engine.sleep()  # as Trainer.train_step: nothing to do for the hf engine and on the CPU
-        trainer.update(batch)  # logprobs, loss, backward, clipping, optimizer.step(), scheduler.step()
+        trainer.update(
+            batch
+        )  # logprobs, loss, backward, clipping, optimizer.step(), scheduler.step()
         trainer.engine.sync_weights(trainer.model)  # vllm: the new weights pushed into vLLM's copy
         trainer.state.step += 1
         ro = batch.rollout
         rec.lengths = (ro.prompt_mask.sum(-1).tolist(), ro.completion_mask.sum(-1).tolist())
         rec.end(index)
-    return _side_result(rec, shape, probe, setup_s, trainer.state.optimizer, "bf16" if trainer.cfg.training.bf16 else "no",
-                        trainable_bytes(trainer.model))
+    return _side_result(
+        rec,
+        shape,
+        probe,
+        setup_s,
+        trainer.state.optimizer,
+        "bf16" if trainer.cfg.training.bf16 else "no",
+        trainable_bytes(trainer.model),
+    )
 
 
 def child_main(args) -> int:
-    if args.side != "trl":  # as grpo's CLI does for a run with the CPU layer (grpo.cpu.memory.use_huge_pages)
+    if (
+        args.side != "trl"
+    ):  # as grpo's CLI does for a run with the CPU layer (grpo.cpu.memory.use_huge_pages)
         os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     spec = json.loads(Path(args.spec).read_text())
-    run = {"trl": run_trl, "grpo": run_grpo, VLLM_SIDE: functools.partial(run_grpo, engine="vllm")}[args.side]
+    run = {"trl": run_trl, "grpo": run_grpo, VLLM_SIDE: functools.partial(run_grpo, engine="vllm")}[
+        args.side
+    ]
     with tempfile.TemporaryDirectory(prefix=f"vs_trl-{args.side}-") as tmp:
         result = run(spec, Path(tmp))
     result["side"] = args.side
@@ -722,14 +789,20 @@ def child_main(args) -> int:
 
 
 def check_dependencies(sides: tuple[str, ...]) -> None:
-    missing = [m for m in ("trl", "datasets", "accelerate") if "trl" in sides and importlib.util.find_spec(m) is None]
+    missing = [
+        m
+        for m in ("trl", "datasets", "accelerate")
+        if "trl" in sides and importlib.util.find_spec(m) is None
+    ]
     if missing:
         raise BenchmarkError(
             f"the benchmark runs TRL's GRPOTrainer as the peer and needs {', '.join(missing)}, "
             f"which {'is' if len(missing) == 1 else 'are'} not installed: {DEV_HINT} (or leave it out: --sides grpo)"
         )
     if importlib.util.find_spec("grpo") is None:
-        raise BenchmarkError(f"the grpo package is not importable: run from the repository's venv ({DEV_HINT})")
+        raise BenchmarkError(
+            f"the grpo package is not importable: run from the repository's venv ({DEV_HINT})"
+        )
 
 
 def prepare_model(name: str, workdir: Path) -> tuple[Path, str]:
@@ -755,7 +828,9 @@ def prepare_model(name: str, workdir: Path) -> tuple[Path, str]:
         try:
             return convert_gguf(embedded_gguf_path()), "gemma-3-270m"
         except ConfigError as e:
-            raise BenchmarkError(f"--model gemma-3-270m: the embedded model is not available ({e}); or use --model tiny") from None
+            raise BenchmarkError(
+                f"--model gemma-3-270m: the embedded model is not available ({e}); or use --model tiny"
+            ) from None
     path = Path(name).expanduser()
     if (path / "config.json").is_file():
         return path.resolve(), path.name
@@ -771,7 +846,9 @@ def vllm_interpreter(python: str | None, device: str, model: str) -> str:
             "--vllm: vLLM's CPU attention does not support the tiny model's head size (16); "
             "use --model gemma-3-270m (or a save_pretrained directory with head size 32 or more)"
         )
-    path = (Path(python) if python else VLLM_VENV / "bin" / "python").absolute()  # not resolved: a venv's python is a link
+    path = (
+        Path(python) if python else VLLM_VENV / "bin" / "python"
+    ).absolute()  # not resolved: a venv's python is a link
     if not path.is_file():
         raise BenchmarkError(
             f"--vllm: no Python interpreter at {path}; build the vllm venv with `{VLLM_HINT}` "
@@ -779,7 +856,9 @@ def vllm_interpreter(python: str | None, device: str, model: str) -> str:
         )
     probe = "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None or u.find_spec('grpo') is None)"
     if subprocess.run([str(path), "-c", probe]).returncode != 0:
-        raise BenchmarkError(f"--vllm: {path} cannot import vllm and grpo; build the vllm venv with `{VLLM_HINT}`")
+        raise BenchmarkError(
+            f"--vllm: {path} cannot import vllm and grpo; build the vllm venv with `{VLLM_HINT}`"
+        )
     return str(path)
 
 
@@ -788,7 +867,16 @@ def run_child(side: str, spec: dict, workdir: Path, label: str, verbose: bool, p
     result_path = workdir / f"result-{label}.json"
     spec_path.write_text(json.dumps(spec))
     result_path.unlink(missing_ok=True)
-    cmd = [python, str(Path(__file__).resolve()), "--side", side, "--spec", str(spec_path), "--result", str(result_path)]
+    cmd = [
+        python,
+        str(Path(__file__).resolve()),
+        "--side",
+        side,
+        "--spec",
+        str(spec_path),
+        "--result",
+        str(result_path),
+    ]
     env = dict(os.environ, HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"))
     env.setdefault("TRANSFORMERS_VERBOSITY", "error")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -820,14 +908,18 @@ def summarize_side(results: list[dict], shape: dict, device: str, lora: bool = F
     if device == "cuda":
         peak = max(m.get("train_peak_cuda_gb", math.nan) for m in mems)
         transient = max(m["train_peak_cuda_gb"] - m["steady_cuda_gb"] for m in mems)
-        over_state = max(m["train_peak_cuda_gb"] - (shape["param_bytes"] + 3 * r["trainable_bytes"]) / GB
-                         for m, r in zip(mems, results))
+        over_state = max(
+            m["train_peak_cuda_gb"] - (shape["param_bytes"] + 3 * r["trainable_bytes"]) / GB
+            for m, r in zip(mems, results)
+        )
     else:
         peak = max(m["process_peak_rss_gb"] for m in mems)
         transient = max(m["train_peak_rss_gb"] - m["steady_rss_gb"] for m in mems)
         # on top of the trainer as built (libraries + weights): grads + Adam's two moments (fp32, like the weights)
-        over_state = max(m["train_peak_rss_gb"] - m["after_load_rss_gb"] - 3 * r["trainable_bytes"] / GB
-                         for m, r in zip(mems, results))
+        over_state = max(
+            m["train_peak_rss_gb"] - m["after_load_rss_gb"] - 3 * r["trainable_bytes"] / GB
+            for m, r in zip(mems, results)
+        )
     step_s = _median([s["step_s"] for s in measured])
     generate_s = _median([s["generate_s"] for s in measured])
     update_s = _median([s["update_s"] for s in measured])
@@ -840,14 +932,17 @@ def summarize_side(results: list[dict], shape: dict, device: str, lora: bool = F
         "transient_gb": transient,
         "peak_over_state_gb": over_state,
         "gflops": gflops,
-        "generate_gflops": _median([f / s["generate_s"] for f, s in zip(gen_flops, measured)]) / 1e9,
+        "generate_gflops": _median([f / s["generate_s"] for f, s in zip(gen_flops, measured)])
+        / 1e9,
         "update_gflops": _median([f / s["update_s"] for f, s in zip(upd_flops, measured)]) / 1e9,
         "step_gflop": _median([g + u for g, u in zip(gen_flops, upd_flops)]) / 1e9,
         "measured_steps": len(measured),
         "step_s_all": [s["step_s"] for s in measured],
         "generate_s_all": [s["generate_s"] for s in measured],
         "update_s_all": [s["update_s"] for s in measured],
-        "tokens_per_step": sorted({sum(s["prompt_lengths"]) + sum(s["completion_lengths"]) for s in measured}),
+        "tokens_per_step": sorted(
+            {sum(s["prompt_lengths"]) + sum(s["completion_lengths"]) for s in measured}
+        ),
         "completion_lengths": sorted({c for s in measured for c in s["completion_lengths"]}),
         "compute_dtypes": results[0]["compute_dtypes"],
         "optimizer": results[0].get("optimizer"),
@@ -867,42 +962,87 @@ def _fmt(x: float, digits: int = 2) -> str:
 
 def format_table(summary: dict, sides: tuple[str, ...], device: str) -> str:
     mem = "peak GPU GB" if device == "cuda" else "peak RSS GB"
-    cols = ["", "step s", "generate s", "update s", mem, "transient GB", "peak-state GB", "GFLOP/s", "% of peak"]
-    keys = ["step_s", "generate_s", "update_s", "peak_gb", "transient_gb", "peak_over_state_gb", "gflops", "pct_of_peak"]
+    cols = [
+        "",
+        "step s",
+        "generate s",
+        "update s",
+        mem,
+        "transient GB",
+        "peak-state GB",
+        "GFLOP/s",
+        "% of peak",
+    ]
+    keys = [
+        "step_s",
+        "generate_s",
+        "update_s",
+        "peak_gb",
+        "transient_gb",
+        "peak_over_state_gb",
+        "gflops",
+        "pct_of_peak",
+    ]
     digits = [3, 3, 3, 2, 2, 2, 1, 2]
-    rows = [[LABELS[side]] + [_fmt(summary[side][k], d) for k, d in zip(keys, digits)] for side in sides]
-    rows += [[label] + [_fmt(ratio.get(k), 2) for k in keys] for label, ratio in summary["ratios"].items()]
+    rows = [
+        [LABELS[side]] + [_fmt(summary[side][k], d) for k, d in zip(keys, digits)] for side in sides
+    ]
+    rows += [
+        [label] + [_fmt(ratio.get(k), 2) for k in keys]
+        for label, ratio in summary["ratios"].items()
+    ]
     return _markdown_table(cols, rows)
 
 
 def format_roofline(summary: dict, sides: tuple[str, ...]) -> str:
     """Per side: the phases' times at the roofline, and the measured times as multiples of them."""
     phases = ("generate", "update", "step")
-    cols = ["", "generation dtype"] + [f"roofline {ph} s" for ph in phases] + [f"{ph} / roofline" for ph in phases]
+    cols = (
+        ["", "generation dtype"]
+        + [f"roofline {ph} s" for ph in phases]
+        + [f"{ph} / roofline" for ph in phases]
+    )
     rows = []
     for side in sides:
         roof = summary[side]["roofline"]
-        rows.append([LABELS[side], roof["generation_dtype"]] + [_fmt(roof[f"{ph}_s"], 4) for ph in phases]
-                    + [_fmt(roof[f"{ph}_multiple"], 1) for ph in phases])
+        rows.append(
+            [LABELS[side], roof["generation_dtype"]]
+            + [_fmt(roof[f"{ph}_s"], 4) for ph in phases]
+            + [_fmt(roof[f"{ph}_multiple"], 1) for ph in phases]
+        )
     return _markdown_table(cols, rows)
 
 
 def _markdown_table(cols: list[str], rows: list[list[str]]) -> str:
     """A Markdown table: the first column left-aligned, the others right-aligned."""
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
-    line = lambda cells: "| " + " | ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))) + " |"
-    sep = "|" + "|".join(("-" * (w + 1) + ":") if i else "-" * (w + 2) for i, w in enumerate(widths)) + "|"
+    line = lambda cells: (
+        "| "
+        + " | ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        + " |"
+    )
+    sep = (
+        "|"
+        + "|".join(("-" * (w + 1) + ":") if i else "-" * (w + 2) for i, w in enumerate(widths))
+        + "|"
+    )
     return "\n".join([line(cols), sep] + [line(r) for r in rows])
 
 
 def _ratio(a, b):
-    if a is None or b is None or b == 0 or any(isinstance(x, float) and math.isnan(x) for x in (a, b)):
+    if (
+        a is None
+        or b is None
+        or b == 0
+        or any(isinstance(x, float) and math.isnan(x) for x in (a, b))
+    ):
         return None
     return a / b
 
 
-def run_precision(precision: str, work: dict, args, workdir: Path, interpreters: dict[str, str],
-                  lora_r: int = 0) -> dict:
+def run_precision(
+    precision: str, work: dict, args, workdir: Path, interpreters: dict[str, str], lora_r: int = 0
+) -> dict:
     """Every side of `interpreters` (side -> the Python that runs its children), --repeats times."""
     spec = dict(work, precision=precision, lora_r=lora_r)
     sides = tuple(interpreters)
@@ -911,12 +1051,26 @@ def run_precision(precision: str, work: dict, args, workdir: Path, interpreters:
     for r in range(args.repeats):
         order = sides if r % 2 == 0 else sides[::-1]  # TRL, grpo, then grpo, TRL (ABBA)
         for side in order:
-            print(f"[{precision}, {mode}] repeat {r + 1}/{args.repeats}: {side} ...", end="", file=sys.stderr, flush=True)
-            res = run_child(side, spec, workdir, f"{precision}-{mode}-{side}-{r}", args.verbose, interpreters[side])
+            print(
+                f"[{precision}, {mode}] repeat {r + 1}/{args.repeats}: {side} ...",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
+            res = run_child(
+                side,
+                spec,
+                workdir,
+                f"{precision}-{mode}-{side}-{r}",
+                args.verbose,
+                interpreters[side],
+            )
             print(f" {res['wall_s']:.1f} s", file=sys.stderr, flush=True)
             results[side].append(res)
     shape = next(iter(results.values()))[0]["shape"]
-    summary = {side: summarize_side(results[side], shape, spec["device"], bool(lora_r)) for side in sides}
+    summary = {
+        side: summarize_side(results[side], shape, spec["device"], bool(lora_r)) for side in sides
+    }
     same_work = len({tuple(summary[side]["tokens_per_step"]) for side in sides}) == 1
     return {
         "precision": precision,
@@ -952,24 +1106,50 @@ def apply_limits(run: dict, peak_flops: float, peak_kernel: str, bandwidth: floa
         dtype = generation_dtype(side, s, run["precision"])
         element = getattr(torch, dtype).itemsize
         steps = _measured(run["raw"][side])
-        roofs = [step_roofline(shape, st["prompt_lengths"], st["completion_lengths"], element, peak_flops, bandwidth, passes)
-                 for st in steps]
-        roof = {"generate_s": _median([g for g, _ in roofs]), "update_s": _median([u for _, u in roofs]),
-                "step_s": _median([g + u for g, u in roofs])}
-        last = [p + c - 1 for p, c in zip(steps[0]["prompt_lengths"], steps[0]["completion_lengths"])]
+        roofs = [
+            step_roofline(
+                shape,
+                st["prompt_lengths"],
+                st["completion_lengths"],
+                element,
+                peak_flops,
+                bandwidth,
+                passes,
+            )
+            for st in steps
+        ]
+        roof = {
+            "generate_s": _median([g for g, _ in roofs]),
+            "update_s": _median([u for _, u in roofs]),
+            "step_s": _median([g + u for g, u in roofs]),
+        }
+        last = [
+            p + c - 1 for p, c in zip(steps[0]["prompt_lengths"], steps[0]["completion_lengths"])
+        ]
         s["roofline"] = {
             "generation_dtype": dtype,
             "decode_weight_bytes": decode_bytes(shape, [], element),
-            "last_decode_kv_bytes": decode_bytes(shape, last, element) - decode_bytes(shape, [], element),
+            "last_decode_kv_bytes": decode_bytes(shape, last, element)
+            - decode_bytes(shape, [], element),
             **roof,
             **{k[:-2] + "_multiple": _ratio(s[k], v) for k, v in roof.items()},
         }
     summary["ratios"] = {
         f"{LABELS[a]}/{LABELS[b]}": {
             k: _ratio(summary[a][k], summary[b][k])
-            for k in ("step_s", "generate_s", "update_s", "peak_gb", "transient_gb", "peak_over_state_gb", "gflops", "pct_of_peak")
+            for k in (
+                "step_s",
+                "generate_s",
+                "update_s",
+                "peak_gb",
+                "transient_gb",
+                "peak_over_state_gb",
+                "gflops",
+                "pct_of_peak",
+            )
         }
-        for a, b in RATIOS if a in run["sides"] and b in run["sides"]
+        for a, b in RATIOS
+        if a in run["sides"] and b in run["sides"]
     }
 
 
@@ -998,9 +1178,13 @@ def machine_info(device: str, threads: int) -> dict:
 def print_report(run: dict, machine: dict, command: str) -> None:
     spec, summary, shape, sides = run["spec"], run["summary"], run["shape"], run["sides"]
     p = run["precision"]
-    precision_text = "fp32 weights and compute" if p == "fp32" else "fp32 master weights, bf16 autocast"
+    precision_text = (
+        "fp32 weights and compute" if p == "fp32" else "fp32 master weights, bf16 autocast"
+    )
     print()
-    print(f"## grpo vs TRL GRPOTrainer: {spec['model_label']}, {p} ({precision_text}), {lora_label(spec)}")
+    print(
+        f"## grpo vs TRL GRPOTrainer: {spec['model_label']}, {p} ({precision_text}), {lora_label(spec)}"
+    )
     print()
     print(format_table(summary, sides, spec["device"]))
     print()
@@ -1010,13 +1194,19 @@ def print_report(run: dict, machine: dict, command: str) -> None:
         f"machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']} ({machine['torch_threads']} thread{'s' if machine['torch_threads'] != 1 else ''}), "
         f"transformers {machine['transformers']}, trl {machine['trl']}, device {spec['device']}"
         + (f" ({machine['gpu']})" if machine.get("gpu") else "")
-        + (f", load average {machine['load_average']:.1f} at start" if machine.get("load_average") is not None else "")
+        + (
+            f", load average {machine['load_average']:.1f} at start"
+            if machine.get("load_average") is not None
+            else ""
+        )
     )
     if VLLM_SIDE in sides:
         raw = run["raw"][VLLM_SIDE][0]
         versions = ", ".join(f"{m} {v}" for m, v in raw["versions"].items() if v)
         settings = ", ".join(f"{k}={v}" for k, v in VLLM_SETTINGS.items())
-        print(f"{VLLM_SIDE}: grpo's Trainer with rollout.engine=vllm ({settings}), run by {raw['python']} ({versions})")
+        print(
+            f"{VLLM_SIDE}: grpo's Trainer with rollout.engine=vllm ({settings}), run by {raw['python']} ({versions})"
+        )
     print(
         f"settings: {NUM_PROMPTS} prompts x {NUM_GENERATIONS} completions, exactly {spec['max_completion_length']} "
         f"completion tokens each (EOS ignored), {lora_label(spec)} on both sides, loss_type={spec['loss_type']}, beta=0, "
@@ -1030,15 +1220,24 @@ def print_report(run: dict, machine: dict, command: str) -> None:
     print(
         f"model: {shape['model_type']}, {shape['total_params'] / 1e6:.1f}M params "
         f"({shape['non_embedding_params'] / 1e6:.1f}M non-embedding, vocab {shape['vocab_size']}), "
-        + ("grpo.models.tiny's model, saved once with save_pretrained" if spec["model_label"] == "tiny" else f"from {spec['model_dir']}")
+        + (
+            "grpo.models.tiny's model, saved once with save_pretrained"
+            if spec["model_label"] == "tiny"
+            else f"from {spec['model_dir']}"
+        )
         + ", loaded by both sides with AutoModelForCausalLM.from_pretrained (float32)"
     )
     gflop = summary[sides[0]]["step_gflop"]
     tokens = ", ".join(f"{s}: {summary[s]['tokens_per_step']}" for s in sides)
-    passes = "2x forward update (no base weight gradients)" if spec.get("lora_r") else "3x forward update"
+    passes = (
+        "2x forward update (no base weight gradients)"
+        if spec.get("lora_r")
+        else "3x forward update"
+    )
     print(
         f"work: {gflop:.2f} GFLOP per step (1x forward generation + {passes}, attention included); "
-        f"tokens per step {tokens}" + ("" if run["same_tokens_per_step"] else "  <-- DIFFERENT WORK")
+        f"tokens per step {tokens}"
+        + ("" if run["same_tokens_per_step"] else "  <-- DIFFERENT WORK")
     )
     print(
         f"limits (measured in this run, best of start and end): peak {run['peak_flops'] / 1e9:.1f} GFLOP/s "
@@ -1048,19 +1247,29 @@ def print_report(run: dict, machine: dict, command: str) -> None:
     reads = {}  # text -> the sides it describes
     for s in sides:
         r = summary[s]["roofline"]
-        text = (f"{r['decode_weight_bytes'] / 1e6:.1f} MB of {r['generation_dtype']} weights + up to "
-                f"{r['last_decode_kv_bytes'] / 1e6:.2f} MB of KV cache")
+        text = (
+            f"{r['decode_weight_bytes'] / 1e6:.1f} MB of {r['generation_dtype']} weights + up to "
+            f"{r['last_decode_kv_bytes'] / 1e6:.2f} MB of KV cache"
+        )
         reads.setdefault(text, []).append(LABELS[s])
-    roof = "; ".join(text if len(reads) == 1 else f"{', '.join(names)}: {text}" for text, names in reads.items())
+    roof = "; ".join(
+        text if len(reads) == 1 else f"{', '.join(names)}: {text}" for text, names in reads.items()
+    )
     print(
         "roofline: generate = prefill FLOPs / peak + per decode step max(FLOPs / peak, bytes read / bandwidth); "
         f"update = FLOPs / peak; bytes read per decode step ({roof})"
     )
     dt = "; ".join(
-        f"{s}: " + ", ".join(f"{ph} {'/'.join(d)}" for ph, d in summary[s]["compute_dtypes"].items() if ph != "setup")
+        f"{s}: "
+        + ", ".join(
+            f"{ph} {'/'.join(d)}" for ph, d in summary[s]["compute_dtypes"].items() if ph != "setup"
+        )
         for s in sides
     )
-    print(f"compute dtype of a decoder Linear: {dt}" + (f" ({VLLM_SIDE}'s generate: vLLM's model dtype)" if VLLM_SIDE in sides else ""))
+    print(
+        f"compute dtype of a decoder Linear: {dt}"
+        + (f" ({VLLM_SIDE}'s generate: vLLM's model dtype)" if VLLM_SIDE in sides else "")
+    )
     print("optimizer: " + ", ".join(f"{s}: {summary[s]['optimizer']}" for s in sides))
     if not all(summary[s]["hwm_reset"] for s in sides) and spec["device"] == "cpu":
         print("note: VmHWM could not be reset, so peak RSS includes model loading")
@@ -1069,14 +1278,22 @@ def print_report(run: dict, machine: dict, command: str) -> None:
 
 def print_lora_comparison(full: dict, adapted: dict) -> None:
     """LoRA against full fine-tuning, per side, from the same run."""
-    keys = [("step_s", "step s"), ("generate_s", "generate s"), ("update_s", "update s"), ("peak_gb", "peak GB")]
+    keys = [
+        ("step_s", "step s"),
+        ("generate_s", "generate s"),
+        ("update_s", "update s"),
+        ("peak_gb", "peak GB"),
+    ]
     rows = []
     for side in full["sides"]:
         f, a, label = full["summary"][side], adapted["summary"][side], LABELS[side]
         rows.append([f"{label} full"] + [_fmt(f[k], 3) for k, _ in keys])
         rows.append([f"{label} LoRA"] + [_fmt(a[k], 3) for k, _ in keys])
         rows.append([f"{label} LoRA/full"] + [_fmt(_ratio(a[k], f[k]), 2) for k, _ in keys])
-    rows += [[f"{name}, LoRA"] + [_fmt(ratio.get(k), 2) for k, _ in keys] for name, ratio in adapted["summary"]["ratios"].items()]
+    rows += [
+        [f"{name}, LoRA"] + [_fmt(ratio.get(k), 2) for k, _ in keys]
+        for name, ratio in adapted["summary"]["ratios"].items()
+    ]
     print()
     print(f"## LoRA ({lora_label(adapted['spec'])}) against full fine-tuning, {full['precision']}")
     print()
@@ -1088,7 +1305,8 @@ def base_spec(args, model_dir: Path, label: str, threads: int, device: str) -> d
     return {
         "model_dir": str(model_dir),
         "model_label": label,
-        "max_completion_length": args.max_completion_length or DEFAULT_COMPLETION_LENGTH.get(label, 64),
+        "max_completion_length": args.max_completion_length
+        or DEFAULT_COMPLETION_LENGTH.get(label, 64),
         "learning_rate": args.learning_rate,
         "loss_type": args.loss_type,
         "seed": args.seed,
@@ -1131,7 +1349,9 @@ def parent_main(args) -> int:
         ranks = [0] + ([args.lora] if args.lora else [])  # full fine-tuning, then LoRA
         for p in precisions:
             for rank in ranks:
-                runs[f"{p}-lora{rank}" if rank else p] = run_precision(p, spec, args, workdir, interpreters, rank)
+                runs[f"{p}-lora{rank}" if rank else p] = run_precision(
+                    p, spec, args, workdir, interpreters, rank
+                )
         # the limits again after the runs (a shared machine can be faster at either end); keep the best of each
         after = measure_limits(precisions, device, size, 3)
         for run in runs.values():
@@ -1143,7 +1363,14 @@ def parent_main(args) -> int:
         if args.lora:
             for p in precisions:
                 print_lora_comparison(runs[p], runs[f"{p}-lora{args.lora}"])
-    out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"vs_trl-{args.precision}-{label}{f'-lora{args.lora}' if args.lora else ''}.json"
+    out = (
+        Path(args.out)
+        if args.out
+        else REPO
+        / "benchmarks"
+        / "results"
+        / f"vs_trl-{args.precision}-{label}{f'-lora{args.lora}' if args.lora else ''}.json"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "command": command,
@@ -1172,34 +1399,82 @@ def parent_main(args) -> int:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="gemma-3-270m", help="gemma-3-270m (embedded), tiny, or a save_pretrained directory")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--model",
+        default="gemma-3-270m",
+        help="gemma-3-270m (embedded), tiny, or a save_pretrained directory",
+    )
     ap.add_argument("--precision", choices=(*PRECISIONS, "both"), default="fp32")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    ap.add_argument("--warmup", type=int, default=1, help="warm-up steps per process (not measured; >= 1)")
+    ap.add_argument(
+        "--warmup", type=int, default=1, help="warm-up steps per process (not measured; >= 1)"
+    )
     ap.add_argument("--steps", type=int, default=3, help="measured steps per process")
-    ap.add_argument("--repeats", type=int, default=2, help="process pairs per side and precision (alternating order)")
-    ap.add_argument("--max-completion-length", type=int, default=None, help="default: 64 (gemma), 16 (tiny)")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="process pairs per side and precision (alternating order)",
+    )
+    ap.add_argument(
+        "--max-completion-length", type=int, default=None, help="default: 64 (gemma), 16 (tiny)"
+    )
     ap.add_argument("--learning-rate", type=float, default=1e-6)
     ap.add_argument(
-        "--microbatch-tokens", type=int, default=640,
+        "--microbatch-tokens",
+        type=int,
+        default=640,
         help="grpo's training.microbatch_tokens (0: all 16 completions in one forward/backward, as TRL does)",
     )
     ap.add_argument("--loss-type", default="dapo", choices=("dapo", "grpo", "bnpo", "dr_grpo"))
-    ap.add_argument("--lora", type=int, default=0, metavar="R",
-                    help="also run LoRA with rank R on both sides (peft, all-linear), after full fine-tuning")
-    ap.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA alpha of --lora (both sides)")
+    ap.add_argument(
+        "--lora",
+        type=int,
+        default=0,
+        metavar="R",
+        help="also run LoRA with rank R on both sides (peft, all-linear), after full fine-tuning",
+    )
+    ap.add_argument(
+        "--lora-alpha", type=float, default=16.0, help="LoRA alpha of --lora (both sides)"
+    )
     ap.add_argument("--seed", type=int, default=42)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads in both children (default: torch's default)")
-    ap.add_argument("--peak-size", type=int, default=None, help="matmul size for the peak (default 2048 CPU, 8192 CUDA)")
-    ap.add_argument("--out", default=None, help="JSON results (default benchmarks/results/vs_trl-<precision>-<model>.json)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads in both children (default: torch's default)",
+    )
+    ap.add_argument(
+        "--peak-size",
+        type=int,
+        default=None,
+        help="matmul size for the peak (default 2048 CPU, 8192 CUDA)",
+    )
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="JSON results (default benchmarks/results/vs_trl-<precision>-<model>.json)",
+    )
     ap.add_argument("--verbose", action="store_true", help="show the children's output")
-    ap.add_argument("--sides", default=",".join(SIDES),
-                    help="which of trl,grpo to run (default both; e.g. grpo where TRL is not installed)")
-    ap.add_argument("--vllm", action="store_true",
-                    help=f"also run a {VLLM_SIDE} side: grpo with rollout.engine=vllm, in the vllm venv ({VLLM_HINT})")
-    ap.add_argument("--vllm-python", default=None, metavar="PATH",
-                    help="the interpreter of the --vllm side (default .venv-vllm/bin/python); needs vllm and grpo")
+    ap.add_argument(
+        "--sides",
+        default=",".join(SIDES),
+        help="which of trl,grpo to run (default both; e.g. grpo where TRL is not installed)",
+    )
+    ap.add_argument(
+        "--vllm",
+        action="store_true",
+        help=f"also run a {VLLM_SIDE} side: grpo with rollout.engine=vllm, in the vllm venv ({VLLM_HINT})",
+    )
+    ap.add_argument(
+        "--vllm-python",
+        default=None,
+        metavar="PATH",
+        help="the interpreter of the --vllm side (default .venv-vllm/bin/python); needs vllm and grpo",
+    )
     # internal: one side in a child process
     ap.add_argument("--side", choices=(*SIDES, VLLM_SIDE), help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)

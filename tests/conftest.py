@@ -12,7 +12,9 @@ from grpo.rewards.arithmetic import completion_text
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "needs_compile: skipped where torch.compile cannot build a CPU kernel")
+    config.addinivalue_line(
+        "markers", "needs_compile: skipped where torch.compile cannot build a CPU kernel"
+    )
 
 
 def pytest_runtest_setup(item):
@@ -44,10 +46,17 @@ def gemma3_tiny(tokenizer):
         from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
         config = Gemma3TextConfig(
-            vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads, head_dim=16,
-            sliding_window=4, layer_types=["sliding_attention", "full_attention"],
-            pad_token_id=tokenizer.pad_token_id, max_position_embeddings=256,
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=num_attention_heads,
+            num_key_value_heads=num_key_value_heads,
+            head_dim=16,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"],
+            pad_token_id=tokenizer.pad_token_id,
+            max_position_embeddings=256,
         )
         torch.manual_seed(0)
         return Gemma3ForCausalLM(config)
@@ -65,10 +74,15 @@ def _completion_rows(completions) -> list[list[int]]:
     """Each row's completion tokens: a Rollout's up to its mask, or lists of token ids as given."""
     if isinstance(completions, (list, tuple)):
         return [list(map(int, row)) for row in completions]
-    return [row[: int(n)].tolist() for row, n in zip(completions.completion_ids, completions.completion_mask.sum(-1))]
+    return [
+        row[: int(n)].tolist()
+        for row, n in zip(completions.completion_ids, completions.completion_mask.sum(-1))
+    ]
 
 
-def _assert_same_greedy(model, got, expected, atol: float, autocast_dtype=None, msg: str = "") -> list[int]:
+def _assert_same_greedy(
+    model, got, expected, atol: float, autocast_dtype=None, msg: str = ""
+) -> list[int]:
     """Greedy completions of the same prompts decoded through two different code paths (other
     kernels, attention implementations, batch shapes, cache layouts) are the same tokens, except
     where the model's two candidates for a token are tied to within `atol`: the paths' logits
@@ -87,12 +101,20 @@ def _assert_same_greedy(model, got, expected, atol: float, autocast_dtype=None, 
         if a == b:
             continue
         t = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
-        assert t is not None, f"{msg} row {i}: {a} vs {b}: one completion ends where the other goes on"
-        with torch.no_grad(), torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+        assert t is not None, (
+            f"{msg} row {i}: {a} vs {b}: one completion ends where the other goes on"
+        )
+        with (
+            torch.no_grad(),
+            torch.autocast(
+                "cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None
+            ),
+        ):
             logits = model(input_ids=torch.tensor([prompts[i] + a[:t]])).logits[0, -1].float()
         behind = (logits.max() - logits[[a[t], b[t]]]).tolist()
         assert max(behind) <= atol, (
-            f"{msg} row {i} token {t}: {a[t]} vs {b[t]}, {behind} below the best logit: not a tie within {atol}")
+            f"{msg} row {i} token {t}: {a[t]} vs {b[t]}, {behind} below the best logit: not a tie within {atol}"
+        )
         diverged.append(i)
     return diverged
 
@@ -110,10 +132,20 @@ TOY = {
     "model": {"name": "tiny"},
     "data": {
         "chat_template": "never",
-        "arithmetic": {"operands": [[1, 4], [1, 4]], "operators": ["+"], "instruction": "{expression}=", "num_eval": 4},
+        "arithmetic": {
+            "operands": [[1, 4], [1, 4]],
+            "operators": ["+"],
+            "instruction": "{expression}=",
+            "num_eval": 4,
+        },
     },
     "rollout": {"num_generations": 16, "max_completion_length": 1},
-    "training": {"max_steps": 200, "per_device_train_batch_size": 128, "learning_rate": 1e-3, "lr_scheduler_type": "constant"},
+    "training": {
+        "max_steps": 200,
+        "per_device_train_batch_size": 128,
+        "learning_rate": 1e-3,
+        "lr_scheduler_type": "constant",
+    },
     "logging": {"log_every": 1000, "sample_every": 0},
     # Reward functions defined in the tests, in worker processes, would make each worker import their
     # module (torch, transformers: seconds a trainer); reward isolation is tested in
@@ -151,8 +183,13 @@ def make_trainer(toy_config):
 
         cfg = schema.from_dict({**toy_config, "output_dir": str(tmp_path / "run")}, list(overrides))
         model = tiny_model(tokenizer, hidden_size=hidden, num_layers=2, seed=0)
-        return Trainer(cfg, model=model, tokenizer=tokenizer, reward_funcs=reward_funcs or {"correct": first_char_correct},
-                       **data)
+        return Trainer(
+            cfg,
+            model=model,
+            tokenizer=tokenizer,
+            reward_funcs=reward_funcs or {"correct": first_char_correct},
+            **data,
+        )
 
     return build
 
@@ -175,9 +212,16 @@ def save_reward_model():
         if chat_template:
             tok.chat_template = chat_template
         cfg = LlamaConfig(
-            vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=1, max_position_embeddings=256, num_labels=num_labels,
-            pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+            vocab_size=len(tok),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=256,
+            num_labels=num_labels,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
         )
         torch.manual_seed(seed)
         model = LlamaForSequenceClassification(cfg)

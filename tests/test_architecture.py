@@ -29,7 +29,12 @@ def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
     """The grpo modules `path` imports (anywhere in it, lazily too)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "grpo" and node.level == 0:
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.module.split(".")[0] == "grpo"
+            and node.level == 0
+        ):
             for alias in node.names:
                 full = f"{node.module}.{alias.name}"
                 found.add(full if full in modules else node.module)
@@ -46,7 +51,11 @@ def _folder(module: str) -> str:
 def test_the_page_names_every_module_and_only_modules_that_exist():
     page = PAGE.read_text()
     named = set(re.findall(r"`((?:[a-z_]+/)*[a-z_]+\.py)`", page))
-    files = {p.relative_to(SRC).as_posix() for p in SRC.rglob("*.py") if p.name not in ("__init__.py", "__main__.py")}
+    files = {
+        p.relative_to(SRC).as_posix()
+        for p in SRC.rglob("*.py")
+        if p.name not in ("__init__.py", "__main__.py")
+    }
     missing = sorted(files - named)
     assert not missing, f"docs/architecture.md does not name {missing}"
     stale = sorted(n for n in named if not (SRC / n).is_file() and not (ROOT / n).is_file())
@@ -68,24 +77,38 @@ def test_folders_import_each_other_without_a_circle():
                 return True
         return False
 
-    circles = sorted(f"{a} -> {b}" for a, targets in edges.items() for b in targets if reaches(b, a, {b}))
+    circles = sorted(
+        f"{a} -> {b}" for a, targets in edges.items() for b in targets if reaches(b, a, {b})
+    )
     assert not circles, f"folders that import each other in a circle: {circles}"
 
 
 def test_only_the_backends_and_the_program_reach_the_cpu_layer():
     modules = _modules()
-    allowed = {"grpo.backends.single", "grpo.cli"}  # the backend builds CPULayer; the CLI asks for huge pages
+    allowed = {
+        "grpo.backends.single",
+        "grpo.cli",
+    }  # the backend builds CPULayer; the CLI asks for huge pages
     reaching = sorted(
-        name for name, path in modules.items()
-        if _folder(name) != "cpu" and any(_folder(t) == "cpu" for t in _imports(path, modules)) and name not in allowed
+        name
+        for name, path in modules.items()
+        if _folder(name) != "cpu"
+        and any(_folder(t) == "cpu" for t in _imports(path, modules))
+        and name not in allowed
     )
     assert not reaching, f"modules outside the backends that import grpo.cpu: {reaching}"
 
 
 def test_each_folder_says_its_one_job_and_the_top_level_stays_small():
     for init in SRC.rglob("__init__.py"):
-        assert ast.get_docstring(ast.parse(init.read_text())), f"{init.relative_to(ROOT)} has no docstring"
-    top = [p.name for p in SRC.iterdir() if p.name not in ("__pycache__",) and (p.suffix == ".py" or p.is_dir())]
+        assert ast.get_docstring(ast.parse(init.read_text())), (
+            f"{init.relative_to(ROOT)} has no docstring"
+        )
+    top = [
+        p.name
+        for p in SRC.iterdir()
+        if p.name not in ("__pycache__",) and (p.suffix == ".py" or p.is_dir())
+    ]
     assert len(top) <= 16, f"src/grpo has {len(top)} top-level names: {sorted(top)}"
 
 
@@ -97,7 +120,11 @@ def _docstrings(tree: ast.AST):
         body = getattr(node, "body", None)
         if isinstance(body, list):
             for stmt in body:  # module, class and function docstrings, and attribute docstrings
-                if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant) and isinstance(stmt.value.value, str):
+                if (
+                    isinstance(stmt, ast.Expr)
+                    and isinstance(stmt.value, ast.Constant)
+                    and isinstance(stmt.value.value, str)
+                ):
                     yield stmt.lineno, stmt.value.value
 
 
@@ -107,4 +134,6 @@ def test_no_docstring_quotes_a_timing():
         for line, text in _docstrings(ast.parse(path.read_text())):
             for match in TIMING.finditer(text):
                 found.append(f"{path.relative_to(ROOT)}:{line}: {match.group(0)!r}")
-    assert not found, "docstrings quoting timings (move them to docs/performance.md):\n" + "\n".join(found)
+    assert not found, (
+        "docstrings quoting timings (move them to docs/performance.md):\n" + "\n".join(found)
+    )

@@ -33,7 +33,9 @@ def any_reward(completions, **kwargs):
 def make(tokenizer, tmp_path, rows, overrides=()):
     cfg = config.from_dict({**FAST, "output_dir": str(tmp_path / "run")}, list(overrides))
     model = tiny_model(tokenizer, hidden_size=32, num_layers=1, seed=0)
-    return Trainer(cfg, model=model, tokenizer=tokenizer, train_rows=rows, reward_funcs={"any": any_reward})
+    return Trainer(
+        cfg, model=model, tokenizer=tokenizer, train_rows=rows, reward_funcs={"any": any_reward}
+    )
 
 
 # ---------------------------------------------------------------- rows
@@ -41,9 +43,15 @@ def make(tokenizer, tmp_path, rows, overrides=()):
 
 def test_rows_with_different_columns_are_refused_naming_column_and_row(tokenizer, tmp_path):
     rows = [{"prompt": "1+1=", "answer": 2}, {"prompt": "2+2=", "answer": 4}, {"prompt": "3+3="}]
-    with pytest.raises(ConfigError, match=r"training rows: row 2 .* no 'answer' column, which row 0 has; give every row"):
+    with pytest.raises(
+        ConfigError,
+        match=r"training rows: row 2 .* no 'answer' column, which row 0 has; give every row",
+    ):
         make(tokenizer, tmp_path, rows)
-    rows = [{"prompt": "1+1="}, {"prompt": "2+2=", "answer": 4}]  # the first row lacks what a later one has
+    rows = [
+        {"prompt": "1+1="},
+        {"prompt": "2+2=", "answer": 4},
+    ]  # the first row lacks what a later one has
     with pytest.raises(ConfigError, match=r"row 0 .* no 'answer' column, which row 1 has"):
         make(tokenizer, tmp_path, rows)
 
@@ -70,15 +78,25 @@ def test_long_prompts_are_counted_and_warned_about_once(tokenizer, tmp_path, cap
     assert caplog.text.count("longer than rollout.max_prompt_length=8") == 1
     trainer = make(tokenizer, tmp_path, rows, ["rollout.max_prompt_length=8"])
     metrics, batch = trainer.train_step()
-    assert metrics["prompts/truncated"] == sum(len(p) > 8 for p in batch.prompts[::4])  # one prompt per group of 4
+    assert metrics["prompts/truncated"] == sum(
+        len(p) > 8 for p in batch.prompts[::4]
+    )  # one prompt per group of 4
 
 
 def test_prompt_plus_completion_beyond_the_context_is_refused(tokenizer, tmp_path):
     rows = [{"prompt": "x" * 1000}, {"prompt": "y"}]  # the tiny model has 1024 positions
-    with pytest.raises(ConfigError, match=r"row 0's prompt is 1000 tokens.*1032 tokens, beyond the model's context of "
-                                          r"1024 \(max_position_embeddings\); set rollout.max_prompt_length to at most 992"):
+    with pytest.raises(
+        ConfigError,
+        match=r"row 0's prompt is 1000 tokens.*1032 tokens, beyond the model's context of "
+        r"1024 \(max_position_embeddings\); set rollout.max_prompt_length to at most 992",
+    ):
         make(tokenizer, tmp_path, rows, ["rollout.max_completion_length=32"])
-    make(tokenizer, tmp_path, rows, ["rollout.max_completion_length=32", "rollout.max_prompt_length=992"])
+    make(
+        tokenizer,
+        tmp_path,
+        rows,
+        ["rollout.max_completion_length=32", "rollout.max_prompt_length=992"],
+    )
 
 
 # ---------------------------------------------------------------- model directories
@@ -97,7 +115,9 @@ def _break_config(d):
 
 
 def _unknown_type(d):
-    (d / "config.json").write_text(json.dumps({**json.loads((d / "config.json").read_text()), "model_type": "nosuch"}))
+    (d / "config.json").write_text(
+        json.dumps({**json.loads((d / "config.json").read_text()), "model_type": "nosuch"})
+    )
 
 
 def _no_weights(d):
@@ -114,13 +134,28 @@ def _no_tokenizer(d):
         (d / name).unlink(missing_ok=True)
 
 
-@pytest.mark.parametrize("damage, message", [
-    (_break_config, r"config\.json is not valid JSON .*copy it again from the model's source"),
-    (_unknown_type, r"config\.json has model_type 'nosuch', which transformers .* does not know; correct model_type"),
-    (_no_weights, r"has config\.json but no weights \(model\.safetensors or pytorch_model\.bin\); copy it again"),
-    (_truncated_weights, r"cannot load the weights in .* \(model\.safetensors\).*truncated or corrupt"),
-    (_no_tokenizer, r"cannot load the tokenizer from .*no tokenizer files.*copy the tokenizer files"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (_break_config, r"config\.json is not valid JSON .*copy it again from the model's source"),
+        (
+            _unknown_type,
+            r"config\.json has model_type 'nosuch', which transformers .* does not know; correct model_type",
+        ),
+        (
+            _no_weights,
+            r"has config\.json but no weights \(model\.safetensors or pytorch_model\.bin\); copy it again",
+        ),
+        (
+            _truncated_weights,
+            r"cannot load the weights in .* \(model\.safetensors\).*truncated or corrupt",
+        ),
+        (
+            _no_tokenizer,
+            r"cannot load the tokenizer from .*no tokenizer files.*copy the tokenizer files",
+        ),
+    ],
+)
 def test_broken_model_directory_names_the_file_and_the_fix(saved_model, tmp_path, damage, message):
     directory = tmp_path / "model"
     shutil.copytree(saved_model, directory)
@@ -137,7 +172,10 @@ def test_a_model_with_nan_weights_is_refused_at_load(saved_model, tmp_path):
     weights = load_file(directory / "model.safetensors")
     weights["model.norm.weight"][0] = float("nan")
     save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ConfigError, match=r"parameter model\.norm\.weight holds NaN or inf.*load another checkpoint"):
+    with pytest.raises(
+        ConfigError,
+        match=r"parameter model\.norm\.weight holds NaN or inf.*load another checkpoint",
+    ):
         load_model_and_tokenizer(ModelConfig(name=str(directory)))
 
 
@@ -152,17 +190,24 @@ def test_a_whole_model_directory_loads(saved_model):
 def test_reward_file_resolves_beside_the_config(tmp_path, monkeypatch):
     project = tmp_path / "project"
     project.mkdir()
-    (project / "my_rewards.py").write_text("def score(completions, **kwargs):\n    return [1.0] * len(completions)\n")
+    (project / "my_rewards.py").write_text(
+        "def score(completions, **kwargs):\n    return [1.0] * len(completions)\n"
+    )
     (project / "run.yaml").write_text("rewards:\n  funcs: ['my_rewards.py:score']\n")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
     cfg = config.load("../project/run.yaml")
-    assert Path(cfg.rewards.funcs[0].rsplit(":", 1)[0]).resolve() == (project / "my_rewards.py").resolve()
+    assert (
+        Path(cfg.rewards.funcs[0].rsplit(":", 1)[0]).resolve()
+        == (project / "my_rewards.py").resolve()
+    )
     name, fn = resolve(cfg.rewards.funcs[0], cfg.rewards)
     assert name == "score" and fn(["a", "b"]) == [1.0, 1.0]
     (project / "bad.yaml").write_text("rewards:\n  funcs: ['missing.py:score']\n")
-    with pytest.raises(ConfigError, match="missing.py does not exist .*then beside the config file"):
+    with pytest.raises(
+        ConfigError, match="missing.py does not exist .*then beside the config file"
+    ):
         resolve(config.load("../project/bad.yaml").rewards.funcs[0])
 
 
@@ -172,12 +217,16 @@ def test_eval_takes_overrides_after_the_checkpoint_option(tmp_path, capsys):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("model:\n  name: tiny\n")
     # the override is read (and refused by name) although it comes after --checkpoint
-    assert main(["eval", str(cfg), "--checkpoint", str(tmp_path), "training.learning_rate=nan"]) == 2
+    assert (
+        main(["eval", str(cfg), "--checkpoint", str(tmp_path), "training.learning_rate=nan"]) == 2
+    )
     assert "training.learning_rate: must be a finite number" in capsys.readouterr().err
     assert main(["eval", str(cfg), "--checkpoint", str(tmp_path), f"output_dir={tmp_path}"]) == 2
     assert "not a checkpoint directory" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["eval", str(cfg), "--checkpoint", str(tmp_path), "--bogus"])
     # the context check holds for evaluation too, before any generation
-    assert main(["eval", str(cfg), f"output_dir={tmp_path}", "eval.max_completion_length=1100"]) == 2
+    assert (
+        main(["eval", str(cfg), f"output_dir={tmp_path}", "eval.max_completion_length=1100"]) == 2
+    )
     assert "leaves no room for a prompt in the model's context of 1024" in capsys.readouterr().err

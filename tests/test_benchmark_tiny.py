@@ -25,12 +25,18 @@ def test_vs_trl_tiny(tmp_path):
     cmd = [
         sys.executable,
         str(REPO / "benchmarks" / "vs_trl.py"),
-        "--model", "tiny",
-        "--precision", "both",
-        "--steps", "1",
-        "--warmup", "1",
-        "--repeats", "1",
-        "--out", str(out),
+        "--model",
+        "tiny",
+        "--precision",
+        "both",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--repeats",
+        "1",
+        "--out",
+        str(out),
     ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -52,9 +58,19 @@ def test_vs_trl_tiny(tmp_path):
             expected = "bfloat16" if precision == "bf16" else "float32"
             assert s["compute_dtypes"]["generate"] == [expected]
             assert s["compute_dtypes"]["update"] == [expected]
-            roof = s["roofline"]  # the times at the machine's limits, and the measured times as multiples
+            roof = s[
+                "roofline"
+            ]  # the times at the machine's limits, and the measured times as multiples
             assert roof["generation_dtype"] == expected
-            for key in ("generate_s", "update_s", "step_s", "generate_multiple", "update_multiple", "step_multiple",
-                        "decode_weight_bytes", "last_decode_kv_bytes"):
+            for key in (
+                "generate_s",
+                "update_s",
+                "step_s",
+                "generate_multiple",
+                "update_multiple",
+                "step_multiple",
+                "decode_weight_bytes",
+                "last_decode_kv_bytes",
+            ):
                 assert roof[key] > 0, (precision, side, key, roof[key])
             assert roof["step_s"] == pytest.approx(roof["generate_s"] + roof["update_s"])

@@ -9,7 +9,18 @@ from grpo.config import schema as config
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("name", ["tiny.yaml", "demo.yaml", "arithmetic_few_shot.yaml", "seed_arithmetic.yaml", "code_tiny.yaml", "humaneval_eval.yaml", "gsm8k.yaml"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "tiny.yaml",
+        "demo.yaml",
+        "arithmetic_few_shot.yaml",
+        "seed_arithmetic.yaml",
+        "code_tiny.yaml",
+        "humaneval_eval.yaml",
+        "gsm8k.yaml",
+    ],
+)
 def test_examples_are_valid_configs(name):
     config.load(ROOT / "examples" / name)
 
@@ -17,16 +28,36 @@ def test_examples_are_valid_configs(name):
 def test_tiny_example_runs_and_writes_metrics(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(ROOT)  # the example names its reward file relative to the repository
     run = tmp_path / "run"
-    rc = main(["train", "examples/tiny.yaml", "training.max_steps=3", f"output_dir={run}", "logging.sample_every=2"])
+    rc = main(
+        [
+            "train",
+            "examples/tiny.yaml",
+            "training.max_steps=3",
+            f"output_dir={run}",
+            "logging.sample_every=2",
+        ]
+    )
     assert rc == 0
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2, 3]
-    for key in ["reward", "reward_std", "rewards/first_char_correct/mean", "frac_reward_zero_std", "entropy",
-                "clip_ratio/low_mean", "clip_ratio/high_mean", "completions/mean_length", "completions/clipped_ratio",
-                "time/step", "tokens_per_second"]:
+    for key in [
+        "reward",
+        "reward_std",
+        "rewards/first_char_correct/mean",
+        "frac_reward_zero_std",
+        "entropy",
+        "clip_ratio/low_mean",
+        "clip_ratio/high_mean",
+        "completions/mean_length",
+        "completions/clipped_ratio",
+        "time/step",
+        "tokens_per_second",
+    ]:
         assert key in lines[-1], key
     assert (run / "config.yaml").exists() and (run / "final" / "config.json").exists()
-    assert [json.loads(line)["step"] for line in (run / "samples.jsonl").read_text().splitlines()][::4] == [1, 2]
+    assert [json.loads(line)["step"] for line in (run / "samples.jsonl").read_text().splitlines()][
+        ::4
+    ] == [1, 2]
     out = capsys.readouterr().out
     assert "3/3" in out and "ETA" in out
     # the trained model, exported as a plain model directory
@@ -38,11 +69,27 @@ def test_tiny_example_runs_and_writes_metrics(tmp_path, monkeypatch, capsys):
 def test_report_command(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()
-    (run / "metrics.jsonl").write_text("".join(
-        json.dumps({"step": s, "reward": s / 10, "reward_std": 0.1, "entropy": 1.0, "completions/mean_length": 5.0,
-                    "completions/clipped_ratio": 0.0, "frac_reward_zero_std": 0.5, "clip_ratio/low_mean": 0.0,
-                    "clip_ratio/high_mean": 0.0, "clip_ratio/region_mean": 0.0, "time/step": 1.0}) + "\n"
-        for s in range(1, 6)))
+    (run / "metrics.jsonl").write_text(
+        "".join(
+            json.dumps(
+                {
+                    "step": s,
+                    "reward": s / 10,
+                    "reward_std": 0.1,
+                    "entropy": 1.0,
+                    "completions/mean_length": 5.0,
+                    "completions/clipped_ratio": 0.0,
+                    "frac_reward_zero_std": 0.5,
+                    "clip_ratio/low_mean": 0.0,
+                    "clip_ratio/high_mean": 0.0,
+                    "clip_ratio/region_mean": 0.0,
+                    "time/step": 1.0,
+                }
+            )
+            + "\n"
+            for s in range(1, 6)
+        )
+    )
     assert main(["report", str(run)]) == 0
     assert (run / "report.md").exists() and (run / "plots" / "reward.png").exists()
     assert main(["report", str(tmp_path / "missing")]) == 2
@@ -66,7 +113,9 @@ def test_train_help_lists_every_section_with_an_example(capsys):
 def test_config_show_is_the_resolved_config_with_each_fields_doc(tmp_path, capsys):
     import yaml
 
-    (tmp_path / "run.yaml").write_text("data: {task: gsm8k, train_file: g.jsonl}\nalgorithm: {beta: 0.04}\n")
+    (tmp_path / "run.yaml").write_text(
+        "data: {task: gsm8k, train_file: g.jsonl}\nalgorithm: {beta: 0.04}\n"
+    )
     assert main(["config", "show", str(tmp_path / "run.yaml"), "training.max_steps=7"]) == 0
     out = capsys.readouterr().out
     shown = yaml.safe_load(out)
@@ -75,14 +124,21 @@ def test_config_show_is_the_resolved_config_with_each_fields_doc(tmp_path, capsy
     assert shown["rewards"]["funcs"] == ["math_answer"]  # resolved: the task's own reward
     lines = out.splitlines()
     beta = lines.index("  beta: 0.04")
-    assert lines[beta - 1].startswith("  # KL coefficient.")  # the field's docstring, right above it
+    assert lines[beta - 1].startswith(
+        "  # KL coefficient."
+    )  # the field's docstring, right above it
     sandbox = lines.index("  sandbox:")  # nested sections are shown, with their own fields' docs
-    assert lines[sandbox + 1].startswith("    # bwrap: namespaces") and lines[sandbox + 3].startswith("    isolation: bwrap")
+    assert lines[sandbox + 1].startswith("    # bwrap: namespaces") and lines[
+        sandbox + 3
+    ].startswith("    isolation: bwrap")
 
 
 def test_config_show_fails_like_train(tmp_path, capsys):
     assert main(["config", "show", "algorithm.bta=1"]) == 2
-    assert "unknown config key 'algorithm.bta'; did you mean 'algorithm.beta'?" in capsys.readouterr().err
+    assert (
+        "unknown config key 'algorithm.bta'; did you mean 'algorithm.beta'?"
+        in capsys.readouterr().err
+    )
     assert main(["config", "show", "rollout.num_generations=1"]) == 2
     assert "rollout.num_generations: must be >= 2" in capsys.readouterr().err
 
@@ -115,9 +171,13 @@ def test_export_parses_its_arguments_and_fails_cleanly(tmp_path, capsys, monkeyp
     assert "is not a checkpoint directory" in capsys.readouterr().err
     calls = []
     fake = types.ModuleType("grpo.run.export")
-    fake.export_checkpoint = lambda checkpoint, out, merge: calls.append((checkpoint, out, merge)) or out
+    fake.export_checkpoint = lambda checkpoint, out, merge: (
+        calls.append((checkpoint, out, merge)) or out
+    )
     monkeypatch.setitem(sys.modules, "grpo.run.export", fake)
     (tmp_path / "final").mkdir()
-    assert main(["export", str(tmp_path / "final"), "--out", str(tmp_path / "merged"), "--merge"]) == 0
+    assert (
+        main(["export", str(tmp_path / "final"), "--out", str(tmp_path / "merged"), "--merge"]) == 0
+    )
     assert calls == [(tmp_path / "final", tmp_path / "merged", True)]
     assert f"wrote {tmp_path / 'merged'}" in capsys.readouterr().out

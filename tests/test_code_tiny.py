@@ -31,4 +31,7 @@ def test_code_tiny_example_learns(tmp_path, monkeypatch):
     assert first < 0.05 and last > 0.1 and last > 4 * first, rewards
     ran = sum(sum(v for k, v in m.items() if k.startswith("sandbox/")) for m in metrics)
     assert ran == 30 * 64  # every completion ran in the sandbox
-    assert all(m["rewards/humaneval_tests/errors"] == 0 and m["rewards/humaneval_tests/timeouts"] == 0 for m in metrics)
+    assert all(
+        m["rewards/humaneval_tests/errors"] == 0 and m["rewards/humaneval_tests/timeouts"] == 0
+        for m in metrics
+    )

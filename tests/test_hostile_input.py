@@ -21,9 +21,17 @@ from grpo.config.schema import ConfigError
 
 BASE = {
     "model": {"name": "tiny", "tiny_hidden_size": 32, "tiny_num_layers": 1},
-    "data": {"task": "arithmetic", "chat_template": "never",
-             "arithmetic": {"operands": [[1, 4], [1, 4]], "operators": ["+"], "instruction": "{expression}=",
-                            "num_train": 20, "num_eval": 4}},
+    "data": {
+        "task": "arithmetic",
+        "chat_template": "never",
+        "arithmetic": {
+            "operands": [[1, 4], [1, 4]],
+            "operators": ["+"],
+            "instruction": "{expression}=",
+            "num_train": 20,
+            "num_eval": 4,
+        },
+    },
     "rollout": {"num_generations": 4, "max_completion_length": 2},
     "rewards": {"funcs": ["arithmetic_correct"], "isolation": "thread"},
     "training": {"max_steps": 1, "per_device_train_batch_size": 8},
@@ -36,7 +44,9 @@ MAX_GROWTH_MB = 400
 
 def _bomb(levels: int = 9) -> str:
     """A YAML list whose anchors nest `levels` deep: 9**levels elements from a few hundred bytes."""
-    parts = ["&a0 [1,1,1,1,1,1,1,1,1]"] + [f"&a{i} [" + ",".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, levels)]
+    parts = ["&a0 [1,1,1,1,1,1,1,1,1]"] + [
+        f"&a{i} [" + ",".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, levels)
+    ]
     return "[" + ", ".join(parts) + "]"
 
 
@@ -61,61 +71,162 @@ def _cases(tmp: Path, write: bool = True) -> dict[str, tuple[list[str], str]]:
     train = ["train", str(base)]
     return {
         # the config file
-        "yaml bomb in eval.temperatures": (["train", yaml_file("b1.yaml", f"{sections}\neval: {{temperatures: {_bomb()}}}\n")],
-                                           r"b1.yaml: its aliases expand to more than 100,000 values"),
-        "yaml bomb in rewards.funcs": (["train", yaml_file("b2.yaml", f"x: &x {_bomb()}\n{sections}\n")],
-                                       r"b2.yaml: its aliases expand"),
-        "yaml bomb as a whole section": (["train", yaml_file("b3.yaml", "a: &a {" + ", ".join(
-            f"k{i}: &a{i} [" + ",".join([f"*a{i - 1}"] * 9 if i else ["1"] * 9) + "]" for i in range(9)) + "}\ntraining: *a\n")],
-            r"b3.yaml: its aliases expand"),
-        "config that is a list": (["train", yaml_file("list.yaml", "- a\n- b\n")], r"config: expected a mapping of sections"),
-        "config that is a scalar": (["train", yaml_file("scalar.yaml", "42\n")], r"config: expected a mapping of sections"),
-        "non-UTF-8 config": (["train", yaml_file("latin1.yaml", b"output_dir: caf\xe9\n")],
-                             r"latin1.yaml \(line 1\): not UTF-8 text \(byte 0xe9\)"),
-        "YAML nested thousands deep": (["train", yaml_file("deep.yaml", "a: " + "[" * 5000 + "]" * 5000 + "\n")],
-                                       r"deep.yaml \(line 1\): nested more than 32 levels deep"),
-        "override nested thousands deep": ([*train, "eval.temperatures=" + "[" * 3000 + "]" * 3000],
-                                           r"override eval.temperatures \(line 1\): nested more than 32 levels"),
-        "duplicate keys": (["train", yaml_file("dup.yaml", "training:\n  max_steps: 1\n  max_steps: 2\n")],
-                           r"dup.yaml \(line 3\): the key 'max_steps' appears twice in one mapping \(first on line 2\)"),
-        "huge seed": ([*train, f"training.seed={2**70}"], r"training.seed: an integer of 71 bits is beyond any setting"),
+        "yaml bomb in eval.temperatures": (
+            ["train", yaml_file("b1.yaml", f"{sections}\neval: {{temperatures: {_bomb()}}}\n")],
+            r"b1.yaml: its aliases expand to more than 100,000 values",
+        ),
+        "yaml bomb in rewards.funcs": (
+            ["train", yaml_file("b2.yaml", f"x: &x {_bomb()}\n{sections}\n")],
+            r"b2.yaml: its aliases expand",
+        ),
+        "yaml bomb as a whole section": (
+            [
+                "train",
+                yaml_file(
+                    "b3.yaml",
+                    "a: &a {"
+                    + ", ".join(
+                        f"k{i}: &a{i} [" + ",".join([f"*a{i - 1}"] * 9 if i else ["1"] * 9) + "]"
+                        for i in range(9)
+                    )
+                    + "}\ntraining: *a\n",
+                ),
+            ],
+            r"b3.yaml: its aliases expand",
+        ),
+        "config that is a list": (
+            ["train", yaml_file("list.yaml", "- a\n- b\n")],
+            r"config: expected a mapping of sections",
+        ),
+        "config that is a scalar": (
+            ["train", yaml_file("scalar.yaml", "42\n")],
+            r"config: expected a mapping of sections",
+        ),
+        "non-UTF-8 config": (
+            ["train", yaml_file("latin1.yaml", b"output_dir: caf\xe9\n")],
+            r"latin1.yaml \(line 1\): not UTF-8 text \(byte 0xe9\)",
+        ),
+        "YAML nested thousands deep": (
+            ["train", yaml_file("deep.yaml", "a: " + "[" * 5000 + "]" * 5000 + "\n")],
+            r"deep.yaml \(line 1\): nested more than 32 levels deep",
+        ),
+        "override nested thousands deep": (
+            [*train, "eval.temperatures=" + "[" * 3000 + "]" * 3000],
+            r"override eval.temperatures \(line 1\): nested more than 32 levels",
+        ),
+        "duplicate keys": (
+            ["train", yaml_file("dup.yaml", "training:\n  max_steps: 1\n  max_steps: 2\n")],
+            r"dup.yaml \(line 3\): the key 'max_steps' appears twice in one mapping \(first on line 2\)",
+        ),
+        "huge seed": (
+            [*train, f"training.seed={2**70}"],
+            r"training.seed: an integer of 71 bits is beyond any setting",
+        ),
         "negative seed": ([*train, "data.seed=-1"], r"data.seed: must be in \[0, 2\*\*32\)"),
-        "5000-digit integer": ([*train, "training.max_steps=" + "9" * 5000],
-                               r"override training.max_steps: a value cannot be read \(Exceeds the limit"),
+        "5000-digit integer": (
+            [*train, "training.max_steps=" + "9" * 5000],
+            r"override training.max_steps: a value cannot be read \(Exceeds the limit",
+        ),
         "log_every 0": ([*train, "logging.log_every=0"], r"logging.log_every: must be > 0, got 0"),
-        "log_every negative": ([*train, "logging.log_every=-3"], r"logging.log_every: must be > 0, got -3"),
-        "a billion arithmetic rows": ([*train, "data.arithmetic.num_train=1000000000"],
-                                      r"data.arithmetic.num_train: 1,000,000,000 problems, more than the 1,000,000"),
-        "a million reward workers": ([*train, "rewards.workers=1000000"], r"rewards.workers: 1000000 worker processes for"),
-        "negative worker memory": ([*train, "rewards.worker_memory_mb=-1"], r"rewards.worker_memory_mb: must be >= 0"),
+        "log_every negative": (
+            [*train, "logging.log_every=-3"],
+            r"logging.log_every: must be > 0, got -3",
+        ),
+        "a billion arithmetic rows": (
+            [*train, "data.arithmetic.num_train=1000000000"],
+            r"data.arithmetic.num_train: 1,000,000,000 problems, more than the 1,000,000",
+        ),
+        "a million reward workers": (
+            [*train, "rewards.workers=1000000"],
+            r"rewards.workers: 1000000 worker processes for",
+        ),
+        "negative worker memory": (
+            [*train, "rewards.worker_memory_mb=-1"],
+            r"rewards.worker_memory_mb: must be >= 0",
+        ),
         "output_dir under /proc": ([*train, "output_dir=/proc/grpo-test/x"], r"output_dir: "),
         # the dataset
-        "non-UTF-8 dataset": ([*train, *jsonl("latin1.jsonl", extra=b'{"prompt": "caf\xe9", "answer": 1}\n')],
-                              r"latin1.jsonl:10: not UTF-8 text \(byte 0xe9 at column 16\)"),
-        "answer nested 200,000 deep": ([*train, *jsonl("deep.jsonl", extra=b'{"prompt": "1+1=", "answer": ' + b"[" * 200_000
-                                                       + b"]" * 200_000 + b"}\n")],
-                                       r"deep.jsonl:10: a value nested too deeply to read"),
-        "answer nested 200,000 deep, task hf": ([*train, "data.task=hf", f"data.train_file={tmp / 'deep.jsonl'}"],
-                                                r"deep.jsonl:10: a value nested too deeply to read"),
-        "lone surrogate in a prompt": ([*train, *jsonl("surrogate.jsonl", extra=b'{"prompt": "1+1=\\ud800", "answer": 2}\n')],
-                                       r"training rows: row 9 \(counting from 0\), column 'prompt': holds '\\ud800'"),
-        "5000-digit answer": ([*train, *jsonl("digits.jsonl", extra=b'{"prompt": "1+1=", "answer": ' + b"9" * 5000 + b"}\n")],
-                              r"digits.jsonl:10: Exceeds the limit \(4300 digits\)"),
-        "NaN answer": ([*train, *jsonl("nan.jsonl", extra=b'{"prompt": "1+1=", "answer": NaN}\n')],
-                       r"nan.jsonl:10: NaN is not JSON; write null for a missing value"),
-        "dict answer": ([*train, *jsonl("dict.jsonl", extra=b'{"prompt": "1+1=", "answer": {"value": 2}}\n')],
-                        r"training rows: row 9 \(counting from 0\), column 'answer': a dict"),
-        "column named completions": ([*train, *jsonl("completions.jsonl", rows=[dict(r, completions="x") for r in GOOD_ROWS])],
-                                     r"training rows: a column named 'completions', which is the name of an argument"),
-        "column named prompts": ([*train, *jsonl("prompts.jsonl", rows=[dict(r, prompts="x") for r in GOOD_ROWS])],
-                                 r"training rows: a column named 'prompts'"),
-        "a 50 MB prompt line": ([*train, *jsonl("line50m.jsonl", extra=b'{"prompt": "' + b"a" * 50_000_000 + b'", "answer": 2}\n')],
-                                r"line50m.jsonl:10: a line longer than 16 MiB"),
-        "a 5 MB prompt": ([*train, *jsonl("p5m.jsonl", extra=b'{"prompt": "' + b"a" * 5_000_000 + b'", "answer": 2}\n')],
-                          r"training rows: row 9 \(counting from 0\): its prompt is 5,000,000 characters"),
-        "a 900 KB prompt beyond the context": ([*train, *jsonl("p900k.jsonl", extra=b'{"prompt": "' + b"a" * 900_000
-                                                               + b'", "answer": 2}\n')],
-                                               r"training rows: row 9's prompt is over \d+ tokens.* beyond the model's context"),
+        "non-UTF-8 dataset": (
+            [*train, *jsonl("latin1.jsonl", extra=b'{"prompt": "caf\xe9", "answer": 1}\n')],
+            r"latin1.jsonl:10: not UTF-8 text \(byte 0xe9 at column 16\)",
+        ),
+        "answer nested 200,000 deep": (
+            [
+                *train,
+                *jsonl(
+                    "deep.jsonl",
+                    extra=b'{"prompt": "1+1=", "answer": '
+                    + b"[" * 200_000
+                    + b"]" * 200_000
+                    + b"}\n",
+                ),
+            ],
+            r"deep.jsonl:10: a value nested too deeply to read",
+        ),
+        "answer nested 200,000 deep, task hf": (
+            [*train, "data.task=hf", f"data.train_file={tmp / 'deep.jsonl'}"],
+            r"deep.jsonl:10: a value nested too deeply to read",
+        ),
+        "lone surrogate in a prompt": (
+            [*train, *jsonl("surrogate.jsonl", extra=b'{"prompt": "1+1=\\ud800", "answer": 2}\n')],
+            r"training rows: row 9 \(counting from 0\), column 'prompt': holds '\\ud800'",
+        ),
+        "5000-digit answer": (
+            [
+                *train,
+                *jsonl(
+                    "digits.jsonl", extra=b'{"prompt": "1+1=", "answer": ' + b"9" * 5000 + b"}\n"
+                ),
+            ],
+            r"digits.jsonl:10: Exceeds the limit \(4300 digits\)",
+        ),
+        "NaN answer": (
+            [*train, *jsonl("nan.jsonl", extra=b'{"prompt": "1+1=", "answer": NaN}\n')],
+            r"nan.jsonl:10: NaN is not JSON; write null for a missing value",
+        ),
+        "dict answer": (
+            [*train, *jsonl("dict.jsonl", extra=b'{"prompt": "1+1=", "answer": {"value": 2}}\n')],
+            r"training rows: row 9 \(counting from 0\), column 'answer': a dict",
+        ),
+        "column named completions": (
+            [
+                *train,
+                *jsonl("completions.jsonl", rows=[dict(r, completions="x") for r in GOOD_ROWS]),
+            ],
+            r"training rows: a column named 'completions', which is the name of an argument",
+        ),
+        "column named prompts": (
+            [*train, *jsonl("prompts.jsonl", rows=[dict(r, prompts="x") for r in GOOD_ROWS])],
+            r"training rows: a column named 'prompts'",
+        ),
+        "a 50 MB prompt line": (
+            [
+                *train,
+                *jsonl(
+                    "line50m.jsonl",
+                    extra=b'{"prompt": "' + b"a" * 50_000_000 + b'", "answer": 2}\n',
+                ),
+            ],
+            r"line50m.jsonl:10: a line longer than 16 MiB",
+        ),
+        "a 5 MB prompt": (
+            [
+                *train,
+                *jsonl(
+                    "p5m.jsonl", extra=b'{"prompt": "' + b"a" * 5_000_000 + b'", "answer": 2}\n'
+                ),
+            ],
+            r"training rows: row 9 \(counting from 0\): its prompt is 5,000,000 characters",
+        ),
+        "a 900 KB prompt beyond the context": (
+            [
+                *train,
+                *jsonl(
+                    "p900k.jsonl", extra=b'{"prompt": "' + b"a" * 900_000 + b'", "answer": 2}\n'
+                ),
+            ],
+            r"training rows: row 9's prompt is over \d+ tokens.* beyond the model's context",
+        ),
     }
 
 
@@ -143,8 +254,13 @@ RUNNER = textwrap.dedent("""
 def outcomes(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hostile")
     cases = _cases(tmp)
-    done = subprocess.run([sys.executable, "-c", RUNNER, json.dumps({k: argv for k, (argv, _) in cases.items()})],
-                          capture_output=True, text=True, timeout=600, cwd=tmp)
+    done = subprocess.run(
+        [sys.executable, "-c", RUNNER, json.dumps({k: argv for k, (argv, _) in cases.items()})],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
     return {name: (results[name], pattern) for name, (_, pattern) in cases.items()}
@@ -201,15 +317,19 @@ def _remote_code_model(tmp_path: Path) -> tuple[Path, Path]:
     from grpo.config.schema import ModelConfig
     from grpo.models.loading import load_model_and_tokenizer
 
-    model, tok = load_model_and_tokenizer(ModelConfig(name="tiny", tiny_hidden_size=32, tiny_num_layers=1))
+    model, tok = load_model_and_tokenizer(
+        ModelConfig(name="tiny", tiny_hidden_size=32, tiny_num_layers=1)
+    )
     folder = tmp_path / "model"
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     marker = tmp_path / "code-ran"
     # its own subclass: loading it registers the class for saving, which must not touch transformers' own
-    (folder / "custom.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n"
-                                      "from transformers import LlamaConfig\n"
-                                      "class CustomConfig(LlamaConfig):\n    pass\n")
+    (folder / "custom.py").write_text(
+        f"open({str(marker)!r}, 'w').write('ran')\n"
+        "from transformers import LlamaConfig\n"
+        "class CustomConfig(LlamaConfig):\n    pass\n"
+    )
     cfg = json.loads((folder / "config.json").read_text())
     cfg["auto_map"] = {"AutoConfig": "custom.CustomConfig"}
     (folder / "config.json").write_text(json.dumps(cfg))
@@ -219,12 +339,22 @@ def _remote_code_model(tmp_path: Path) -> tuple[Path, Path]:
 def test_a_local_model_with_its_own_code_is_refused_and_its_code_never_runs(tmp_path):
     folder, marker = _remote_code_model(tmp_path)
     cfg = tmp_path / "c.yaml"
-    cfg.write_text(json.dumps({**BASE, "model": {"name": str(folder)}, "output_dir": str(tmp_path / "run")}))
+    cfg.write_text(
+        json.dumps({**BASE, "model": {"name": str(folder)}, "output_dir": str(tmp_path / "run")})
+    )
     # a "yes" on stdin, as `yes | grpo train` gives: the terminal is never asked
-    done = subprocess.run([sys.executable, "-m", "grpo", "train", str(cfg)], input="y\n" * 100, capture_output=True,
-                          text=True, timeout=300, cwd=tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-m", "grpo", "train", str(cfg)],
+        input="y\n" * 100,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert done.returncode == 2, done.stderr[-2000:]
-    assert "grpo: config error: model.trust_remote_code:" in done.stderr and "custom.py" in done.stderr
+    assert (
+        "grpo: config error: model.trust_remote_code:" in done.stderr and "custom.py" in done.stderr
+    )
     assert not marker.exists()
 
 
@@ -249,13 +379,19 @@ def test_a_checkpoints_config_cannot_grant_trust_remote_code_to_export(tmp_path)
 
     folder, marker = _remote_code_model(tmp_path)
 
-    def write(tmp: Path) -> None:  # a shared "checkpoint" whose config asks to run the base model's code
+    def write(
+        tmp: Path,
+    ) -> None:  # a shared "checkpoint" whose config asks to run the base model's code
         (tmp / checkpoint.ADAPTER_CONFIG).write_text("{}")
         (tmp / checkpoint.STATE).write_bytes(b"")
-        (tmp / checkpoint.CONFIG).write_text(json.dumps({"model": {"name": str(folder), "trust_remote_code": True}}))
+        (tmp / checkpoint.CONFIG).write_text(
+            json.dumps({"model": {"name": str(folder), "trust_remote_code": True}})
+        )
 
     shared = checkpoint.atomic_directory_write(tmp_path / "shared", write, step=1)
-    with pytest.raises(ConfigError, match=r"sets model.trust_remote_code, which a checkpoint's config cannot grant"):
+    with pytest.raises(
+        ConfigError, match=r"sets model.trust_remote_code, which a checkpoint's config cannot grant"
+    ):
         export_checkpoint(shared, tmp_path / "out", merge=True)
     assert not marker.exists()
 
@@ -265,9 +401,13 @@ def test_task_hf_json_files_are_checked_as_one_value_or_as_lines(tmp_path):
 
     (tmp_path / "array.json").write_text(json.dumps(GOOD_ROWS))
     (tmp_path / "lines.json").write_text("".join(json.dumps(r) + "\n" for r in GOOD_ROWS))
-    check_text_file(tmp_path / "array.json")  # a list of rows, and JSON lines under a .json name, both pass
+    check_text_file(
+        tmp_path / "array.json"
+    )  # a list of rows, and JSON lines under a .json name, both pass
     check_text_file(tmp_path / "lines.json")
-    (tmp_path / "deep.json").write_text(json.dumps(GOOD_ROWS[0]) + "\n" + '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    (tmp_path / "deep.json").write_text(
+        json.dumps(GOOD_ROWS[0]) + "\n" + '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}\n"
+    )
     with pytest.raises(ConfigError, match=r"deep.json:2: a value nested too deeply to read"):
         check_text_file(tmp_path / "deep.json")
     (tmp_path / "broken.json").write_text('[{"prompt": "1+1="}, ')
@@ -283,5 +423,7 @@ def test_a_checkpoints_config_is_read_as_bounded_yaml_on_resume(tmp_path):
         (tmp / checkpoint.CONFIG).write_text(f"training: {_bomb()}\n")
 
     shared = checkpoint.atomic_directory_write(tmp_path / "shared", write, step=1)
-    with pytest.raises(ConfigError, match=r"--resume .*shared: its config.yaml is unreadable \(.*aliases expand"):
+    with pytest.raises(
+        ConfigError, match=r"--resume .*shared: its config.yaml is unreadable \(.*aliases expand"
+    ):
         checkpoint.load_checkpoint(shared, config.from_dict({}))

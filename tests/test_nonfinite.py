@@ -24,11 +24,21 @@ FAST = {
     "model": {"name": "tiny"},
     "data": {
         "chat_template": "never",
-        "arithmetic": {"operands": [[1, 4], [1, 4]], "operators": ["+"], "instruction": "{expression}=",
-                       "num_train": 64, "num_eval": 4},
+        "arithmetic": {
+            "operands": [[1, 4], [1, 4]],
+            "operators": ["+"],
+            "instruction": "{expression}=",
+            "num_train": 64,
+            "num_eval": 4,
+        },
     },
     "rollout": {"num_generations": 4, "max_completion_length": 2},
-    "training": {"max_steps": 2, "per_device_train_batch_size": 16, "learning_rate": 1e-3, "lr_scheduler_type": "constant"},
+    "training": {
+        "max_steps": 2,
+        "per_device_train_batch_size": 16,
+        "learning_rate": 1e-3,
+        "lr_scheduler_type": "constant",
+    },
     "logging": {"log_every": 1000, "sample_every": 0},
     "rewards": {"isolation": "thread"},
 }
@@ -46,7 +56,9 @@ def infinite_for_some(completions, **kwargs):
 def make(tokenizer, tmp_path, overrides=(), funcs=None):
     cfg = config.from_dict({**FAST, "output_dir": str(tmp_path / "run")}, list(overrides))
     model = tiny_model(tokenizer, hidden_size=32, num_layers=1, seed=0)
-    return Trainer(cfg, model=model, tokenizer=tokenizer, reward_funcs=funcs or {"parity": parity_reward})
+    return Trainer(
+        cfg, model=model, tokenizer=tokenizer, reward_funcs=funcs or {"parity": parity_reward}
+    )
 
 
 def saved_weights_are_finite(run: Path) -> int:
@@ -63,14 +75,17 @@ def saved_weights_are_finite(run: Path) -> int:
 # ---------------------------------------------------------------- config
 
 
-@pytest.mark.parametrize("override, key", [
-    ("training.learning_rate=nan", "training.learning_rate"),
-    ("algorithm.beta=.nan", "algorithm.beta"),
-    ("rewards.weights=[.nan]", "rewards.weights[0]"),
-    ("rollout.temperature=inf", "rollout.temperature"),
-    ("eval.temperatures=[0, -.inf]", "eval.temperatures[1]"),
-    ("rewards.sandbox.timeout=.inf", "rewards.sandbox.timeout"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("training.learning_rate=nan", "training.learning_rate"),
+        ("algorithm.beta=.nan", "algorithm.beta"),
+        ("rewards.weights=[.nan]", "rewards.weights[0]"),
+        ("rollout.temperature=inf", "rollout.temperature"),
+        ("eval.temperatures=[0, -.inf]", "eval.temperatures[1]"),
+        ("rewards.sandbox.timeout=.inf", "rewards.sandbox.timeout"),
+    ],
+)
 def test_config_rejects_nan_and_inf_by_name(override, key):
     with pytest.raises(ConfigError) as e:
         config.from_dict({}, [override])
@@ -102,11 +117,15 @@ def test_advantages_stay_finite_for_huge_and_infinite_totals():
 
 
 def test_inf_reward_counts_as_an_error_of_its_function(tokenizer, tmp_path):
-    trainer = make(tokenizer, tmp_path, funcs={"parity": parity_reward, "broken": infinite_for_some})
+    trainer = make(
+        tokenizer, tmp_path, funcs={"parity": parity_reward, "broken": infinite_for_some}
+    )
     history = trainer.train()
     assert [h["rewards/broken/errors"] for h in history] == [1, 1]
     assert history[-1]["rewards/broken/failures"] == 2
-    assert all(math.isnan(h["rewards/broken/mean"]) for h in history)  # every reward of its calls missing
+    assert all(
+        math.isnan(h["rewards/broken/mean"]) for h in history
+    )  # every reward of its calls missing
     assert all(math.isfinite(h["loss"]) and h["train/skipped_updates"] == 0 for h in history)
     assert saved_weights_are_finite(tmp_path / "run") >= 1
 
@@ -146,7 +165,9 @@ def test_nan_loss_skips_the_update_and_changes_nothing(tokenizer, tmp_path, monk
     assert trainer.skips.consecutive == 1
 
 
-def test_consecutive_skips_stop_the_run_and_only_finite_weights_are_saved(tokenizer, tmp_path, monkeypatch, caplog):
+def test_consecutive_skips_stop_the_run_and_only_finite_weights_are_saved(
+    tokenizer, tmp_path, monkeypatch, caplog
+):
     calls = {"n": 0}
 
     def after_first_step():
@@ -154,7 +175,9 @@ def test_consecutive_skips_stop_the_run_and_only_finite_weights_are_saved(tokeni
         return calls["n"] > 1  # one micro-batch per step here: step 1 is good, every later one NaN
 
     nan_loss(monkeypatch, after_first_step)
-    trainer = make(tokenizer, tmp_path, ["training.max_steps=10", "training.max_consecutive_skips=2"])
+    trainer = make(
+        tokenizer, tmp_path, ["training.max_steps=10", "training.max_consecutive_skips=2"]
+    )
     good = {}
     real_step = trainer.train_step
 
@@ -165,8 +188,11 @@ def test_consecutive_skips_stop_the_run_and_only_finite_weights_are_saved(tokeni
         return out
 
     trainer.train_step = step_and_remember
-    with pytest.raises(TrainingDiverged, match=r"2 optimizer passes in a row.*max_consecutive_skips=2.*"
-                                               r"last good state is saved in .*checkpoint-2"):
+    with pytest.raises(
+        TrainingDiverged,
+        match=r"2 optimizer passes in a row.*max_consecutive_skips=2.*"
+        r"last good state is saved in .*checkpoint-2",
+    ):
         trainer.train()
     assert calls["n"] == 3
     # step 2 was skipped, step 3 failed: checkpoint-2 holds the weights step 1 left
@@ -174,7 +200,9 @@ def test_consecutive_skips_stop_the_run_and_only_finite_weights_are_saved(tokeni
 
     assert [c.name for c in ckpt.checkpoints(tmp_path / "run")] == ["checkpoint-2"]
     restored = make(tokenizer, tmp_path / "resumed", [f"output_dir={tmp_path / 'resumed'}"])
-    ckpt.load_checkpoint(tmp_path / "run" / "checkpoint-2", trainer.cfg).load_weights(restored.model)
+    ckpt.load_checkpoint(tmp_path / "run" / "checkpoint-2", trainer.cfg).load_weights(
+        restored.model
+    )
     for n, p in restored.model.named_parameters():
         assert torch.equal(p, good[n]), n
     assert "update skipped" in caplog.text
@@ -184,9 +212,15 @@ def test_consecutive_skips_stop_the_run_and_only_finite_weights_are_saved(tokeni
 
 
 def test_huge_learning_rate_never_writes_non_finite_weights(tokenizer, tmp_path):
-    trainer = make(tokenizer, tmp_path, ["training.learning_rate=1e30", "training.max_steps=4", "training.save_steps=1"])
+    trainer = make(
+        tokenizer,
+        tmp_path,
+        ["training.learning_rate=1e30", "training.max_steps=4", "training.save_steps=1"],
+    )
     # step 1 leaves weights of ~1e30 (finite); step 2's forward pass overflows and its sampling stops the run
-    with pytest.raises(TrainingDiverged, match="generation at step 1: .*lower training.learning_rate"):
+    with pytest.raises(
+        TrainingDiverged, match="generation at step 1: .*lower training.learning_rate"
+    ):
         trainer.train()
     assert saved_weights_are_finite(tmp_path / "run") >= 1
 
@@ -195,7 +229,9 @@ def test_save_refuses_non_finite_weights(tokenizer, tmp_path):
     trainer = make(tokenizer, tmp_path)
     with torch.no_grad():
         trainer.model.model.norm.weight[0] = float("nan")
-    with pytest.raises(TrainingDiverged, match=r"refusing to write .*model\.norm\.weight holds NaN or inf"):
+    with pytest.raises(
+        TrainingDiverged, match=r"refusing to write .*model\.norm\.weight holds NaN or inf"
+    ):
         trainer.save(tmp_path / "run" / "final")
     assert not (tmp_path / "run" / "final").exists()
 
@@ -203,11 +239,21 @@ def test_save_refuses_non_finite_weights(tokenizer, tmp_path):
 def test_a_run_where_every_reward_failed_exits_non_zero_and_says_so(tmp_path, monkeypatch, capsys):
     from grpo.cli import main
 
-    (tmp_path / "rewards.py").write_text("def nothing(completions, **kwargs):\n    return [None] * len(completions)\n")
+    (tmp_path / "rewards.py").write_text(
+        "def nothing(completions, **kwargs):\n    return [None] * len(completions)\n"
+    )
     monkeypatch.chdir(ROOT)
-    rc = main(["train", "examples/tiny.yaml", "training.max_steps=2", f"output_dir={tmp_path / 'run'}",
-               f"rewards.funcs=[{tmp_path / 'rewards.py'}:nothing]", "training.per_device_train_batch_size=16",
-               "logging.sample_every=0"])
+    rc = main(
+        [
+            "train",
+            "examples/tiny.yaml",
+            "training.max_steps=2",
+            f"output_dir={tmp_path / 'run'}",
+            f"rewards.funcs=[{tmp_path / 'rewards.py'}:nothing]",
+            "training.per_device_train_batch_size=16",
+            "logging.sample_every=0",
+        ]
+    )
     assert rc == 4
     assert "no reward was computed in any step" in capsys.readouterr().err
     assert "No reward was computed in any step" in (tmp_path / "run" / "report.md").read_text()
@@ -218,8 +264,17 @@ def test_grpo_train_stops_with_an_explanation_and_a_non_zero_exit(tmp_path, monk
 
     monkeypatch.chdir(ROOT)
     nan_loss(monkeypatch)
-    rc = main(["train", "examples/tiny.yaml", "training.max_steps=3", f"output_dir={tmp_path / 'run'}",
-               "training.max_consecutive_skips=1", "training.per_device_train_batch_size=16", "logging.sample_every=0"])
+    rc = main(
+        [
+            "train",
+            "examples/tiny.yaml",
+            "training.max_steps=3",
+            f"output_dir={tmp_path / 'run'}",
+            "training.max_consecutive_skips=1",
+            "training.per_device_train_batch_size=16",
+            "logging.sample_every=0",
+        ]
+    )
     assert rc != 0
     assert "training stopped" in capsys.readouterr().err
     saved_weights_are_finite(tmp_path / "run")

@@ -27,7 +27,7 @@ from grpo.trl_api import MAPPING, NO_EFFECT, GRPOConfig, GRPOTrainer
 # per_device_train_batch_size 64 -> 8, max_completion_length 160 -> 8, max_steps 300 -> 2,
 # make_problems(4000) -> 40. `model` and `tokenizer` are the test's (the seed leaves out
 # their loading).
-SEED_SCRIPT = '''
+SEED_SCRIPT = """
 import random
 import re
 
@@ -77,7 +77,7 @@ trainer = GRPOTrainer(
     train_dataset=Dataset.from_list(make_problems(40, seed=0)),
 )
 trainer.train()
-'''
+"""
 
 
 class _Spy(GRPOTrainer):
@@ -113,7 +113,10 @@ def test_first_seed_script_runs_by_changing_the_import(tmp_path, monkeypatch):
     model = tiny_model(tokenizer, hidden_size=32, num_layers=1, seed=1)
     before = {k: v.clone() for k, v in model.state_dict().items()}
 
-    exec(compile(SEED_SCRIPT, "seed_script", "exec"), {"__name__": "seed_script", "model": model, "tokenizer": tokenizer})
+    exec(
+        compile(SEED_SCRIPT, "seed_script", "exec"),
+        {"__name__": "seed_script", "model": model, "tokenizer": tokenizer},
+    )
 
     (trainer,) = _Spy.made
     assert _Spy.calls == [("correctness_reward", 8)] * 2  # each step, num_generations x 2 prompts
@@ -138,7 +141,9 @@ def _third_seed_reward(prompts, completions, answer, **kwargs):
 def test_third_seed_config_and_reward(tmp_path):
     calls = []
 
-    def arithmetic_reward_func(prompts, completions, answer, **kwargs):  # a closure: runs in a thread
+    def arithmetic_reward_func(
+        prompts, completions, answer, **kwargs
+    ):  # a closure: runs in a thread
         calls.append(len(completions))
         return _third_seed_reward(prompts, completions, answer, **kwargs)
 
@@ -160,13 +165,29 @@ def test_third_seed_config_and_reward(tmp_path):
     model = tiny_model(tokenizer, hidden_size=32, num_layers=1, seed=2)
     dataset = [{"prompt": f"{a} + {b} =", "answer": a + b} for a, b in [(1, 2), (3, 4), (2, 2)]]
     with pytest.raises(TypeError, match="reward_processing_classes"):
-        GRPOTrainer(model=model, reward_processing_class=tokenizer, args=training_args,
-                    train_dataset=dataset, reward_funcs=arithmetic_reward_func)
-    trainer = GRPOTrainer(model=model, processing_class=tokenizer, args=training_args,
-                          train_dataset=dataset, reward_funcs=arithmetic_reward_func)
+        GRPOTrainer(
+            model=model,
+            reward_processing_class=tokenizer,
+            args=training_args,
+            train_dataset=dataset,
+            reward_funcs=arithmetic_reward_func,
+        )
+    trainer = GRPOTrainer(
+        model=model,
+        processing_class=tokenizer,
+        args=training_args,
+        train_dataset=dataset,
+        reward_funcs=arithmetic_reward_func,
+    )
     cfg = trainer.config
-    assert (cfg.algorithm.beta, cfg.training.max_grad_norm, cfg.logging.log_every) == (0.04, 1.0, 10)
-    assert cfg.training.max_steps == 3  # one epoch of 3 prompts, 4 x 2 = 8 completions = 1 prompt a step
+    assert (cfg.algorithm.beta, cfg.training.max_grad_norm, cfg.logging.log_every) == (
+        0.04,
+        1.0,
+        10,
+    )
+    assert (
+        cfg.training.max_steps == 3
+    )  # one epoch of 3 prompts, 4 x 2 = 8 completions = 1 prompt a step
     out = trainer.train()
     assert calls == [8, 8, 8] and out.global_step == 3
     assert "kl" in trainer.state.log_history[-1]
@@ -181,27 +202,65 @@ EXTRA = {"overwrite_output_dir", "max_prompt_length", "grpo_overrides"}
 
 # a value for each field that differs from its default, and the other fields it needs to act
 CHANGES = {
-    "output_dir": ("elsewhere", {}), "overwrite_output_dir": (True, {}),
-    "num_generations": (4, {}), "max_completion_length": (64, {}), "max_prompt_length": (128, {}),
-    "temperature": (0.7, {}), "top_p": (0.9, {}), "top_k": (50, {}),
-    "beta": (0.04, {}), "epsilon": (0.1, {}), "epsilon_high": (0.28, {}), "delta": (2.0, {}),
-    "loss_type": ("grpo", {}), "sapo_temperature_pos": (2.0, {}), "sapo_temperature_neg": (2.0, {}),
-    "top_entropy_quantile": (0.2, {}), "use_vllm": (True, {}), "vllm_enable_sleep_mode": (True, {"use_vllm": True}),
-    "vllm_gpu_memory_utilization": (0.5, {"use_vllm": True}), "vllm_importance_sampling_correction": (False, {"use_vllm": True}),
+    "output_dir": ("elsewhere", {}),
+    "overwrite_output_dir": (True, {}),
+    "num_generations": (4, {}),
+    "max_completion_length": (64, {}),
+    "max_prompt_length": (128, {}),
+    "temperature": (0.7, {}),
+    "top_p": (0.9, {}),
+    "top_k": (50, {}),
+    "beta": (0.04, {}),
+    "epsilon": (0.1, {}),
+    "epsilon_high": (0.28, {}),
+    "delta": (2.0, {}),
+    "loss_type": ("grpo", {}),
+    "sapo_temperature_pos": (2.0, {}),
+    "sapo_temperature_neg": (2.0, {}),
+    "top_entropy_quantile": (0.2, {}),
+    "use_vllm": (True, {}),
+    "vllm_enable_sleep_mode": (True, {"use_vllm": True}),
+    "vllm_gpu_memory_utilization": (0.5, {"use_vllm": True}),
+    "vllm_importance_sampling_correction": (False, {"use_vllm": True}),
     "vllm_importance_sampling_mode": ("token_truncate", {"use_vllm": True}),
-    "vllm_importance_sampling_clip_max": (2.0, {"use_vllm": True}), "scale_rewards": (False, {}), "importance_sampling_level": ("sequence", {}),
-    "num_iterations": (2, {}), "mask_truncated_completions": (True, {}), "reward_weights": ([2.0], {}),
-    "sync_ref_model": (True, {"beta": 0.04}), "ref_model_sync_steps": (64, {"beta": 0.04, "sync_ref_model": True}),
+    "vllm_importance_sampling_clip_max": (2.0, {"use_vllm": True}),
+    "scale_rewards": (False, {}),
+    "importance_sampling_level": ("sequence", {}),
+    "num_iterations": (2, {}),
+    "mask_truncated_completions": (True, {}),
+    "reward_weights": ([2.0], {}),
+    "sync_ref_model": (True, {"beta": 0.04}),
+    "ref_model_sync_steps": (64, {"beta": 0.04, "sync_ref_model": True}),
     "ref_model_mixup_alpha": (0.9, {"beta": 0.04, "sync_ref_model": True}),
-    "learning_rate": (5e-6, {}), "lr_scheduler_type": ("cosine", {}), "warmup_steps": (5, {}),
-    "weight_decay": (0.1, {}), "adam_beta1": (0.8, {}), "adam_beta2": (0.99, {}), "adam_epsilon": (1e-6, {}),
-    "max_grad_norm": (0.5, {}), "per_device_train_batch_size": (16, {}), "gradient_accumulation_steps": (2, {}),
-    "max_steps": (7, {}), "num_train_epochs": (1.0, {}), "seed": (1, {}), "data_seed": (7, {}),
-    "bf16": (False, {}), "gradient_checkpointing": (False, {}), "activation_checkpointing": (False, {}),
-    "trust_remote_code": (True, {}), "use_cpu": (True, {}), "logging_steps": (1, {}), "report_to": ("tensorboard", {}),
+    "learning_rate": (5e-6, {}),
+    "lr_scheduler_type": ("cosine", {}),
+    "warmup_steps": (5, {}),
+    "weight_decay": (0.1, {}),
+    "adam_beta1": (0.8, {}),
+    "adam_beta2": (0.99, {}),
+    "adam_epsilon": (1e-6, {}),
+    "max_grad_norm": (0.5, {}),
+    "per_device_train_batch_size": (16, {}),
+    "gradient_accumulation_steps": (2, {}),
+    "max_steps": (7, {}),
+    "num_train_epochs": (1.0, {}),
+    "seed": (1, {}),
+    "data_seed": (7, {}),
+    "bf16": (False, {}),
+    "gradient_checkpointing": (False, {}),
+    "activation_checkpointing": (False, {}),
+    "trust_remote_code": (True, {}),
+    "use_cpu": (True, {}),
+    "logging_steps": (1, {}),
+    "report_to": ("tensorboard", {}),
     "log_completions": (True, {}),
-    "run_name": ("r", {}), "save_strategy": ("no", {}), "save_steps": (20, {}), "save_total_limit": (2, {}),
-    "eval_strategy": ("steps", {}), "eval_steps": (5, {"eval_strategy": "steps"}), "per_device_eval_batch_size": (4, {}),
+    "run_name": ("r", {}),
+    "save_strategy": ("no", {}),
+    "save_steps": (20, {}),
+    "save_total_limit": (2, {}),
+    "eval_strategy": ("steps", {}),
+    "eval_steps": (5, {"eval_strategy": "steps"}),
+    "per_device_eval_batch_size": (4, {}),
 }
 
 
@@ -209,15 +268,20 @@ def test_every_field_is_mapped_and_every_mapped_field_is_tested():
     fields = {f.name for f in dataclasses.fields(GRPOConfig)}
     assert set(MAPPING) == fields - set(trl_api.CHECKED_ONLY)
     assert set(CHANGES) == set(MAPPING)
+
     def dotted(node, prefix=""):
         for key, value in node.items():
-            yield from dotted(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"]
+            yield from (
+                dotted(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"]
+            )
 
     keys = set(dotted(config_module.Config().to_dict()))  # every key of every (nested) section
     assert {key for key, _ in MAPPING.values()} <= keys
 
 
-@pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning")  # TRL's own default
+@pytest.mark.filterwarnings(
+    "ignore:`gradient_checkpointing` is deprecated:FutureWarning"
+)  # TRL's own default
 def test_defaults_are_trls():
     trl = pytest.importorskip("trl")
     theirs = {f.name: f for f in dataclasses.fields(trl.GRPOConfig)}
@@ -235,9 +299,14 @@ def test_defaults_are_trls():
     cfg = GRPOConfig(use_cpu=True).to_config(num_rows=100)
     assert cfg.training.bf16 is resolved.bf16 is True
     assert cfg.training.gradient_checkpointing is resolved.gradient_checkpointing is True
-    assert (cfg.logging.log_every, cfg.training.save_steps) == (resolved.logging_steps, resolved.save_steps)
+    assert (cfg.logging.log_every, cfg.training.save_steps) == (
+        resolved.logging_steps,
+        resolved.save_steps,
+    )
     assert cfg.logging.report_to == resolved.report_to == []
-    assert cfg.training.max_steps == 3 * 100 // (8 // 8)  # three epochs of 100 prompts, one prompt a step
+    assert cfg.training.max_steps == 3 * 100 // (
+        8 // 8
+    )  # three epochs of 100 prompts, one prompt a step
 
 
 @pytest.mark.parametrize("name", sorted(CHANGES))
@@ -255,8 +324,13 @@ def test_units():
     cfg = GRPOConfig(max_steps=10, num_iterations=2, save_steps=4, logging_steps=3).to_config()
     assert (cfg.training.max_steps, cfg.training.save_steps, cfg.logging.log_every) == (5, 2, 2)
     # epochs: prompts per step = 16 x 2 / 8 = 4
-    cfg = GRPOConfig(num_train_epochs=2, per_device_train_batch_size=16, gradient_accumulation_steps=2,
-                     save_strategy="epoch", warmup_steps=0.1).to_config(num_rows=10)
+    cfg = GRPOConfig(
+        num_train_epochs=2,
+        per_device_train_batch_size=16,
+        gradient_accumulation_steps=2,
+        save_strategy="epoch",
+        warmup_steps=0.1,
+    ).to_config(num_rows=10)
     assert (cfg.training.max_steps, cfg.training.save_steps, cfg.training.warmup_steps) == (5, 3, 0)
     with pytest.raises(ConfigError, match="num_train_epochs"):
         GRPOConfig().to_config()
@@ -271,13 +345,21 @@ def test_refused_and_ignored_fields():
         GRPOConfig(not_a_field=1)
     with pytest.warns(UserWarning, match="vllm_server_port"):
         args = GRPOConfig(use_vllm=True, vllm_server_port=9000)
-    assert args.ignored == {"vllm_server_port": 9000} and args.use_vllm  # use_vllm is grpo's vllm engine
+    assert (
+        args.ignored == {"vllm_server_port": 9000} and args.use_vllm
+    )  # use_vllm is grpo's vllm engine
     with pytest.raises(ConfigError, match="generation_batch_size"):
         GRPOConfig(generation_batch_size=32).to_config(10)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        GRPOConfig(push_to_hub=False, hub_always_push=False)  # switches left off: nothing to warn about
-    for field_name, value in [("shuffle_dataset", False), ("disable_dropout", True), ("steps_per_generation", 4)]:
+        GRPOConfig(
+            push_to_hub=False, hub_always_push=False
+        )  # switches left off: nothing to warn about
+    for field_name, value in [
+        ("shuffle_dataset", False),
+        ("disable_dropout", True),
+        ("steps_per_generation", 4),
+    ]:
         with pytest.raises(ConfigError, match=field_name):
             GRPOConfig(**{field_name: value}).to_config(10)
     with pytest.raises(ConfigError, match="optim"):
@@ -286,8 +368,12 @@ def test_refused_and_ignored_fields():
     with pytest.raises(ConfigError, match="GRPOConfig: num_generations"):
         GRPOConfig(num_generations=3).to_config(10)
     with pytest.raises(TypeError, match="peft_config must be a peft.LoraConfig"):
-        GRPOTrainer("tiny", lambda completions, **kw: [0.0] * len(completions), train_dataset=[{"prompt": "x"}],
-                    peft_config=object())
+        GRPOTrainer(
+            "tiny",
+            lambda completions, **kw: [0.0] * len(completions),
+            train_dataset=[{"prompt": "x"}],
+            peft_config=object(),
+        )
 
 
 def test_import_grpo_stays_light():
@@ -301,7 +387,9 @@ def test_import_grpo_stays_light():
 
 # ---------------------------------------------------------------- YAML and Python give one run
 
-REWARD_FILE = "def length_reward(completions, **kwargs):\n    return [len(c) / 8 for c in completions]\n"
+REWARD_FILE = (
+    "def length_reward(completions, **kwargs):\n    return [len(c) / 8 for c in completions]\n"
+)
 
 
 def test_yaml_run_and_python_run_are_the_same(tmp_path):
@@ -315,9 +403,9 @@ def test_yaml_run_and_python_run_are_the_same(tmp_path):
     # TRL's defaults that are not grpo's are written out: seed 42 for the data too, bf16,
     # gradient checkpointing, a console line every 10 steps, a checkpoint every 500, eval batches of 8
     yaml_text = f"""
-output_dir: {tmp_path / 'yaml'}
+output_dir: {tmp_path / "yaml"}
 model: {{name: tiny, tiny_hidden_size: 32, tiny_num_layers: 1}}
-data: {{task: jsonl, train_file: {tmp_path / 'train.jsonl'}, seed: 42}}
+data: {{task: jsonl, train_file: {tmp_path / "train.jsonl"}, seed: 42}}
 rollout: {{num_generations: 4, max_completion_length: 6, temperature: 0.9}}
 rewards: {{funcs: ["{spec}"], isolation: thread}}
 algorithm: {{beta: 0.04, epsilon_high: 0.28, loss_type: dr_grpo}}
@@ -331,34 +419,70 @@ eval: {{batch_size: 8}}
     yaml_history = Trainer(cfg).train()
 
     args = GRPOConfig(
-        output_dir=str(tmp_path / "python"), num_generations=4, max_completion_length=6, temperature=0.9,
-        beta=0.04, epsilon_high=0.28, loss_type="dr_grpo", max_steps=3, per_device_train_batch_size=4,
-        gradient_accumulation_steps=2, learning_rate=1e-3, warmup_steps=1,
-        grpo_overrides=["rewards.isolation=thread", "logging.sample_every=0",
-                        "model.tiny_hidden_size=32", "model.tiny_num_layers=1"],
+        output_dir=str(tmp_path / "python"),
+        num_generations=4,
+        max_completion_length=6,
+        temperature=0.9,
+        beta=0.04,
+        epsilon_high=0.28,
+        loss_type="dr_grpo",
+        max_steps=3,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-3,
+        warmup_steps=1,
+        grpo_overrides=[
+            "rewards.isolation=thread",
+            "logging.sample_every=0",
+            "model.tiny_hidden_size=32",
+            "model.tiny_num_layers=1",
+        ],
     )
     _, length_reward = resolve(spec)
-    trainer = GRPOTrainer("tiny", length_reward, args=args, train_dataset=str(tmp_path / "train.jsonl"))
+    trainer = GRPOTrainer(
+        "tiny", length_reward, args=args, train_dataset=str(tmp_path / "train.jsonl")
+    )
     trainer.train()
 
     ours, theirs = cfg.to_dict(), trainer.config.to_dict()
     for d in (ours, theirs):
         del d["output_dir"], d["data"]["task"], d["data"]["train_file"], d["rewards"]["funcs"]
     assert ours == theirs
-    untimed = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_second"} for r in rows]  # noqa: E731
+    untimed = lambda rows: [
+        {k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_second"}
+        for r in rows
+    ]  # noqa: E731
     # exact: one config (above), so one Trainer computing the same operations on the same shapes
     assert untimed(trainer.state.log_history) == untimed(yaml_history)
-    assert len(yaml_history) == 3 and any(h["reward_std"] > 0 for h in yaml_history)  # the runs had a learning signal
+    assert len(yaml_history) == 3 and any(
+        h["reward_std"] > 0 for h in yaml_history
+    )  # the runs had a learning signal
 
 
 def test_resume_from_checkpoint(tmp_path):
     rows = [{"prompt": f"{a}+{a}="} for a in range(6)]
 
     def make(max_steps, run="run"):
-        args = GRPOConfig(output_dir=str(tmp_path / run), num_generations=2, per_device_train_batch_size=4,
-                          max_completion_length=4, max_steps=max_steps, save_steps=1, learning_rate=1e-3,
-                          grpo_overrides=["model.tiny_hidden_size=32", "model.tiny_num_layers=1", "logging.sample_every=0"])
-        return GRPOTrainer("tiny", lambda completions, **kw: [float(c.count("1")) for c in completions], args=args, train_dataset=rows)
+        args = GRPOConfig(
+            output_dir=str(tmp_path / run),
+            num_generations=2,
+            per_device_train_batch_size=4,
+            max_completion_length=4,
+            max_steps=max_steps,
+            save_steps=1,
+            learning_rate=1e-3,
+            grpo_overrides=[
+                "model.tiny_hidden_size=32",
+                "model.tiny_num_layers=1",
+                "logging.sample_every=0",
+            ],
+        )
+        return GRPOTrainer(
+            "tiny",
+            lambda completions, **kw: [float(c.count("1")) for c in completions],
+            args=args,
+            train_dataset=rows,
+        )
 
     whole = make(3, "whole")
     whole.train()
@@ -368,21 +492,41 @@ def test_resume_from_checkpoint(tmp_path):
     resumed = make(3)
     out = resumed.train(resume_from_checkpoint=True)
     assert out.global_step == 3 and [r["step"] for r in resumed.state.log_history] == [3]
-    untimed = lambda row: {k: v for k, v in row.items() if not k.startswith("time/") and k != "tokens_per_second"}  # noqa: E731
+    untimed = lambda row: {
+        k: v for k, v in row.items() if not k.startswith("time/") and k != "tokens_per_second"
+    }  # noqa: E731
     # the same step as the uninterrupted run's (bf16, TRL's default, rounds differently after a reload)
-    assert untimed(resumed.state.log_history[0]) == pytest.approx(untimed(whole.state.log_history[-1]), rel=1e-3, abs=1e-6)
+    assert untimed(resumed.state.log_history[0]) == pytest.approx(
+        untimed(whole.state.log_history[-1]), rel=1e-3, abs=1e-6
+    )
 
 
 def test_reward_model_by_path_and_evaluate(tmp_path, save_reward_model):
     save_reward_model(tmp_path / "rm")
     rows = [{"prompt": f"{a}+{a}=", "answer": 2 * a} for a in range(4)]
-    args = GRPOConfig(output_dir=str(tmp_path / "run"), num_generations=2, per_device_train_batch_size=4,
-                      max_completion_length=4, max_steps=1, use_cpu=True,
-                      grpo_overrides=["model.tiny_hidden_size=32", "model.tiny_num_layers=1", "logging.sample_every=0",
-                                      "eval.temperatures=[0.0]"])
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "run"),
+        num_generations=2,
+        per_device_train_batch_size=4,
+        max_completion_length=4,
+        max_steps=1,
+        use_cpu=True,
+        grpo_overrides=[
+            "model.tiny_hidden_size=32",
+            "model.tiny_num_layers=1",
+            "logging.sample_every=0",
+            "eval.temperatures=[0.0]",
+        ],
+    )
     tokenizer = char_tokenizer()
-    trainer = GRPOTrainer(tiny_model(tokenizer, hidden_size=32, num_layers=1), [str(tmp_path / "rm"), "arithmetic_correct"],
-                          args=args, train_dataset=rows, eval_dataset=rows, processing_class=tokenizer)
+    trainer = GRPOTrainer(
+        tiny_model(tokenizer, hidden_size=32, num_layers=1),
+        [str(tmp_path / "rm"), "arithmetic_correct"],
+        args=args,
+        train_dataset=rows,
+        eval_dataset=rows,
+        processing_class=tokenizer,
+    )
     assert list(trainer.reward_funcs) == ["rm", "arithmetic_correct"]
     trainer.train()
     assert "rewards/rm/mean" in trainer.state.log_history[0]
@@ -394,20 +538,30 @@ def test_rewards_defined_in_a_script_run_in_threads():
     def correctness(completions, **kw):
         return [0.0] * len(completions)
 
-    correctness.__module__ = "__main__"  # as in `python script.py`, where a worker would re-run the script
+    correctness.__module__ = (
+        "__main__"  # as in `python script.py`, where a worker would re-run the script
+    )
     cfg = GRPOConfig(max_steps=1).to_config()
     with pytest.warns(UserWarning, match="correctness.*threads"):
         trl_api._script_rewards_in_threads({"correctness": correctness}, cfg, [])
     assert cfg.rewards.isolation == "thread"
     cfg = GRPOConfig(max_steps=1, grpo_overrides=["rewards.isolation=process"]).to_config()
-    trl_api._script_rewards_in_threads({"correctness": correctness}, cfg, ["rewards.isolation=process"])
+    trl_api._script_rewards_in_threads(
+        {"correctness": correctness}, cfg, ["rewards.isolation=process"]
+    )
     assert cfg.rewards.isolation == "process"  # asked for: kept
 
 
 def test_no_args_is_trls_default_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    trainer = GRPOTrainer("tiny", lambda completions, **kw: [0.0] * len(completions), train_dataset=[{"prompt": "1+1="}] * 3)
-    assert trainer.config.output_dir == "tiny-GRPO" and trainer.config.training.max_steps == 9  # 3 epochs of 3 prompts, 1 a step
+    trainer = GRPOTrainer(
+        "tiny",
+        lambda completions, **kw: [0.0] * len(completions),
+        train_dataset=[{"prompt": "1+1="}] * 3,
+    )
+    assert (
+        trainer.config.output_dir == "tiny-GRPO" and trainer.config.training.max_steps == 9
+    )  # 3 epochs of 3 prompts, 1 a step
 
 
 # ---------------------------------------------------------------- log_completions, IterableDataset, trainer_state, peft_config
@@ -417,7 +571,9 @@ TINY = ["model.tiny_hidden_size=32", "model.tiny_num_layers=1", "rewards.isolati
 
 def test_log_completions_is_samples_every_logging_step():
     assert GRPOConfig(max_steps=1).to_config().logging.sample_every == 0  # TRL's default: none
-    cfg = GRPOConfig(max_steps=20, log_completions=True, logging_steps=4, num_iterations=2).to_config()
+    cfg = GRPOConfig(
+        max_steps=20, log_completions=True, logging_steps=4, num_iterations=2
+    ).to_config()
     assert cfg.logging.sample_every == 2  # every 4 optimizer steps = every 2 grpo steps
 
 
@@ -440,24 +596,45 @@ def test_iterable_dataset_is_read_as_far_as_the_run_goes(tmp_path):
         seen.extend(index)
         return [float(len(c)) for c in completions]
 
-    args = GRPOConfig(output_dir=str(tmp_path / "run"), num_generations=2, per_device_train_batch_size=4,
-                      max_completion_length=3, max_steps=3, grpo_overrides=[*TINY, "eval.num_problems=3"])
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "run"),
+        num_generations=2,
+        per_device_train_batch_size=4,
+        max_completion_length=3,
+        max_steps=3,
+        grpo_overrides=[*TINY, "eval.num_problems=3"],
+    )
     # an endless stream: 3 steps x 2 prompts are taken, and 3 held-out rows
-    trainer = GRPOTrainer("tiny", index_reward, args=args, train_dataset=_stream(), eval_dataset=_stream())
+    trainer = GRPOTrainer(
+        "tiny", index_reward, args=args, train_dataset=_stream(), eval_dataset=_stream()
+    )
     assert [r["index"] for r in trainer.trainer.task.train_rows] == list(range(6))
     assert [r["index"] for r in trainer.trainer.task.eval_rows] == [0, 1, 2]
     trainer.train()
     assert sorted(set(seen)) == list(range(6)) and len(seen) == 12  # each row once, in G copies
     with pytest.raises(ValueError, match="IterableDataset.*set GRPOConfig.max_steps"):
-        GRPOTrainer("tiny", index_reward, args=GRPOConfig(output_dir=str(tmp_path / "b")), train_dataset=_stream(4))
+        GRPOTrainer(
+            "tiny",
+            index_reward,
+            args=GRPOConfig(output_dir=str(tmp_path / "b")),
+            train_dataset=_stream(4),
+        )
     with pytest.raises(ValueError, match="yielded no rows"):
         GRPOTrainer("tiny", index_reward, args=args, train_dataset=_stream(0))
-    with pytest.raises(ValueError, match="eval_dataset is an IterableDataset of more than 10000 rows"):
-        GRPOTrainer("tiny", index_reward, args=GRPOConfig(output_dir=str(tmp_path / "c"), max_steps=1,
-                                                          grpo_overrides=TINY),
-                    train_dataset=_stream(4), eval_dataset=_stream())
+    with pytest.raises(
+        ValueError, match="eval_dataset is an IterableDataset of more than 10000 rows"
+    ):
+        GRPOTrainer(
+            "tiny",
+            index_reward,
+            args=GRPOConfig(output_dir=str(tmp_path / "c"), max_steps=1, grpo_overrides=TINY),
+            train_dataset=_stream(4),
+            eval_dataset=_stream(),
+        )
     short = GRPOTrainer("tiny", index_reward, args=args, train_dataset=_stream(4))
-    assert len(short.trainer.task.train_rows) == 4  # a shorter stream: gone through again, as epochs
+    assert (
+        len(short.trainer.task.train_rows) == 4
+    )  # a shorter stream: gone through again, as epochs
 
 
 def step_reward(completions, trainer_state, **kwargs):
@@ -466,10 +643,21 @@ def step_reward(completions, trainer_state, **kwargs):
 
 
 def test_reward_functions_get_trainer_state_in_worker_processes(tmp_path):
-    args = GRPOConfig(output_dir=str(tmp_path / "run"), num_generations=2, per_device_train_batch_size=4,
-                      max_completion_length=3, max_steps=6, num_iterations=2,
-                      grpo_overrides=["model.tiny_hidden_size=32", "model.tiny_num_layers=1", "rewards.isolation=process",
-                                      "rewards.workers=1", "logging.sample_every=0"])
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "run"),
+        num_generations=2,
+        per_device_train_batch_size=4,
+        max_completion_length=3,
+        max_steps=6,
+        num_iterations=2,
+        grpo_overrides=[
+            "model.tiny_hidden_size=32",
+            "model.tiny_num_layers=1",
+            "rewards.isolation=process",
+            "rewards.workers=1",
+            "logging.sample_every=0",
+        ],
+    )
     rows = [{"prompt": f"{a}+1="} for a in range(4)]  # 2 prompts a step: an epoch is 2 steps
     trainer = GRPOTrainer("tiny", step_reward, args=args, train_dataset=rows)
     assert trainer.trainer.rewards.executor.in_worker(0)  # pickled to a worker, not run in a thread
@@ -482,21 +670,43 @@ def test_reward_functions_get_trainer_state_in_worker_processes(tmp_path):
 def test_peft_config_maps_onto_model_lora():
     from peft import LoraConfig
 
-    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.05, target_modules=["v_proj", "q_proj"], task_type="CAUSAL_LM")
+    lora = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        lora_dropout=0.05,
+        target_modules=["v_proj", "q_proj"],
+        task_type="CAUSAL_LM",
+    )
     keys = trl_api.lora_keys(lora)
-    assert keys == {"model.lora.r": 4, "model.lora.alpha": 8.0, "model.lora.dropout": 0.05,
-                    "model.lora.target_modules": ["q_proj", "v_proj"]}
+    assert keys == {
+        "model.lora.r": 4,
+        "model.lora.alpha": 8.0,
+        "model.lora.dropout": 0.05,
+        "model.lora.target_modules": ["q_proj", "v_proj"],
+    }
     cfg = GRPOConfig(max_steps=1).to_config(extra=keys)
-    assert (cfg.model.lora.r, cfg.model.lora.alpha, cfg.model.lora.dropout, cfg.model.lora.target_modules) == (
-        4, 8.0, 0.05, ["q_proj", "v_proj"])
-    assert trl_api.lora_keys(LoraConfig(target_modules="all-linear"))["model.lora.target_modules"] == ["all-linear"]
+    assert (
+        cfg.model.lora.r,
+        cfg.model.lora.alpha,
+        cfg.model.lora.dropout,
+        cfg.model.lora.target_modules,
+    ) == (4, 8.0, 0.05, ["q_proj", "v_proj"])
+    assert trl_api.lora_keys(LoraConfig(target_modules="all-linear"))[
+        "model.lora.target_modules"
+    ] == ["all-linear"]
     tokenizer = char_tokenizer()  # None: peft's choice for the architecture (Llama: q_proj, v_proj)
-    targets = trl_api.lora_keys(LoraConfig(), tiny_model(tokenizer, hidden_size=32, num_layers=1))["model.lora.target_modules"]
+    targets = trl_api.lora_keys(LoraConfig(), tiny_model(tokenizer, hidden_size=32, num_layers=1))[
+        "model.lora.target_modules"
+    ]
     assert targets == ["q_proj", "v_proj"]
-    for settings, named in [({"use_dora": True}, "use_dora=True"), ({"bias": "all"}, "bias='all'"),
-                            ({"modules_to_save": ["lm_head"]}, "modules_to_save="), ({"use_rslora": True}, "use_rslora"),
-                            ({"init_lora_weights": "gaussian"}, "init_lora_weights='gaussian'"),
-                            ({"rank_pattern": {"q_proj": 2}}, "rank_pattern=")]:
+    for settings, named in [
+        ({"use_dora": True}, "use_dora=True"),
+        ({"bias": "all"}, "bias='all'"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save="),
+        ({"use_rslora": True}, "use_rslora"),
+        ({"init_lora_weights": "gaussian"}, "init_lora_weights='gaussian'"),
+        ({"rank_pattern": {"q_proj": 2}}, "rank_pattern="),
+    ]:
         with pytest.raises(ConfigError, match=f"peft_config sets {named}"):
             trl_api.lora_keys(LoraConfig(**settings))
     with pytest.raises(ConfigError, match="task_type=SEQ_CLS"):
@@ -511,21 +721,37 @@ def test_peft_config_trains_only_the_adapter(tmp_path):
     tokenizer = char_tokenizer()
     model = tiny_model(tokenizer, hidden_size=32, num_layers=1, seed=4)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    args = GRPOConfig(output_dir=str(tmp_path / "run"), num_generations=4, per_device_train_batch_size=8,
-                      max_completion_length=4, max_steps=2, learning_rate=0.05, lr_scheduler_type="constant",
-                      grpo_overrides=["rewards.isolation=thread", "logging.sample_every=0"])
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "run"),
+        num_generations=4,
+        per_device_train_batch_size=8,
+        max_completion_length=4,
+        max_steps=2,
+        learning_rate=0.05,
+        lr_scheduler_type="constant",
+        grpo_overrides=["rewards.isolation=thread", "logging.sample_every=0"],
+    )
     rows = [{"prompt": f"{a}+{a}="} for a in range(4)]
-    trainer = GRPOTrainer(model, lambda completions, **kw: [float(c.count("1")) - len(c) / 4 for c in completions],
-                          args=args, train_dataset=rows, processing_class=tokenizer,
-                          peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    trainer = GRPOTrainer(
+        model,
+        lambda completions, **kw: [float(c.count("1")) - len(c) / 4 for c in completions],
+        args=args,
+        train_dataset=rows,
+        processing_class=tokenizer,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    )
     assert trainer.config.model.lora.r == 4
     trainer.train()
     adapter = {n: p for n, p in trainer.model.named_parameters() if "lora_" in n}
     assert adapter and all(p.requires_grad for p in adapter.values())
-    assert any(p.abs().max() > 0 for n, p in adapter.items() if "lora_B" in n)  # B starts at 0: it learned
+    assert any(
+        p.abs().max() > 0 for n, p in adapter.items() if "lora_B" in n
+    )  # B starts at 0: it learned
     for name, p in trainer.model.named_parameters():
         if "lora_" not in name:
-            assert not p.requires_grad and torch.equal(p.detach(), before[name.replace(".base_layer", "")]), name
+            assert not p.requires_grad and torch.equal(
+                p.detach(), before[name.replace(".base_layer", "")]
+            ), name
 
 
 def test_log_completions_sends_a_table_to_wandb(tmp_path, monkeypatch):
@@ -544,23 +770,45 @@ def test_log_completions_sends_a_table_to_wandb(tmp_path, monkeypatch):
 
     fake.Table = Table
     monkeypatch.setitem(sys.modules, "wandb", fake)
-    args = GRPOConfig(output_dir=str(tmp_path / "run"), num_generations=2, per_device_train_batch_size=4,
-                      max_completion_length=3, max_steps=2, logging_steps=2, log_completions=True, report_to="wandb",
-                      grpo_overrides=TINY)
-    GRPOTrainer("tiny", lambda completions, **kw: [1.0] * len(completions), args=args,
-                train_dataset=[{"prompt": f"{a}="} for a in range(4)]).train()
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "run"),
+        num_generations=2,
+        per_device_train_batch_size=4,
+        max_completion_length=3,
+        max_steps=2,
+        logging_steps=2,
+        log_completions=True,
+        report_to="wandb",
+        grpo_overrides=TINY,
+    )
+    GRPOTrainer(
+        "tiny",
+        lambda completions, **kw: [1.0] * len(completions),
+        args=args,
+        train_dataset=[{"prompt": f"{a}="} for a in range(4)],
+    ).train()
     tables = [(m["completions"], step) for m, step in logged if "completions" in m]
     assert [step for _, step in tables] == [1, 2]  # the first step, then every logging_steps
     table = tables[-1][0]
-    assert table.columns[:4] == ["step", "prompt", "completion", "reward"] and len(table.data) == 2  # one per group
+    assert (
+        table.columns[:4] == ["step", "prompt", "completion", "reward"] and len(table.data) == 2
+    )  # one per group
     assert all(row[0] == 2 and row[3] == 1.0 for row in table.data)
 
 
-@pytest.mark.parametrize("loss_type, policy_loss, aggregation", [
-    ("cispo", "cispo", "dapo"), ("sapo", "sapo", "grpo"), ("dr_grpo", "clipped", "dr_grpo"), ("dapo", "clipped", "dapo"),
-])
+@pytest.mark.parametrize(
+    "loss_type, policy_loss, aggregation",
+    [
+        ("cispo", "cispo", "dapo"),
+        ("sapo", "sapo", "grpo"),
+        ("dr_grpo", "clipped", "dr_grpo"),
+        ("dapo", "clipped", "dapo"),
+    ],
+)
 def test_trl_loss_type_splits_into_policy_loss_and_aggregation(loss_type, policy_loss, aggregation):
-    extra = {"epsilon_high": 5.0} if loss_type == "cispo" else {}  # CISPO's cap, as TRL's docs advise
+    extra = (
+        {"epsilon_high": 5.0} if loss_type == "cispo" else {}
+    )  # CISPO's cap, as TRL's docs advise
     cfg = GRPOConfig(loss_type=loss_type, **extra).to_config(num_rows=100)
     assert (cfg.algorithm.policy_loss, cfg.algorithm.loss_type) == (policy_loss, aggregation)
 
@@ -574,7 +822,10 @@ def test_vllm_fields_map_onto_the_vllm_engine_and_trls_correction():
     cfg = GRPOConfig(use_vllm=True).to_config(num_rows=100)
     assert cfg.rollout.engine == "vllm"
     # TRL 1.16 corrects for vLLM's sampling by default: sequence-level, ratios above 3 masked
-    assert (cfg.algorithm.rollout_correction, cfg.algorithm.rollout_correction_cap) == ("sequence_mask", 3.0)
+    assert (cfg.algorithm.rollout_correction, cfg.algorithm.rollout_correction_cap) == (
+        "sequence_mask",
+        3.0,
+    )
     plain = GRPOConfig().to_config(num_rows=100)
     assert (plain.rollout.engine, plain.algorithm.rollout_correction) == ("hf", "none")
     with pytest.raises(ConfigError, match="vllm_mode='server'.*colocated"):

@@ -155,7 +155,9 @@ def _tensors(seed, B=8, T=MAX_LEN, all_masked_row=True):
     old = logp.detach() + 0.4 * torch.randn(B, T, generator=gen, dtype=D)
     ref = logp.detach() + 0.3 * torch.randn(B, T, generator=gen, dtype=D)
     # advantages of alternating sign, so that both clipping sides are hit
-    adv = torch.randn(B, generator=gen, dtype=D).abs() * torch.tensor([1.0, -1.0] * (B // 2), dtype=D)
+    adv = torch.randn(B, generator=gen, dtype=D).abs() * torch.tensor(
+        [1.0, -1.0] * (B // 2), dtype=D
+    )
     lengths = torch.randint(1, T + 1, (B,), generator=gen)
     lengths[:4] = T  # full rows, two of each advantage sign
     lengths[4] = 2  # a short row
@@ -172,7 +174,11 @@ CONFIGS = {
 }
 
 
-CASES = list(itertools.product(["grpo", "bnpo", "dr_grpo", "dapo"], ["token", "sequence"], [0.0, 0.04], CONFIGS))
+CASES = list(
+    itertools.product(
+        ["grpo", "bnpo", "dr_grpo", "dapo"], ["token", "sequence"], [0.0, 0.04], CONFIGS
+    )
+)
 
 
 @pytest.mark.parametrize("loss_type,level,beta,config", CASES)
@@ -337,7 +343,9 @@ def test_cispo_matches_trl(level, beta, cap):
     assert our_grad.abs().sum() > 0
     if level == "token":
         # TRL's cispo_clip_ratio: capped tokens with a positive advantage, over the masked tokens
-        assert metrics["cispo_clip_ratio"] == [pytest.approx(stats["clip_high"].item() / mask.sum().item(), rel=1e-6)]
+        assert metrics["cispo_clip_ratio"] == [
+            pytest.approx(stats["clip_high"].item() / mask.sum().item(), rel=1e-6)
+        ]
         if cap == 1.5:
             assert stats["clip_high"].item() > 0 and stats["clip_low"].item() > 0
 
@@ -410,12 +418,21 @@ def test_loss_with_entropy_mask_matches_trl(loss_type):
     assert dropped.any() and (our_grad[dropped] != 0).all()
 
 
-@pytest.mark.parametrize("objective,trl_loss_type,loss_type", [("clipped", "dapo", "dapo"), ("sapo", "sapo", "grpo")])
-@pytest.mark.parametrize("level,mode", [("token", "truncate"), ("token", "mask"), ("sequence", "truncate"), ("sequence", "mask")])
-def test_rollout_correction_is_applied_as_trl_applies_it(objective, trl_loss_type, loss_type, level, mode):
+@pytest.mark.parametrize(
+    "objective,trl_loss_type,loss_type", [("clipped", "dapo", "dapo"), ("sapo", "sapo", "grpo")]
+)
+@pytest.mark.parametrize(
+    "level,mode",
+    [("token", "truncate"), ("token", "mask"), ("sequence", "truncate"), ("sequence", "mask")],
+)
+def test_rollout_correction_is_applied_as_trl_applies_it(
+    objective, trl_loss_type, loss_type, level, mode
+):
     logp, old, ref, adv, mask = _tensors(seed=25)
     # a sampler a little off the trainer, so that some weights pass the cap of 1.2
-    sampling = old + 0.15 * torch.randn(mask.shape, dtype=D, generator=torch.Generator().manual_seed(6))
+    sampling = old + 0.15 * torch.randn(
+        mask.shape, dtype=D, generator=torch.Generator().manual_seed(6)
+    )
     correction = RolloutCorrection(level=level, mode=mode, cap=1.2)
     weights = correction_weights(old, sampling, mask, correction)
     trl_loss, _ = _trl_loss(

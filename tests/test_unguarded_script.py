@@ -15,7 +15,7 @@ from pathlib import Path
 # reward replaced by one that calls grpo's math checking: \boxed{\frac{1}{2}} against 0.5, which only
 # math-verify, in its worker process, finds equal; its sizes tiny, and no report at the end. A second
 # reward, from a module beside the script, records the process it runs in.
-SCRIPT = r'''
+SCRIPT = r"""
 import json
 import os
 import sys
@@ -57,9 +57,9 @@ trainer.trainer.log.report = lambda: None  # the run's plots are not the subject
 trainer.train()
 with open(sys.argv[3], "w") as f:
     json.dump(results, f)
-'''
+"""
 
-BESIDE = '''
+BESIDE = """
 import os
 import sys
 
@@ -68,7 +68,7 @@ def where_it_runs(completions, **kwargs):
     with open(os.environ["WHERE_IT_RUNS"], "a") as f:
         f.write(f"{os.getpid()}\\n")
     return [0.0] * len(completions)
-'''
+"""
 
 
 def test_unguarded_seed_script_with_math_checking_runs_once(tmp_path):
@@ -79,15 +79,21 @@ def test_unguarded_seed_script_with_math_checking_runs_once(tmp_path):
     runs, results, where = tmp_path / "runs.txt", tmp_path / "results.json", tmp_path / "where.txt"
     done = subprocess.run(
         [sys.executable, "seed.py", str(runs), str(tmp_path / "out"), str(results)],
-        cwd=tmp_path, env={**os.environ, "WHERE_IT_RUNS": str(where)}, capture_output=True, text=True, timeout=300,
+        cwd=tmp_path,
+        env={**os.environ, "WHERE_IT_RUNS": str(where)},
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     (trainer_pid,) = runs.read_text().split()  # the top level ran once
-    assert json.loads(results.read_text()) == [1.0] * 8  # 2 steps x 4 completions, every comparison equal
+    assert (
+        json.loads(results.read_text()) == [1.0] * 8
+    )  # 2 steps x 4 completions, every comparison equal
     assert set(where.read_text().split()) == {trainer_pid}
 
 
-UNGUARDED = r'''
+UNGUARDED = r"""
 import os
 import sys
 
@@ -109,7 +115,7 @@ for _ in range(2):  # two executors (a RewardSet makes a new one after close): o
     calls = executor(inputs, 1)
     executor.close()
 print(executor.in_worker(0), executor.in_worker(1), *[c.status for (c,) in calls], int(calls[0][0].values[0]))
-'''
+"""
 
 
 def test_an_unguarded_scripts_functions_run_in_threads_and_its_modules_in_workers(tmp_path):
@@ -120,18 +126,24 @@ def test_an_unguarded_scripts_functions_run_in_threads_and_its_modules_in_worker
     (tmp_path / "unguarded.py").write_text(UNGUARDED)
     (tmp_path / "beside.py").write_text(BESIDE)
     runs, where = tmp_path / "runs.txt", tmp_path / "where.txt"
-    done = subprocess.run([sys.executable, "unguarded.py", str(runs)], cwd=tmp_path, capture_output=True,
-                          text=True, env={**os.environ, "WHERE_IT_RUNS": str(where)}, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "unguarded.py", str(runs)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "WHERE_IT_RUNS": str(where)},
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     (trainer_pid,) = runs.read_text().split()
     assert done.stdout.split() == ["False", "True", "ok", "ok", trainer_pid]
     pids = where.read_text().split()
     assert len(pids) == 2 and trainer_pid not in pids  # a worker each time
-    assert done.stderr.count("no `if __name__ == \"__main__\":`") == 1
+    assert done.stderr.count('no `if __name__ == "__main__":`') == 1
     assert "Put the script's training under" in done.stderr
 
 
-GUARDED = r'''
+GUARDED = r"""
 import os
 import sys
 
@@ -152,7 +164,7 @@ if __name__ == "__main__":
     (call,), = executor({"prompts": ["p"], "completions": ["a"], "completion_ids": [[1]]}, 1)
     executor.close()
     print(executor.in_worker(0), call.status, int(call.values[0]))
-'''
+"""
 
 
 def test_a_guarded_scripts_functions_run_in_workers(tmp_path):
@@ -160,8 +172,12 @@ def test_a_guarded_scripts_functions_run_in_workers(tmp_path):
     runs there, its guarded part does not), as multiprocessing's spawn did."""
     (tmp_path / "guarded.py").write_text(GUARDED)
     runs = tmp_path / "runs.txt"
-    done = subprocess.run([sys.executable, str(tmp_path / "guarded.py"), str(runs)], capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(tmp_path / "guarded.py"), str(runs)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     in_worker, status, worker_pid = done.stdout.split()
     assert (in_worker, status) == ("True", "ok")

@@ -9,8 +9,18 @@ from pathlib import Path
 
 from grpo.config.schema import ConfigError
 
-USER_FILE_ERRORS = {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EROFS,
-                    errno.ENOSPC, errno.EDQUOT, errno.ENAMETOOLONG, errno.ELOOP}
+USER_FILE_ERRORS = {
+    errno.ENOENT,
+    errno.ENOTDIR,
+    errno.EISDIR,
+    errno.EACCES,
+    errno.EPERM,
+    errno.EROFS,
+    errno.ENOSPC,
+    errno.EDQUOT,
+    errno.ENAMETOOLONG,
+    errno.ELOOP,
+}
 """An OSError with one of these numbers is about a path the user chose or its disk: one line, exit 2."""
 
 LATEST = "latest"
@@ -42,12 +52,17 @@ def _resume_from(value: str, cfg) -> "Path | None":
     if value == LATEST:
         found = checkpoint.latest_checkpoint(Path(cfg.output_dir))
         if found is None:
-            print(f"grpo: --resume: no checkpoint in {cfg.output_dir} yet; starting from step 0", file=sys.stderr)
+            print(
+                f"grpo: --resume: no checkpoint in {cfg.output_dir} yet; starting from step 0",
+                file=sys.stderr,
+            )
         return found
     path = Path(value).expanduser()
     if not path.exists():
-        raise ConfigError(f"--resume {path}: does not exist; pass a checkpoint directory (e.g. "
-                          f"{Path(cfg.output_dir) / 'checkpoint-100'}) or give --resume alone for output_dir's latest")
+        raise ConfigError(
+            f"--resume {path}: does not exist; pass a checkpoint directory (e.g. "
+            f"{Path(cfg.output_dir) / 'checkpoint-100'}) or give --resume alone for output_dir's latest"
+        )
     return checkpoint.latest_checkpoint(path) if checkpoint.checkpoints(path) else path
 
 
@@ -58,7 +73,9 @@ def _train(args: argparse.Namespace) -> int:
     from grpo.config import schema as config
 
     if args.resume is not None and "=" in args.resume and not Path(args.resume).exists():
-        args.overrides.append(args.resume)  # `--resume key=value`: an override, not the path to resume from
+        args.overrides.append(
+            args.resume
+        )  # `--resume key=value`: an override, not the path to resume from
         args.resume = LATEST
     cfg = config.load(args.config, args.overrides)
     _before_torch(cfg)
@@ -80,8 +97,11 @@ def _train(args: argparse.Namespace) -> int:
         print(f"grpo: training stopped: {e}\nrun directory: {cfg.output_dir}", file=sys.stderr)
         return 3
     except Interrupted as stop:
-        print(f"grpo: stopped at once by a second {signal.Signals(stop.signum).name}; the latest checkpoint "
-              f"in {cfg.output_dir} (if any) is intact; continue with: {again}", file=sys.stderr)
+        print(
+            f"grpo: stopped at once by a second {signal.Signals(stop.signum).name}; the latest checkpoint "
+            f"in {cfg.output_dir} (if any) is intact; continue with: {again}",
+            file=sys.stderr,
+        )
         return 128 + stop.signum
     except KeyboardInterrupt:  # Ctrl-C during set-up, before training began
         print("grpo: interrupted before training began", file=sys.stderr)
@@ -89,14 +109,22 @@ def _train(args: argparse.Namespace) -> int:
     if trainer.stopped_by is not None and not trainer.backend.is_main:
         return 128 + trainer.stopped_by  # rank 0 says what happened
     if trainer.stopped_by is not None:
-        saved = f"saved in {trainer.saved}" if trainer.saved else "no step trained, nothing new saved"
-        print(f"grpo: stopped by {signal.Signals(trainer.stopped_by).name} at step {trainer.state.step}, {saved}; "
-              f"continue with: {again}", file=sys.stderr)
+        saved = (
+            f"saved in {trainer.saved}" if trainer.saved else "no step trained, nothing new saved"
+        )
+        print(
+            f"grpo: stopped by {signal.Signals(trainer.stopped_by).name} at step {trainer.state.step}, {saved}; "
+            f"continue with: {again}",
+            file=sys.stderr,
+        )
         return 128 + trainer.stopped_by
     if trainer.trained_steps and not trainer.rewarded_steps:
-        print(f"grpo: no reward was computed in any step (every reward call failed or returned None), so nothing "
-              f"was learned; see rewards/<name>/errors in {cfg.output_dir}/metrics.jsonl and the first failure's "
-              "traceback above", file=sys.stderr)
+        print(
+            f"grpo: no reward was computed in any step (every reward call failed or returned None), so nothing "
+            f"was learned; see rewards/<name>/errors in {cfg.output_dir}/metrics.jsonl and the first failure's "
+            "traceback above",
+            file=sys.stderr,
+        )
         return 4
     if trainer.backend.is_main:
         print(f"run directory: {cfg.output_dir}")
@@ -120,16 +148,16 @@ def _eval(args: argparse.Namespace) -> int:
     import dataclasses
     from pathlib import Path
 
-    from grpo.config import schema as config
     from grpo.backends import create_backend
-    from grpo.tasks.data import PromptEncoder, check_columns
-    from grpo.run.eval_results import append_results, format_table
-    from grpo.training.evaluate import Evaluator
+    from grpo.config import schema as config
     from grpo.models.loading import context_length, load_model_and_tokenizer
-    from grpo.run.progress import bar
     from grpo.rewards.reward_set import RewardSet
     from grpo.rollout import create_engine
+    from grpo.run.eval_results import append_results, format_table
+    from grpo.run.progress import bar
     from grpo.tasks import load_task
+    from grpo.tasks.data import PromptEncoder, check_columns
+    from grpo.training.evaluate import Evaluator
 
     cfg = config.load(args.config, args.overrides)
     _before_torch(cfg)
@@ -140,23 +168,42 @@ def _eval(args: argparse.Namespace) -> int:
             f"--checkpoint {checkpoint}: not a checkpoint directory (no config.json); pass a directory written "
             f"by the trainer, e.g. {Path(cfg.output_dir) / 'final'}"
         )
-    task = load_task(cfg, training=False)  # a benchmark task (humaneval) is evaluated, never trained on
+    task = load_task(
+        cfg, training=False
+    )  # a benchmark task (humaneval) is evaluated, never trained on
     rows = task.eval_rows
     reward_set = (
-        RewardSet.from_config(cfg.rewards, cfg.rollout.max_completion_length, check_columns(rows, "held-out rows") - {"prompt"})
-        if rows else None
+        RewardSet.from_config(
+            cfg.rewards,
+            cfg.rollout.max_completion_length,
+            check_columns(rows, "held-out rows") - {"prompt"},
+        )
+        if rows
+        else None
     )
     backend = create_backend(cfg)
     out = Path(cfg.output_dir)
 
     def run(model_cfg, label: str, step: int):
         model, tokenizer = load_model_and_tokenizer(model_cfg, backend.device)
-        prompts = PromptEncoder(tokenizer, cfg.data.chat_template == "auto", cfg.data.few_shot, cfg.rollout.max_prompt_length)
+        prompts = PromptEncoder(
+            tokenizer,
+            cfg.data.chat_template == "auto",
+            cfg.data.few_shot,
+            cfg.rollout.max_prompt_length,
+        )
         length = cfg.eval.max_completion_length or cfg.rollout.max_completion_length
-        prompts.check_fits(rows, length, context_length(model), "held-out rows")  # before any generation
-        engine = create_engine(cfg.rollout.engine, backend.prepare_model(model), tokenizer, cfg, backend.decoding)
+        prompts.check_fits(
+            rows, length, context_length(model), "held-out rows"
+        )  # before any generation
+        engine = create_engine(
+            cfg.rollout.engine, backend.prepare_model(model), tokenizer, cfg, backend.decoding
+        )
         evaluator = Evaluator(cfg, engine, tokenizer, rows, task.scorer, reward_set)
-        print(f"evaluating {model_cfg.name} (step {step}) on {len(evaluator.rows)} held-out problems", flush=True)
+        print(
+            f"evaluating {model_cfg.name} (step {step}) on {len(evaluator.rows)} held-out problems",
+            flush=True,
+        )
         with bar(evaluator.num_batches, f"eval {label}", "batch") as progress:
             results = evaluator(label, step, progress)
         append_results(out / "eval.jsonl", results)
@@ -196,7 +243,9 @@ def _config_show(args: argparse.Namespace) -> int:
     path, overrides = _config_and_overrides(args.words)
     cfg = config.load(path, overrides)  # validated as `grpo train` would: the same errors
     source = f"{path}" if path else "the defaults"
-    header = f"grpo config, resolved from {source}" + (f" with {' '.join(overrides)}" if overrides else "")
+    header = f"grpo config, resolved from {source}" + (
+        f" with {' '.join(overrides)}" if overrides else ""
+    )
     print(commented_yaml(cfg, header), end="")
     return 0
 
@@ -216,7 +265,9 @@ def _init(args: argparse.Namespace) -> int:
 
     path = Path(args.path)
     if path.exists() and not args.force:
-        raise ConfigError(f"grpo init: {path} already exists; choose another path, or pass --force to overwrite it")
+        raise ConfigError(
+            f"grpo init: {path} already exists; choose another path, or pass --force to overwrite it"
+        )
     header = (
         "A grpo run: every key at its default, its meaning above it. Change what you need (delete\n"
         f"the rest if you like: a missing key takes its default), then run `grpo train {path}`;\n"
@@ -233,8 +284,10 @@ def _export(args: argparse.Namespace) -> int:
 
     checkpoint = Path(args.checkpoint).expanduser()
     if not checkpoint.is_dir():
-        raise ConfigError(f"grpo export: {checkpoint} is not a directory; pass a checkpoint directory written by "
-                          "the trainer (e.g. runs/grpo/final)")
+        raise ConfigError(
+            f"grpo export: {checkpoint} is not a directory; pass a checkpoint directory written by "
+            "the trainer (e.g. runs/grpo/final)"
+        )
     try:
         from grpo.run.export import export_checkpoint
     except ImportError as error:
@@ -253,50 +306,90 @@ def _train_help() -> str:
     for name, (what, example) in SECTIONS.items():
         lines.append(f"  {name:<{width}}  {what}")
         lines.append(f"  {'':<{width}}    e.g. {example}")
-    lines += ["", "`grpo config show CONFIG [overrides]` prints every key with its meaning and resolved value;",
-              "`grpo init PATH` writes a starter config with every key at its default."]
+    lines += [
+        "",
+        "`grpo config show CONFIG [overrides]` prints every key with its meaning and resolved value;",
+        "`grpo init PATH` writes a starter config with every key at its default.",
+    ]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="grpo", description="GRPO training from verifiable rewards")
+    parser = argparse.ArgumentParser(
+        prog="grpo", description="GRPO training from verifiable rewards"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train a model with GRPO", epilog=_train_help(),
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    train = sub.add_parser(
+        "train",
+        help="train a model with GRPO",
+        epilog=_train_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     train.add_argument("config", help="YAML config file (see examples/)")
     train.add_argument("overrides", nargs="*", help="section.key=value, e.g. training.max_steps=50")
-    train.add_argument("--resume", nargs="?", const=LATEST, metavar="PATH",
-                       help="continue a run exactly: from output_dir's latest checkpoint, or from PATH (a checkpoint "
-                            "or run directory). Exit codes: 0 done, 2 config error, 3 diverged, 130 SIGINT, 143 SIGTERM")
+    train.add_argument(
+        "--resume",
+        nargs="?",
+        const=LATEST,
+        metavar="PATH",
+        help="continue a run exactly: from output_dir's latest checkpoint, or from PATH (a checkpoint "
+        "or run directory). Exit codes: 0 done, 2 config error, 3 diverged, 130 SIGINT, 143 SIGTERM",
+    )
     train.set_defaults(run=_train)
-    ev = sub.add_parser("eval", help="evaluate a model (and a trained checkpoint) on the held-out problems")
+    ev = sub.add_parser(
+        "eval", help="evaluate a model (and a trained checkpoint) on the held-out problems"
+    )
     ev.add_argument("config", help="YAML config file (the run's config.yaml or one from examples/)")
     ev.add_argument("overrides", nargs="*", help="section.key=value, e.g. eval.num_problems=50")
-    ev.add_argument("--checkpoint", metavar="DIR", help="a checkpoint directory written by the trainer, evaluated as 'after'")
+    ev.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        help="a checkpoint directory written by the trainer, evaluated as 'after'",
+    )
     ev.set_defaults(run=_eval)
     report = sub.add_parser("report", help="plots and a markdown report of a run directory")
     report.add_argument("run_dir", help="the run's output_dir (holds metrics.jsonl)")
     report.set_defaults(run=_report)
-    export = sub.add_parser("export", help="a checkpoint as a model directory: the merged model or the LoRA adapter")
-    export.add_argument("checkpoint", help="a checkpoint directory written by the trainer (e.g. runs/grpo/final)")
-    export.add_argument("--out", required=True, metavar="DIR", help="where to write the exported model")
-    export.add_argument("--merge", action="store_true", help="merge a LoRA adapter into the base model's weights")
+    export = sub.add_parser(
+        "export", help="a checkpoint as a model directory: the merged model or the LoRA adapter"
+    )
+    export.add_argument(
+        "checkpoint", help="a checkpoint directory written by the trainer (e.g. runs/grpo/final)"
+    )
+    export.add_argument(
+        "--out", required=True, metavar="DIR", help="where to write the exported model"
+    )
+    export.add_argument(
+        "--merge", action="store_true", help="merge a LoRA adapter into the base model's weights"
+    )
     export.set_defaults(run=_export)
     conf = sub.add_parser("config", help="show the resolved config, each key with its meaning")
     conf_sub = conf.add_subparsers(dest="config_command", required=True)
-    show = conf_sub.add_parser("show", help="print the resolved config (validated as train does) as commented YAML")
-    show.add_argument("words", nargs="*", metavar="[CONFIG] [section.key=value ...]",
-                      help="a YAML config file (none: the defaults), then overrides")
+    show = conf_sub.add_parser(
+        "show", help="print the resolved config (validated as train does) as commented YAML"
+    )
+    show.add_argument(
+        "words",
+        nargs="*",
+        metavar="[CONFIG] [section.key=value ...]",
+        help="a YAML config file (none: the defaults), then overrides",
+    )
     show.set_defaults(run=_config_show)
-    init = sub.add_parser("init", help="write a starter config: every key at its default, its meaning above it")
-    init.add_argument("path", nargs="?", default="grpo.yaml", help="the file to write (default: grpo.yaml)")
+    init = sub.add_parser(
+        "init", help="write a starter config: every key at its default, its meaning above it"
+    )
+    init.add_argument(
+        "path", nargs="?", default="grpo.yaml", help="the file to write (default: grpo.yaml)"
+    )
     init.add_argument("--force", action="store_true", help="overwrite the file if it exists")
     init.set_defaults(run=_init)
     # overrides may come after an option too (`grpo eval CFG --checkpoint DIR key=val`): argparse's
     # intermixed parsing does not work with subcommands, so the key=value words it leaves are taken here
     args, extra = parser.parse_known_args(argv)
     if extra:
-        if args.command not in ("train", "eval") or any(x.startswith("-") or "=" not in x for x in extra):
+        if args.command not in ("train", "eval") or any(
+            x.startswith("-") or "=" not in x for x in extra
+        ):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = [*args.overrides, *extra]
     try:
@@ -308,8 +401,11 @@ def main(argv: list[str] | None = None) -> int:
         if e.errno not in USER_FILE_ERRORS:
             raise  # not about a path the user chose: a bug, shown whole
         where = f"{e.filename}: " if e.filename else ""
-        print(f"grpo: {where}{e.strerror or e} ({errno.errorcode.get(e.errno, e.errno)}); check the paths in the "
-              "config and the command line, the directory's permissions and the free space", file=sys.stderr)
+        print(
+            f"grpo: {where}{e.strerror or e} ({errno.errorcode.get(e.errno, e.errno)}); check the paths in the "
+            "config and the command line, the directory's permissions and the free space",
+            file=sys.stderr,
+        )
         return 2
     finally:
         if "torch.distributed" in sys.modules:  # under torchrun: leave the process group cleanly

@@ -156,8 +156,12 @@ class GRPOConfig(_Fields):
         self.ignored = {name: kwargs.pop(name) for name in list(kwargs) if name in NO_EFFECT}
         """The NO_EFFECT fields given, which this run does not use."""
         super().__init__(*args, **kwargs)
-        named = sorted(name for name, value in self.ignored.items() if value is not None and value is not False)
-        if named:  # a switch left off (use_vllm=False, push_to_hub=False) changes nothing either way
+        named = sorted(
+            name for name, value in self.ignored.items() if value is not None and value is not False
+        )
+        if (
+            named
+        ):  # a switch left off (use_vllm=False, push_to_hub=False) changes nothing either way
             warnings.warn(
                 f"GRPOConfig: accepted but without effect in grpo (it has no vLLM, Hub, launcher or dataloader "
                 f"settings): {', '.join(named)}",
@@ -171,11 +175,18 @@ class GRPOConfig(_Fields):
         if self.max_steps > 0:
             return math.ceil(self.max_steps / self._mu)
         if num_rows is None:
-            raise ConfigError("GRPOConfig.num_train_epochs: needs the dataset's size; set max_steps, or pass train_dataset")
+            raise ConfigError(
+                "GRPOConfig.num_train_epochs: needs the dataset's size; set max_steps, or pass train_dataset"
+            )
         return max(1, math.ceil(self.num_train_epochs * num_rows / self._prompts_per_step()))
 
     def _prompts_per_step(self) -> int:
-        return max(1, self.per_device_train_batch_size * self.gradient_accumulation_steps // max(1, self.num_generations))
+        return max(
+            1,
+            self.per_device_train_batch_size
+            * self.gradient_accumulation_steps
+            // max(1, self.num_generations),
+        )
 
     @property
     def _mu(self) -> int:
@@ -188,7 +199,9 @@ class GRPOConfig(_Fields):
             return 0
         if strategy == "epoch":
             if num_rows is None:
-                raise ConfigError(f"GRPOConfig.{what}: 'epoch' needs the dataset's size; pass train_dataset or use 'steps'")
+                raise ConfigError(
+                    f"GRPOConfig.{what}: 'epoch' needs the dataset's size; pass train_dataset or use 'steps'"
+                )
             return max(1, math.ceil(num_rows / self._prompts_per_step()))
         if strategy != "steps":
             raise ConfigError(f"GRPOConfig.{what}: {strategy!r} is not one of no, steps, epoch")
@@ -232,7 +245,9 @@ class GRPOConfig(_Fields):
                 "leave it unset (use num_iterations to reuse a generation batch)"
             )
         if not self.shuffle_dataset:
-            raise ConfigError("GRPOConfig.shuffle_dataset=False: grpo always shuffles the prompts (with data_seed); remove it")
+            raise ConfigError(
+                "GRPOConfig.shuffle_dataset=False: grpo always shuffles the prompts (with data_seed); remove it"
+            )
         if self.disable_dropout:
             raise ConfigError(
                 "GRPOConfig.disable_dropout=True is not implemented; build the model with dropout 0 "
@@ -243,16 +258,28 @@ class GRPOConfig(_Fields):
                 f"GRPOConfig.vllm_mode={self.vllm_mode!r}: grpo's vllm engine runs colocated in the training process "
                 "(no vLLM server); use vllm_mode='colocate' (TRL's default)"
             )
-        if self.use_vllm and self.vllm_importance_sampling_correction and self.vllm_importance_sampling_clip_max is None:
-            raise ConfigError("GRPOConfig.vllm_importance_sampling_clip_max=None: grpo's correction needs an upper bound; "
-                              "set it (TRL's default is 3.0) or vllm_importance_sampling_correction=False")
+        if (
+            self.use_vllm
+            and self.vllm_importance_sampling_correction
+            and self.vllm_importance_sampling_clip_max is None
+        ):
+            raise ConfigError(
+                "GRPOConfig.vllm_importance_sampling_clip_max=None: grpo's correction needs an upper bound; "
+                "set it (TRL's default is 3.0) or vllm_importance_sampling_correction=False"
+            )
         if self.vllm_importance_sampling_clip_min is not None:
-            raise ConfigError("GRPOConfig.vllm_importance_sampling_clip_min: grpo's correction has an upper bound only; "
-                              "leave it None")
+            raise ConfigError(
+                "GRPOConfig.vllm_importance_sampling_clip_min: grpo's correction has an upper bound only; "
+                "leave it None"
+            )
         if self.optim not in ("adamw_torch_fused", "adamw_torch"):
-            raise ConfigError(f"GRPOConfig.optim={self.optim!r}: grpo trains with AdamW only; use adamw_torch_fused or adamw_torch")
+            raise ConfigError(
+                f"GRPOConfig.optim={self.optim!r}: grpo trains with AdamW only; use adamw_torch_fused or adamw_torch"
+            )
         if self.save_strategy == "best" or self.eval_strategy not in ("no", "steps", "epoch"):
-            raise ConfigError("GRPOConfig.save_strategy/eval_strategy: use no, steps or epoch ('best' is not implemented)")
+            raise ConfigError(
+                "GRPOConfig.save_strategy/eval_strategy: use no, steps or epoch ('best' is not implemented)"
+            )
 
 
 _FIELD_NAMES = {f.name for f in dataclasses.fields(_Fields)}
@@ -263,7 +290,9 @@ _UNSET = object()
 def _report_to(a: GRPOConfig, n) -> list[str]:
     names = [a.report_to] if isinstance(a.report_to, str) else list(a.report_to)
     if "all" in names:
-        raise ConfigError("GRPOConfig.report_to: 'all' is not supported; name them: tensorboard, wandb, trackio")
+        raise ConfigError(
+            "GRPOConfig.report_to: 'all' is not supported; name them: tensorboard, wandb, trackio"
+        )
     return [name for name in names if name != "none"]
 
 
@@ -272,7 +301,11 @@ def _ref_sync(a: GRPOConfig, n):
 
 
 def _correction(a: GRPOConfig) -> str:
-    return a.vllm_importance_sampling_mode if a.use_vllm and a.vllm_importance_sampling_correction else "none"
+    return (
+        a.vllm_importance_sampling_mode
+        if a.use_vllm and a.vllm_importance_sampling_correction
+        else "none"
+    )
 
 
 def _warmup(a: GRPOConfig, n) -> int:
@@ -287,7 +320,9 @@ LOSS_TYPE_AGGREGATION = {"cispo": "dapo", "sapo": "grpo"}
 DERIVED: dict[str, Callable[[GRPOConfig], Any]] = {
     # keys set by no single TRL field: TRL's loss_type also picks the per-token objective,
     # and its entropy threshold is over one forward pass's tokens
-    "algorithm.policy_loss": lambda a: a.loss_type if a.loss_type in LOSS_TYPE_AGGREGATION else "clipped",
+    "algorithm.policy_loss": lambda a: (
+        a.loss_type if a.loss_type in LOSS_TYPE_AGGREGATION else "clipped"
+    ),
     "algorithm.entropy_mask_scope": lambda a: "batch" if a.top_entropy_quantile < 1 else _UNSET,
 }
 
@@ -305,29 +340,48 @@ MAPPING: dict[str, tuple[str, Callable[[GRPOConfig, int | None], Any] | None]] =
     "epsilon": ("algorithm.epsilon", None),
     "epsilon_high": ("algorithm.epsilon_high", None),
     "delta": ("algorithm.delta", None),
-    "loss_type": ("algorithm.loss_type", lambda a, n: LOSS_TYPE_AGGREGATION.get(a.loss_type, a.loss_type)),
+    "loss_type": (
+        "algorithm.loss_type",
+        lambda a, n: LOSS_TYPE_AGGREGATION.get(a.loss_type, a.loss_type),
+    ),
     "sapo_temperature_pos": ("algorithm.sapo_temperature_pos", None),
     "sapo_temperature_neg": ("algorithm.sapo_temperature_neg", None),
     "top_entropy_quantile": ("algorithm.top_entropy_quantile", None),
     "use_vllm": ("rollout.engine", lambda a, n: "vllm" if a.use_vllm else "hf"),
     # the vllm engine's settings, set only when it is used (the engine's own defaults otherwise)
-    "vllm_enable_sleep_mode": ("rollout.vllm.sleep_mode", lambda a, n: a.vllm_enable_sleep_mode if a.use_vllm else _UNSET),
-    "vllm_gpu_memory_utilization": ("rollout.vllm.gpu_memory_utilization",
-                                    lambda a, n: a.vllm_gpu_memory_utilization if a.use_vllm else _UNSET),
+    "vllm_enable_sleep_mode": (
+        "rollout.vllm.sleep_mode",
+        lambda a, n: a.vllm_enable_sleep_mode if a.use_vllm else _UNSET,
+    ),
+    "vllm_gpu_memory_utilization": (
+        "rollout.vllm.gpu_memory_utilization",
+        lambda a, n: a.vllm_gpu_memory_utilization if a.use_vllm else _UNSET,
+    ),
     # TRL corrects for vLLM's sampling only when it generates with vLLM
-    "vllm_importance_sampling_correction": ("algorithm.rollout_correction", lambda a, n: _correction(a)),
+    "vllm_importance_sampling_correction": (
+        "algorithm.rollout_correction",
+        lambda a, n: _correction(a),
+    ),
     "vllm_importance_sampling_mode": ("algorithm.rollout_correction", lambda a, n: _correction(a)),
-    "vllm_importance_sampling_clip_max": ("algorithm.rollout_correction_cap",
-                                          lambda a, n: a.vllm_importance_sampling_clip_max if a.use_vllm else _UNSET),
+    "vllm_importance_sampling_clip_max": (
+        "algorithm.rollout_correction_cap",
+        lambda a, n: a.vllm_importance_sampling_clip_max if a.use_vllm else _UNSET,
+    ),
     # TRL reads True/False as group/none
-    "scale_rewards": ("algorithm.scale_rewards", lambda a, n: {True: "group", False: "none"}.get(a.scale_rewards, a.scale_rewards)),
+    "scale_rewards": (
+        "algorithm.scale_rewards",
+        lambda a, n: {True: "group", False: "none"}.get(a.scale_rewards, a.scale_rewards),
+    ),
     "importance_sampling_level": ("algorithm.importance_sampling_level", None),
     "num_iterations": ("algorithm.num_iterations", None),
     "mask_truncated_completions": ("algorithm.mask_truncated_completions", None),
     "reward_weights": ("rewards.weights", None),
     "sync_ref_model": ("algorithm.ref_sync_steps", _ref_sync),
     "ref_model_sync_steps": ("algorithm.ref_sync_steps", _ref_sync),
-    "ref_model_mixup_alpha": ("algorithm.ref_sync_alpha", lambda a, n: a.ref_model_mixup_alpha if a.sync_ref_model else _UNSET),
+    "ref_model_mixup_alpha": (
+        "algorithm.ref_sync_alpha",
+        lambda a, n: a.ref_model_mixup_alpha if a.sync_ref_model else _UNSET,
+    ),
     "learning_rate": ("training.learning_rate", None),
     "lr_scheduler_type": ("training.lr_scheduler_type", None),
     "warmup_steps": ("training.warmup_steps", _warmup),
@@ -343,47 +397,128 @@ MAPPING: dict[str, tuple[str, Callable[[GRPOConfig, int | None], Any] | None]] =
     "seed": ("training.seed", None),
     "data_seed": ("data.seed", lambda a, n: a.seed if a.data_seed is None else a.data_seed),
     "bf16": ("training.bf16", lambda a, n: True if a.bf16 is None else a.bf16),
-    "gradient_checkpointing": ("training.gradient_checkpointing",
-                               lambda a, n: a.gradient_checkpointing if a.activation_checkpointing is None else a.activation_checkpointing),
-    "activation_checkpointing": ("training.gradient_checkpointing",
-                                 lambda a, n: a.gradient_checkpointing if a.activation_checkpointing is None else a.activation_checkpointing),
+    "gradient_checkpointing": (
+        "training.gradient_checkpointing",
+        lambda a, n: (
+            a.gradient_checkpointing
+            if a.activation_checkpointing is None
+            else a.activation_checkpointing
+        ),
+    ),
+    "activation_checkpointing": (
+        "training.gradient_checkpointing",
+        lambda a, n: (
+            a.gradient_checkpointing
+            if a.activation_checkpointing is None
+            else a.activation_checkpointing
+        ),
+    ),
     "trust_remote_code": ("model.trust_remote_code", None),
     "use_cpu": ("training.device", lambda a, n: "cpu" if a.use_cpu else "auto"),
-    "logging_steps": ("logging.log_every", lambda a, n: a._in_steps(a.logging_steps, n, "steps", "logging_steps")),
+    "logging_steps": (
+        "logging.log_every",
+        lambda a, n: a._in_steps(a.logging_steps, n, "steps", "logging_steps"),
+    ),
     "report_to": ("logging.report_to", _report_to),
     # TRL logs completions every logging_steps when asked, and none otherwise
-    "log_completions": ("logging.sample_every",
-                        lambda a, n: a._in_steps(a.logging_steps, n, "steps", "logging_steps") if a.log_completions else 0),
+    "log_completions": (
+        "logging.sample_every",
+        lambda a, n: (
+            a._in_steps(a.logging_steps, n, "steps", "logging_steps") if a.log_completions else 0
+        ),
+    ),
     "run_name": ("logging.run_name", None),
-    "save_strategy": ("training.save_steps", lambda a, n: a._in_steps(a.save_steps, n, a.save_strategy, "save_steps")),
-    "save_steps": ("training.save_steps", lambda a, n: a._in_steps(a.save_steps, n, a.save_strategy, "save_steps")),
+    "save_strategy": (
+        "training.save_steps",
+        lambda a, n: a._in_steps(a.save_steps, n, a.save_strategy, "save_steps"),
+    ),
+    "save_steps": (
+        "training.save_steps",
+        lambda a, n: a._in_steps(a.save_steps, n, a.save_strategy, "save_steps"),
+    ),
     "save_total_limit": ("training.save_total_limit", lambda a, n: a.save_total_limit or 0),
-    "eval_strategy": ("eval.every", lambda a, n: a._in_steps(a.eval_steps or a.logging_steps, n, a.eval_strategy, "eval_steps")),
-    "eval_steps": ("eval.every", lambda a, n: a._in_steps(a.eval_steps or a.logging_steps, n, a.eval_strategy, "eval_steps")),
+    "eval_strategy": (
+        "eval.every",
+        lambda a, n: a._in_steps(a.eval_steps or a.logging_steps, n, a.eval_strategy, "eval_steps"),
+    ),
+    "eval_steps": (
+        "eval.every",
+        lambda a, n: a._in_steps(a.eval_steps or a.logging_steps, n, a.eval_strategy, "eval_steps"),
+    ),
     "per_device_eval_batch_size": ("eval.batch_size", None),
 }
 """Every GRPOConfig field, and the grpo key it sets, but CHECKED_ONLY's."""
 
-CHECKED_ONLY = ("generation_batch_size", "steps_per_generation", "shuffle_dataset", "disable_dropout", "optim", "vllm_mode",
-                "vllm_importance_sampling_clip_min", "grpo_overrides")
+CHECKED_ONLY = (
+    "generation_batch_size",
+    "steps_per_generation",
+    "shuffle_dataset",
+    "disable_dropout",
+    "optim",
+    "vllm_mode",
+    "vllm_importance_sampling_clip_min",
+    "grpo_overrides",
+)
 """Fields that set no key: grpo has one value for each (refused otherwise, in `_check`), and grpo_overrides."""
 
 NO_EFFECT = {
     # generation servers and kernels grpo does not have; its own engine generates
-    "vllm_model_impl", "vllm_server_base_url",
-    "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
-    "vllm_max_model_length", "vllm_tensor_parallel_size", "vllm_importance_sampling_cap",
-    "use_transformers_paged", "use_transformers_continuous_batching", "cache_implementation", "use_cache",
-    "ds3_gather_for_generation", "pad_to_multiple_of", "use_liger_kernel", "torch_compile", "tf32",
+    "vllm_model_impl",
+    "vllm_server_base_url",
+    "vllm_server_host",
+    "vllm_server_port",
+    "vllm_server_timeout",
+    "vllm_group_port",
+    "vllm_max_model_length",
+    "vllm_tensor_parallel_size",
+    "vllm_importance_sampling_cap",
+    "use_transformers_paged",
+    "use_transformers_continuous_batching",
+    "cache_implementation",
+    "use_cache",
+    "ds3_gather_for_generation",
+    "pad_to_multiple_of",
+    "use_liger_kernel",
+    "torch_compile",
+    "tf32",
     # the Hub, distributed launchers, dataloaders and console verbosity
-    "push_to_hub", "hub_model_id", "hub_strategy", "hub_token", "hub_private_repo", "hub_always_push",
-    "hub_revision", "log_completions_hub_repo", "ddp_find_unused_parameters", "ddp_backend", "ddp_timeout",
-    "local_rank", "dataloader_num_workers", "dataloader_pin_memory", "dataloader_drop_last",
-    "dataloader_persistent_workers", "dataloader_prefetch_factor", "remove_unused_columns",
-    "logging_strategy", "logging_first_step", "logging_dir", "log_level", "log_level_replica", "disable_tqdm",
-    "num_completions_to_print", "log_unique_prompts", "log_on_each_node",
-    "skip_memory_metrics", "do_train", "do_eval", "do_predict", "project", "trackio_space_id",
-    "save_only_model", "save_on_each_node", "save_safetensors", "include_num_input_tokens_seen",
+    "push_to_hub",
+    "hub_model_id",
+    "hub_strategy",
+    "hub_token",
+    "hub_private_repo",
+    "hub_always_push",
+    "hub_revision",
+    "log_completions_hub_repo",
+    "ddp_find_unused_parameters",
+    "ddp_backend",
+    "ddp_timeout",
+    "local_rank",
+    "dataloader_num_workers",
+    "dataloader_pin_memory",
+    "dataloader_drop_last",
+    "dataloader_persistent_workers",
+    "dataloader_prefetch_factor",
+    "remove_unused_columns",
+    "logging_strategy",
+    "logging_first_step",
+    "logging_dir",
+    "log_level",
+    "log_level_replica",
+    "disable_tqdm",
+    "num_completions_to_print",
+    "log_unique_prompts",
+    "log_on_each_node",
+    "skip_memory_metrics",
+    "do_train",
+    "do_eval",
+    "do_predict",
+    "project",
+    "trackio_space_id",
+    "save_only_model",
+    "save_on_each_node",
+    "save_safetensors",
+    "include_num_input_tokens_seen",
     "average_tokens_across_devices",
 }
 """TRL fields accepted and named in a warning: they change nothing about what is trained here
@@ -397,7 +532,8 @@ _HINTS = {
     "model_init_kwargs": "load the model yourself and pass it, or set grpo_overrides=['model.dtype=bfloat16']",
     "resume_from_checkpoint": "pass it to train(resume_from_checkpoint=...)",
     "generation_kwargs": "use temperature, top_p, top_k, max_completion_length, or grpo_overrides=['rollout.stop_strings=[...]']",
-    "min_p": "use top_p or top_k", "repetition_penalty": "use temperature, top_p or top_k",
+    "min_p": "use top_p or top_k",
+    "repetition_penalty": "use temperature, top_p or top_k",
     "multi_objective_aggregation": "rewards are summed with reward_weights, then normalised (TRL's default)",
     "entropy_coef": "not implemented",
     "deepspeed": "grpo shards with FSDP2 itself: run `grpo train` under torchrun with training.sharding=fsdp",
@@ -407,7 +543,9 @@ _HINTS = {
 
 
 def _refusal(name: str) -> str:
-    hint = _HINTS.get(name, "remove it (grpo's own settings go in grpo_overrides=['section.key=value'])")
+    hint = _HINTS.get(
+        name, "remove it (grpo's own settings go in grpo_overrides=['section.key=value'])"
+    )
     return f"GRPOConfig: grpo does not implement TRL's `{name}`; {hint}"
 
 
@@ -420,7 +558,9 @@ def _set_dotted(data: dict, dotted: str, value: Any) -> None:
 
 def _with_fields(message: str) -> str:
     """A grpo config error, with the GRPOConfig fields that set the key it names."""
-    names = sorted({name for name, (key, _) in MAPPING.items() if f"{key}:" in message or f"{key}=" in message})
+    names = sorted(
+        {name for name, (key, _) in MAPPING.items() if f"{key}:" in message or f"{key}=" in message}
+    )
     return f"{message} (GRPOConfig: {', '.join(names)})" if names else message
 
 
@@ -468,19 +608,29 @@ class GRPOTrainer:
         if unknown:
             raise TypeError(f"GRPOTrainer: unknown argument(s) {', '.join(sorted(unknown))}")
         if callbacks:
-            raise NotImplementedError("GRPOTrainer: callbacks are not supported; read trainer.state.log_history or metrics.jsonl after train()")
+            raise NotImplementedError(
+                "GRPOTrainer: callbacks are not supported; read trainer.state.log_history or metrics.jsonl after train()"
+            )
         if optimizers != (None, None):
-            raise NotImplementedError("GRPOTrainer: optimizers= is not supported; grpo builds AdamW from learning_rate, weight_decay and adam_*")
+            raise NotImplementedError(
+                "GRPOTrainer: optimizers= is not supported; grpo builds AdamW from learning_rate, weight_decay and adam_*"
+            )
         if _rerun_by_a_spawned_worker():
             raise RuntimeError(
                 "GRPOTrainer: a reward worker process (rewards.isolation=process) imported the training script, "
-                "which trains at its top level; train under `if __name__ == \"__main__\":` or use "
+                'which trains at its top level; train under `if __name__ == "__main__":` or use '
                 "grpo_overrides=['rewards.isolation=thread']"
             )
         if train_dataset is None:
-            raise ValueError("GRPOTrainer: train_dataset is required (a datasets.Dataset, a list of dicts or a .jsonl path)")
+            raise ValueError(
+                "GRPOTrainer: train_dataset is required (a datasets.Dataset, a list of dicts or a .jsonl path)"
+            )
         if args is None:  # TRL's default: a directory named after the model
-            name = model if isinstance(model, (str, Path)) else getattr(model, "name_or_path", "") or "model"
+            name = (
+                model
+                if isinstance(model, (str, Path))
+                else getattr(model, "name_or_path", "") or "model"
+            )
             args = GRPOConfig(output_dir=f"{Path(str(name)).name}-GRPO")
         self.args = args
         lora = lora_keys(peft_config, model) if peft_config is not None else None
@@ -492,7 +642,11 @@ class GRPOTrainer:
                 )
             self.config = self.args.to_config(None, lora)
             c = self.config
-            train_rows = _take(train_dataset, "train_dataset", c.training.max_steps * (c.generation_batch_size() // c.rollout.num_generations))
+            train_rows = _take(
+                train_dataset,
+                "train_dataset",
+                c.training.max_steps * (c.generation_batch_size() // c.rollout.num_generations),
+            )
         else:
             train_rows = _rows(train_dataset, "train_dataset")
             self.config = self.args.to_config(len(train_rows), lora)
@@ -509,18 +663,28 @@ class GRPOTrainer:
         if processing_class is not None:
             from grpo.models.loading import _prepare_tokenizer
 
-            _prepare_tokenizer(processing_class)  # left padding and a pad token, as grpo's loader gives
+            _prepare_tokenizer(
+                processing_class
+            )  # left padding and a pad token, as grpo's loader gives
         self.reward_funcs = _reward_funcs(reward_funcs, reward_processing_classes, self.config)
         _script_rewards_in_threads(self.reward_funcs, self.config, self.args.grpo_overrides)
-        self._inputs = dict(model=model, tokenizer=processing_class, train_rows=train_rows, eval_rows=eval_rows,
-                            reward_funcs=self.reward_funcs)
+        self._inputs = dict(
+            model=model,
+            tokenizer=processing_class,
+            train_rows=train_rows,
+            eval_rows=eval_rows,
+            reward_funcs=self.reward_funcs,
+        )
         from grpo.run import checkpoint
         from grpo.training.trainer import Trainer
 
         # An output_dir holding a run is refused by grpo unless resumed, but whether train() will
         # resume is not known yet: built here as if it may be overwritten (which happens only when
         # training starts), and train() refuses it there unless resuming or overwrite_output_dir.
-        self._holds_run = bool(checkpoint.checkpoints(Path(self.config.output_dir))) and not self.config.overwrite_output_dir
+        self._holds_run = (
+            bool(checkpoint.checkpoints(Path(self.config.output_dir)))
+            and not self.config.overwrite_output_dir
+        )
         start = self.config
         if self._holds_run:
             start = copy.deepcopy(self.config)
@@ -547,16 +711,30 @@ class GRPOTrainer:
         history = self.trainer.train()
         self.state.log_history.extend(history)
         self.state.global_step = self.trainer.state.step * self.config.algorithm.num_iterations
-        losses = [row["loss"] for row in history if isinstance(row.get("loss"), float) and math.isfinite(row["loss"])]
-        return TrainOutput(self.state.global_step, sum(losses) / len(losses) if losses else 0.0, history[-1] if history else {})
+        losses = [
+            row["loss"]
+            for row in history
+            if isinstance(row.get("loss"), float) and math.isfinite(row["loss"])
+        ]
+        return TrainOutput(
+            self.state.global_step,
+            sum(losses) / len(losses) if losses else 0.0,
+            history[-1] if history else {},
+        )
 
     def _resume(self, checkpoint_path: str | bool) -> None:
         from grpo.run import checkpoint
         from grpo.training.trainer import Trainer
 
-        path = checkpoint.latest_checkpoint(Path(self.config.output_dir)) if checkpoint_path is True else Path(checkpoint_path)
+        path = (
+            checkpoint.latest_checkpoint(Path(self.config.output_dir))
+            if checkpoint_path is True
+            else Path(checkpoint_path)
+        )
         if path is None:
-            raise ValueError(f"train(resume_from_checkpoint=True): no checkpoint in {self.config.output_dir}")
+            raise ValueError(
+                f"train(resume_from_checkpoint=True): no checkpoint in {self.config.output_dir}"
+            )
         # the trainer built at construction holds no training yet: replace it by one that resumes
         self.trainer.rewards.close()
         self.trainer = Trainer(self.config, **self._inputs, resume=path)
@@ -579,7 +757,9 @@ class GRPOTrainer:
                 raise ValueError("GRPOTrainer.evaluate: needs eval_dataset")
             from grpo.training.evaluate import Evaluator
 
-            t.evaluator = Evaluator(self.config, t.engine, t.tokenizer, t.task.eval_rows, t.task.scorer, t.rewards)
+            t.evaluator = Evaluator(
+                self.config, t.engine, t.tokenizer, t.task.eval_rows, t.task.scorer, t.rewards
+            )
         metrics = {}
         for r in t.evaluate("evaluate"):
             metrics[f"eval/{r.decoding}/accuracy"] = r.accuracy
@@ -611,7 +791,9 @@ def _rows(dataset, what: str) -> list[dict]:
         return dataset.to_list()
     if isinstance(dataset, list) and all(isinstance(row, dict) for row in dataset):
         return [dict(row) for row in dataset]
-    raise TypeError(f"GRPOTrainer: {what} must be a datasets.Dataset or IterableDataset, a list of dicts or a .jsonl path, got {type(dataset).__name__}")
+    raise TypeError(
+        f"GRPOTrainer: {what} must be a datasets.Dataset or IterableDataset, a list of dicts or a .jsonl path, got {type(dataset).__name__}"
+    )
 
 
 EVAL_STREAM_LIMIT = 10_000
@@ -653,11 +835,22 @@ def _eval_rows(dataset, cfg: Config) -> list[dict] | None:
 # peft_config: a peft.LoraConfig as grpo's model.lora
 # --------------------------------------------------------------------------
 
-LORA_MAPPING = {"r": "model.lora.r", "lora_alpha": "model.lora.alpha", "lora_dropout": "model.lora.dropout",
-                "target_modules": "model.lora.target_modules"}
+LORA_MAPPING = {
+    "r": "model.lora.r",
+    "lora_alpha": "model.lora.alpha",
+    "lora_dropout": "model.lora.dropout",
+    "target_modules": "model.lora.target_modules",
+}
 """LoraConfig field -> the grpo key it sets."""
 
-LORA_DESCRIPTIVE = {"task_type", "peft_type", "peft_version", "auto_mapping", "base_model_name_or_path", "runtime_config"}
+LORA_DESCRIPTIVE = {
+    "task_type",
+    "peft_type",
+    "peft_version",
+    "auto_mapping",
+    "base_model_name_or_path",
+    "runtime_config",
+}
 """LoraConfig fields peft fills in itself or that describe the wrapper rather than the adapter
 (task_type is checked on its own). Any other field off peft's default is refused by name."""
 
@@ -668,16 +861,24 @@ def lora_keys(peft_config, model=None) -> dict[str, Any]:
     import peft
 
     if not isinstance(peft_config, peft.LoraConfig):
-        raise TypeError(f"GRPOTrainer: peft_config must be a peft.LoraConfig (grpo trains LoRA adapters), "
-                        f"got {type(peft_config).__name__}")
+        raise TypeError(
+            f"GRPOTrainer: peft_config must be a peft.LoraConfig (grpo trains LoRA adapters), "
+            f"got {type(peft_config).__name__}"
+        )
     task = peft_config.task_type
     if task is not None and str(getattr(task, "value", task)) != "CAUSAL_LM":
-        raise ConfigError(f"GRPOTrainer: peft_config.task_type={task!s}: grpo trains causal language models; "
-                          "use task_type='CAUSAL_LM' or leave it unset")
+        raise ConfigError(
+            f"GRPOTrainer: peft_config.task_type={task!s}: grpo trains causal language models; "
+            "use task_type='CAUSAL_LM' or leave it unset"
+        )
     default = peft.LoraConfig()
-    refused = [f.name for f in dataclasses.fields(peft_config)
-               if f.name not in LORA_MAPPING and f.name not in LORA_DESCRIPTIVE
-               and getattr(peft_config, f.name) != getattr(default, f.name)]
+    refused = [
+        f.name
+        for f in dataclasses.fields(peft_config)
+        if f.name not in LORA_MAPPING
+        and f.name not in LORA_DESCRIPTIVE
+        and getattr(peft_config, f.name) != getattr(default, f.name)
+    ]
     if refused:
         settings = ", ".join(f"{name}={getattr(peft_config, name)!r}" for name in refused)
         raise ConfigError(
@@ -703,7 +904,9 @@ def _lora_targets(targets, model) -> list[str]:
     if targets is not None:
         return sorted(targets)  # peft keeps a list as a set: no order to keep
     # peft's own choice for the architecture, as get_peft_model makes it
-    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
+    from peft.utils.constants import (
+        TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS,
+    )
 
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type in PEFT_DEFAULTS:
@@ -719,7 +922,9 @@ def _lora_targets(targets, model) -> list[str]:
 def _tokenizer_of(model):
     name = getattr(model, "name_or_path", "") or ""
     if not name:
-        raise ValueError("GRPOTrainer: processing_class is required for a model built in memory (pass its tokenizer)")
+        raise ValueError(
+            "GRPOTrainer: processing_class is required for a model built in memory (pass its tokenizer)"
+        )
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(name)
@@ -730,7 +935,11 @@ def _reward_funcs(funcs, processing_classes, cfg: Config) -> dict[str, Callable]
     from grpo.rewards import reward_set as rewards
 
     funcs = funcs if isinstance(funcs, list) else [funcs]
-    classes = processing_classes if isinstance(processing_classes, list) else [processing_classes] * len(funcs)
+    classes = (
+        processing_classes
+        if isinstance(processing_classes, list)
+        else [processing_classes] * len(funcs)
+    )
     named: dict[str, Callable] = {}
     for fn, tokenizer in zip(funcs, classes):
         if isinstance(fn, (str, Path)):
@@ -740,13 +949,19 @@ def _reward_funcs(funcs, processing_classes, cfg: Config) -> dict[str, Callable]
                     "from its path; pass None"
                 )
             spec = str(fn)
-            if spec not in rewards.BUILTIN and spec not in rewards.CONFIGURED and not spec.startswith("reward_model:"):
+            if (
+                spec not in rewards.BUILTIN
+                and spec not in rewards.CONFIGURED
+                and not spec.startswith("reward_model:")
+            ):
                 spec = f"reward_model:{spec}"
             name, fn = rewards.resolve(spec, cfg.rewards)
         elif callable(fn):
             name = getattr(fn, "__name__", type(fn).__name__)
         else:
-            raise TypeError(f"GRPOTrainer: reward_funcs: {fn!r} is neither a callable nor a model id/path")
+            raise TypeError(
+                f"GRPOTrainer: reward_funcs: {fn!r} is neither a callable nor a model id/path"
+            )
         base, k = name, 1
         while name in named:  # two functions of one name each keep their own column
             k += 1
@@ -755,13 +970,21 @@ def _reward_funcs(funcs, processing_classes, cfg: Config) -> dict[str, Callable]
     return named
 
 
-def _script_rewards_in_threads(funcs: dict[str, Callable], cfg: Config, overrides: list[str]) -> None:
+def _script_rewards_in_threads(
+    funcs: dict[str, Callable], cfg: Config, overrides: list[str]
+) -> None:
     """Reward functions defined in the script itself run in threads of the trainer, unless
     rewards.isolation is set: a worker process loads them by importing the script again, and a
     TRL script trains at its top level (no `if __name__ == "__main__":`), so every worker
     would run the whole training."""
-    in_script = [name for name, fn in funcs.items() if getattr(fn, "__module__", None) == "__main__"]
-    if in_script and cfg.rewards.isolation == "process" and not any(o.startswith("rewards.isolation=") for o in overrides):
+    in_script = [
+        name for name, fn in funcs.items() if getattr(fn, "__module__", None) == "__main__"
+    ]
+    if (
+        in_script
+        and cfg.rewards.isolation == "process"
+        and not any(o.startswith("rewards.isolation=") for o in overrides)
+    ):
         cfg.rewards.isolation = "thread"
         warnings.warn(
             f"GRPOTrainer: reward functions defined in the script ({', '.join(in_script)}) run in threads of the "

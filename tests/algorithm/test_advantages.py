@@ -271,7 +271,9 @@ def test_rloo_is_n_over_n_minus_one_times_the_centred_reward():
 
 
 def test_rloo_keeps_the_dtype_and_treats_inf_as_missing():
-    adv = rloo_advantages(torch.tensor([1.0, float("inf"), 0.0], dtype=torch.float32), 3, scale_rewards="none")
+    adv = rloo_advantages(
+        torch.tensor([1.0, float("inf"), 0.0], dtype=torch.float32), 3, scale_rewards="none"
+    )
     assert adv.dtype == torch.float32
     assert_close(adv, torch.tensor([1.0, 0.0, -1.0]))  # 1 - 0/1, missing, 0 - 1/1
 
@@ -287,13 +289,17 @@ def test_reinforce_pp_uses_the_batch_baseline_and_scale():
     adv = reinforce_pp_advantages(t([1, 0, 0, 0, 1, 1, 1, 1]), 4, scale_rewards="group")
     hi, lo = 0.375 / std, -0.625 / std
     assert_close(adv, t([hi, lo, lo, lo, hi, hi, hi, hi]))
-    assert adv[4:].gt(0.72).all()  # an all-correct group still gets a positive advantage (no group baseline)
+    assert (
+        adv[4:].gt(0.72).all()
+    )  # an all-correct group still gets a positive advantage (no group baseline)
     assert round(hi, 4) == 0.7244 and round(lo, 4) == -1.2074
 
 
 def test_reinforce_pp_missing_rewards():
     # present 2, 0, 1 (the NaN and inf are missing): mean 1, var (1 + 1 + 0)/2 = 1
-    adv = reinforce_pp_advantages(t([2, NAN, 0, float("inf"), 1, 1]) * t([1, 1, 1, 1, 1, NAN]), 2, scale_rewards="none")
+    adv = reinforce_pp_advantages(
+        t([2, NAN, 0, float("inf"), 1, 1]) * t([1, 1, 1, 1, 1, NAN]), 2, scale_rewards="none"
+    )
     s = 1.0 + ADVANTAGE_EPS
     assert_close(adv, t([1 / s, 0.0, -1 / s, 0.0, 0.0, 0.0]))
 

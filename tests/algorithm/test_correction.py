@@ -43,7 +43,12 @@ CM = torch.tensor([[1, 1, 1], [1, 1, 0]])
 
 def test_rollout_correction_defaults_and_checks():
     c = RolloutCorrection()
-    assert (c.level, c.mode, c.cap, c.floor) == ("token", "truncate", 3.0, None)  # TRL 1.16's clip_max 3.0
+    assert (c.level, c.mode, c.cap, c.floor) == (
+        "token",
+        "truncate",
+        3.0,
+        None,
+    )  # TRL 1.16's clip_max 3.0
     for bad in (dict(level="seq"), dict(mode="clip"), dict(cap=0.0), dict(floor=3.0)):
         with pytest.raises(ValueError, match="rollout correction"):
             RolloutCorrection(**bad)
@@ -65,7 +70,9 @@ def test_correction_weights(level, mode, expected):
 
 def test_correction_floor():
     # floor 0.6: the ratios 0.5 become 0.6 (truncate) or 0 (mask)
-    truncate = correction_weights(OLD, SAMPLING, CM, RolloutCorrection(mode="truncate", cap=3.0, floor=0.6))
+    truncate = correction_weights(
+        OLD, SAMPLING, CM, RolloutCorrection(mode="truncate", cap=3.0, floor=0.6)
+    )
     mask = correction_weights(OLD, SAMPLING, CM, RolloutCorrection(mode="mask", cap=3.0, floor=0.6))
     assert_close(truncate, t([[0.6, 2.0, 3.0], [1.5, 0.6, 1.0]]))
     assert_close(mask, t([[0.0, 2.0, 0.0], [1.5, 0.0, 1.0]]))
@@ -89,8 +96,12 @@ def test_mismatch_stats():
     tok = mismatch_stats(OLD, SAMPLING, CM, RolloutCorrection(cap=3.0))
     assert tok["is_weight_sum"].item() == pytest.approx(7.5)  # 0.5 + 2 + 3 + 1.5 + 0.5
     assert tok["is_capped"].item() == 1.0
-    seq = mismatch_stats(OLD, SAMPLING, CM, RolloutCorrection(level="sequence", mode="mask", cap=3.0))
-    assert seq["is_weight_sum"].item() == pytest.approx(1.5)  # row 0 masked (3 tokens x 0), row 1 2 x 0.75
+    seq = mismatch_stats(
+        OLD, SAMPLING, CM, RolloutCorrection(level="sequence", mode="mask", cap=3.0)
+    )
+    assert seq["is_weight_sum"].item() == pytest.approx(
+        1.5
+    )  # row 0 masked (3 tokens x 0), row 1 2 x 0.75
     assert seq["is_capped"].item() == 3.0  # the tokens of row 0
 
 
@@ -104,8 +115,16 @@ def test_policy_loss_applies_the_correction_to_the_policy_term():
     )
     assert loss.item() == pytest.approx(-1.5)
     (grad,) = torch.autograd.grad(loss, logp)
-    assert_close(grad, -t([[0.5, 2.0, 3.0], [1.5, 0.5, 0.0]]) / 5)  # weights are constants of the gradient
-    assert {"logprob_diff_sum", "logprob_diff_max", "is_ratio_sum", "is_weight_sum", "is_capped"} <= set(stats)
+    assert_close(
+        grad, -t([[0.5, 2.0, 3.0], [1.5, 0.5, 0.0]]) / 5
+    )  # weights are constants of the gradient
+    assert {
+        "logprob_diff_sum",
+        "logprob_diff_max",
+        "is_ratio_sum",
+        "is_weight_sum",
+        "is_capped",
+    } <= set(stats)
     # sampling_logp without a correction: statistics only, the loss unchanged
     plain, plain_stats = policy_loss(logp, None, t([1.0, 1.0]), CM)
     observed, observed_stats = policy_loss(logp, None, t([1.0, 1.0]), CM, sampling_logp=SAMPLING)

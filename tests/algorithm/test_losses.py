@@ -340,7 +340,9 @@ def test_policy_loss_on_policy_is_plain_policy_gradient(loss_type, level):
     if loss_type == "grpo":
         assert_close(g, t([[-0.25, -0.25, -0.25], [0.125, 0.125, 0.0]]), rtol=1e-12, atol=1e-12)
     # nothing is clipped at rho = 1
-    assert stats["clip_low"].item() == stats["clip_high"].item() == stats["clip_region"].item() == 0.0
+    assert (
+        stats["clip_low"].item() == stats["clip_high"].item() == stats["clip_region"].item() == 0.0
+    )
     assert "kl" not in stats
 
 
@@ -519,7 +521,9 @@ def test_cispo_hand_example():
     logp = t([[LN(0.5)]]).requires_grad_(True)
     old = t([[LN(0.25)]])
     for cap, w in ((1.5, 1.5), (5.0, 2.0)):
-        loss, stats = cispo_policy_loss(logp, old, t([1.0]), torch.ones(1, 1), PolicyLossParams(epsilon_high=cap))
+        loss, stats = cispo_policy_loss(
+            logp, old, t([1.0]), torch.ones(1, 1), PolicyLossParams(epsilon_high=cap)
+        )
         assert_close(loss, t([[-w * LN(0.5)]]))  # 1.0397 (cap 1.5), 1.3863 (cap 5)
         (grad,) = torch.autograd.grad(loss.sum(), logp)
         assert_close(grad, t([[-w]]))  # the weight is detached: d/dlogp (-w A logp) = -w A
@@ -532,7 +536,9 @@ def test_cispo_keeps_the_gradient_where_ppo_clips():
     old = t([[LN(0.25)]])
     clipped, _ = clipped_policy_loss(logp, old, t([1.0]), torch.ones(1, 1), PolicyLossParams())
     assert torch.autograd.grad(clipped.sum(), logp)[0].item() == 0.0
-    cispo, _ = cispo_policy_loss(logp, old, t([1.0]), torch.ones(1, 1), PolicyLossParams(epsilon_high=5.0))
+    cispo, _ = cispo_policy_loss(
+        logp, old, t([1.0]), torch.ones(1, 1), PolicyLossParams(epsilon_high=5.0)
+    )
     assert torch.autograd.grad(cispo.sum(), logp)[0].item() == pytest.approx(-2.0)
 
 
@@ -541,8 +547,12 @@ def test_cispo_stats_split_the_capped_tokens_by_sign():
     logp = t([[LN(3.0), LN(0.5)], [LN(3.0), LN(3.0)]])
     old = torch.zeros(2, 2, dtype=D)
     mask = torch.tensor([[1, 1], [1, 0]])
-    _, stats = cispo_policy_loss(logp, old, t([1.0, -1.0]), mask, PolicyLossParams(epsilon_high=2.0))
-    assert stats["clip_high"].item() == 1.0  # token (0, 0): capped with A > 0 (TRL's cispo_clip_ratio)
+    _, stats = cispo_policy_loss(
+        logp, old, t([1.0, -1.0]), mask, PolicyLossParams(epsilon_high=2.0)
+    )
+    assert (
+        stats["clip_high"].item() == 1.0
+    )  # token (0, 0): capped with A > 0 (TRL's cispo_clip_ratio)
     assert stats["clip_low"].item() == 1.0  # token (1, 0): capped with A < 0; (1, 1) is padding
     assert stats["clip_region"].item() == 2.0
 
@@ -589,7 +599,9 @@ def test_sapo_temperatures_come_from_params():
 def test_sapo_gate_attenuates_far_off_policy_tokens():
     # gradient scale 4 s (1 - s) rho falls as rho leaves 1 (rho = 3: 4 * 0.8808 * 0.1192 * 3 = 1.26, rho = 6: 0.24)
     logp = t([[0.0, LN(3.0), LN(6.0)]]).requires_grad_(True)
-    loss, stats = sapo_policy_loss(logp, torch.zeros(1, 3, dtype=D), t([1.0]), torch.ones(1, 3), PolicyLossParams())
+    loss, stats = sapo_policy_loss(
+        logp, torch.zeros(1, 3, dtype=D), t([1.0]), torch.ones(1, 3), PolicyLossParams()
+    )
     (grad,) = torch.autograd.grad(loss.sum(), logp)
     s3, s6 = 1 / (1 + math.exp(-2)), 1 / (1 + math.exp(-5))
     assert_close(grad, t([[-1.0, -4 * s3 * (1 - s3) * 3, -4 * s6 * (1 - s6) * 6]]))
@@ -633,7 +645,12 @@ def test_entropy_mask_completion_scope():
 
 def test_entropy_mask_does_not_depend_on_the_split_at_completion_scope():
     whole = entropy_mask(H, M, 0.5, "completion")
-    parts = torch.cat([entropy_mask(H[:1], M[:1], 0.5, "completion"), entropy_mask(H[1:], M[1:], 0.5, "completion")])
+    parts = torch.cat(
+        [
+            entropy_mask(H[:1], M[:1], 0.5, "completion"),
+            entropy_mask(H[1:], M[1:], 0.5, "completion"),
+        ]
+    )
     assert torch.equal(whole, parts)
 
 
@@ -641,16 +658,26 @@ def test_entropy_mask_ends_and_ties():
     assert torch.equal(entropy_mask(H, M, 1.0, "batch"), M.bool())  # every masked token
     assert torch.equal(entropy_mask(H, M, 1.0, "completion"), M.bool())
     # 0.0: only the highest (0.9 over the batch; each row's own maximum per completion)
-    assert entropy_mask(H, M, 0.0, "batch").sum().item() == 1 and entropy_mask(H, M, 0.0, "batch")[1, 1]
-    assert entropy_mask(H, M, 0.0, "completion").tolist() == [[False, False, False, True], [False, True, False, False]]
+    assert (
+        entropy_mask(H, M, 0.0, "batch").sum().item() == 1
+        and entropy_mask(H, M, 0.0, "batch")[1, 1]
+    )
+    assert entropy_mask(H, M, 0.0, "completion").tolist() == [
+        [False, False, False, True],
+        [False, True, False, False],
+    ]
     # ties at the threshold are all kept: four equal entropies, quantile 0.25 keeps all four
     assert entropy_mask(torch.full((1, 4), 0.5, dtype=D), torch.ones(1, 4), 0.25, "batch").all()
     # an interpolated threshold keeps fewer than quantile * n: 4 values, quantile 0.4 -> rank 1.8 -> keeps 2 (50%)...
     # and quantile 0.2 -> rank 2.4 -> keeps 1 (25%)
     four = t([[1.0, 2.0, 3.0, 4.0]])
-    assert entropy_mask(four, torch.ones(1, 4), 0.2, "batch").tolist() == [[False, False, False, True]]
+    assert entropy_mask(four, torch.ones(1, 4), 0.2, "batch").tolist() == [
+        [False, False, False, True]
+    ]
     # a row with no masked token keeps nothing
-    assert not entropy_mask(H, torch.tensor([[1, 1, 1, 1], [0, 0, 0, 0]]), 0.5, "completion")[1].any()
+    assert not entropy_mask(H, torch.tensor([[1, 1, 1, 1], [0, 0, 0, 0]]), 0.5, "completion")[
+        1
+    ].any()
     assert not entropy_mask(H, torch.zeros(2, 4), 0.5, "batch").any()
 
 
@@ -663,7 +690,11 @@ def test_entropy_mask_threshold_is_torch_quantiles_linear_one(q):
     assert torch.equal(entropy_mask(h, mask, q, "batch"), (h >= threshold) & mask.bool())
     for i in range(6):
         row = h[i][mask[i].bool()]
-        expected = (h[i] >= torch.quantile(row, 1 - q)) & mask[i].bool() if row.numel() else torch.zeros(9, dtype=torch.bool)
+        expected = (
+            (h[i] >= torch.quantile(row, 1 - q)) & mask[i].bool()
+            if row.numel()
+            else torch.zeros(9, dtype=torch.bool)
+        )
         assert torch.equal(entropy_mask(h, mask, q, "completion")[i], expected)
 
 
@@ -688,4 +719,6 @@ def test_policy_loss_entropy_mask_drops_the_policy_term_only():
     (grad,) = torch.autograd.grad(loss, logp)
     assert_close(grad, t([[(-1 + 0.1) / 2, 0.1 / 2]]))  # the dropped token keeps its KL gradient
     with pytest.raises(ValueError, match="entropy_mask"):
-        policy_loss(logp, None, t([1.0]), torch.ones(1, 2), entropy_mask=torch.ones(1, 3, dtype=torch.bool))
+        policy_loss(
+            logp, None, t([1.0]), torch.ones(1, 2), entropy_mask=torch.ones(1, 3, dtype=torch.bool)
+        )

@@ -10,9 +10,13 @@ from grpo.algorithm import lr_multiplier
 
 def test_lr_multiplier_warmup_then_linear():
     # warmup 4 of 10 steps: (step+1)/4 for steps 0..3 -> .25 .5 .75 1
-    assert [lr_multiplier("linear", s, 10, 4) for s in range(4)] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert [lr_multiplier("linear", s, 10, 4) for s in range(4)] == pytest.approx(
+        [0.25, 0.5, 0.75, 1.0]
+    )
     # then 1 - (step - 4)/6: step 4 -> 1, 7 -> 0.5, 10 -> 0, 12 -> 0 (clamped)
-    assert [lr_multiplier("linear", s, 10, 4) for s in (4, 7, 10, 12)] == pytest.approx([1.0, 0.5, 0.0, 0.0])
+    assert [lr_multiplier("linear", s, 10, 4) for s in (4, 7, 10, 12)] == pytest.approx(
+        [1.0, 0.5, 0.0, 0.0]
+    )
 
 
 def test_lr_multiplier_cosine_and_constant():
@@ -22,7 +26,9 @@ def test_lr_multiplier_cosine_and_constant():
     assert got == pytest.approx([1.0, 0.5 * (1 + math.sqrt(3) / 2), 0.5, 0.0], abs=1e-12)
     assert lr_multiplier("cosine", 1, 10, 4) == pytest.approx(0.5)  # warmup (1+1)/4
     # constant: warmup then 1 forever
-    assert [lr_multiplier("constant", s, 10, 2) for s in (0, 1, 2, 50)] == pytest.approx([0.5, 1.0, 1.0, 1.0])
+    assert [lr_multiplier("constant", s, 10, 2) for s in (0, 1, 2, 50)] == pytest.approx(
+        [0.5, 1.0, 1.0, 1.0]
+    )
 
 
 def test_lr_multiplier_without_warmup():

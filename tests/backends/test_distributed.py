@@ -36,32 +36,63 @@ def third(completions, **kwargs):
 
 BASE = {
     "model": {"name": "tiny", "tiny_hidden_size": 32, "tiny_num_layers": 1},
-    "data": {"chat_template": "never", "arithmetic": {
-        "operands": [[1, 4], [1, 4]], "operators": ["+"], "instruction": "{expression}=", "num_train": 200, "num_eval": 6}},
+    "data": {
+        "chat_template": "never",
+        "arithmetic": {
+            "operands": [[1, 4], [1, 4]],
+            "operators": ["+"],
+            "instruction": "{expression}=",
+            "num_train": 200,
+            "num_eval": 6,
+        },
+    },
     "rollout": {"num_generations": 4, "max_completion_length": 3, "temperature": 1.0},
     "rewards": {"isolation": "thread"},
     # 16 completions a step: one process with minibatches of 16, or 2 ranks of 8 (2 groups each)
-    "training": {"max_steps": 4, "per_device_train_batch_size": 16, "learning_rate": 0.003, "save_steps": 1},
+    "training": {
+        "max_steps": 4,
+        "per_device_train_batch_size": 16,
+        "learning_rate": 0.003,
+        "save_steps": 1,
+    },
     "eval": {"after": True, "temperatures": [0.0, 1.0]},
     "logging": {"log_every": 100, "sample_every": 2},
 }
 
 CASES = {
     # the grpo loss with a KL reference, two passes per batch and batch-wide reward scaling
-    "grpo": ["algorithm.loss_type=grpo", "algorithm.beta=0.04", "algorithm.num_iterations=2",
-             "algorithm.scale_rewards=batch"],
-    "grpo_dynamic": ["algorithm.loss_type=grpo", "algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=3"],
+    "grpo": [
+        "algorithm.loss_type=grpo",
+        "algorithm.beta=0.04",
+        "algorithm.num_iterations=2",
+        "algorithm.scale_rewards=batch",
+    ],
+    "grpo_dynamic": [
+        "algorithm.loss_type=grpo",
+        "algorithm.dynamic_sampling=true",
+        "algorithm.max_sampling_rounds=3",
+    ],
     "dapo": ["algorithm.loss_type=dapo"],
     # the preset: dapo's loss, clip-higher, overlong penalty and dynamic sampling
     "dapo_dynamic": ["algorithm.preset=dapo", "algorithm.max_sampling_rounds=3"],
     # a tied output layer: its sparse embedding rows and the output layer's gradient sink under the gradient sum
     "tied": ["algorithm.loss_type=dapo", "model.name=TIED"],
     # LoRA (only the adapters' gradients summed; the reference is the adapter disabled) and PPO's critic
-    "lora": ["algorithm.loss_type=dapo", "model.lora.r=4", "algorithm.beta=0.04", "training.learning_rate=0.01"],
+    "lora": [
+        "algorithm.loss_type=dapo",
+        "model.lora.r=4",
+        "algorithm.beta=0.04",
+        "training.learning_rate=0.01",
+    ],
     "gae": ["algorithm.advantage_estimator=gae"],
     # FSDP2: old logprobs (two passes), micro-batches by a token budget, dynamic sampling's uneven ranks
-    "fsdp_grpo_dynamic": ["algorithm.loss_type=grpo", "algorithm.num_iterations=2", "algorithm.scale_rewards=batch",
-                          "algorithm.dynamic_sampling=true", "training.microbatch_tokens=20"],
+    "fsdp_grpo_dynamic": [
+        "algorithm.loss_type=grpo",
+        "algorithm.num_iterations=2",
+        "algorithm.scale_rewards=batch",
+        "algorithm.dynamic_sampling=true",
+        "training.microbatch_tokens=20",
+    ],
     "fsdp_dapo_dynamic": ["algorithm.preset=dapo", "algorithm.max_sampling_rounds=3"],
     "fsdp_tied": ["algorithm.loss_type=dapo", "model.name=TIED"],
 }
@@ -91,16 +122,32 @@ def _config(tmp: Path, name: str, overrides: list[str]) -> Path:
     rewards = tmp / "rewards.py"
     rewards.write_text(REWARDS)
     if "model.name=TIED" in overrides:
-        overrides = [o for o in overrides if o != "model.name=TIED"] + [f"model.name={_tied_model(tmp)}"]
-    cfg = config.from_dict({**BASE, "output_dir": str(tmp / name), "rewards": {**BASE["rewards"], "funcs": [f"{rewards}:third"]}},
-                           overrides)
+        overrides = [o for o in overrides if o != "model.name=TIED"] + [
+            f"model.name={_tied_model(tmp)}"
+        ]
+    cfg = config.from_dict(
+        {
+            **BASE,
+            "output_dir": str(tmp / name),
+            "rewards": {**BASE["rewards"], "funcs": [f"{rewards}:third"]},
+        },
+        overrides,
+    )
     path = tmp / f"{name}.yaml"
     config.save(cfg, path)
     return path
 
 
 def _torchrun(args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        *args,
+    ]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
 
@@ -132,6 +179,7 @@ def _assert_close_weights(got: Path, expected: Path, atol: float, mean_atol: flo
     """Every weight within `atol`, and each tensor's mean difference within `mean_atol`. AdamW turns a
     float-sized error in a near-zero gradient into up to a learning rate's step (here 3e-3), so a few
     elements may move by 1e-5; a gradient that is wrong moves most of a tensor's elements."""
+
     def weights(run: Path) -> dict:  # the model's, or a LoRA run's adapter
         files = sorted((run / "final").glob("*.safetensors"))
         assert files, run
@@ -151,7 +199,9 @@ def test_two_ranks_compute_one_process_run(name, two_ranks, tmp_path):
     two = two_ranks[name]
     # the same completions and rewards: the samples, the evaluation, every count in the metrics
     samples = _rows(two / "samples.jsonl")
-    if "dynamic" in name:  # the same groups are kept, but one process lists them round by round, 2 ranks rank by rank
+    if (
+        "dynamic" in name
+    ):  # the same groups are kept, but one process lists them round by round, 2 ranks rank by rank
         assert len(samples) == len(_rows(one / "samples.jsonl"))
     else:
         assert samples == _rows(one / "samples.jsonl")
@@ -159,7 +209,9 @@ def test_two_ranks_compute_one_process_run(name, two_ranks, tmp_path):
     _assert_close_metrics(_rows(two / "metrics.jsonl"), _rows(one / "metrics.jsonl"))
     _assert_close_weights(two, one, atol=1e-4, mean_atol=1e-6)
     history = _rows(one / "metrics.jsonl")
-    assert any(h["reward_std"] > 0 for h in history) and history[-1]["grad_norm"] > 0  # it did learn something
+    assert (
+        any(h["reward_std"] > 0 for h in history) and history[-1]["grad_norm"] > 0
+    )  # it did learn something
     if "dynamic" in name:  # dynamic sampling drew more than one round at least once
         assert max(h["sampling/rounds"] for h in history) > 1
 
@@ -187,7 +239,11 @@ def test_distributed_resume_is_exact(name, two_ranks, tmp_path):
         assert untimed(_rows(run / log)) == untimed(_rows(expected / log)), log
     _assert_close_weights(run, expected, atol=0)
     # one process cannot continue it: the global batch would change (and FSDP needs torchrun)
-    refusal = "shards over torchrun's processes" if "fsdp" in name else r"ran on 2 process\(es\), this one has 1.*torchrun --nproc_per_node 2"
+    refusal = (
+        "shards over torchrun's processes"
+        if "fsdp" in name
+        else r"ran on 2 process\(es\), this one has 1.*torchrun --nproc_per_node 2"
+    )
     with pytest.raises(ConfigError, match=refusal):
         Trainer(config.load(path, ["overwrite_output_dir=true"]), resume=run / "checkpoint-2")
 
@@ -196,8 +252,12 @@ def test_what_fsdp_does_not_cover_is_refused():
     from grpo.backends import create_backend
 
     base = {**BASE, "output_dir": "/tmp/unused", "rewards": {"isolation": "thread"}}
-    for override, named in [("algorithm.beta=0.04", "algorithm.beta"), ("model.lora.r=8", "LoRA"),
-                            ("algorithm.advantage_estimator=gae", "gae"), ("cpu.decoding=fused", "fused")]:
+    for override, named in [
+        ("algorithm.beta=0.04", "algorithm.beta"),
+        ("model.lora.r=8", "LoRA"),
+        ("algorithm.advantage_estimator=gae", "gae"),
+        ("cpu.decoding=fused", "fused"),
+    ]:
         with pytest.raises(ConfigError, match=f"training.sharding=fsdp does not support .*{named}"):
             config.from_dict(base, ["training.sharding=fsdp", override])
     with pytest.raises(ConfigError, match="shards over torchrun's processes"):
@@ -205,9 +265,13 @@ def test_what_fsdp_does_not_cover_is_refused():
 
 
 def test_a_group_never_straddles_ranks():
-    cfg = config.from_dict({**BASE, "output_dir": "/tmp/unused", "rewards": {"isolation": "thread"}})
+    cfg = config.from_dict(
+        {**BASE, "output_dir": "/tmp/unused", "rewards": {"isolation": "thread"}}
+    )
     config.validate(cfg, 2)  # 16 completions a rank: 4 whole groups each
-    cfg.training.per_device_train_batch_size = 6  # 2 ranks' 12 completions are 3 groups, but not 1.5 a rank
+    cfg.training.per_device_train_batch_size = (
+        6  # 2 ranks' 12 completions are 3 groups, but not 1.5 a rank
+    )
     with pytest.raises(ConfigError, match="a group never straddles ranks.*make it 4 or 8"):
         config.validate(cfg, 2)
     cfg.training.per_device_train_batch_size = 16
@@ -216,7 +280,10 @@ def test_a_group_never_straddles_ranks():
         config.validate(cfg, 2)
     cfg.rollout.engine = "hf"
     cfg.training.per_device_train_batch_size = 2
-    with pytest.raises(ConfigError, match="per_device_train_batch_size x gradient_accumulation_steps = 2 .*make it 4$"):
+    with pytest.raises(
+        ConfigError,
+        match="per_device_train_batch_size x gradient_accumulation_steps = 2 .*make it 4$",
+    ):
         config.validate(cfg, 2)
 
 
@@ -227,7 +294,8 @@ def test_dynamic_sampling_choice_in_global_order():
 
 
 def test_counts_and_shards():
-    assert sum_counts([{"a": 1, "b": {"errors": 2}}, {"a": 3, "b": {"errors": 1, "timeouts": 4}}]) == {
-        "a": 4, "b": {"errors": 3, "timeouts": 4}}
+    assert sum_counts(
+        [{"a": 1, "b": {"errors": 2}}, {"a": 3, "b": {"errors": 1, "timeouts": 4}}]
+    ) == {"a": 4, "b": {"errors": 3, "timeouts": 4}}
     assert [shard(7, 2, r) for r in range(2)] == [slice(0, 3), slice(3, 7)]
     assert [shard(1, 2, r) for r in range(2)] == [slice(0, 0), slice(0, 1)]

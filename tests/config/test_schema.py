@@ -9,15 +9,28 @@ from grpo.config.schema import ConfigError
 
 def test_defaults_follow_trl():
     cfg = config.from_dict({})
-    assert cfg.algorithm.beta == 0.0 and cfg.algorithm.epsilon == 0.2 and cfg.algorithm.loss_type == "dapo"
+    assert (
+        cfg.algorithm.beta == 0.0
+        and cfg.algorithm.epsilon == 0.2
+        and cfg.algorithm.loss_type == "dapo"
+    )
     assert cfg.rollout.num_generations == 8 and cfg.rollout.temperature == 1.0
     assert cfg.epsilon_high == 0.2
     assert config.from_dict({"algorithm": {"epsilon_high": 0.28}}).epsilon_high == 0.28
 
 
 def test_overrides_are_typed_yaml():
-    cfg = config.from_dict({}, ["algorithm.beta=0.04", "training.max_steps=50", "training.bf16=true", "training.learning_rate=1e-5",
-                                "rewards.funcs=[arithmetic_correct, arithmetic_format]", "algorithm.delta=null"])
+    cfg = config.from_dict(
+        {},
+        [
+            "algorithm.beta=0.04",
+            "training.max_steps=50",
+            "training.bf16=true",
+            "training.learning_rate=1e-5",
+            "rewards.funcs=[arithmetic_correct, arithmetic_format]",
+            "algorithm.delta=null",
+        ],
+    )
     assert cfg.algorithm.beta == 0.04 and cfg.training.max_steps == 50 and cfg.training.bf16 is True
     assert cfg.training.learning_rate == 1e-5  # YAML 1.1 reads 1e-5 as a string
     assert cfg.rewards.funcs == ["arithmetic_correct", "arithmetic_format"]
@@ -34,12 +47,24 @@ def test_overrides_do_not_mutate_input():
     "data, overrides, expected",
     [
         ({"trainig": {}}, [], "unknown config key 'trainig'; did you mean 'training'"),
-        ({}, ["algorithm.betta=0.1"], "unknown config key 'algorithm.betta'; did you mean 'algorithm.beta'"),
+        (
+            {},
+            ["algorithm.betta=0.1"],
+            "unknown config key 'algorithm.betta'; did you mean 'algorithm.beta'",
+        ),
         ({}, ["training.max_steps=ten"], "training.max_steps: expected an integer"),
         ({}, ["training.bf16=yes please"], "training.bf16: expected true or false"),
         ({}, ["rollout.num_generations=1"], "rollout.num_generations: must be >= 2"),
-        ({}, ["training.per_device_train_batch_size=12"], "not a multiple of rollout.num_generations=8"),
-        ({}, ["algorithm.loss_type=grpoo"], "algorithm.loss_type: 'grpoo' is not one of grpo, bnpo, dr_grpo, dapo (did you mean 'grpo'?)"),
+        (
+            {},
+            ["training.per_device_train_batch_size=12"],
+            "not a multiple of rollout.num_generations=8",
+        ),
+        (
+            {},
+            ["algorithm.loss_type=grpoo"],
+            "algorithm.loss_type: 'grpoo' is not one of grpo, bnpo, dr_grpo, dapo (did you mean 'grpo'?)",
+        ),
         ({}, ["algorithm.delta=1.1"], "algorithm.delta: must be > 1 + epsilon_high"),
         ({}, ["training.microbatch_tokens=-1"], "training.microbatch_tokens: must be >= 0"),
         ({}, ["rewards.weights=[1.0, 2.0]"], "rewards.weights: 2 weights for 1 functions"),
@@ -50,8 +75,16 @@ def test_overrides_do_not_mutate_input():
         ({"model": "gpt2"}, [], "model: expected a mapping"),
         ({}, ["rollout.engine=sglang"], "rollout.engine: 'sglang' is not one of hf"),
         ({}, ["cpu.decoding=fast"], "cpu.decoding: 'fast' is not one of auto, fused, plain"),
-        ({}, ["algorithm.advantage_estimator=rlo"], "algorithm.advantage_estimator: 'rlo' is not one of grpo, dr_grpo, rloo, reinforce_pp, gae (did you mean 'rloo'?)"),
-        ({}, ["algorithm.policy_loss=clip"], "algorithm.policy_loss: 'clip' is not one of clipped, cispo, sapo (did you mean 'clipped'?)"),
+        (
+            {},
+            ["algorithm.advantage_estimator=rlo"],
+            "algorithm.advantage_estimator: 'rlo' is not one of grpo, dr_grpo, rloo, reinforce_pp, gae (did you mean 'rloo'?)",
+        ),
+        (
+            {},
+            ["algorithm.policy_loss=clip"],
+            "algorithm.policy_loss: 'clip' is not one of clipped, cispo, sapo (did you mean 'clipped'?)",
+        ),
         ({}, ["data.task=json"], "data.task: 'json' is not one of arithmetic, jsonl, gsm8k, math"),
         ({}, ["eval.num_problems=0"], "eval.num_problems: must be > 0"),
     ],
@@ -62,8 +95,11 @@ def test_bad_config_names_the_key(data, overrides, expected):
     assert expected in str(err.value)
 
 
-MOVED = [("model.cpu_kernels", "false", "cpu.kernels"), ("training.kernels", "eager", "cpu.compile"),
-         ("rollout.decoding", "plain", "cpu.decoding")]
+MOVED = [
+    ("model.cpu_kernels", "false", "cpu.kernels"),
+    ("training.kernels", "eager", "cpu.compile"),
+    ("rollout.decoding", "plain", "cpu.decoding"),
+]
 
 
 @pytest.mark.parametrize("old, value, new", MOVED)
@@ -75,7 +111,9 @@ def test_a_moved_key_is_refused_naming_its_new_key(old, value, new, tmp_path):
         config.from_dict({}, [f"{old}={value}"])
     message = str(err.value)
     assert f"{old} is now {new}" in message
-    assert message.split(f"write {new}: ")[1].strip("'").lower() == value  # and the value to write there
+    assert (
+        message.split(f"write {new}: ")[1].strip("'").lower() == value
+    )  # and the value to write there
     section, key = old.split(".")
     path = tmp_path / "old.yaml"
     path.write_text(f"{section}:\n  {key}: {value}\n")
@@ -114,7 +152,11 @@ def test_cli_bad_config_fails_before_loading_anything(tmp_path):
     result = subprocess.run([sys.executable, "-c", code, str(bad)], capture_output=True, text=True)
     assert result.returncode == 2, result.stderr
     assert "training.per_device_train_batch_size" in result.stderr
-    result = subprocess.run([sys.executable, "-m", "grpo.cli", "train", str(tmp_path / "missing.yaml")], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "grpo.cli", "train", str(tmp_path / "missing.yaml")],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 2 and "does not exist" in result.stderr
 
 
@@ -122,8 +164,13 @@ def test_every_registered_name_resolves():
     """Each registry entry imports to what its kind needs (a typo in a module path fails here)."""
     from grpo import registry
 
-    for reg in (registry.ADVANTAGE_ESTIMATORS, registry.POLICY_LOSSES, registry.LOSS_AGGREGATIONS,
-                registry.ROLLOUT_ENGINES, registry.TASKS):
+    for reg in (
+        registry.ADVANTAGE_ESTIMATORS,
+        registry.POLICY_LOSSES,
+        registry.LOSS_AGGREGATIONS,
+        registry.ROLLOUT_ENGINES,
+        registry.TASKS,
+    ):
         for name in reg.names():
             assert callable(reg.get(name)), (reg.key, name)
 
@@ -134,8 +181,15 @@ def test_registered_names_are_config_choices():
 
     with pytest.raises(ConfigError, match="is not one of grpo"):
         config.from_dict({}, ["algorithm.advantage_estimator=mine"])
-    registry.ADVANTAGE_ESTIMATORS.register("mine")(lambda rewards, group_size, *, scale_rewards: rewards * 0)
+    registry.ADVANTAGE_ESTIMATORS.register("mine")(
+        lambda rewards, group_size, *, scale_rewards: rewards * 0
+    )
     try:
-        assert config.from_dict({}, ["algorithm.advantage_estimator=mine"]).algorithm.advantage_estimator == "mine"
+        assert (
+            config.from_dict(
+                {}, ["algorithm.advantage_estimator=mine"]
+            ).algorithm.advantage_estimator
+            == "mine"
+        )
     finally:
         registry.ADVANTAGE_ESTIMATORS.unregister("mine")

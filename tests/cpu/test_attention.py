@@ -12,11 +12,14 @@ from grpo.rollout import SamplingParams, generate
 def _models(tokenizer, gemma3_tiny, arch):
     """Two copies of one model, the second switched to the grouped attention."""
     if arch == "llama":
+
         def make():
             return tiny_model(tokenizer, hidden_size=64, num_layers=2, seed=3)
     else:
+
         def make():
             return gemma3_tiny(num_attention_heads=4, num_key_value_heads=2)
+
     plain, ours = make().eval(), make().eval()
     assert plain.config._attn_implementation == "sdpa"
     assert attention.use_grouped_attention(ours)
@@ -72,16 +75,30 @@ def test_decoding_attention_equals_sdpa(tokenizer, gemma3_tiny, arch, padded, mo
     got, _ = _decode_logits(ours, ids, mask, steps=10, tokens=tokens)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     heads, kv_heads = ours.config.num_attention_heads, ours.config.num_key_value_heads
-    assert (3, kv_heads, heads // kv_heads, ours.config.head_dim if arch == "gemma3" else 16) in query_shapes
+    assert (
+        3,
+        kv_heads,
+        heads // kv_heads,
+        ours.config.head_dim if arch == "gemma3" else 16,
+    ) in query_shapes
 
 
 @torch.no_grad()
 def test_greedy_generation_unchanged(tokenizer, gemma3_tiny, assert_same_greedy):
     plain, ours = _models(tokenizer, gemma3_tiny, "gemma3")
-    prompts = [tokenizer(t)["input_ids"] for t in ["abcd", "1+2=", "wxyz"]]  # equal lengths: no mask
+    prompts = [
+        tokenizer(t)["input_ids"] for t in ["abcd", "1+2=", "wxyz"]
+    ]  # equal lengths: no mask
     params = SamplingParams(max_new_tokens=12, temperature=0)
     a, b = (
-        generate(m, prompts, 2, params, eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
+        generate(
+            m,
+            prompts,
+            2,
+            params,
+            eos_token_ids=[tokenizer.eos_token_id],
+            pad_token_id=tokenizer.pad_token_id,
+        )
         for m in (plain, ours)
     )
     # sdpa and the grouped layout: logits equal to float32 rounding, so the same tokens but at a tie
@@ -109,7 +126,9 @@ def test_loss_pass_equals_sdpa_values_and_gradients(tokenizer, gemma3_tiny, arch
     completion_mask = (torch.arange(9)[None] < torch.tensor([9, 4, 7, 1, 9, 6])[:, None]).long()
     results = []
     for model in (plain, ours):
-        logp, _ = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+        logp, _ = completion_logprobs(
+            model, prompt_ids, prompt_mask, completion_ids, completion_mask
+        )
         (logp * torch.linspace(-1, 1, logp.numel()).view_as(logp)).sum().backward()
         results.append((logp.detach(), {n: p.grad for n, p in model.named_parameters()}))
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-5)
@@ -119,8 +138,13 @@ def test_loss_pass_equals_sdpa_values_and_gradients(tokenizer, gemma3_tiny, arch
     query_shapes = _record_query_shapes(monkeypatch)
     with torch.no_grad():
         completion_logprobs(ours, prompt_ids, prompt_mask, completion_ids, completion_mask)
-    kv_heads, groups = ours.config.num_key_value_heads, ours.config.num_attention_heads // ours.config.num_key_value_heads
-    assert any(s[1] == kv_heads and s[2] == groups * 8 for s in query_shapes), query_shapes  # 8 = completion width - 1
+    kv_heads, groups = (
+        ours.config.num_key_value_heads,
+        ours.config.num_attention_heads // ours.config.num_key_value_heads,
+    )
+    assert any(s[1] == kv_heads and s[2] == groups * 8 for s in query_shapes), (
+        query_shapes
+    )  # 8 = completion width - 1
 
 
 def test_saved_checkpoint_does_not_name_the_attention(tokenizer, tmp_path):

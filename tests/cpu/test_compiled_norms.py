@@ -49,7 +49,9 @@ def test_compiled_norm_equals_the_module_values_and_gradients(cls, dtype):
 
 def test_small_inputs_run_eagerly_and_large_ones_compiled(monkeypatch):
     calls = []
-    monkeypatch.setattr(compiling, "call", lambda fn, *args: calls.append(args[1].shape) or fn(*args))
+    monkeypatch.setattr(
+        compiling, "call", lambda fn, *args: calls.append(args[1].shape) or fn(*args)
+    )
     norm = _norm(Gemma3RMSNorm, 64)
     compiled_norms.use_compiled_norms(torch.nn.Sequential(norm))
     norm(torch.randn(16, 1, 64))  # a decoding step's few rows
@@ -62,16 +64,26 @@ def test_small_inputs_run_eagerly_and_large_ones_compiled(monkeypatch):
 def test_every_rms_norm_of_a_model_is_switched_once(gemma3_tiny):
     model = gemma3_tiny()
     norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
-    assert len(norms) == 2 * 6 + 1  # per layer: four around attention and MLP, the query and key norms; the final one
+    assert (
+        len(norms) == 2 * 6 + 1
+    )  # per layer: four around attention and MLP, the query and key norms; the final one
     assert compiled_norms.use_compiled_norms(model) == len(norms)
     assert all(isinstance(m, compiled_norms.CompiledNorm) for m in norms)
     assert compiled_norms.use_compiled_norms(model) == 0  # idempotent
-    assert not any(isinstance(m, compiled_norms.CompiledNorm) for m in model.modules() if m not in norms)
+    assert not any(
+        isinstance(m, compiled_norms.CompiledNorm) for m in model.modules() if m not in norms
+    )
 
 
-def test_the_trainer_switches_norms_only_with_compiled_kernels(tokenizer, tmp_path, monkeypatch, make_trainer):
-    monkeypatch.setattr(compiling, "compile_works", lambda device_type: None)  # no compile happens below
+def test_the_trainer_switches_norms_only_with_compiled_kernels(
+    tokenizer, tmp_path, monkeypatch, make_trainer
+):
+    monkeypatch.setattr(
+        compiling, "compile_works", lambda device_type: None
+    )  # no compile happens below
     for kernels, switched in (("eager", False), ("compiled", True)):
-        trainer = make_trainer(tokenizer, tmp_path / kernels, [f"cpu.compile={kernels}", "training.max_steps=1"])
+        trainer = make_trainer(
+            tokenizer, tmp_path / kernels, [f"cpu.compile={kernels}", "training.max_steps=1"]
+        )
         norms = [m for m in trainer.model.modules() if type(m).__name__.endswith("RMSNorm")]
         assert norms and all(isinstance(m, compiled_norms.CompiledNorm) is switched for m in norms)

@@ -28,16 +28,27 @@ def _model(arch, tokenizer, gemma3_tiny):
 
     cls = {"qwen2": "Qwen2", "qwen3": "Qwen3"}[arch]
     config = getattr(transformers, f"{cls}Config")(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=arch == "qwen2",
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=arch == "qwen2",
     )
     torch.manual_seed(0)
     model = getattr(transformers, f"{cls}ForCausalLM")(config).eval()
     if arch == "qwen2":  # its query/key/value biases start at zero: make them count
         with torch.no_grad():
             for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                for proj in (
+                    layer.self_attn.q_proj,
+                    layer.self_attn.k_proj,
+                    layer.self_attn.v_proj,
+                ):
                     proj.bias.normal_(0, 0.5)
     return model
 
@@ -83,7 +94,14 @@ def test_logits_equal_transformers_at_every_step_float32(arch, tokenizer, gemma3
     n = 8
     with torch.no_grad():
         reference, tokens = _step_logits(TransformersSteps(model), ids, mask, positions, n)
-        ours, _ = _step_logits(FusedDecoder(model, 8, ids.shape[1] + n, pack=False), ids, mask, positions, n, tokens=tokens)
+        ours, _ = _step_logits(
+            FusedDecoder(model, 8, ids.shape[1] + n, pack=False),
+            ids,
+            mask,
+            positions,
+            n,
+            tokens=tokens,
+        )
     assert len(ours) == len(reference) == n + 1
     for t, (a, b) in enumerate(zip(ours, reference)):
         assert a.dtype == b.dtype == torch.float32
@@ -105,7 +123,9 @@ def test_logits_equal_transformers_under_bf16_autocast(arch, tokenizer, gemma3_t
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         with kernels.packed_for_decoding(model, rows=8):
             reference, tokens = _step_logits(TransformersSteps(model), ids, mask, positions, n)
-        ours, _ = _step_logits(FusedDecoder(model, 8, ids.shape[1] + n), ids, mask, positions, n, tokens=tokens)
+        ours, _ = _step_logits(
+            FusedDecoder(model, 8, ids.shape[1] + n), ids, mask, positions, n, tokens=tokens
+        )
     for t, (a, b) in enumerate(zip(ours, reference)):
         assert a.dtype == b.dtype == torch.bfloat16
         torch.testing.assert_close(a.float(), b.float(), rtol=0.02, atol=0.02, msg=f"step {t}")
@@ -119,9 +139,16 @@ def _generate_all_ways(model, tokenizer, stop_token, **kw):
     params = SamplingParams(max_new_tokens=20, temperature=0)
     return {
         (fused, share, compact): generate(
-            model, _prompts(tokenizer), 2, params, eos_token_ids=[tokenizer.eos_token_id, stop_token],
-            pad_token_id=tokenizer.pad_token_id, share_prefix=share, compact=compact,
-            decoding=FUSED if fused else None, **kw,
+            model,
+            _prompts(tokenizer),
+            2,
+            params,
+            eos_token_ids=[tokenizer.eos_token_id, stop_token],
+            pad_token_id=tokenizer.pad_token_id,
+            share_prefix=share,
+            compact=compact,
+            decoding=FUSED if fused else None,
+            **kw,
         )
         for fused in (False, True)
         for share in (False, True)
@@ -133,8 +160,14 @@ def _generate_all_ways(model, tokenizer, stop_token, **kw):
 def test_greedy_completions_equal_transformers(arch, tokenizer, gemma3_tiny, assert_same_greedy):
     model = _model(arch, tokenizer, gemma3_tiny)
     # a token some rows emit early: rows finish at different steps, so compaction happens
-    free = generate(model, _prompts(tokenizer), 1, SamplingParams(20, temperature=0),
-                    eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
+    free = generate(
+        model,
+        _prompts(tokenizer),
+        1,
+        SamplingParams(20, temperature=0),
+        eos_token_ids=[tokenizer.eos_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+    )
     counts = torch.bincount(free.completion_ids[:, :10].flatten(), minlength=len(tokenizer))
     stop_token = int(counts.argmax())
     results = _generate_all_ways(model, tokenizer, stop_token)
@@ -151,7 +184,9 @@ def test_greedy_completions_equal_transformers(arch, tokenizer, gemma3_tiny, ass
 def _engine(model, tokenizer, decoding="auto", bf16=True):
     """The engine as a CPU run builds it: the backend prepares the model (installing the CPU layer,
     which refuses cpu.decoding=fused for a model it cannot decode) and hands over its decoding."""
-    cfg = config.from_dict({"cpu": {"decoding": decoding}, "training": {"bf16": bf16, "device": "cpu"}})
+    cfg = config.from_dict(
+        {"cpu": {"decoding": decoding}, "training": {"bf16": bf16, "device": "cpu"}}
+    )
     backend = SingleProcess(cfg)
     backend.prepare_model(model)
     return TransformersEngine(model, tokenizer, cfg, decoding=backend.decoding)
@@ -168,12 +203,18 @@ def _decodes_fused(engine, tokenizer) -> bool:
 
     with pytest.MonkeyPatch.context() as m:
         m.setattr(FusedDecoder, "__init__", spy)
-        engine.generate(_prompts(tokenizer)[:1], 1, SamplingParams(max_new_tokens=2, temperature=0, ignore_eos=True))
+        engine.generate(
+            _prompts(tokenizer)[:1],
+            1,
+            SamplingParams(max_new_tokens=2, temperature=0, ignore_eos=True),
+        )
     assert len(built) <= 1
     return bool(built)
 
 
-def test_engine_decodes_fused_in_bf16_on_the_cpu(tokenizer, gemma3_tiny, monkeypatch, assert_same_greedy):
+def test_engine_decodes_fused_in_bf16_on_the_cpu(
+    tokenizer, gemma3_tiny, monkeypatch, assert_same_greedy
+):
     """The default path of a prepared CPU model in a bf16 run (cpu.decoding=auto), with
     the same greedy completions as transformers' modules (cpu.decoding=plain)."""
     if not kernels.packing_available():
@@ -182,7 +223,9 @@ def test_engine_decodes_fused_in_bf16_on_the_cpu(tokenizer, gemma3_tiny, monkeyp
     _install(model)
     calls = []
     original = FusedDecoder.__call__
-    monkeypatch.setattr(FusedDecoder, "__call__", lambda self, *a: calls.append(1) or original(self, *a))
+    monkeypatch.setattr(
+        FusedDecoder, "__call__", lambda self, *a: calls.append(1) or original(self, *a)
+    )
     params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
     auto, plain = _engine(model, tokenizer), _engine(model, tokenizer, "plain")
     ours = auto.generate(_prompts(tokenizer), 2, params)
@@ -196,7 +239,10 @@ def test_engine_decodes_fused_in_bf16_on_the_cpu(tokenizer, gemma3_tiny, monkeyp
     # the choice is the engine's, whatever autocast the caller is under
     with torch.autocast("cpu", enabled=False):
         assert _decodes_fused(auto, tokenizer)
-    assert _decodes_fused(_engine(model, tokenizer, bf16=False), tokenizer) == kernels.onednn_available()
+    assert (
+        _decodes_fused(_engine(model, tokenizer, bf16=False), tokenizer)
+        == kernels.onednn_available()
+    )
     assert not _decodes_fused(_engine(model, tokenizer, "plain", bf16=False), tokenizer)
     assert _decodes_fused(_engine(model, tokenizer, "fused", bf16=False), tokenizer)
     # which the CPU layer decides from the model and the compute dtype
@@ -214,7 +260,10 @@ def test_engine_decodes_fused_in_float32_on_the_cpu(tokenizer, gemma3_tiny, asse
         pytest.skip("oneDNN is not available in this torch build")
     model = _model("gemma3", tokenizer, gemma3_tiny)
     _install(model)
-    auto, plain = _engine(model, tokenizer, bf16=False), _engine(model, tokenizer, "plain", bf16=False)
+    auto, plain = (
+        _engine(model, tokenizer, bf16=False),
+        _engine(model, tokenizer, "plain", bf16=False),
+    )
     assert _decodes_fused(auto, tokenizer) and not _decodes_fused(plain, tokenizer)
     for temperature in (0.0, 1.0):
         params = SamplingParams(max_new_tokens=12, temperature=temperature, ignore_eos=True)
@@ -229,7 +278,9 @@ def test_engine_decodes_fused_in_float32_on_the_cpu(tokenizer, gemma3_tiny, asse
 
 
 def test_float32_decodes_fused_only_with_grpo_kernels(model, tokenizer):
-    assert not fused_decoding_applies(model, torch.float32)  # plain nn.Linear layers: transformers' modules
+    assert not fused_decoding_applies(
+        model, torch.float32
+    )  # plain nn.Linear layers: transformers' modules
     _install(model)
     assert fused_decoding_applies(model, torch.float32) == kernels.onednn_available()
     assert fused_decoding_applies(model, torch.bfloat16) == kernels.packing_available()
@@ -245,13 +296,21 @@ def test_unsupported_architectures_decode_through_transformers(tokenizer):
     _install(model)
     with pytest.raises(ValueError, match="'gpt2'"):
         FusedDecoder(model, rows=2, max_length=8)
-    with pytest.raises(ConfigError, match="cpu.decoding: fused decoding does not support this model"):
+    with pytest.raises(
+        ConfigError, match="cpu.decoding: fused decoding does not support this model"
+    ):
         _engine(model, tokenizer, "fused")  # at start-up, not at the first rollout
     assert not _decodes_fused(_engine(model, tokenizer), tokenizer)
     assert not fused_decoding_applies(model, torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = generate(model, _prompts(tokenizer), 2, SamplingParams(6, temperature=0),
-                       eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
+        out = generate(
+            model,
+            _prompts(tokenizer),
+            2,
+            SamplingParams(6, temperature=0),
+            eos_token_ids=[tokenizer.eos_token_id],
+            pad_token_id=tokenizer.pad_token_id,
+        )
     assert out.completion_ids.shape[0] == 8
 
 
@@ -264,11 +323,15 @@ def test_models_it_does_not_compute_decode_through_transformers(setting, tokeniz
         model.config.attention_dropout = 0.1
         model.train()
     _install(model)
-    with pytest.raises(ValueError, match="bidirectional" if setting == "bidirectional" else "dropout"):
+    with pytest.raises(
+        ValueError, match="bidirectional" if setting == "bidirectional" else "dropout"
+    ):
         FusedDecoder(model, rows=2, max_length=8)
     assert not fused_decoding_applies(model, torch.bfloat16)
     model.eval()  # dropout applies in training mode only
-    assert fused_decoding_applies(model, torch.bfloat16) == (setting == "dropout" and kernels.packing_available())
+    assert fused_decoding_applies(model, torch.bfloat16) == (
+        setting == "dropout" and kernels.packing_available()
+    )
 
 
 def test_cache_bound_is_checked(model, tokenizer):

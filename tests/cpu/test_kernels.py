@@ -6,7 +6,9 @@ import torch.nn.functional as F
 
 from grpo.cpu import kernels
 
-pytestmark = pytest.mark.skipif(not kernels.onednn_available(), reason="this torch build has no usable oneDNN")
+pytestmark = pytest.mark.skipif(
+    not kernels.onednn_available(), reason="this torch build has no usable oneDNN"
+)
 
 
 def _rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -35,14 +37,20 @@ def test_products_take_onednn_for_few_rows_and_by_cpu_make_otherwise(mkl_fast, m
         xd, wd = x.detach().double().requires_grad_(), w.double().requires_grad_()
         ref = xd @ wd.t()
         (ref * upstream.double()).sum().backward()
-        assert _rel_err(out, ref) < 1e-5 and _rel_err(x.grad, xd.grad) < 1e-5 and _rel_err(weight.grad, wd.grad) < 1e-5
+        assert (
+            _rel_err(out, ref) < 1e-5
+            and _rel_err(x.grad, xd.grad) < 1e-5
+            and _rel_err(weight.grad, wd.grad) < 1e-5
+        )
 
 
 @pytest.mark.parametrize("shape", [(1, 40), (5, 40), (2, 3, 40), (32, 40), (33, 40), (0, 40)])
 def test_tall_product_matches_float64_in_pieces(shape, monkeypatch):
     """The transposed output-layer product (pieces of the weight, a last one shorter) gives the
     float64 answer to float32 rounding, for any number of rows (more than FEW_ROWS: linear_nt)."""
-    monkeypatch.setattr(kernels, "TALL_PIECE_OUTPUT", 160)  # 160 // rows rows a piece: several pieces
+    monkeypatch.setattr(
+        kernels, "TALL_PIECE_OUTPUT", 160
+    )  # 160 // rows rows a piece: several pieces
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(*shape, generator=g), torch.randn(1003, 40, generator=g)
     out = kernels.tall_linear_nt(x, w)
@@ -115,7 +123,9 @@ def test_use_cpu_linear_swaps_plain_linears_only(model):
     plain = sum(type(m) is torch.nn.Linear for m in model.modules())
     assert kernels.use_cpu_linear(model) == plain > 0
     assert type(model.extra) is Custom  # subclasses (LoRA, quantized layers) untouched
-    assert all(isinstance(m, torch.nn.Linear) for m in model.modules() if isinstance(m, kernels.CPULinear))
+    assert all(
+        isinstance(m, torch.nn.Linear) for m in model.modules() if isinstance(m, kernels.CPULinear)
+    )
     after = model.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     assert kernels.use_cpu_linear(model) == 0  # idempotent
@@ -135,7 +145,9 @@ def test_swapped_model_same_outputs_and_gradients(model, tokenizer):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-packing = pytest.mark.skipif(not kernels.packing_available(), reason="this torch build cannot reorder bf16 weights")
+packing = pytest.mark.skipif(
+    not kernels.packing_available(), reason="this torch build cannot reorder bf16 weights"
+)
 
 
 @packing
@@ -167,8 +179,13 @@ def test_packed_weights_are_not_used_with_gradients_or_without_autocast():
     with kernels.packed_for_decoding(layer, rows=2):
         assert layer.packed is None  # float32: nothing to replace
     already_bf16 = kernels.CPULinear(16, 8).bfloat16()
-    with torch.autocast("cpu", dtype=torch.bfloat16), kernels.packed_for_decoding(already_bf16, rows=2):
-        assert already_bf16.packed is None  # autocast makes no copy of it: a packed one would be extra
+    with (
+        torch.autocast("cpu", dtype=torch.bfloat16),
+        kernels.packed_for_decoding(already_bf16, rows=2),
+    ):
+        assert (
+            already_bf16.packed is None
+        )  # autocast makes no copy of it: a packed one would be extra
     with torch.autocast("cpu", dtype=torch.bfloat16), kernels.packed_for_decoding(layer, rows=2):
         assert layer.packed is not None
         out = layer(x)  # gradients enabled: the live weight, through autocast
@@ -178,7 +195,9 @@ def test_packed_weights_are_not_used_with_gradients_or_without_autocast():
 
 
 @packing
-def test_generation_with_packed_weights_matches_autocast(model, tokenizer, monkeypatch, assert_same_greedy):
+def test_generation_with_packed_weights_matches_autocast(
+    model, tokenizer, monkeypatch, assert_same_greedy
+):
     """Greedy completions under bf16 autocast through transformers' modules (the path for
     models grpo.cpu.fused_decoding does not cover): the same tokens with and without the packed weights."""
     import contextlib
@@ -194,9 +213,15 @@ def test_generation_with_packed_weights_matches_autocast(model, tokenizer, monke
 
     def run():
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            return generate(model, prompts, 2, SamplingParams(16, temperature=0),
-                            eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id,
-                            decoding=decoding)
+            return generate(
+                model,
+                prompts,
+                2,
+                SamplingParams(16, temperature=0),
+                eos_token_ids=[tokenizer.eos_token_id],
+                pad_token_id=tokenizer.pad_token_id,
+                decoding=decoding,
+            )
 
     real, packed_rows = kernels.packed_for_decoding, []
 
@@ -204,7 +229,9 @@ def test_generation_with_packed_weights_matches_autocast(model, tokenizer, monke
         packed_rows.append(rows)
         return real(m, rows)
 
-    monkeypatch.setattr(kernels, "packed_for_decoding", spy)  # the module grpo.cpu.layer calls it from
+    monkeypatch.setattr(
+        kernels, "packed_for_decoding", spy
+    )  # the module grpo.cpu.layer calls it from
     packed = run()
     assert packed_rows == [6]
     monkeypatch.setattr(kernels, "packed_for_decoding", lambda m, rows: contextlib.nullcontext())

@@ -16,8 +16,14 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "tiny.yaml"
 STEPS = 20
 
-CORE = ["grpo.training.trainer", "grpo.training.update", "grpo.models.logprobs", "grpo.rollout.hf", "grpo.backends",
-        "grpo.backends.single"]
+CORE = [
+    "grpo.training.trainer",
+    "grpo.training.update",
+    "grpo.models.logprobs",
+    "grpo.rollout.hf",
+    "grpo.backends",
+    "grpo.backends.single",
+]
 
 RUN = r"""
 import importlib, importlib.abc, json, sys
@@ -66,18 +72,28 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("cpu_layer")
     procs = {}
     for name, block, overrides in (("off", "block", ["cpu.enabled=false"]), ("on", "allow", [])):
-        args = [str(TINY), f"output_dir={out / name}", f"training.max_steps={STEPS}",
-                *overrides]
-        procs[name] = subprocess.Popen([sys.executable, "-c", RUN, block, json.dumps(CORE), *args], cwd=ROOT,
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        args = [str(TINY), f"output_dir={out / name}", f"training.max_steps={STEPS}", *overrides]
+        procs[name] = subprocess.Popen(
+            [sys.executable, "-c", RUN, block, json.dumps(CORE), *args],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
     results = {}
     for name, proc in procs.items():
         stdout, stderr = proc.communicate(timeout=300)
         lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
-        assert proc.returncode == 0 and lines, f"the {name} run failed:\n{stdout[-3000:]}\n{stderr[-3000:]}"
-        result = json.loads(lines[-1][len("RESULT "):])
+        assert proc.returncode == 0 and lines, (
+            f"the {name} run failed:\n{stdout[-3000:]}\n{stderr[-3000:]}"
+        )
+        result = json.loads(lines[-1][len("RESULT ") :])
         metrics = out / name / "metrics.jsonl"
-        result["metrics"] = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+        result["metrics"] = (
+            [json.loads(line) for line in metrics.read_text().splitlines()]
+            if metrics.exists()
+            else []
+        )
         result["stderr"] = stderr
         results[name] = result
     return results
@@ -119,8 +135,9 @@ def test_the_layer_changes_no_metric_beyond_float_tolerance(runs):
                 continue
             other = b[key]
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                assert math.isclose(value, other, rel_tol=RTOL, abs_tol=ATOL), \
+                assert math.isclose(value, other, rel_tol=RTOL, abs_tol=ATOL), (
                     f"step {a['step']} {key}: {value} without the CPU layer, {other} with it"
+                )
             else:
                 assert value == other, f"step {a['step']} {key}: {value!r} vs {other!r}"
     assert any(not _is_timing(key) and isinstance(value, float) for key, value in off[-1].items())

@@ -25,7 +25,9 @@ def test_importing_grpo_leaves_the_environment_alone():
         "assert os.environ['THP_MEM_ALLOC_ENABLE'] == '1'\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
 
 

@@ -20,7 +20,9 @@ def _tile(dtype=torch.float32, seed=0):
     rows, cols = 6, 37
     product = (3 * torch.randn(rows, cols, generator=g)).to(dtype)
     bias = torch.randn(cols, generator=g)
-    column = torch.tensor([0, -1, 36, 5, -1, 17])  # targets at both edges, and two rows whose target is elsewhere
+    column = torch.tensor(
+        [0, -1, 36, 5, -1, 17]
+    )  # targets at both edges, and two rows whose target is elsewhere
     return product, bias, column
 
 
@@ -32,7 +34,12 @@ def _dense(product, bias, softcap, temperature):
     return z / temperature
 
 
-SETTINGS = [(None, 1.0, False), (None, 0.7, True), (30.0, 1.0, True), (3.0, 1.3, False)]  # softcap, temperature, bias
+SETTINGS = [
+    (None, 1.0, False),
+    (None, 0.7, True),
+    (30.0, 1.0, True),
+    (3.0, 1.3, False),
+]  # softcap, temperature, bias
 COMPILED_SETTINGS = [(None, 1.0, False), (30.0, 0.7, True)]
 """Each (dtype, softcap or not, bias or not) is a kernel of its own to compile (seconds each on a
 machine's first run): the compiled tests take the plain one and the one with every option."""
@@ -46,7 +53,12 @@ def test_definition_is_the_log_sum_exp_and_the_softmax_gradient(softcap, tempera
     product, bias, column = _tile()
     bias = bias if with_bias else None
     rows = product.shape[0]
-    start = (torch.full((rows,), float("-inf")), torch.zeros(rows), torch.zeros(rows), torch.zeros(rows))
+    start = (
+        torch.full((rows,), float("-inf")),
+        torch.zeros(rows),
+        torch.zeros(rows),
+        torch.zeros(rows),
+    )
     m, S, U, target = tiles.forward_tile(product, bias, column, *start, softcap, temperature)
     z = _dense(product, bias, softcap, temperature)
     zs = z - z.amax(-1, keepdim=True)
@@ -55,18 +67,24 @@ def test_definition_is_the_log_sum_exp_and_the_softmax_gradient(softcap, tempera
     torch.testing.assert_close(S.double(), zs.exp().sum(-1), **close)
     torch.testing.assert_close(U.double(), (zs.exp() * zs).sum(-1), **close)
     hit = column >= 0
-    torch.testing.assert_close(target[hit].double(), z[hit.nonzero().squeeze(1), column[hit]], **close)
+    torch.testing.assert_close(
+        target[hit].double(), z[hit.nonzero().squeeze(1), column[hit]], **close
+    )
     assert (target[~hit] == 0).all()
 
     lse = torch.logsumexp(z, -1).float()
     grad = torch.linspace(-1, 2, rows)
-    gz, _ = tiles.backward_tile(product, bias, column, lse, grad, softcap, temperature, torch.float32, False)
+    gz, _ = tiles.backward_tile(
+        product, bias, column, lse, grad, softcap, temperature, torch.float32, False
+    )
     p = product.double().requires_grad_()
     zp = _dense(p, bias, softcap, temperature)
     onehot = torch.zeros_like(zp)
     onehot[hit.nonzero().squeeze(1), column[hit]] = 1
     # the gradient of sum_r g_r (onehot . z_r - lse_r) with lse held at its value
-    ((onehot * zp).sum(-1) - (zp - lse.double()[:, None]).exp().sum(-1)).mul(grad.double()).sum().backward()
+    ((onehot * zp).sum(-1) - (zp - lse.double()[:, None]).exp().sum(-1)).mul(
+        grad.double()
+    ).sum().backward()
     torch.testing.assert_close(gz.double(), p.grad, rtol=1e-5, atol=1e-6)
 
 
@@ -75,20 +93,35 @@ def _both(kernels, product, bias, column, softcap, temperature, out_dtype):
     rescaling is exercised) and the backward's gradient and column sums."""
     rows = product.shape[0]
     g = torch.Generator().manual_seed(5)
-    start = (torch.randn(rows, generator=g), torch.rand(rows, generator=g) + 1, torch.randn(rows, generator=g),
-             torch.randn(rows, generator=g))
+    start = (
+        torch.randn(rows, generator=g),
+        torch.rand(rows, generator=g) + 1,
+        torch.randn(rows, generator=g),
+        torch.randn(rows, generator=g),
+    )
     buffers = TileBuffers(product.device, OutputLayerKernels(tile=kernels))
     forward = kernels.forward(product.clone(), bias, column, *start, softcap, temperature, buffers)
     lse = torch.logsumexp(_dense(product, bias, softcap, temperature), -1).float()
     grad = torch.linspace(-1, 2, rows)
     buffers = TileBuffers(product.device, OutputLayerKernels(tile=kernels))
-    backward = kernels.backward(product.clone(), bias, column, lse, grad, softcap, temperature, out_dtype,
-                                bias is not None, buffers)
+    backward = kernels.backward(
+        product.clone(),
+        bias,
+        column,
+        lse,
+        grad,
+        softcap,
+        temperature,
+        out_dtype,
+        bias is not None,
+        buffers,
+    )
     return forward, backward
 
 
 DEFINITION = SimpleNamespace(  # the plain functions, called like the kernels (without the buffers)
-    forward=lambda *args: tiles.forward_tile(*args[:-1]), backward=lambda *args: tiles.backward_tile(*args[:-1]),
+    forward=lambda *args: tiles.forward_tile(*args[:-1]),
+    backward=lambda *args: tiles.backward_tile(*args[:-1]),
 )
 
 
@@ -111,8 +144,14 @@ def test_eager_in_place_equals_the_definition(dtype, softcap, temperature, with_
     product, bias, column = _tile(dtype)
     bias = bias if with_bias else None
     exact = dict(rtol=1e-6, atol=1e-6)
-    _assert_same(_both(tiles.EAGER, product, bias, column, softcap, temperature, dtype),
-                 _both(DEFINITION, product, bias, column, softcap, temperature, dtype), dtype, with_bias, exact, exact)
+    _assert_same(
+        _both(tiles.EAGER, product, bias, column, softcap, temperature, dtype),
+        _both(DEFINITION, product, bias, column, softcap, temperature, dtype),
+        dtype,
+        with_bias,
+        exact,
+        exact,
+    )
 
 
 @pytest.mark.needs_compile
@@ -122,15 +161,25 @@ def test_compiled_kernels_equal_eager(dtype, softcap, temperature, with_bias):
     product, bias, column = _tile(dtype)
     bias = bias if with_bias else None
     # a bf16 gradient may round a float32 value that differs in its last bit the other way
-    gradient_tolerance = dict(rtol=1e-2, atol=1e-3) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+    gradient_tolerance = (
+        dict(rtol=1e-2, atol=1e-3) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+    )
     compiled = _both(tile_math.COMPILED, product, bias, column, softcap, temperature, dtype)
-    _assert_same(compiled, _both(tiles.EAGER, product, bias, column, softcap, temperature, dtype), dtype, with_bias,
-                 dict(rtol=1e-5, atol=1e-5), gradient_tolerance)
+    _assert_same(
+        compiled,
+        _both(tiles.EAGER, product, bias, column, softcap, temperature, dtype),
+        dtype,
+        with_bias,
+        dict(rtol=1e-5, atol=1e-5),
+        gradient_tolerance,
+    )
     assert compiled[1][0].t().is_contiguous()  # column-major, for the products that follow
     # the cast and the accumulation
     out = torch.empty(product.shape, dtype=torch.bfloat16)
     tile_math.COMPILED.cast_into(out, product.float())
-    assert torch.equal(out, product.float().bfloat16())  # exact: a cast rounds correctly in any implementation
+    assert torch.equal(
+        out, product.float().bfloat16()
+    )  # exact: a cast rounds correctly in any implementation
     acc = torch.ones(product.shape)
     tile_math.COMPILED.accumulate(acc, product)
     assert torch.equal(acc, 1 + product.float())  # exact: so does a single addition
@@ -139,7 +188,9 @@ def test_compiled_kernels_equal_eager(dtype, softcap, temperature, with_bias):
 @pytest.mark.needs_compile
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("softcap, temperature, with_bias", COMPILED_SETTINGS)
-def test_tiled_logprobs_compiled_equal_eager_values_and_gradients(precision, softcap, temperature, with_bias):
+def test_tiled_logprobs_compiled_equal_eager_values_and_gradients(
+    precision, softcap, temperature, with_bias
+):
     """The whole tiled pass over several token chunks and vocabulary blocks (the last ones
     smaller), the weight's gradient added in place into its .grad: compiled and eager agree on logp, entropy and every
     gradient."""
@@ -153,21 +204,38 @@ def test_tiled_logprobs_compiled_equal_eager_values_and_gradients(precision, sof
         hidden = hidden0.clone().requires_grad_()
         layer.zero_grad(set_to_none=True)
         layer.weight.grad = torch.zeros_like(layer.weight)
-        kernels = OutputLayerKernels(tile=tile_math.COMPILED if compiled else tiles.EAGER, weight_grad_in_place=True)
+        kernels = OutputLayerKernels(
+            tile=tile_math.COMPILED if compiled else tiles.EAGER, weight_grad_in_place=True
+        )
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
             logp, entropy = token_logprobs_from_hidden(
-                hidden, layer, targets, temperature=temperature, softcap=softcap, chunk_size=4, vocab_block=16,
+                hidden,
+                layer,
+                targets,
+                temperature=temperature,
+                softcap=softcap,
+                chunk_size=4,
+                vocab_block=16,
                 kernels=kernels,
             )
         (logp * upstream).sum().backward()
-        results[compiled] = (logp, entropy, hidden.grad, layer.weight.grad, layer.bias.grad if with_bias else None)
+        results[compiled] = (
+            logp,
+            entropy,
+            hidden.grad,
+            layer.weight.grad,
+            layer.bias.grad if with_bias else None,
+        )
     tolerance = dict(rtol=1e-5, atol=1e-5) if precision == "fp32" else dict(rtol=1e-2, atol=1e-3)
-    for name, a, b in zip(("logp", "entropy", "grad h", "grad w", "grad b"), results[True], results[False]):
+    for name, a, b in zip(
+        ("logp", "entropy", "grad h", "grad w", "grad b"), results[True], results[False]
+    ):
         if b is None:
             assert a is None
             continue
-        torch.testing.assert_close(a, b, **(tolerance if name.startswith("grad") else dict(rtol=1e-5, atol=1e-5)),
-                                   msg=name)
+        torch.testing.assert_close(
+            a, b, **(tolerance if name.startswith("grad") else dict(rtol=1e-5, atol=1e-5)), msg=name
+        )
 
 
 # -- cpu.compile ---------------------------------------------------------------------------
@@ -211,19 +279,25 @@ def test_auto_compiles_only_large_cpu_output_layers(monkeypatch):
     assert calls == ["cpu", "cpu"]  # probed only where the answer depends on it
 
 
-def test_a_failing_compiler_falls_back_under_auto_and_is_an_error_when_asked_for(monkeypatch, caplog):
+def test_a_failing_compiler_falls_back_under_auto_and_is_an_error_when_asked_for(
+    monkeypatch, caplog
+):
     _failing_probe(monkeypatch)
     with caplog.at_level(logging.WARNING):
         assert compiling.use_compiled("auto", _Model(compiling.AUTO_COMPILE_MIN_WEIGHTS)) is False
     assert "no C++ compiler" in caplog.text
-    with pytest.raises(ConfigError, match="cpu.compile=compiled.*no C\\+\\+ compiler.*cpu.compile=eager"):
+    with pytest.raises(
+        ConfigError, match="cpu.compile=compiled.*no C\\+\\+ compiler.*cpu.compile=eager"
+    ):
         compiling.use_compiled("compiled", _Model(10))
 
 
 def test_the_backend_decides_once_per_run(monkeypatch, model):
     calls = _failing_probe(monkeypatch)
     monkeypatch.setattr(compiling, "AUTO_COMPILE_MIN_WEIGHTS", 1)
-    backend = single.SingleProcess(from_dict({"cpu": {"compile": "auto"}, "training": {"device": "cpu"}}))
+    backend = single.SingleProcess(
+        from_dict({"cpu": {"compile": "auto"}, "training": {"device": "cpu"}})
+    )
     backend.prepare_model(model)  # the CPU layer resolves cpu.compile here, once
     assert backend.cpu.compiled is False
     assert backend.output_layer_kernels().tile is tiles.EAGER
@@ -233,7 +307,9 @@ def test_the_backend_decides_once_per_run(monkeypatch, model):
 
 @pytest.mark.needs_compile
 @pytest.mark.parametrize("bf16", [False, True])
-def test_training_with_compiled_kernels_equals_eager(tokenizer, tmp_path, bf16, monkeypatch, make_trainer):
+def test_training_with_compiled_kernels_equals_eager(
+    tokenizer, tmp_path, bf16, monkeypatch, make_trainer
+):
     """cpu.compile=compiled against eager, a few steps of a tiny model (the updates through
     the compiled tiles and norms): the same completions, and weights equal to float tolerance."""
     from grpo.cpu import compiled_norms
@@ -243,25 +319,40 @@ def test_training_with_compiled_kernels_equals_eager(tokenizer, tmp_path, bf16, 
 
     runs = {}
     for kernels in ("eager", "compiled"):
-        trainer = make_trainer(tokenizer, tmp_path / kernels, [
-            "training.max_steps=3", "training.per_device_train_batch_size=32", "rollout.max_completion_length=3",
-            f"cpu.compile={kernels}", f"training.bf16={str(bf16).lower()}", "training.logprob_chunk_size=5",
-        ])
+        trainer = make_trainer(
+            tokenizer,
+            tmp_path / kernels,
+            [
+                "training.max_steps=3",
+                "training.per_device_train_batch_size=32",
+                "rollout.max_completion_length=3",
+                f"cpu.compile={kernels}",
+                f"training.bf16={str(bf16).lower()}",
+                "training.logprob_chunk_size=5",
+            ],
+        )
         assert trainer.backend.cpu.compiled is (kernels == "compiled")
-        assert trainer.backend.output_layer_kernels().tile is (tile_math.COMPILED if kernels == "compiled" else tiles.EAGER)
+        assert trainer.backend.output_layer_kernels().tile is (
+            tile_math.COMPILED if kernels == "compiled" else tiles.EAGER
+        )
         completions = []
         for _ in range(3):
             batch = trainer.collect_batch()
             completions.append(batch.rollout.completion_ids.clone())
             trainer.update(batch)
-        runs[kernels] = (completions, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()})
+        runs[kernels] = (
+            completions,
+            {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
+        )
     for a, b in zip(runs["compiled"][0], runs["eager"][0]):
         # exact: the compiled prefill and updates may differ from eager in the last bits, but a draw
         # changes only if its uniform lies that close to a step of the CDF (the nearest of these
         # 1148 draws is 1e-5 away)
         assert torch.equal(a, b)
     for name, weight in runs["eager"][1].items():
-        torch.testing.assert_close(runs["compiled"][1][name], weight, rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(
+            runs["compiled"][1][name], weight, rtol=1e-4, atol=1e-5, msg=name
+        )
 
 
 def test_a_compile_failing_mid_run_falls_back_to_the_definition(monkeypatch, caplog):
@@ -271,7 +362,10 @@ def test_a_compile_failing_mid_run_falls_back_to_the_definition(monkeypatch, cap
 
     def broken(fn):
         def call(*args):
-            raise BackendCompilerFailed(lambda *a: None, RuntimeError("No space left on device"), None)
+            raise BackendCompilerFailed(
+                lambda *a: None, RuntimeError("No space left on device"), None
+            )
+
         return call
 
     monkeypatch.setattr(compiling, "compiled", broken)

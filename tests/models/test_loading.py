@@ -37,13 +37,21 @@ gguf = pytest.importorskip("gguf")
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 16, 2, 2, 1, 32
 HEAD_DIM = HIDDEN // HEADS
 SPECIALS = ["<unk>", "<s>", "</s>", "<|im_end|>"]
-PIECES = ["\u2581"] + list("abcdefghijklmnopqrstuvwxyz0123456789+=*-.") + ["\u2581a", "ab", "\u2581ab", "12", "\u25811"]
+PIECES = (
+    ["\u2581"]
+    + list("abcdefghijklmnopqrstuvwxyz0123456789+=*-.")
+    + ["\u2581a", "ab", "\u2581ab", "12", "\u25811"]
+)
 TOKENS = SPECIALS + PIECES
 
 
 def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's q/k row permutation (convert_hf_to_gguf.py), which transformers reverses on load."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def _hf_tensors(seed: int = 0) -> dict[str, np.ndarray]:
@@ -109,7 +117,9 @@ def write_tiny_gguf(path: Path, tensors: dict[str, np.ndarray]) -> Path:
     w.add_token_list(TOKENS)
     w.add_token_scores([0.0] * len(SPECIALS) + [-float(i) for i in range(len(PIECES))])
     control, normal = gguf.TokenType.CONTROL, gguf.TokenType.NORMAL
-    w.add_token_types([gguf.TokenType.UNKNOWN] + [control] * (len(SPECIALS) - 1) + [normal] * len(PIECES))
+    w.add_token_types(
+        [gguf.TokenType.UNKNOWN] + [control] * (len(SPECIALS) - 1) + [normal] * len(PIECES)
+    )
     w.add_unk_token_id(0)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)  # no pad token: the loader must fall back to eos
@@ -137,7 +147,9 @@ def tiny_gguf(tmp_path_factory):
 
 
 def test_tiny_model_and_char_tokenizer():
-    model, tok = load_model_and_tokenizer(ModelConfig(name="tiny", tiny_hidden_size=32, tiny_num_layers=1))
+    model, tok = load_model_and_tokenizer(
+        ModelConfig(name="tiny", tiny_hidden_size=32, tiny_num_layers=1)
+    )
     assert tok.get_vocab() == tiny.char_tokenizer().get_vocab()
     assert tok.decode(tok("2 + 3 = 5").input_ids) == "2 + 3 = 5"
     assert tok.padding_side == "left" and tok.pad_token == "<pad>"
@@ -146,13 +158,17 @@ def test_tiny_model_and_char_tokenizer():
     assert eos_token_ids(model, tok) == [tok.eos_token_id]
     assert count_parameters(model) == sum(p.numel() for p in model.parameters()) > 0
     # deterministic: seed 0 every time
-    again, _ = load_model_and_tokenizer(ModelConfig(name="tiny", tiny_hidden_size=32, tiny_num_layers=1))
+    again, _ = load_model_and_tokenizer(
+        ModelConfig(name="tiny", tiny_hidden_size=32, tiny_num_layers=1)
+    )
     assert torch.equal(model.model.embed_tokens.weight, again.model.embed_tokens.weight)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_tiny_dtype_honoured(dtype):
-    model, _ = load_model_and_tokenizer(ModelConfig(name="tiny", dtype=dtype), device=torch.device("cpu"))
+    model, _ = load_model_and_tokenizer(
+        ModelConfig(name="tiny", dtype=dtype), device=torch.device("cpu")
+    )
     assert {p.dtype for p in model.parameters()} == {getattr(torch, dtype)}
 
 
@@ -188,7 +204,12 @@ def test_gguf_loads_with_the_weights_written(tiny_gguf, tmp_path, capsys):
 
     assert type(model).__name__ == "LlamaForCausalLM"
     c = model.config
-    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads) == (HIDDEN, LAYERS, HEADS, KV_HEADS)
+    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads) == (
+        HIDDEN,
+        LAYERS,
+        HEADS,
+        KV_HEADS,
+    )
     assert c.vocab_size == len(TOKENS) and not c.tie_word_embeddings
     state = model.state_dict()
     assert set(state) >= set(tensors)
@@ -221,9 +242,15 @@ def test_gguf_is_converted_once_then_read_from_the_cache(tiny_gguf, tmp_path, mo
     first, _ = load_model_and_tokenizer(cfg)
     target = converted_dir(path, tmp_path)
     assert target.parent == tmp_path / "converted" and target.name.startswith("tiny-llama-")
-    assert is_converted(target) and (target / "model.safetensors").is_file() and (target / "config.json").is_file()
+    assert (
+        is_converted(target)
+        and (target / "model.safetensors").is_file()
+        and (target / "config.json").is_file()
+    )
     assert len(calls) == 1
-    assert [p.name for p in target.parent.iterdir() if p.name.startswith(".") and "tmp" in p.name] == []
+    assert [
+        p.name for p in target.parent.iterdir() if p.name.startswith(".") and "tmp" in p.name
+    ] == []
 
     def no_second_conversion(*args):
         raise AssertionError("converted twice")
@@ -284,7 +311,9 @@ def test_directory_with_one_gguf_and_no_config(tiny_gguf, tmp_path):
     folder = tmp_path / "ckpt"
     folder.mkdir()
     os.symlink(path, folder / path.name)
-    model, _ = load_model_and_tokenizer(ModelConfig(name=str(folder), cache_dir=str(tmp_path / "cache")))
+    model, _ = load_model_and_tokenizer(
+        ModelConfig(name=str(folder), cache_dir=str(tmp_path / "cache"))
+    )
     assert model.config.hidden_size == HIDDEN
 
 
@@ -292,9 +321,13 @@ def test_local_save_pretrained_directory(tmp_path):
     model, tok = load_model_and_tokenizer(ModelConfig(name="tiny"))
     model.save_pretrained(tmp_path / "ckpt")
     tok.save_pretrained(tmp_path / "ckpt")
-    loaded, tok2 = load_model_and_tokenizer(ModelConfig(name=str(tmp_path / "ckpt"), dtype="bfloat16"))
+    loaded, tok2 = load_model_and_tokenizer(
+        ModelConfig(name=str(tmp_path / "ckpt"), dtype="bfloat16")
+    )
     assert loaded.dtype == torch.bfloat16 and tok2.padding_side == "left"
-    assert torch.equal(loaded.model.embed_tokens.weight, model.model.embed_tokens.weight.to(torch.bfloat16))
+    assert torch.equal(
+        loaded.model.embed_tokens.weight, model.model.embed_tokens.weight.to(torch.bfloat16)
+    )
 
 
 # --------------------------------------------------------------------------
@@ -302,7 +335,9 @@ def test_local_save_pretrained_directory(tmp_path):
 # --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["./no/such/model", "/no/such/model", "no/such/model", "missing.gguf"])
+@pytest.mark.parametrize(
+    "name", ["./no/such/model", "/no/such/model", "no/such/model", "missing.gguf"]
+)
 def test_missing_local_path_is_a_config_error(name, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match="model.name") as err:
@@ -375,6 +410,8 @@ def test_embedded_gemma_greedy_generation():
     inputs = tok(["2 + 3 = "], return_tensors="pt")
     assert inputs.input_ids[0, 0].item() == tok.bos_token_id
     with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
+        out = model.generate(
+            **inputs, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id
+        )
     text = tok.decode(out[0, inputs.input_ids.shape[1] :], skip_special_tokens=True)
     assert text.strip().startswith("5"), text

@@ -36,7 +36,14 @@ def test_tiled_equals_full_logits_values_and_gradients(model, chunk_size, vocab_
 
     model.zero_grad()
     logp, entropy = completion_logprobs(
-        model, pi, pm, ci, cm, temperature=temperature, chunk_size=chunk_size, vocab_block=vocab_block
+        model,
+        pi,
+        pm,
+        ci,
+        cm,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        vocab_block=vocab_block,
     )
     (logp * weights).sum().backward()
     chunked_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -45,7 +52,9 @@ def test_tiled_equals_full_logits_values_and_gradients(model, chunk_size, vocab_
     ref = reference_logprobs(model, pi, pm, ci, cm, temperature=temperature)
     (ref * weights).sum().backward()
 
-    torch.testing.assert_close(logp.double(), ref, atol=1e-5, rtol=1e-5)  # logp is float32 by design
+    torch.testing.assert_close(
+        logp.double(), ref, atol=1e-5, rtol=1e-5
+    )  # logp is float32 by design
     assert (logp[cm == 0] == 0).all() and (entropy[cm == 0] == 0).all()
     for name, p in model.named_parameters():
         torch.testing.assert_close(chunked_grads[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
@@ -56,8 +65,11 @@ def test_entropy_matches_definition(model, vocab_block):
     """Entropy accumulated across vocabulary blocks (online log-sum-exp) equals the definition."""
     pi, pm, ci, cm = _batch()
     _, entropy = completion_logprobs(model, pi, pm, ci, cm, chunk_size=5, vocab_block=vocab_block)
-    logits = model(input_ids=torch.cat([pi, ci], 1), attention_mask=torch.cat([pm, cm], 1),
-                   position_ids=(torch.cat([pm, cm], 1).cumsum(-1) - 1).clamp(min=0)).logits
+    logits = model(
+        input_ids=torch.cat([pi, ci], 1),
+        attention_mask=torch.cat([pm, cm], 1),
+        position_ids=(torch.cat([pm, cm], 1).cumsum(-1) - 1).clamp(min=0),
+    ).logits
     logits = logits[:, pi.shape[1] - 1 : -1]
     logp = torch.log_softmax(logits.float(), -1)
     expected = -(logp.exp() * logp).sum(-1) * cm
@@ -73,7 +85,13 @@ def test_softcap_and_bias_gradients_match_autograd(vocab_block):
     softcap, temperature = 3.0, 0.8
 
     logp, _ = token_logprobs_from_hidden(
-        hidden, layer, targets, temperature=temperature, softcap=softcap, chunk_size=4, vocab_block=vocab_block
+        hidden,
+        layer,
+        targets,
+        temperature=temperature,
+        softcap=softcap,
+        chunk_size=4,
+        vocab_block=vocab_block,
     )
     logp.sum().backward()
     ours = (hidden.grad.clone(), layer.weight.grad.clone(), layer.bias.grad.clone())
@@ -102,7 +120,7 @@ def _grouped_batch(G=3, seed=0):
     """Two prompts of different lengths, each repeated G times (a group), varied completion lengths."""
     pi, pm, ci, cm = _batch(seed)
     pi, pm = pi[:2].repeat_interleave(G, 0), pm[:2].repeat_interleave(G, 0)
-    ci, cm = ci[: 1].repeat(2 * G, 1), cm[:1].repeat(2 * G, 1)
+    ci, cm = ci[:1].repeat(2 * G, 1), cm[:1].repeat(2 * G, 1)
     g = torch.Generator().manual_seed(seed + 1)
     ci = torch.randint(5, 95, ci.shape, generator=g)
     lengths = torch.randint(1, ci.shape[1] + 1, (2 * G,), generator=g)
@@ -124,7 +142,10 @@ def test_shared_prompt_pass_equals_plain(model, gemma3_tiny, arch):
         model.zero_grad()
         logp, _ = completion_logprobs(model, pi, pm, ci, cm, chunk_size=7, share_prompts=share)
         (logp * weights).sum().backward()
-        results[share] = (logp, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        results[share] = (
+            logp,
+            {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+        )
     model.zero_grad()
     ref = reference_logprobs(model, pi, pm, ci, cm)
     torch.testing.assert_close(results[True][0].double(), ref, atol=1e-5, rtol=1e-5)
@@ -145,7 +166,9 @@ def test_weight_grad_in_place_accumulates_the_autograd_gradient(vocab_block):
     upstream = torch.randn(12)
     in_place = OutputLayerKernels(weight_grad_in_place=True)
 
-    logp, _ = token_logprobs_from_hidden(hidden, layer, targets, chunk_size=5, vocab_block=vocab_block)
+    logp, _ = token_logprobs_from_hidden(
+        hidden, layer, targets, chunk_size=5, vocab_block=vocab_block
+    )
     (logp * upstream).sum().backward()
     expected_w, expected_h = layer.weight.grad.clone(), hidden.grad.clone()
 
@@ -163,7 +186,9 @@ def test_weight_grad_in_place_accumulates_the_autograd_gradient(vocab_block):
 
     # no .grad to add into: autograd's gradient, the same values
     hidden.grad = layer.weight.grad = None
-    logp3, _ = token_logprobs_from_hidden(hidden, layer, targets, chunk_size=5, vocab_block=vocab_block, kernels=in_place)
+    logp3, _ = token_logprobs_from_hidden(
+        hidden, layer, targets, chunk_size=5, vocab_block=vocab_block, kernels=in_place
+    )
     (logp3 * upstream).sum().backward()
     torch.testing.assert_close(layer.weight.grad, expected_w, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(hidden.grad, expected_h, rtol=1e-5, atol=1e-6)
@@ -171,8 +196,9 @@ def test_weight_grad_in_place_accumulates_the_autograd_gradient(vocab_block):
     # a pass without gradients leaves .grad alone
     before = layer.weight.grad.clone()
     with torch.no_grad():
-        logp4, _ = token_logprobs_from_hidden(hidden, layer, targets, chunk_size=5, vocab_block=vocab_block,
-                                              kernels=in_place)
+        logp4, _ = token_logprobs_from_hidden(
+            hidden, layer, targets, chunk_size=5, vocab_block=vocab_block, kernels=in_place
+        )
     torch.testing.assert_close(logp4, logp.detach())
     assert torch.equal(layer.weight.grad, before)
 
@@ -202,7 +228,11 @@ def test_bf16_tiles_equal_plain_bf16_product(chunk_size, vocab_block, in_place):
     layer.weight.grad = buffer  # with `in_place`, the backward adds the weight's gradient into it
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logp, entropy = token_logprobs_from_hidden(
-            hidden, layer, targets, chunk_size=chunk_size, vocab_block=vocab_block,
+            hidden,
+            layer,
+            targets,
+            chunk_size=chunk_size,
+            vocab_block=vocab_block,
             kernels=OutputLayerKernels(weight_grad_in_place=in_place),
         )
     (logp * upstream).sum().backward()

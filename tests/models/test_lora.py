@@ -29,10 +29,20 @@ TOY = {
     "model": {"name": "tiny", "lora": {"r": 4, "alpha": 8.0}},
     "data": {
         "chat_template": "never",
-        "arithmetic": {"operands": [[1, 4], [1, 4]], "operators": ["+"], "instruction": "{expression}=", "num_eval": 4},
+        "arithmetic": {
+            "operands": [[1, 4], [1, 4]],
+            "operators": ["+"],
+            "instruction": "{expression}=",
+            "num_eval": 4,
+        },
     },
     "rollout": {"num_generations": 4, "max_completion_length": 2, "temperature": 1.0},
-    "training": {"max_steps": 3, "per_device_train_batch_size": 16, "learning_rate": 0.02, "lr_scheduler_type": "constant"},
+    "training": {
+        "max_steps": 3,
+        "per_device_train_batch_size": 16,
+        "learning_rate": 0.02,
+        "lr_scheduler_type": "constant",
+    },
     "logging": {"log_every": 1000, "sample_every": 0},
     "rewards": {"isolation": "thread"},
 }
@@ -42,7 +52,9 @@ TOY = {
 def _no_plots(monkeypatch):
     from grpo.run import runlog
 
-    monkeypatch.setattr(runlog.RunLog, "report", lambda self: None)  # plots: seconds, not what is tested here
+    monkeypatch.setattr(
+        runlog.RunLog, "report", lambda self: None
+    )  # plots: seconds, not what is tested here
 
 
 def third(completions, **kwargs):
@@ -56,8 +68,16 @@ def _cfg(tmp_path, overrides=()):
 
 
 def _trainer(tokenizer, tmp_path, overrides=(), model=None, **kw):
-    model = model if model is not None else tiny_model(tokenizer, hidden_size=32, num_layers=2, seed=0)
-    return Trainer(_cfg(tmp_path, overrides), model=model, tokenizer=tokenizer, reward_funcs={"third": third}, **kw)
+    model = (
+        model if model is not None else tiny_model(tokenizer, hidden_size=32, num_layers=2, seed=0)
+    )
+    return Trainer(
+        _cfg(tmp_path, overrides),
+        model=model,
+        tokenizer=tokenizer,
+        reward_funcs={"third": third},
+        **kw,
+    )
 
 
 def _base_weights(model):
@@ -103,13 +123,19 @@ def test_only_the_adapter_trains_and_the_base_is_bitwise_unchanged(tokenizer, tm
     q = model.model.layers[0].self_attn.q_proj
     assert isinstance(q.base_layer, kernels.CPULinear)
     adapter_before = {k: v.clone() for k, v in lora.adapter_parameters(model).items()}
-    assert all(float(v.detach().abs().sum()) == 0 for k, v in adapter_before.items() if "lora_B" in k)  # starts as the base
+    assert all(
+        float(v.detach().abs().sum()) == 0 for k, v in adapter_before.items() if "lora_B" in k
+    )  # starts as the base
     trainer.train()
     after = _base_weights(model)
     assert after.keys() == before.keys()
     for name, value in before.items():
         assert torch.equal(after[name], value), name
-    changed = [k for k, v in lora.adapter_parameters(model).items() if not torch.equal(v, adapter_before[k])]
+    changed = [
+        k
+        for k, v in lora.adapter_parameters(model).items()
+        if not torch.equal(v, adapter_before[k])
+    ]
     assert len(changed) == len(adapter_before)
 
 
@@ -126,12 +152,16 @@ def test_a_tied_model_with_a_frozen_base(tokenizer, tmp_path, gemma3_tiny):
     assert not output.requires_grad and output.grad is None
     frozen = [p for p in trainer.model.parameters() if not p.requires_grad]
     assert frozen and all(p.grad is None for p in frozen)
-    assert all(p.grad is not None for p in trainer.model.parameters() if p.requires_grad)  # preallocated
+    assert all(
+        p.grad is not None for p in trainer.model.parameters() if p.requires_grad
+    )  # preallocated
     before = {k: v.detach().clone() for k, v in lora.adapter_parameters(trainer.model).items()}
     trainer.train()
     assert torch.equal(trainer.model.get_input_embeddings().weight, embedding)
     assert all(p.grad is None for p in frozen)
-    assert any(not torch.equal(v, before[k]) for k, v in lora.adapter_parameters(trainer.model).items())
+    assert any(
+        not torch.equal(v, before[k]) for k, v in lora.adapter_parameters(trainer.model).items()
+    )
 
 
 def test_adapter_init_comes_from_the_seed(tokenizer, tmp_path):
@@ -185,7 +215,11 @@ def test_a_lora_reference_holds_no_second_copy(tokenizer, tmp_path):
 
 
 def test_reference_reset_is_a_frozen_copy_of_the_adapter(tokenizer, tmp_path):
-    trainer = _trainer(tokenizer, tmp_path, ["algorithm.beta=0.04", "algorithm.ref_sync_steps=2", "training.max_steps=4"])
+    trainer = _trainer(
+        tokenizer,
+        tmp_path,
+        ["algorithm.beta=0.04", "algorithm.ref_sync_steps=2", "training.max_steps=4"],
+    )
     ref = trainer.reference
     assert isinstance(ref, FrozenAdapter)
     assert not any(p.requires_grad for p in ref.weights.values())
@@ -239,7 +273,13 @@ def test_checkpoint_holds_the_adapter_not_the_base(tokenizer, tmp_path):
     trainer.train()
     final = tmp_path / "run" / "final"
     files = {p.name for p in final.iterdir()}
-    assert {"adapter_model.safetensors", "adapter_config.json", "train_state.pt", "config.yaml", "manifest.json"} <= files
+    assert {
+        "adapter_model.safetensors",
+        "adapter_config.json",
+        "train_state.pt",
+        "config.yaml",
+        "manifest.json",
+    } <= files
     assert "model.safetensors" not in files
     assert checkpoint.verify(final) == ""
     saved = load_file(final / "adapter_model.safetensors")
@@ -259,7 +299,12 @@ def test_checkpoint_holds_the_adapter_not_the_base(tokenizer, tmp_path):
 
 
 def test_resume_continues_a_lora_run_exactly(tokenizer, tmp_path):
-    overrides = ["training.max_steps=4", "training.save_steps=2", "algorithm.beta=0.04", "algorithm.ref_sync_steps=1"]
+    overrides = [
+        "training.max_steps=4",
+        "training.save_steps=2",
+        "algorithm.beta=0.04",
+        "algorithm.ref_sync_steps=1",
+    ]
     whole = _trainer(tokenizer, tmp_path / "whole", overrides)
     history = whole.train()
     first = _trainer(tokenizer, tmp_path / "cut", [*overrides[1:], "training.max_steps=2"])
@@ -270,7 +315,9 @@ def test_resume_continues_a_lora_run_exactly(tokenizer, tmp_path):
     rest = resumed.train()
     skip = ("time/", "tokens_per_second")
     for a, b in zip(history[2:], rest):
-        assert {k: v for k, v in a.items() if not k.startswith(skip)} == {k: v for k, v in b.items() if not k.startswith(skip)}
+        assert {k: v for k, v in a.items() if not k.startswith(skip)} == {
+            k: v for k, v in b.items() if not k.startswith(skip)
+        }
     for (k, a), b in zip(whole.model.state_dict().items(), resumed.model.state_dict().values()):
         assert torch.equal(a, b), k  # exact: the same steps, computed the same way on this machine
     assert whole.reference.state_dict().keys() == resumed.reference.state_dict().keys()
@@ -298,7 +345,9 @@ def _logits(model, batch):
     ids = torch.cat([batch[0], batch[2]], 1)
     mask = torch.cat([batch[1], batch[3]], 1)
     with torch.no_grad():
-        return model(input_ids=ids, attention_mask=mask, position_ids=logprobs.position_ids_from_mask(mask)).logits
+        return model(
+            input_ids=ids, attention_mask=mask, position_ids=logprobs.position_ids_from_mask(mask)
+        ).logits
 
 
 @pytest.fixture
@@ -319,7 +368,9 @@ def test_merged_export_is_the_adapted_model(trained, tokenizer, tmp_path):
     merged = AutoModelForCausalLM.from_pretrained(out)
     assert not lora.lora_layers(merged)
     batch = _batch(tokenizer)
-    torch.testing.assert_close(_logits(merged, batch), _logits(trainer.model, batch), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        _logits(merged, batch), _logits(trainer.model, batch), rtol=1e-4, atol=1e-4
+    )
     tok = AutoTokenizer.from_pretrained(out)
     assert tok("1+2=")["input_ids"] == tokenizer("1+2=")["input_ids"]
 
@@ -330,7 +381,9 @@ def test_adapter_export_copies_adapter_and_tokenizer(trained, tmp_path):
     names = {p.name for p in out.iterdir()}
     assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json"} <= names
     assert not names & {"train_state.pt", "config.yaml"}
-    assert (out / "adapter_model.safetensors").read_bytes() == (final / "adapter_model.safetensors").read_bytes()
+    assert (out / "adapter_model.safetensors").read_bytes() == (
+        final / "adapter_model.safetensors"
+    ).read_bytes()
 
 
 def test_export_errors(trained, tokenizer, tmp_path):
@@ -361,7 +414,11 @@ def test_export_errors(trained, tokenizer, tmp_path):
 
 
 def _adapted(tokenizer, gemma3_tiny=None, seed=1):
-    model = gemma3_tiny(4, 2) if gemma3_tiny else tiny_model(tokenizer, hidden_size=64, num_layers=2, seed=3)
+    model = (
+        gemma3_tiny(4, 2)
+        if gemma3_tiny
+        else tiny_model(tokenizer, hidden_size=64, num_layers=2, seed=3)
+    )
     model = lora.apply_lora(model.eval(), config.LoraConfig(r=4, alpha=8.0), seed=seed)
     with torch.no_grad():  # a trained-looking adapter: B != 0
         gen = torch.Generator().manual_seed(seed)
@@ -395,13 +452,17 @@ def test_fused_decoding_packs_the_merged_weights(arch, tokenizer, gemma3_tiny):
     ids, mask = left_pad(prompts, tokenizer.pad_token_id)
     with torch.no_grad():
         plain, tokens = _steps(TransformersSteps(model), ids, mask)
-        fused, _ = _steps(FusedDecoder(model, 3, ids.shape[1] + 7, pack=False), ids, mask, tokens=tokens)
+        fused, _ = _steps(
+            FusedDecoder(model, 3, ids.shape[1] + 7, pack=False), ids, mask, tokens=tokens
+        )
         with lora.peft_model(model).disable_adapter():
             base, _ = _steps(TransformersSteps(model), ids, mask)
     for t, (a, b) in enumerate(zip(fused, plain)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"step {t}")
     assert not torch.allclose(base[0], plain[0], atol=1e-3)  # the adapter counts
-    assert torch.equal(model.model.layers[0].self_attn.q_proj.base_layer.weight, weight)  # packing leaves it alone
+    assert torch.equal(
+        model.model.layers[0].self_attn.q_proj.base_layer.weight, weight
+    )  # packing leaves it alone
 
 
 def test_fused_decoding_with_an_adapter_in_bf16(tokenizer, gemma3_tiny):
@@ -446,23 +507,39 @@ def test_a_bf16_lora_run_decodes_fused_and_trains(tokenizer, tmp_path, monkeypat
     applies (the adapters' own small layers are merged, not packed alone), and it trains."""
     if not kernels.packing_available():
         pytest.skip("oneDNN weight packing is not available in this torch build")
-    trainer = _trainer(tokenizer, tmp_path, ["training.bf16=true", "algorithm.beta=0.04", "algorithm.ref_sync_steps=1",
-                                             "training.max_steps=2"])
+    trainer = _trainer(
+        tokenizer,
+        tmp_path,
+        [
+            "training.bf16=true",
+            "algorithm.beta=0.04",
+            "algorithm.ref_sync_steps=1",
+            "training.max_steps=2",
+        ],
+    )
     assert trainer.backend.cpu.uses_fused_decoding(trainer.model, torch.bfloat16)
     built, original = [], FusedDecoder.__init__
-    monkeypatch.setattr(FusedDecoder, "__init__", lambda self, *a, **kw: built.append(1) or original(self, *a, **kw))
+    monkeypatch.setattr(
+        FusedDecoder, "__init__", lambda self, *a, **kw: built.append(1) or original(self, *a, **kw)
+    )
     before = {k: v.detach().clone() for k, v in lora.adapter_parameters(trainer.model).items()}
     history = trainer.train()
     assert len(built) == 2  # each step's rollout decoded fused
     assert len(history) == 2 and all(h["kl"] >= 0 for h in history)
-    assert any(not torch.equal(v, before[k]) for k, v in lora.adapter_parameters(trainer.model).items())
+    assert any(
+        not torch.equal(v, before[k]) for k, v in lora.adapter_parameters(trainer.model).items()
+    )
 
 
 def test_gradient_checkpointing_with_lora(tokenizer, tmp_path):
-    trainer = _trainer(tokenizer, tmp_path, ["training.gradient_checkpointing=true", "training.max_steps=1"])
+    trainer = _trainer(
+        tokenizer, tmp_path, ["training.gradient_checkpointing=true", "training.max_steps=1"]
+    )
     before = {k: v.detach().clone() for k, v in lora.adapter_parameters(trainer.model).items()}
     trainer.train()
-    assert any(not torch.equal(v, before[k]) for k, v in lora.adapter_parameters(trainer.model).items())
+    assert any(
+        not torch.equal(v, before[k]) for k, v in lora.adapter_parameters(trainer.model).items()
+    )
 
 
 # ------------------------------------------------------------------ 7, 9. bad settings
@@ -486,7 +563,9 @@ def test_bad_lora_settings_are_refused_at_config_time(override, match):
 
 @pytest.mark.parametrize("quantize", ["4bit", "8bit"])
 def test_qlora_is_refused_on_the_cpu(quantize):
-    with pytest.raises(ConfigError, match=f"model.lora.quantize: {quantize} \\(QLoRA\\) is GPU-only"):
+    with pytest.raises(
+        ConfigError, match=f"model.lora.quantize: {quantize} \\(QLoRA\\) is GPU-only"
+    ):
         config.from_dict(TOY, [f"model.lora.quantize={quantize}"])
     with pytest.raises(ConfigError, match="training.device is cpu"):
         config.from_dict(TOY, [f"model.lora.quantize={quantize}", "training.device=cpu"])
@@ -495,7 +574,9 @@ def test_qlora_is_refused_on_the_cpu(quantize):
 
 
 def test_target_modules_that_match_nothing_name_the_layers(tokenizer, tmp_path):
-    with pytest.raises(ConfigError, match=r"model.lora.target_modules: \['qkv'\] match no layer.*q_proj, k_proj"):
+    with pytest.raises(
+        ConfigError, match=r"model.lora.target_modules: \['qkv'\] match no layer.*q_proj, k_proj"
+    ):
         _trainer(tokenizer, tmp_path, ["model.lora.target_modules=[qkv]"])
     model = tiny_model(tokenizer, hidden_size=32, num_layers=2, seed=0)
     with pytest.raises(ConfigError, match="include the output layer"):
@@ -529,13 +610,33 @@ def test_benchmark_has_lora_rows(tmp_path):
     pytest.importorskip("trl")
     repo = Path(__file__).resolve().parents[2]
     out = tmp_path / "vs_trl.json"
-    cmd = [sys.executable, str(repo / "benchmarks" / "vs_trl.py"), "--model", "tiny", "--precision", "fp32",
-           "--steps", "1", "--warmup", "1", "--repeats", "1", "--lora", "4", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        str(repo / "benchmarks" / "vs_trl.py"),
+        "--model",
+        "tiny",
+        "--precision",
+        "fp32",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--repeats",
+        "1",
+        "--lora",
+        "4",
+        "--out",
+        str(out),
+    ]
     proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "LoRA r=4, alpha=16, all-linear" in proc.stdout and "TRL LoRA/full" in proc.stdout
     runs = json.loads(out.read_text())["runs"]
     assert set(runs) == {"fp32", "fp32-lora4"}
     full, adapted = runs["fp32"]["summary"], runs["fp32-lora4"]["summary"]
-    assert adapted["trl"]["trainable_bytes"] == adapted["grpo"]["trainable_bytes"] < full["grpo"]["trainable_bytes"] / 5
+    assert (
+        adapted["trl"]["trainable_bytes"]
+        == adapted["grpo"]["trainable_bytes"]
+        < full["grpo"]["trainable_bytes"] / 5
+    )
     assert runs["fp32-lora4"]["same_tokens_per_step"]

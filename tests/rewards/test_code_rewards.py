@@ -30,10 +30,14 @@ if sandbox.bwrap_path() is None and not os.environ.get("GRPO_REQUIRE_SANDBOX"):
 
 
 def test_extract_program_takes_the_last_python_block():
-    text = "First:\n```python\nx = 1\n```\nthen\n```py\nprint(2)\n```\nand shell:\n```bash\nls\n```\n"
+    text = (
+        "First:\n```python\nx = 1\n```\nthen\n```py\nprint(2)\n```\nand shell:\n```bash\nls\n```\n"
+    )
     assert extract_program(text) == "print(2)\n"
     assert extract_program("```\nprint(3)\n```") == "print(3)\n"
-    assert extract_program("Here:\n```python\nprint(4)\n") == "print(4)\n"  # cut off by the length limit
+    assert (
+        extract_program("Here:\n```python\nprint(4)\n") == "print(4)\n"
+    )  # cut off by the length limit
     assert extract_program("print(5)") is None
     assert extract_program("```bash\nrm -rf /\n```") is None
 
@@ -42,7 +46,11 @@ def test_extract_program_takes_the_last_python_block():
 # code_tests: stdin/stdout cases
 # --------------------------------------------------------------------------
 
-SUM_CASES = [{"input": "1 2\n", "output": "3\n"}, {"input": "10 -4\n", "output": "6"}, {"input": "0 0\n", "output": "0\n"}]
+SUM_CASES = [
+    {"input": "1 2\n", "output": "3\n"},
+    {"input": "10 -4\n", "output": "6"},
+    {"input": "0 0\n", "output": "0\n"},
+]
 
 
 def test_stdin_stdout_cases_give_the_fraction_passed():
@@ -65,12 +73,19 @@ def test_all_or_nothing():
 
 def test_output_is_compared_up_to_trailing_whitespace():
     cases = [{"input": "", "output": "a b\nc\n"}]
-    assert code_tests([""] * 3, ["print('a b  ')\nprint('c')\n\n", "print('a  b\\nc')", "print('a b\\nc\\n\\n\\n')"],
-                      tests=[cases] * 3) == [1.0, 0.0, 1.0]
+    assert code_tests(
+        [""] * 3,
+        ["print('a b  ')\nprint('c')\n\n", "print('a  b\\nc')", "print('a b\\nc\\n\\n\\n')"],
+        tests=[cases] * 3,
+    ) == [1.0, 0.0, 1.0]
 
 
 def test_early_exit_after_the_right_output_is_a_pass_for_stdout_cases():
-    assert code_tests([""], ["print(3, flush=True)\nimport os; os._exit(0)"], tests=[[{"input": "", "output": "3"}]]) == [1.0]
+    assert code_tests(
+        [""],
+        ["print(3, flush=True)\nimport os; os._exit(0)"],
+        tests=[[{"input": "", "output": "3"}]],
+    ) == [1.0]
 
 
 # --------------------------------------------------------------------------
@@ -92,27 +107,36 @@ def test_assert_tests_give_the_fraction_passed():
     assert rewards == [1.0, pytest.approx(2 / 3), 0.0, 0.0, 0.0]
 
 
-@pytest.mark.parametrize("exit_call", ["import sys; sys.exit(0)", "import os; os._exit(0)", "raise SystemExit",
-                                       "import os; os.abort()"])
+@pytest.mark.parametrize(
+    "exit_call",
+    [
+        "import sys; sys.exit(0)",
+        "import os; os._exit(0)",
+        "raise SystemExit",
+        "import os; os.abort()",
+    ],
+)
 def test_exiting_before_the_tests_is_not_a_pass(exit_call):
     program = f"def add(a, b):\n    return a + b\n{exit_call}\n"
     assert code_tests([""], [program], tests=[ADD_TESTS]) == [0.0]
 
 
 def test_exiting_inside_a_test_fails_that_run():
-    program = "def add(a, b):\n    import os\n    if a == 10:\n        os._exit(0)\n    return a + b\n"
+    program = (
+        "def add(a, b):\n    import os\n    if a == 10:\n        os._exit(0)\n    return a + b\n"
+    )
     assert code_tests([""], [program], tests=[ADD_TESTS]) == [pytest.approx(2 / 3)]
 
 
 TAMPERING = {
     "prints the harness's lines": "def add(a, b):\n    return 99\nfor i in range(3):\n    print(f'x {i} ok')\nprint('x done')\n",
     "replaces builtins the tests use": "import builtins\nbuiltins.AssertionError = type('Nope', (Exception,), {})\n"
-                                       "builtins.len = lambda x: 0\ndef add(a, b):\n    return len(str(a))\n",
+    "builtins.len = lambda x: 0\ndef add(a, b):\n    return len(str(a))\n",
     "rebinds exec in the harness module": "import sys\nsys.modules['__main__'].exec = lambda *a: None\n"
-                                          "sys.modules['__main__'].compile = lambda *a: None\ndef add(a, b):\n    return 99\n",
+    "sys.modules['__main__'].compile = lambda *a: None\ndef add(a, b):\n    return 99\n",
     "defines check and the test names": "def check(candidate):\n    pass\ndef add(a, b):\n    return 99\n",
     "silences stderr and stdout": "import sys, os\nsys.stdout = sys.stderr = None\nos.write = lambda *a: 0\n"
-                                  "def add(a, b):\n    return 99\n",
+    "def add(a, b):\n    return 99\n",
     "exits from an atexit handler": "import atexit, os\natexit.register(lambda: os._exit(0))\ndef add(a, b):\n    return 99\n",
 }
 
@@ -172,20 +196,33 @@ TEST = "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candi
 
 
 def test_humaneval_program_is_prompt_plus_completion():
-    completions = ["    return a + b\n", "    return a - b\n", "    pass\n",
-                   "    import sys\n    sys.exit(0)\n    return a + b\n",
-                   "Sure:\n```python\ndef add(a, b):\n    return b + a\n```\n"]
+    completions = [
+        "    return a + b\n",
+        "    return a - b\n",
+        "    pass\n",
+        "    import sys\n    sys.exit(0)\n    return a + b\n",
+        "Sure:\n```python\ndef add(a, b):\n    return b + a\n```\n",
+    ]
     rewards = humaneval_tests([PROMPT] * 5, completions, test=[TEST] * 5, entry_point=["add"] * 5)
     assert rewards == [1.0, 0.0, 0.0, 0.0, 1.0]
     outcomes = humaneval_outcomes([PROMPT] * 2, completions[:2], [TEST] * 2, ["add"] * 2)
-    assert [o.passed for o in outcomes] == [True, False] and [o.status for o in outcomes] == ["ok", "failed"]
+    assert [o.passed for o in outcomes] == [True, False] and [o.status for o in outcomes] == [
+        "ok",
+        "failed",
+    ]
 
 
 def test_configured_code_rewards_check_the_sandbox_at_start_up():
     cfg = RewardsConfig(sandbox=SandboxConfig(timeout=3, workers=2))
     name, fn = resolve("humaneval_tests", cfg)
-    assert name == "humaneval_tests" and isinstance(fn, HumanEvalTests) and fn.runner.limits.timeout == 3
-    with pytest.raises(ConfigError, match="rewards.sandbox: no Python interpreter runs inside the sandbox"):
+    assert (
+        name == "humaneval_tests"
+        and isinstance(fn, HumanEvalTests)
+        and fn.runner.limits.timeout == 3
+    )
+    with pytest.raises(
+        ConfigError, match="rewards.sandbox: no Python interpreter runs inside the sandbox"
+    ):
         resolve("code_tests", RewardsConfig(sandbox=SandboxConfig(python="/nonexistent/python3")))
 
 
@@ -199,7 +236,11 @@ def test_all_164_humaneval_canonical_solutions_pass_and_empty_bodies_fail():
     rows = _humaneval_rows()
     assert len(rows) == 164
     reward = HumanEvalTests(SandboxConfig(workers=os.cpu_count() or 1))
-    args = ([r["prompt"] for r in rows], [r["test"] for r in rows], [r["entry_point"] for r in rows])
+    args = (
+        [r["prompt"] for r in rows],
+        [r["test"] for r in rows],
+        [r["entry_point"] for r in rows],
+    )
     start = time.monotonic()
     canonical = reward.outcomes(args[0], [r["canonical_solution"] for r in rows], args[1], args[2])
     elapsed = time.monotonic() - start
@@ -209,8 +250,12 @@ def test_all_164_humaneval_canonical_solutions_pass_and_empty_bodies_fail():
     print(f"\n164 HumanEval canonical solutions: {elapsed:.1f} s with {os.cpu_count()} workers")
     empty = reward.outcomes(args[0], ["    pass\n"] * len(rows), args[1], args[2])
     assert sum(o.passed for o in empty) == 0
-    early_exit = reward.outcomes(args[0], ["    import sys\n    sys.exit(0)\n" + r["canonical_solution"] for r in rows][:40],
-                                 args[1][:40], args[2][:40])
+    early_exit = reward.outcomes(
+        args[0],
+        ["    import sys\n    sys.exit(0)\n" + r["canonical_solution"] for r in rows][:40],
+        args[1][:40],
+        args[2][:40],
+    )
     assert sum(o.passed for o in early_exit) == 0
 
 
@@ -220,20 +265,28 @@ def test_humaneval_completion_ends_with_the_function_body():
     assert function_body("    return a + b\n\ndef ") == "    return a + b\n\n"
     assert function_body("a + b\nprint(add(1, 2))\n") == "a + b\n"  # continuing `    return `
     assert function_body("    x = 1\n\n    return x\n# done") == "    x = 1\n\n    return x\n"
-    completions = ["    return a + b\n\nif __name__ == '__main__':\n    import sys; sys.exit(0)\n",
-                   "    return a + b\nassert False\n"]
-    assert humaneval_tests([PROMPT] * 2, completions, test=[TEST] * 2, entry_point=["add"] * 2) == [1.0, 1.0]
+    completions = [
+        "    return a + b\n\nif __name__ == '__main__':\n    import sys; sys.exit(0)\n",
+        "    return a + b\nassert False\n",
+    ]
+    assert humaneval_tests([PROMPT] * 2, completions, test=[TEST] * 2, entry_point=["add"] * 2) == [
+        1.0,
+        1.0,
+    ]
 
 
 def test_humaneval_partial_credit_counts_the_assertions_of_check():
     from grpo.rewards.code import check_cases
 
-    test = ("METADATA = {}\ndef check(candidate):\n    x = 2\n    assert candidate(x) == 4\n"
-            "    for i in range(3):\n        assert candidate(i) == 2 * i\n    assert candidate(-1) == -2\n")
+    test = (
+        "METADATA = {}\ndef check(candidate):\n    x = 2\n    assert candidate(x) == 4\n"
+        "    for i in range(3):\n        assert candidate(i) == 2 * i\n    assert candidate(-1) == -2\n"
+    )
     cases = check_cases(test, "double")
     assert len(cases) == 3 and all("x = 2" in c and c.endswith("check(double)\n") for c in cases)
     assert check_cases("def check(candidate):\n    assert candidate(1)\n", "f") == [
-        "def check(candidate):\n    assert candidate(1)\n\ncheck(f)\n"]
+        "def check(candidate):\n    assert candidate(1)\n\ncheck(f)\n"
+    ]
     prompt = "def double(x):\n    return "
     completions = ["x * 2", "x", "abs(x) * 2", "x +"]
     partial = HumanEvalTests(SandboxConfig(), reward="fraction")

@@ -24,7 +24,7 @@ from grpo.rewards.reward_set import RewardSet, resolve
 from grpo.sandbox.counts import record
 from grpo.training.trainer import Trainer
 
-REWARDS = '''
+REWARDS = """
 import asyncio, os, sys, time
 
 def length(completions, **kw):
@@ -64,7 +64,7 @@ def pid_unless_hang(completions, **kw):
     if "hang" in completions:
         time.sleep(1e6)
     return [float(os.getpid())] * len(completions)
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -104,13 +104,21 @@ def test_each_failure_is_contained_and_reported(fns):
     assert by_name["awaited"].status == "ok" and by_name["awaited"].values == [2.0] * 4
     raised = by_name["raises_on_x"]
     assert raised.status == "error" and raised.values is None
-    assert "Traceback" in raised.message and "raises_on_x" in raised.message  # the worker's traceback
+    assert (
+        "Traceback" in raised.message and "raises_on_x" in raised.message
+    )  # the worker's traceback
     assert "ValueError: a completion with an x" in raised.message
     assert by_name["hangs"].status == "timeout" and "1 s" in by_name["hangs"].message
-    assert by_name["sys_exits"].status == "error" and "SystemExit: 3" in by_name["sys_exits"].message
-    assert by_name["hard_exits"].status == "crashed" and "exit code 1" in by_name["hard_exits"].message
+    assert (
+        by_name["sys_exits"].status == "error" and "SystemExit: 3" in by_name["sys_exits"].message
+    )
+    assert (
+        by_name["hard_exits"].status == "crashed" and "exit code 1" in by_name["hard_exits"].message
+    )
     assert by_name["too_short"].status == "error"
-    assert "expected a list of 4 floats or None, got list of length 1" in by_name["too_short"].message
+    assert (
+        "expected a list of 4 floats or None, got list of length 1" in by_name["too_short"].message
+    )
 
 
 def test_a_failing_chunk_loses_only_its_completions(fns):
@@ -156,12 +164,14 @@ def test_functions_run_at_the_same_time(fns):
 def test_a_worker_is_persistent_and_replaced_after_a_timeout(fns):
     executor = RewardExecutor(["pid"], fns("pid_unless_hang"), timeout=1.0, workers=1)
     try:
-        (first,), = executor(_inputs(["a"]), 1)
-        (again,), = executor(_inputs(["b"]), 1)
-        assert first.status == again.status == "ok" and first.values == again.values  # the same worker
-        (hung,), = executor(_inputs(["hang"]), 1)
+        ((first,),) = executor(_inputs(["a"]), 1)
+        ((again,),) = executor(_inputs(["b"]), 1)
+        assert (
+            first.status == again.status == "ok" and first.values == again.values
+        )  # the same worker
+        ((hung,),) = executor(_inputs(["hang"]), 1)
         assert hung.status == "timeout" and "killed and replaced" in hung.message
-        (after,), = executor(_inputs(["c"]), 1)
+        ((after,),) = executor(_inputs(["c"]), 1)
         assert after.status == "ok" and after.values != first.values
         old = int(first.values[0])
         with pytest.raises(ProcessLookupError):
@@ -188,7 +198,13 @@ def test_what_runs_in_the_trainer_process(fns, caplog):
             return [float(os.getpid())] * len(completions)
 
     (pid,) = fns("pid_unless_hang")
-    funcs = [lambda completions, **kw: [float(os.getpid())] * len(completions), closure, Trusted(), arithmetic_format, pid]
+    funcs = [
+        lambda completions, **kw: [float(os.getpid())] * len(completions),
+        closure,
+        Trusted(),
+        arithmetic_format,
+        pid,
+    ]
     names = ["lambda", "closure", "trusted", "builtin", "user"]
     with caplog.at_level(logging.WARNING, logger="grpo.rewards.execution"):
         executor, calls = _run(names, funcs, ["Answer: 1"], timeout=10, workers=1)
@@ -212,14 +228,14 @@ def test_a_thread_past_its_timeout_is_abandoned_and_not_called_again_until_it_re
         return [1.0] * len(completions)
 
     executor = RewardExecutor(["blocks"], [blocks], timeout=0.3, isolation="thread")
-    (first,), = executor(_inputs(["a"]), 1)
-    (second,), = executor(_inputs(["a"]), 1)
+    ((first,),) = executor(_inputs(["a"]), 1)
+    ((second,),) = executor(_inputs(["a"]), 1)
     assert first.status == second.status == "timeout"
     assert "abandoned" in first.message and "has not returned" in second.message
     assert len(calls) == 1
     release.set()
     time.sleep(0.1)
-    (third,), = executor(_inputs(["a"]), 1)
+    ((third,),) = executor(_inputs(["a"]), 1)
     assert third.status == "ok" and len(calls) == 2
 
 
@@ -240,7 +256,9 @@ def test_failures_are_counted_and_logged_in_full_once(caplog):
     assert "Traceback" not in messages[1] and "2 times" in messages[1]
     assert rewards.failures == {"broken": 3}
     assert rewards.step_failures() == {"broken": {"errors": 3, "timeouts": 0}}
-    assert rewards.step_failures() == {"broken": {"errors": 0, "timeouts": 0}}  # taken: since the last step
+    assert rewards.step_failures() == {
+        "broken": {"errors": 0, "timeouts": 0}
+    }  # taken: since the last step
 
 
 def test_a_function_its_workers_cannot_load_fails_at_start_up(tmp_path):
@@ -249,14 +267,18 @@ def test_a_function_its_workers_cannot_load_fails_at_start_up(tmp_path):
     name, fn = resolve(f"{path}:gone")
     path.unlink()  # the trainer has it; a worker, which loads the file anew, cannot
     executor = RewardExecutor([name], [fn], workers=1)
-    with pytest.raises(ConfigError, match="reward function 'gone' cannot be loaded in a worker process"):
+    with pytest.raises(
+        ConfigError, match="reward function 'gone' cannot be loaded in a worker process"
+    ):
         executor.start()
-    (call,), = executor(_inputs(["a"]), 1)  # scoring without start(): the same, as a failed call
+    ((call,),) = executor(_inputs(["a"]), 1)  # scoring without start(): the same, as a failed call
     executor.close()
-    assert call.status == "error" and "cannot be loaded" in call.message and "gone.py" in call.message
+    assert (
+        call.status == "error" and "cannot be loaded" in call.message and "gone.py" in call.message
+    )
 
 
-EXIT_SCRIPT = '''
+EXIT_SCRIPT = """
 import os, sys, threading, time
 if __name__ == "__main__":
     from grpo.rewards.reward_set import resolve
@@ -275,14 +297,18 @@ if __name__ == "__main__":
         print(*pids, flush=True)
         os._exit(0)
     print(*pids, flush=True)  # then exits, idle workers left open
-'''
+"""
 
 
 def test_workers_never_outlive_the_trainer(reward_file, tmp_path):
     script = tmp_path / "exit.py"
     script.write_text(EXIT_SCRIPT)
-    runs = {how: subprocess.Popen([sys.executable, str(script), str(reward_file), how], stdout=subprocess.PIPE, text=True)
-            for how in ("exit", "crash")}
+    runs = {
+        how: subprocess.Popen(
+            [sys.executable, str(script), str(reward_file), how], stdout=subprocess.PIPE, text=True
+        )
+        for how in ("exit", "crash")
+    }
     for how, run in runs.items():
         out, _ = run.communicate(timeout=60)  # an exit that waited on its workers would hang here
         assert run.returncode == 0, how
@@ -305,8 +331,12 @@ def worker_processes() -> list[int]:
                 cmdline = f.read()
         except OSError:
             continue
-        fields = stat[stat.rfind(b")") + 2:].split()
-        if int(fields[1]) == os.getpid() and fields[0] != b"Z" and b"grpo.rewards.worker" in cmdline:
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        if (
+            int(fields[1]) == os.getpid()
+            and fields[0] != b"Z"
+            and b"grpo.rewards.worker" in cmdline
+        ):
             found.append(int(name))
     return found
 
@@ -316,18 +346,23 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead, only not reaped by its (gone) parent yet
+    with open(
+        f"/proc/{pid}/stat"
+    ) as f:  # a zombie is dead, only not reaped by its (gone) parent yet
         return f.read().split(") ")[1][0] != "Z"
 
 
-@pytest.mark.parametrize("key, value, message", [
-    ("timeout", ".nan", "rewards.timeout: must be a finite number"),
-    ("timeout", ".inf", "rewards.timeout"),
-    ("timeout", "0", "rewards.timeout"),
-    ("timeout", "-1", "rewards.timeout"),
-    ("workers", "-1", "rewards.workers: must be >= 0"),
-    ("isolation", "fork", "rewards.isolation: 'fork' is not one of process, thread"),
-])
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("timeout", ".nan", "rewards.timeout: must be a finite number"),
+        ("timeout", ".inf", "rewards.timeout"),
+        ("timeout", "0", "rewards.timeout"),
+        ("timeout", "-1", "rewards.timeout"),
+        ("workers", "-1", "rewards.workers: must be >= 0"),
+        ("isolation", "fork", "rewards.isolation: 'fork' is not one of process, thread"),
+    ],
+)
 def test_config_refuses_bad_execution_settings(key, value, message, tmp_path, toy_config):
     with pytest.raises(ConfigError, match=message):
         config.from_dict({**toy_config, "output_dir": str(tmp_path)}, [f"rewards.{key}={value}"])
@@ -339,20 +374,36 @@ def test_training_goes_on_whatever_the_rewards_do(tokenizer, tmp_path, reward_fi
     """Acceptance: a function that raises on some completions, one that hangs, one that calls
     os._exit and a normal one; two steps run and finish, the failures are missing rewards (NaN,
     not 0) and counted in metrics.jsonl, the normal rewards are intact."""
-    funcs = [f"{reward_file}:{name}" for name in ("raises_on_poison", "hangs", "hard_exits", "length")]
-    cfg = config.from_dict({**toy_config, "output_dir": str(tmp_path / "run")}, [
-        f"rewards.funcs={json.dumps(funcs)}", "rewards.isolation=process", "rewards.timeout=2",
-        "rewards.workers=8",  # 2 chunks a function
-        "training.max_steps=2", "training.per_device_train_batch_size=32", "rollout.max_completion_length=2",
-    ])
-    rows = [{"prompt": "1+1=", "poison": True}, {"prompt": "2+2=", "poison": False}]  # 2 prompts a step, 16 each
+    funcs = [
+        f"{reward_file}:{name}" for name in ("raises_on_poison", "hangs", "hard_exits", "length")
+    ]
+    cfg = config.from_dict(
+        {**toy_config, "output_dir": str(tmp_path / "run")},
+        [
+            f"rewards.funcs={json.dumps(funcs)}",
+            "rewards.isolation=process",
+            "rewards.timeout=2",
+            "rewards.workers=8",  # 2 chunks a function
+            "training.max_steps=2",
+            "training.per_device_train_batch_size=32",
+            "rollout.max_completion_length=2",
+        ],
+    )
+    rows = [
+        {"prompt": "1+1=", "poison": True},
+        {"prompt": "2+2=", "poison": False},
+    ]  # 2 prompts a step, 16 each
     model = tiny_model(tokenizer, hidden_size=32, num_layers=1, seed=0)
     trainer = Trainer(cfg, model=model, tokenizer=tokenizer, train_rows=rows)
     batches, step = [], trainer.train_step
     trainer.train_step = lambda: (result := step(), batches.append(result[1]))[0]
     trainer.log.report = lambda: None  # its plots are not the subject here, and take seconds
-    collect = trainer.collect_batch  # each step's batch has 2 sandbox outcomes, as a code reward records them
-    trainer.collect_batch = lambda timer=None: (record("killed"), record("killed"), collect(timer))[-1]
+    collect = (
+        trainer.collect_batch
+    )  # each step's batch has 2 sandbox outcomes, as a code reward records them
+    trainer.collect_batch = lambda timer=None: (record("killed"), record("killed"), collect(timer))[
+        -1
+    ]
     record("killed")  # one before training: not the first step's
     start = time.monotonic()
     history = trainer.train()
@@ -361,15 +412,22 @@ def test_training_goes_on_whatever_the_rewards_do(tokenizer, tmp_path, reward_fi
     for batch in batches:
         r = batch.rewards_per_func  # columns: raises_on_poison, hangs, hard_exits, length
         poisoned = torch.tensor([row["poison"] for row in batch.rows])
-        assert torch.isnan(r[poisoned, 0]).all() and (r[~poisoned, 0] == 0.5).all()  # only the poisoned chunk
+        assert (
+            torch.isnan(r[poisoned, 0]).all() and (r[~poisoned, 0] == 0.5).all()
+        )  # only the poisoned chunk
         assert torch.isnan(r[:, 1]).all() and torch.isnan(r[:, 2]).all()
         assert r[:, 3].tolist() == [float(len(t)) for t in batch.completion_texts]
         assert not torch.isnan(batch.rewards).any()  # every completion keeps the rewards it has
 
-    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    lines = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert len(lines) == 2
     for m in lines:
-        assert (m["rewards/raises_on_poison/errors"], m["rewards/raises_on_poison/timeouts"]) == (1, 0)
+        assert (m["rewards/raises_on_poison/errors"], m["rewards/raises_on_poison/timeouts"]) == (
+            1,
+            0,
+        )
         assert (m["rewards/hangs/errors"], m["rewards/hangs/timeouts"]) == (0, 2)
         assert (m["rewards/hard_exits/errors"], m["rewards/hard_exits/timeouts"]) == (2, 0)
         assert (m["rewards/length/errors"], m["rewards/length/timeouts"]) == (0, 0)
@@ -377,7 +435,12 @@ def test_training_goes_on_whatever_the_rewards_do(tokenizer, tmp_path, reward_fi
         assert m["rewards/raises_on_poison/mean"] == 0.5
     assert lines[-1]["rewards/hangs/failures"] == 4
     assert [m["sandbox/killed"] for m in lines] == [2, 2]  # each step's own, not cumulative
-    assert trainer.state_dict()["reward_failures"] == {"raises_on_poison": 2, "hangs": 4, "hard_exits": 4, "length": 0}
+    assert trainer.state_dict()["reward_failures"] == {
+        "raises_on_poison": 2,
+        "hangs": 4,
+        "hard_exits": 4,
+        "length": 0,
+    }
     assert not worker_processes()  # train() closed them
 
 

@@ -19,21 +19,24 @@ def math_answer():
     reward.close()
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("so the total is \\boxed{42}.", "42"),
-    ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
-    ("nested \\boxed{x^{2} + \\frac{a}{b_{1}}} done", "x^{2} + \\frac{a}{b_{1}}"),
-    ("first \\boxed{1} then \\boxed{2}", "2"),  # the last box
-    ("\\fbox{7}", "7"),
-    ("unclosed \\boxed{3 and more", None),
-    ("Natalia sold 48 + 24 = 72 clips.\n#### 72", "72"),
-    ("#### 1,000\n", "1,000"),
-    ("Answer: -5", "-5"),
-    ("Answer: 3\nno, Answer: $4$.", "4"),  # dollar signs and the full stop dropped
-    ("\\boxed{9} and later #### 10", "10"),  # whichever form comes last
-    ("Answer: 5 ... \\boxed{6}", "6"),
-    ("no final answer here", None),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("so the total is \\boxed{42}.", "42"),
+        ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
+        ("nested \\boxed{x^{2} + \\frac{a}{b_{1}}} done", "x^{2} + \\frac{a}{b_{1}}"),
+        ("first \\boxed{1} then \\boxed{2}", "2"),  # the last box
+        ("\\fbox{7}", "7"),
+        ("unclosed \\boxed{3 and more", None),
+        ("Natalia sold 48 + 24 = 72 clips.\n#### 72", "72"),
+        ("#### 1,000\n", "1,000"),
+        ("Answer: -5", "-5"),
+        ("Answer: 3\nno, Answer: $4$.", "4"),  # dollar signs and the full stop dropped
+        ("\\boxed{9} and later #### 10", "10"),  # whichever form comes last
+        ("Answer: 5 ... \\boxed{6}", "6"),
+        ("no final answer here", None),
+    ],
+)
 def test_extract_answer(text, expected):
     assert extract_answer(text) == expected
 
@@ -50,10 +53,20 @@ def test_forms_are_configurable():
         config.from_dict({"rewards": {"math_forms": ["latex"]}})
 
 
-@pytest.mark.parametrize("gold, expected", [
-    (42, "42"), (-3, "-3"), (0.5, "0.5"), ("$\\frac{3}{4}$", "\\frac{3}{4}"), ("\\boxed{12}", "12"),
-    ("The answer follows.\n#### 1,234", "1,234"), ("  7 ", "7"), ("", None), (None, None),
-])
+@pytest.mark.parametrize(
+    "gold, expected",
+    [
+        (42, "42"),
+        (-3, "-3"),
+        (0.5, "0.5"),
+        ("$\\frac{3}{4}$", "\\frac{3}{4}"),
+        ("\\boxed{12}", "12"),
+        ("The answer follows.\n#### 1,234", "1,234"),
+        ("  7 ", "7"),
+        ("", None),
+        (None, None),
+    ],
+)
 def test_gold_answers_in_every_form(gold, expected):
     assert normalise_gold(gold) == expected
 
@@ -66,22 +79,25 @@ def test_exact_numbers():
     assert as_number("x+1") is None and as_number("1/0") is None
 
 
-@pytest.mark.parametrize("completion, gold, reward", [
-    ("\\boxed{72}", "72", 1.0),
-    ("#### 1,000", 1000, 1.0),  # commas in numbers
-    ("Answer: -5", "-5", 1.0),
-    ("Answer: 5", "-5", 0.0),  # negatives are not dropped
-    ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),  # math-verify: LaTeX fraction = decimal
-    ("\\boxed{\\frac{1}{2}}", 0.5, 1.0),
-    ("\\boxed{1+x^2}", "$x^2+1$", 1.0),  # commutativity
-    ("\\boxed{\\sqrt{4}}", "2", 1.0),
-    ("\\boxed{x^2-1}", "(x-1)(x+1)", 1.0),
-    ("\\boxed{x^2+2}", "x^2+1", 0.0),
-    ("\\boxed{1}\n\\boxed{2}", "1", 0.0),  # the last answer counts, not any answer
-    ("the answer is 72", "72", 0.0),  # no final-answer form: not read
-    ("\\boxed{}", "0", 0.0),
-    ("\\boxed{\\frac{1}{2} ]] }{ garbage $$ \\\\}", "1", 0.0),  # garbage is 0, not an error
-])
+@pytest.mark.parametrize(
+    "completion, gold, reward",
+    [
+        ("\\boxed{72}", "72", 1.0),
+        ("#### 1,000", 1000, 1.0),  # commas in numbers
+        ("Answer: -5", "-5", 1.0),
+        ("Answer: 5", "-5", 0.0),  # negatives are not dropped
+        ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),  # math-verify: LaTeX fraction = decimal
+        ("\\boxed{\\frac{1}{2}}", 0.5, 1.0),
+        ("\\boxed{1+x^2}", "$x^2+1$", 1.0),  # commutativity
+        ("\\boxed{\\sqrt{4}}", "2", 1.0),
+        ("\\boxed{x^2-1}", "(x-1)(x+1)", 1.0),
+        ("\\boxed{x^2+2}", "x^2+1", 0.0),
+        ("\\boxed{1}\n\\boxed{2}", "1", 0.0),  # the last answer counts, not any answer
+        ("the answer is 72", "72", 0.0),  # no final-answer form: not read
+        ("\\boxed{}", "0", 0.0),
+        ("\\boxed{\\frac{1}{2} ]] }{ garbage $$ \\\\}", "1", 0.0),  # garbage is 0, not an error
+    ],
+)
 def test_math_answer_rewards(math_answer, completion, gold, reward):
     assert math_answer([completion], answer=[gold]) == [reward]
 
@@ -89,7 +105,10 @@ def test_math_answer_rewards(math_answer, completion, gold, reward):
 def test_chat_completions_and_missing_gold(math_answer):
     chat = [[{"role": "assistant", "content": "\\boxed{4}"}]]
     assert math_answer(chat, answer=["4"]) == [1.0]
-    assert math_answer(["\\boxed{4}", "\\boxed{4}"], answer=[None, ""]) == [None, None]  # missing, not 0
+    assert math_answer(["\\boxed{4}", "\\boxed{4}"], answer=[None, ""]) == [
+        None,
+        None,
+    ]  # missing, not 0
     assert math_answer(["\\boxed{4}"]) == [None]  # no answer column at all
 
 
@@ -100,7 +119,9 @@ def test_adversarial_input_returns_promptly(math_answer):
     start = time.perf_counter()
     assert math_answer([huge, deep, unclosed], answer=["7", "1", "1"]) == [1.0, 0.0, 0.0]
     assert time.perf_counter() - start < 5.0
-    assert math_answer(["\\boxed{" + "1+" * 5000 + "1}"], answer=["2"]) == [0.0]  # too long to compare
+    assert math_answer(["\\boxed{" + "1+" * 5000 + "1}"], answer=["2"]) == [
+        0.0
+    ]  # too long to compare
 
 
 def test_a_comparison_that_does_not_finish_is_bounded():
@@ -121,14 +142,27 @@ def test_a_comparison_that_does_not_finish_is_bounded():
 def test_works_outside_the_main_thread(math_answer):
     """math-verify's own timeout needs the main thread; the bounded worker does not."""
     out = []
-    thread = threading.Thread(target=lambda: out.append(math_answer(["\\boxed{\\frac{1}{4}}"], answer=["0.25"])))
+    thread = threading.Thread(
+        target=lambda: out.append(math_answer(["\\boxed{\\frac{1}{4}}"], answer=["0.25"]))
+    )
     thread.start()
     thread.join(60)
     assert out == [[1.0]]
 
 
 def test_builtin_names_resolve():
-    cfg = config.from_dict({"rewards": {"funcs": ["math_answer", "think_format", "think_format_lenient", "think_tag_count"]}})
+    cfg = config.from_dict(
+        {
+            "rewards": {
+                "funcs": ["math_answer", "think_format", "think_format_lenient", "think_tag_count"]
+            }
+        }
+    )
     rewards = RewardSet.from_config(cfg.rewards, 16, {"answer"})
-    assert rewards.names == ["math_answer", "think_format", "think_format_lenient", "think_tag_count"]
+    assert rewards.names == [
+        "math_answer",
+        "think_format",
+        "think_format_lenient",
+        "think_tag_count",
+    ]
     rewards.funcs[0].close()

@@ -38,10 +38,17 @@ def test_scores_equal_a_hand_forward_batched_or_not(tmp_path, pad, save_reward_m
     expected = hand_scores(model, tok, [p + c for p, c in TEXTS])
     for batch_size in (1, 2, 8):
         rm = RewardModel(tmp_path / "rm", device="cpu", batch_size=batch_size)
-        scores = rm(prompts=prompts, completions=completions, completion_ids=[[0]] * len(TEXTS), answer=[None] * 5)
+        scores = rm(
+            prompts=prompts,
+            completions=completions,
+            completion_ids=[[0]] * len(TEXTS),
+            answer=[None] * 5,
+        )
         assert all(isinstance(s, float) for s in scores)
         assert scores == pytest.approx(expected, abs=1e-5)
-    assert len(set(round(s, 4) for s in expected)) == len(expected)  # a random model tells the texts apart
+    assert len(set(round(s, 4) for s in expected)) == len(
+        expected
+    )  # a random model tells the texts apart
     # padding next to a much longer text changes nothing
     alone = rm(["x"], [" y"], [[0]])
     padded = rm(["x", "a" * 100], [" y", "b" * 100], [[0], [0]])
@@ -54,13 +61,18 @@ def test_conversational_prompts_use_the_reward_models_chat_template(tmp_path, sa
     completion = [{"role": "assistant", "content": "4"}]
     rm = RewardModel(tmp_path / "rm", device="cpu")
     assert rm.text(prompt, completion) == ("[system] Be brief.\n[user] 2+2?\n[assistant] 4\n", True)
-    expected = hand_scores(model, tok, ["[system] Be brief.\n[user] 2+2?\n[assistant] 4\n"], add_special_tokens=False)
+    expected = hand_scores(
+        model, tok, ["[system] Be brief.\n[user] 2+2?\n[assistant] 4\n"], add_special_tokens=False
+    )
     assert rm([prompt], [completion], [[0]]) == pytest.approx(expected, abs=1e-5)
     assert rm.text("2+2?", "4") == ("2+2?4", False)  # a plain prompt is concatenated
 
     save_reward_model(tmp_path / "plain")
     plain = RewardModel(tmp_path / "plain", device="cpu")
-    assert plain.text(prompt, completion) == ("Be brief.\n2+2?\n4", False)  # no template: the contents joined
+    assert plain.text(prompt, completion) == (
+        "Be brief.\n2+2?\n4",
+        False,
+    )  # no template: the contents joined
 
 
 def test_no_gradients_and_truncation(tmp_path, save_reward_model):
@@ -73,7 +85,9 @@ def test_no_gradients_and_truncation(tmp_path, save_reward_model):
     assert grad_enabled == [False]
     assert not any(p.requires_grad for p in rm.model.parameters())
     # cut from the left: the last 6 characters are what is scored
-    assert rm(["a long prompt"], [" and its end"], [[0]]) == pytest.approx(hand_scores(model, tok, ["ts end"]), abs=1e-5)
+    assert rm(["a long prompt"], [" and its end"], [[0]]) == pytest.approx(
+        hand_scores(model, tok, ["ts end"]), abs=1e-5
+    )
 
 
 def test_dtype_and_device_are_its_own(tmp_path, save_reward_model):
@@ -83,9 +97,13 @@ def test_dtype_and_device_are_its_own(tmp_path, save_reward_model):
     expected = hand_scores(model, tok, [p + c for p, c in TEXTS])
     scores = rm([p for p, _ in TEXTS], [c for _, c in TEXTS], [[0]] * len(TEXTS))
     assert scores == pytest.approx(expected, abs=0.1)  # bf16 rounding, same model
-    assert RewardModel(tmp_path / "rm", device="auto").device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert RewardModel(tmp_path / "rm", device="auto").device.type == (
+        "cuda" if torch.cuda.is_available() else "cpu"
+    )
     if not torch.cuda.is_available():
-        with pytest.raises(ConfigError, match="rewards.reward_model_device: 'cuda', but no CUDA device"):
+        with pytest.raises(
+            ConfigError, match="rewards.reward_model_device: 'cuda', but no CUDA device"
+        ):
             RewardModel(tmp_path / "rm", device="cuda")
     assert model.dtype == torch.float32  # the model it was saved from is untouched
 
@@ -93,8 +111,13 @@ def test_dtype_and_device_are_its_own(tmp_path, save_reward_model):
 def test_labels_of_a_multi_output_model(tmp_path, save_reward_model):
     model, tok = save_reward_model(tmp_path / "rm3", num_labels=3)
     rm = RewardModel(tmp_path / "rm3", device="cpu", label=2)
-    assert rm(["q"], [" a"], [[0]]) == pytest.approx(hand_scores(model, tok, ["q a"], label=2), abs=1e-5)
-    with pytest.raises(ConfigError, match=r"label 3 is out of range; the model has 3 output\(s\), so pick a label in 0..2"):
+    assert rm(["q"], [" a"], [[0]]) == pytest.approx(
+        hand_scores(model, tok, ["q a"], label=2), abs=1e-5
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"label 3 is out of range; the model has 3 output\(s\), so pick a label in 0..2",
+    ):
         RewardModel(tmp_path / "rm3", label=3)
     save_reward_model(tmp_path / "rm1")
     with pytest.raises(ConfigError, match="label 1 is out of range"):
@@ -104,7 +127,9 @@ def test_labels_of_a_multi_output_model(tmp_path, save_reward_model):
 def test_bad_paths_are_config_errors(tmp_path):
     from grpo.models.tiny import tiny_model
 
-    with pytest.raises(ConfigError, match=r"reward model '.*nope': no such directory.*sequence-classification"):
+    with pytest.raises(
+        ConfigError, match=r"reward model '.*nope': no such directory.*sequence-classification"
+    ):
         RewardModel(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="no config.json in that directory"):
@@ -112,20 +137,33 @@ def test_bad_paths_are_config_errors(tmp_path):
     tok = char_tokenizer()
     tiny_model(tok, hidden_size=32, num_layers=1).save_pretrained(tmp_path / "lm")
     tok.save_pretrained(tmp_path / "lm")
-    with pytest.raises(ConfigError, match=r"expected a sequence-classification model .*LlamaForCausalLM"):
+    with pytest.raises(
+        ConfigError, match=r"expected a sequence-classification model .*LlamaForCausalLM"
+    ):
         RewardModel(tmp_path / "lm")
 
 
 def test_spec_and_config_keys(tmp_path, save_reward_model):
     save_reward_model(tmp_path / "my-rm")
-    cfg = config.from_dict({"rewards": {"reward_model_device": "cpu", "reward_model_batch_size": 3,
-                                        "reward_model_dtype": "bfloat16"}}).rewards
+    cfg = config.from_dict(
+        {
+            "rewards": {
+                "reward_model_device": "cpu",
+                "reward_model_batch_size": 3,
+                "reward_model_dtype": "bfloat16",
+            }
+        }
+    ).rewards
     name, fn = from_spec(f"reward_model:{tmp_path / 'my-rm'}", cfg)
     assert name == "my-rm" and fn.runs_in_process is True
     assert (fn.batch_size, fn.model.dtype, fn.device.type) == (3, torch.bfloat16, "cpu")
     check_signature(name, fn, {"answer"})  # TRL's calling convention: every column as a keyword
     assert RewardsConfig().reward_model_device == "auto"
-    for key, value in [("reward_model_device", "gpu"), ("reward_model_dtype", "fp8"), ("reward_model_batch_size", 0)]:
+    for key, value in [
+        ("reward_model_device", "gpu"),
+        ("reward_model_dtype", "fp8"),
+        ("reward_model_batch_size", 0),
+    ]:
         with pytest.raises(ConfigError, match=f"rewards.{key}"):
             config.from_dict({"rewards": {key: value}})
     with pytest.raises(ConfigError, match="names no model"):

@@ -21,7 +21,9 @@ def test_resolve_builtin_module_and_file(tmp_path):
     assert resolve("arithmetic_correct")[1] is arithmetic_correct
     assert resolve("grpo.rewards.arithmetic:arithmetic_format")[1] is arithmetic_format
     f = tmp_path / "my_reward.py"
-    f.write_text("def length(completions, **kw):\n    return [float(len(c)) for c in completions]\n")
+    f.write_text(
+        "def length(completions, **kw):\n    return [float(len(c)) for c in completions]\n"
+    )
     name, fn = resolve(f"{f}:length")
     assert name == "length" and fn(["ab", "c"]) == [2.0, 1.0]
     with pytest.raises(ConfigError, match="unknown reward 'nope'"):
@@ -79,7 +81,11 @@ def test_columns_are_passed_per_completion():
     rs.add("spy", spy, 1.0)
     rows = [{"prompt": "p1", "answer": 1, "tag": "x"}, {"prompt": "p2", "answer": 2, "tag": "y"}]
     rs.score(["p1", "p2"], ["a", "b"], [[7], [8]], rows)
-    assert seen["answer"] == [1, 2] and seen["extra"] == {"tag": ["x", "y"]} and seen["ids"] == [[7], [8]]
+    assert (
+        seen["answer"] == [1, 2]
+        and seen["extra"] == {"tag": ["x", "y"]}
+        and seen["ids"] == [[7], [8]]
+    )
 
 
 class _LyingList(list):
@@ -91,34 +97,56 @@ class _LyingList(list):
         return self.claims
 
 
-@pytest.mark.parametrize("values, message", [
-    (["1.0", "0.5"], "expected float or None, got '1.0'"),  # numeric strings are not numbers
-    ("10", "got '10'"),
-    ({0: 1.0, 1: 1.0}, "got {0: 1.0, 1: 1.0}"),
-    ({1.0, 2.0}, "got {1.0, 2.0}"),  # no order
-    (_LyingList([1.0], claims=2), "got _LyingList of length 1"),  # too short, whatever len says
-    (_LyingList([1.0, 1.0, 1.0], claims=2), "got _LyingList of length more than 2"),
-    ((x for x in [1.0, 2.0, 3.0]), "got generator of length more than 2"),
-    (itertools.repeat(1.0), "got repeat of length more than 2"),  # endless: bounded by counting
-    (1.0, "got 1.0"),
-    ([1.0, 1j], "got 1j"),
-    ([1.0, [1.0]], "got [1.0]"),
-    ([1.0, object], "got <class 'object'>"),
-])
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        (["1.0", "0.5"], "expected float or None, got '1.0'"),  # numeric strings are not numbers
+        ("10", "got '10'"),
+        ({0: 1.0, 1: 1.0}, "got {0: 1.0, 1: 1.0}"),
+        ({1.0, 2.0}, "got {1.0, 2.0}"),  # no order
+        (_LyingList([1.0], claims=2), "got _LyingList of length 1"),  # too short, whatever len says
+        (_LyingList([1.0, 1.0, 1.0], claims=2), "got _LyingList of length more than 2"),
+        ((x for x in [1.0, 2.0, 3.0]), "got generator of length more than 2"),
+        (itertools.repeat(1.0), "got repeat of length more than 2"),  # endless: bounded by counting
+        (1.0, "got 1.0"),
+        ([1.0, 1j], "got 1j"),
+        ([1.0, [1.0]], "got [1.0]"),
+        ([1.0, object], "got <class 'object'>"),
+    ],
+)
 def test_rewards_that_are_not_one_real_number_or_none_each_are_refused(values, message):
     with pytest.raises(TypeError, match=re.escape(message)):
         as_rewards(values, 2)
 
 
 def test_real_numbers_of_every_kind_are_rewards():
-    numbers = [1, 0.5, True, False, np.float32(0.25), np.int64(2), np.bool_(True), np.array(3.0),
-               torch.tensor(4.0), torch.tensor(5, dtype=torch.int32), None, math.nan, Fraction(1, 4)]
+    numbers = [
+        1,
+        0.5,
+        True,
+        False,
+        np.float32(0.25),
+        np.int64(2),
+        np.bool_(True),
+        np.array(3.0),
+        torch.tensor(4.0),
+        torch.tensor(5, dtype=torch.int32),
+        None,
+        math.nan,
+        Fraction(1, 4),
+    ]
     rewards = as_rewards(numbers, len(numbers))
-    assert rewards[:10] == [1.0, 0.5, 1.0, 0.0, 0.25, 2.0, 1.0, 3.0, 4.0, 5.0] and rewards[12] == 0.25
+    assert (
+        rewards[:10] == [1.0, 0.5, 1.0, 0.0, 0.25, 2.0, 1.0, 3.0, 4.0, 5.0] and rewards[12] == 0.25
+    )
     assert math.isnan(rewards[10]) and math.isnan(rewards[11])  # None and NaN: missing
     assert as_rewards((x for x in [1.0, None]), 2)[0] == 1.0  # any iterable of exactly n
-    assert as_rewards(torch.tensor([1.0, 2.0]), 2) == [1.0, 2.0] and as_rewards(np.array([1, 2]), 2) == [1.0, 2.0]
-    with pytest.raises(TypeError, match=r"got Tensor of shape \(1,\)"):  # an item must be a 0-d tensor
+    assert as_rewards(torch.tensor([1.0, 2.0]), 2) == [1.0, 2.0] and as_rewards(
+        np.array([1, 2]), 2
+    ) == [1.0, 2.0]
+    with pytest.raises(
+        TypeError, match=r"got Tensor of shape \(1,\)"
+    ):  # an item must be a 0-d tensor
         as_rewards([torch.tensor([1.0]), 1.0], 2)
     with pytest.raises(TypeError, match=r"got ndarray of shape \(1,\)"):
         as_rewards([np.array([1.0]), 1.0], 2)

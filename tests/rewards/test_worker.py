@@ -66,7 +66,12 @@ def fns(tmp_path_factory):
 
 def _inputs(completions, **columns):
     n = len(completions)
-    return {"prompts": ["p"] * n, "completions": list(completions), "completion_ids": [[1]] * n, **columns}
+    return {
+        "prompts": ["p"] * n,
+        "completions": list(completions),
+        "completion_ids": [[1]] * n,
+        **columns,
+    }
 
 
 def _dead(pid: int) -> bool:
@@ -82,11 +87,11 @@ def test_a_daemon_a_function_leaves_dies_with_its_worker(fns, tmp_path):
     subreaper): killed when the worker is closed, and when its worker is killed after a timeout."""
     executor = RewardExecutor(["daemon"], fns("daemon"), timeout=1.0, workers=1)
     try:
-        (call,), = executor(_inputs(["a"], pidfile=[str(tmp_path / "closed")]), 1)
+        ((call,),) = executor(_inputs(["a"], pidfile=[str(tmp_path / "closed")]), 1)
         assert call.status == "ok"
         closed = int((tmp_path / "closed").read_text())
         assert not _dead(closed) and os.getsid(closed) != os.getsid(0)
-        (call,), = executor(_inputs(["hang"], pidfile=[str(tmp_path / "hung")]), 1)
+        ((call,),) = executor(_inputs(["hang"], pidfile=[str(tmp_path / "hung")]), 1)
         assert call.status == "timeout"
         hung = int((tmp_path / "hung").read_text())
         assert _dead(hung)  # killed with its worker, which was replaced
@@ -119,20 +124,26 @@ def test_escaped():
 def test_memory_past_the_limit_fails_the_call_not_the_worker(fns):
     executor = RewardExecutor(["greedy"], fns("greedy"), workers=1, memory_mb=200)
     try:
-        (small,), = executor(_inputs(["a"], mib=[50]), 1)
-        (big,), = executor(_inputs(["a"], mib=[400]), 1)  # twice the limit
-        (after,), = executor(_inputs(["a"], mib=[0]), 1)
+        ((small,),) = executor(_inputs(["a"], mib=[50]), 1)
+        ((big,),) = executor(_inputs(["a"], mib=[400]), 1)  # twice the limit
+        ((after,),) = executor(_inputs(["a"], mib=[0]), 1)
     finally:
         executor.close()
     assert small.status == "ok"
-    assert big.status == "error" and "MemoryError" in big.message and "limited to 200 MiB" in big.message
+    assert (
+        big.status == "error"
+        and "MemoryError" in big.message
+        and "limited to 200 MiB" in big.message
+    )
     assert after.status == "ok" and after.values == small.values  # the same worker goes on
 
 
 def test_a_worker_cannot_kill_the_trainer_through_getppid(fns):
     """The worker's parent is its keeper: killing it costs the worker (a crashed call, replaced);
     the worker leads no group of the trainer's and is in another session."""
-    executor = RewardExecutor(["kills_parent", "where"], fns("kills_parent", "where"), timeout=10, workers=2)
+    executor = RewardExecutor(
+        ["kills_parent", "where"], fns("kills_parent", "where"), timeout=10, workers=2
+    )
     try:
         kill, here = executor(_inputs(["a", "b", "c", "d"]), 4)
         (again,) = executor(_inputs(["a", "b", "c", "d"]), 4)[1]

@@ -11,15 +11,26 @@ def _prompts(tokenizer):
 
 def _gen(model, tokenizer, prompts, G, params, **kw):
     return generate(
-        model, prompts, G, params, eos_token_ids=[tokenizer.eos_token_id, kw.pop("extra_eos", tokenizer.eos_token_id)],
-        pad_token_id=tokenizer.pad_token_id, **kw,
+        model,
+        prompts,
+        G,
+        params,
+        eos_token_ids=[tokenizer.eos_token_id, kw.pop("extra_eos", tokenizer.eos_token_id)],
+        pad_token_id=tokenizer.pad_token_id,
+        **kw,
     )
 
 
 def _early_stop_token(model, tokenizer, prompts, max_new_tokens):
     """A token that greedy decoding emits early in some rows and never in others."""
-    free = generate(model, prompts, 1, SamplingParams(max_new_tokens, temperature=0),
-                    eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
+    free = generate(
+        model,
+        prompts,
+        1,
+        SamplingParams(max_new_tokens, temperature=0),
+        eos_token_ids=[tokenizer.eos_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+    )
     early = [set(r[: max_new_tokens // 2].tolist()) for r in free.completion_ids]
     anywhere = [set(r.tolist()) for r in free.completion_ids]
     for token in sorted(set().union(*early)):
@@ -34,7 +45,16 @@ def test_prefix_sharing_and_compaction_match_plain_greedy(model, tokenizer, asse
     stop_token = _early_stop_token(model, tokenizer, prompts, 24)
     params = SamplingParams(max_new_tokens=24, temperature=0)
     results = {
-        (share, compact): _gen(model, tokenizer, prompts, 3, params, share_prefix=share, compact=compact, extra_eos=stop_token)
+        (share, compact): _gen(
+            model,
+            tokenizer,
+            prompts,
+            3,
+            params,
+            share_prefix=share,
+            compact=compact,
+            extra_eos=stop_token,
+        )
         for share in (True, False)
         for compact in (True, False)
     }
@@ -54,15 +74,29 @@ def test_prefix_sharing_and_compaction_match_plain_greedy(model, tokenizer, asse
 def test_greedy_matches_transformers_generate(model, tokenizer, assert_same_greedy):
     prompts = ["abc", "hello world", "1+2="]
     eos = [tokenizer.eos_token_id, 30]
-    ours = generate(model, [tokenizer(p)["input_ids"] for p in prompts], 1, SamplingParams(20, temperature=0),
-                    eos_token_ids=eos, pad_token_id=tokenizer.pad_token_id)
+    ours = generate(
+        model,
+        [tokenizer(p)["input_ids"] for p in prompts],
+        1,
+        SamplingParams(20, temperature=0),
+        eos_token_ids=eos,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     enc = tokenizer(prompts, padding=True, return_tensors="pt")
-    ref = model.generate(**enc, max_new_tokens=20, do_sample=False, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
-    ref = ref[:, enc["input_ids"].shape[1]:]
+    ref = model.generate(
+        **enc,
+        max_new_tokens=20,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    ref = ref[:, enc["input_ids"].shape[1] :]
     lengths = ours.completion_mask.sum(-1).tolist()
     # transformers' own decoding loop, cache and masks: logits equal to float32 rounding, the same
     # tokens but at a tie (transformers pads after EOS; we stop at EOS: compared up to ours)
-    diverged = assert_same_greedy(model, ours, [ref[i, :n].tolist() for i, n in enumerate(lengths)], atol=1e-5)
+    diverged = assert_same_greedy(
+        model, ours, [ref[i, :n].tolist() for i, n in enumerate(lengths)], atol=1e-5
+    )
     for i, n in enumerate(lengths):
         if n < 20 and i not in diverged:
             assert ours.completion_ids[i, n - 1].item() in eos
@@ -115,7 +149,14 @@ def test_rollout_shapes_mask_and_truncation(model, tokenizer):
 
 
 def test_ignore_eos_generates_exact_length(model, tokenizer):
-    r = _gen(model, tokenizer, _prompts(tokenizer), 2, SamplingParams(7, temperature=0, ignore_eos=True), extra_eos=30)
+    r = _gen(
+        model,
+        tokenizer,
+        _prompts(tokenizer),
+        2,
+        SamplingParams(7, temperature=0, ignore_eos=True),
+        extra_eos=30,
+    )
     assert (r.completion_mask.sum(-1) == 7).all() and r.truncated.all()
 
 
@@ -138,14 +179,22 @@ def test_same_greedy_check_fails_on_anything_but_a_tie(model, tokenizer, assert_
     with pytest.raises(AssertionError, match="not a tie"):
         assert_same_greedy(model, a, other, atol=1e-5)
     with pytest.raises(AssertionError, match="ends where the other goes on"):
-        assert_same_greedy(model, a, [r[:5] if i == 0 else r for i, r in enumerate(rows)], atol=1e-5)
+        assert_same_greedy(
+            model, a, [r[:5] if i == 0 else r for i, r in enumerate(rows)], atol=1e-5
+        )
 
 
 def test_sampling_is_deterministic_given_generator(model, tokenizer):
     params = SamplingParams(12, temperature=1.0, top_p=0.9, top_k=20)
-    a = _gen(model, tokenizer, _prompts(tokenizer), 3, params, seeds=torch.Generator().manual_seed(5))
-    b = _gen(model, tokenizer, _prompts(tokenizer), 3, params, seeds=torch.Generator().manual_seed(5))
-    c = _gen(model, tokenizer, _prompts(tokenizer), 3, params, seeds=torch.Generator().manual_seed(6))
+    a = _gen(
+        model, tokenizer, _prompts(tokenizer), 3, params, seeds=torch.Generator().manual_seed(5)
+    )
+    b = _gen(
+        model, tokenizer, _prompts(tokenizer), 3, params, seeds=torch.Generator().manual_seed(5)
+    )
+    c = _gen(
+        model, tokenizer, _prompts(tokenizer), 3, params, seeds=torch.Generator().manual_seed(6)
+    )
     assert torch.equal(a.completion_ids, b.completion_ids)
     assert not torch.equal(a.completion_ids, c.completion_ids)
 
@@ -159,7 +208,9 @@ def test_a_prompts_completions_depend_on_its_seed_not_its_batch(model, tokenizer
     seeds = [11, 22, 33][: len(prompts)]
     whole = _gen(model, tokenizer, prompts, 3, params, seeds=seeds)
     for i in range(len(prompts)):
-        alone = _gen(model, tokenizer, [prompts[i]], 3, params, seeds=[seeds[i]], compact=i % 2 == 0)
+        alone = _gen(
+            model, tokenizer, [prompts[i]], 3, params, seeds=[seeds[i]], compact=i % 2 == 0
+        )
         rows = slice(3 * i, 3 * i + 3)
         width = alone.completion_ids.shape[1]
         # exact: a prompt alone is a batch of another shape, so its logits may differ in the last bits,
@@ -167,9 +218,13 @@ def test_a_prompts_completions_depend_on_its_seed_not_its_batch(model, tokenizer
         # of these 540 draws is 1e-5 away); the logprobs are compared to float32 rounding
         assert torch.equal(alone.completion_ids, whole.completion_ids[rows, :width]), i
         assert torch.equal(alone.completion_mask, whole.completion_mask[rows, :width]), i
-        torch.testing.assert_close(alone.sampling_logprobs, whole.sampling_logprobs[rows, :width], rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            alone.sampling_logprobs, whole.sampling_logprobs[rows, :width], rtol=0, atol=1e-5
+        )
     other = _gen(model, tokenizer, prompts, 3, params, seeds=[seeds[0] + 1, *seeds[1:]])
-    assert not torch.equal(other.completion_ids[:3], whole.completion_ids[:3])  # the seed does decide
+    assert not torch.equal(
+        other.completion_ids[:3], whole.completion_ids[:3]
+    )  # the seed does decide
 
 
 def test_top_k_and_top_p_restrict_support():
@@ -193,10 +248,20 @@ def test_stop_strings_end_completion(tokenizer):
 
 
 def test_concat_pads_widths(tokenizer):
-    a = Rollout(torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long), torch.ones(2, 2, dtype=torch.long),
-                torch.ones(2, 2, dtype=torch.long), torch.tensor([True, False]))
-    b = Rollout(torch.ones(1, 5, dtype=torch.long), torch.ones(1, 5, dtype=torch.long), torch.ones(1, 4, dtype=torch.long),
-                torch.ones(1, 4, dtype=torch.long), torch.tensor([False]))
+    a = Rollout(
+        torch.ones(2, 3, dtype=torch.long),
+        torch.ones(2, 3, dtype=torch.long),
+        torch.ones(2, 2, dtype=torch.long),
+        torch.ones(2, 2, dtype=torch.long),
+        torch.tensor([True, False]),
+    )
+    b = Rollout(
+        torch.ones(1, 5, dtype=torch.long),
+        torch.ones(1, 5, dtype=torch.long),
+        torch.ones(1, 4, dtype=torch.long),
+        torch.ones(1, 4, dtype=torch.long),
+        torch.tensor([False]),
+    )
     c = Rollout.concat([a, b], pad_token_id=0)
     assert c.prompt_ids.shape == (3, 5) and c.completion_ids.shape == (3, 4)
     assert c.prompt_mask[0].tolist() == [0, 0, 1, 1, 1]
@@ -206,7 +271,9 @@ def test_concat_pads_widths(tokenizer):
 def test_sampling_frequencies_match_probabilities():
     probs = torch.tensor([0.1, 0.0, 0.6, 0.3])
     logits = torch.log(probs).repeat(20000, 1)
-    draws = sample_next_token(logits, SamplingParams(1, temperature=1.0), torch.Generator().manual_seed(1))
+    draws = sample_next_token(
+        logits, SamplingParams(1, temperature=1.0), torch.Generator().manual_seed(1)
+    )
     freq = torch.bincount(draws, minlength=4).float() / len(draws)
     assert freq[1] == 0  # a zero-probability token is never drawn
     torch.testing.assert_close(freq, probs, atol=0.015, rtol=0)
@@ -217,7 +284,12 @@ def test_two_level_sampling_frequencies_across_blocks():
     zero-weight entries (including whole blocks) are never drawn, unnormalised weights are fine."""
     V = 3 * CDF_BLOCK + 37
     weights = torch.zeros(V)
-    picks = {5: 1.0, CDF_BLOCK - 1: 2.0, 2 * CDF_BLOCK + 500: 3.0, V - 1: 4.0}  # block 1 is all zeros
+    picks = {
+        5: 1.0,
+        CDF_BLOCK - 1: 2.0,
+        2 * CDF_BLOCK + 500: 3.0,
+        V - 1: 4.0,
+    }  # block 1 is all zeros
     for i, w in picks.items():
         weights[i] = w
     draws = sample_from(weights.repeat(40000, 1), torch.Generator().manual_seed(3))
@@ -243,5 +315,8 @@ def test_each_draw_lands_on_a_positive_weight():
     """The first cumulative weight strictly above the target: zero-weight entries (flat steps
     of the CDF, here at 0, 3 and 5) are skipped at both ends and in the middle."""
     cdf = torch.tensor([[0.0, 0.25, 0.75, 0.75, 1.0, 1.0]])
-    draws = {u: first_exceeding(cdf, torch.tensor([[u]])).item() for u in (0.0, 0.5, 0.75, 1.0 - 2.0**-24)}
+    draws = {
+        u: first_exceeding(cdf, torch.tensor([[u]])).item()
+        for u in (0.0, 0.5, 0.75, 1.0 - 2.0**-24)
+    }
     assert draws == {0.0: 1, 0.5: 2, 0.75: 4, 1.0 - 2.0**-24: 4}

@@ -29,16 +29,27 @@ except Exception as error:  # ImportError, or a broken install
 
 requires_vllm = pytest.mark.skipif(VLLM_MISSING is not None, reason=VLLM_MISSING or "")
 
-SETTINGS = {"kv_cache_gb": 0.0625, "enforce_eager": True}  # a small KV cache, no compile: seconds to start
+SETTINGS = {
+    "kv_cache_gb": 0.0625,
+    "enforce_eager": True,
+}  # a small KV cache, no compile: seconds to start
 
 
 def llama(tokenizer, seed=0, hidden=64):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config_ = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-        num_attention_heads=hidden // 32, num_key_value_heads=1, head_dim=32, max_position_embeddings=256,
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=hidden // 32,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=256,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=False,
     )
     with torch.random.fork_rng(devices=[]):
@@ -47,7 +58,10 @@ def llama(tokenizer, seed=0, hidden=64):
 
 
 def make_cfg(*overrides, **rollout):
-    data = {"rollout": {"engine": "vllm", "vllm": dict(SETTINGS), **rollout}, "cpu": {"decoding": "plain"}}
+    data = {
+        "rollout": {"engine": "vllm", "vllm": dict(SETTINGS), **rollout},
+        "cpu": {"decoding": "plain"},
+    }
     return config.from_dict(data, list(overrides))
 
 
@@ -60,7 +74,12 @@ def engines(model, tokenizer, cfg):
 def prompts_of(tokenizer):
     bos = tokenizer.bos_token_id
     # different lengths, so the prompts are left-padded
-    return [[bos, *tokenizer.encode("1+2=")], [bos, *tokenizer.encode("33+45=")], tokenizer.encode("x"), [bos]]
+    return [
+        [bos, *tokenizer.encode("1+2=")],
+        [bos, *tokenizer.encode("33+45=")],
+        tokenizer.encode("x"),
+        [bos],
+    ]
 
 
 def assert_same_rollout(a, b, model, assert_same_greedy):
@@ -82,15 +101,26 @@ def test_missing_vllm_names_the_field_and_the_fix(tokenizer, monkeypatch):
     from grpo.rollout.vllm import VLLMEngine
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
-    with pytest.raises(ConfigError, match=r"rollout\.engine: vllm needs the vllm package.*pip install vllm.*make test-vllm"):
+    with pytest.raises(
+        ConfigError,
+        match=r"rollout\.engine: vllm needs the vllm package.*pip install vllm.*make test-vllm",
+    ):
         VLLMEngine(llama(tokenizer), tokenizer, make_cfg())
 
 
 @pytest.mark.parametrize(
     "override, message",
-    [("rollout.vllm.gpu_memory_utilization=0", r"rollout\.vllm\.gpu_memory_utilization: must be in \(0, 1\]"),
-     ("rollout.vllm.kv_cache_gb=-1", r"rollout\.vllm\.kv_cache_gb: must be > 0"),
-     ("rollout.vllm.kv_cache=1", r"unknown config key 'rollout\.vllm\.kv_cache'; did you mean 'rollout\.vllm\.kv_cache_gb'")],
+    [
+        (
+            "rollout.vllm.gpu_memory_utilization=0",
+            r"rollout\.vllm\.gpu_memory_utilization: must be in \(0, 1\]",
+        ),
+        ("rollout.vllm.kv_cache_gb=-1", r"rollout\.vllm\.kv_cache_gb: must be > 0"),
+        (
+            "rollout.vllm.kv_cache=1",
+            r"unknown config key 'rollout\.vllm\.kv_cache'; did you mean 'rollout\.vllm\.kv_cache_gb'",
+        ),
+    ],
 )
 def test_bad_vllm_settings_are_refused(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -114,7 +144,10 @@ def test_greedy_completions_equal_the_hf_engines(tokenizer, assert_same_greedy):
     model = llama(tokenizer)
     fast, reference = engines(model, tokenizer, make_cfg())
     params = SamplingParams(max_new_tokens=12, temperature=0)
-    a, b = fast.generate(prompts_of(tokenizer), 3, params), reference.generate(prompts_of(tokenizer), 3, params)
+    a, b = (
+        fast.generate(prompts_of(tokenizer), 3, params),
+        reference.generate(prompts_of(tokenizer), 3, params),
+    )
     assert_same_rollout(a, b, model, assert_same_greedy)
     assert a.completion_ids.shape == (12, 12) and bool(a.truncated.all())
     assert a.sampling_logprobs is None  # greedy: nothing to compare
@@ -125,22 +158,45 @@ def test_greedy_completions_equal_the_hf_engines(tokenizer, assert_same_greedy):
 def test_eos_and_stop_strings_end_completions_as_the_hf_engine_does(tokenizer, assert_same_greedy):
     model = llama(tokenizer)
     greedy = SamplingParams(max_new_tokens=12, temperature=0)
-    plain = TransformersEngine(model, tokenizer, make_cfg()).generate(prompts_of(tokenizer), 1, greedy)
+    plain = TransformersEngine(model, tokenizer, make_cfg()).generate(
+        prompts_of(tokenizer), 1, greedy
+    )
     # a token the model emits early, made an end-of-sequence token (the generation config's eos list)
     stop_token = int(plain.completion_ids[1, 2])
     model.generation_config.eos_token_id = [tokenizer.eos_token_id, stop_token]
-    text = tokenizer.decode(plain.completion_ids[0, 3:5].tolist())  # a stop string the first completion reaches
+    text = tokenizer.decode(
+        plain.completion_ids[0, 3:5].tolist()
+    )  # a stop string the first completion reaches
     fast, reference = engines(model, tokenizer, make_cfg(stop_strings=[text]))
-    a, b = fast.generate(prompts_of(tokenizer), 2, greedy), reference.generate(prompts_of(tokenizer), 2, greedy)
+    a, b = (
+        fast.generate(prompts_of(tokenizer), 2, greedy),
+        reference.generate(prompts_of(tokenizer), 2, greedy),
+    )
     assert_same_rollout(a, b, model, assert_same_greedy)
     ended = ~a.truncated  # rows 0-1: prompt 0's group, rows 2-3: prompt 1's
-    assert bool(ended[2]) and int(a.lengths[2]) <= 3 and int(a.completion_ids[2, a.lengths[2] - 1]) == stop_token
-    assert bool(ended[0]) and int(a.lengths[0]) <= 5  # the stop string (or the stop token before it)
-    assert tokenizer.decode(a.completion_ids[0, : a.lengths[0]].tolist()).endswith(text) or int(a.completion_ids[0, a.lengths[0] - 1]) == stop_token
+    assert (
+        bool(ended[2])
+        and int(a.lengths[2]) <= 3
+        and int(a.completion_ids[2, a.lengths[2] - 1]) == stop_token
+    )
+    assert (
+        bool(ended[0]) and int(a.lengths[0]) <= 5
+    )  # the stop string (or the stop token before it)
+    assert (
+        tokenizer.decode(a.completion_ids[0, : a.lengths[0]].tolist()).endswith(text)
+        or int(a.completion_ids[0, a.lengths[0] - 1]) == stop_token
+    )
     # ignore_eos: every completion runs to max_new_tokens, stop strings and tokens ignored
-    full = fast.generate(prompts_of(tokenizer), 2, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))
+    full = fast.generate(
+        prompts_of(tokenizer), 2, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    )
     assert bool(full.truncated.all()) and bool((full.lengths == 12).all())
-    assert_same_greedy(model, full, reference.generate(prompts_of(tokenizer), 2, SamplingParams(12, 0, ignore_eos=True)), atol=1e-5)
+    assert_same_greedy(
+        model,
+        full,
+        reference.generate(prompts_of(tokenizer), 2, SamplingParams(12, 0, ignore_eos=True)),
+        atol=1e-5,
+    )
 
 
 @pytest.mark.vllm
@@ -151,19 +207,33 @@ def test_sampling_logprobs_equal_the_updates(tokenizer, temperature):
     from grpo.rollout.vllm import VLLMEngine
 
     torch.manual_seed(123)
-    torch_state, python_state, set_num_threads = torch.get_rng_state(), random.getstate(), torch.set_num_threads
+    torch_state, python_state, set_num_threads = (
+        torch.get_rng_state(),
+        random.getstate(),
+        torch.set_num_threads,
+    )
     fast = VLLMEngine(model, tokenizer, make_cfg(temperature=temperature))
     params = SamplingParams(max_new_tokens=10, temperature=temperature)
     rollout = fast.generate(prompts_of(tokenizer), 4, params, torch.Generator().manual_seed(0))
     # vLLM seeds the global generators when it starts and draws from torch's while sampling: undone
     assert torch.equal(torch.get_rng_state(), torch_state) and random.getstate() == python_state
-    assert torch.set_num_threads is set_num_threads  # vLLM's CPU worker swaps it for a no-op: undone
+    assert (
+        torch.set_num_threads is set_num_threads
+    )  # vLLM's CPU worker swaps it for a no-op: undone
     with torch.no_grad():
-        logp, _ = completion_logprobs(model, rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
-                                      rollout.completion_mask, temperature=temperature)
+        logp, _ = completion_logprobs(
+            model,
+            rollout.prompt_ids,
+            rollout.prompt_mask,
+            rollout.completion_ids,
+            rollout.completion_mask,
+            temperature=temperature,
+        )
     mask = rollout.completion_mask.bool()
     assert int(mask.sum()) > 100
-    for row in (~rollout.truncated).nonzero().squeeze(-1).tolist():  # ended early: by the eos token, kept in the mask
+    for row in (
+        (~rollout.truncated).nonzero().squeeze(-1).tolist()
+    ):  # ended early: by the eos token, kept in the mask
         assert int(rollout.completion_ids[row, rollout.lengths[row] - 1]) == tokenizer.eos_token_id
     torch.testing.assert_close(rollout.sampling_logprobs[mask], logp[mask], atol=2e-5, rtol=1e-5)
     assert bool((rollout.sampling_logprobs[~mask] == 0).all())
@@ -183,8 +253,15 @@ def test_a_batch_larger_than_one_step_samples(tokenizer):
     from grpo.rollout.vllm import VLLMEngine
 
     fast = VLLMEngine(llama(tokenizer), tokenizer, make_cfg())
-    prompts = [[tokenizer.bos_token_id, *tokenizer.encode(f"{i:02d}" + "+1=2;" * 8)] for i in range(16)]  # 43 tokens
-    rollout = fast.generate(prompts, 8, SamplingParams(4, temperature=1.0, ignore_eos=True), torch.Generator().manual_seed(0))
+    prompts = [
+        [tokenizer.bos_token_id, *tokenizer.encode(f"{i:02d}" + "+1=2;" * 8)] for i in range(16)
+    ]  # 43 tokens
+    rollout = fast.generate(
+        prompts,
+        8,
+        SamplingParams(4, temperature=1.0, ignore_eos=True),
+        torch.Generator().manual_seed(0),
+    )
     assert sum(map(len, prompts)) * 8 > 4096
     assert rollout.completion_ids.shape == (128, 4) and bool(rollout.truncated.all())
 
@@ -198,7 +275,12 @@ def test_top_k_samples_from_the_top_k_and_reports_unfiltered_logprobs(tokenizer)
 
     fast = VLLMEngine(model, tokenizer, make_cfg(top_k=3))
     assert fast.logprobs_mode == "raw_logprobs"
-    rollout = fast.generate(prompts_of(tokenizer), 4, SamplingParams(8, temperature=1.0, top_k=3), torch.Generator().manual_seed(0))
+    rollout = fast.generate(
+        prompts_of(tokenizer),
+        4,
+        SamplingParams(8, temperature=1.0, top_k=3),
+        torch.Generator().manual_seed(0),
+    )
     ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
     mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -209,7 +291,9 @@ def test_top_k_samples_from_the_top_k_and_reports_unfiltered_logprobs(tokenizer)
     third = scores.topk(3, dim=-1).values[..., -1]
     chosen = scores.gather(-1, rollout.completion_ids.unsqueeze(-1)).squeeze(-1)
     assert bool((chosen >= third - 1e-4).all())
-    whole = torch.log_softmax(scores, -1).gather(-1, rollout.completion_ids.unsqueeze(-1)).squeeze(-1)
+    whole = (
+        torch.log_softmax(scores, -1).gather(-1, rollout.completion_ids.unsqueeze(-1)).squeeze(-1)
+    )
     torch.testing.assert_close(rollout.sampling_logprobs, whole, atol=2e-5, rtol=1e-5)
 
 
@@ -227,12 +311,16 @@ def test_sync_weights_updates_vllm_in_place(tokenizer, assert_same_greedy):
     fast.sleep()  # on the CPU there is no sleep mode: nothing is released, nothing changes
     fast.wake()
     stale = fast.generate(prompts_of(tokenizer), 1, greedy)
-    assert torch.equal(stale.completion_ids, before.completion_ids)  # vLLM holds its own copy until the sync (exact: the same engine and weights)
+    assert torch.equal(
+        stale.completion_ids, before.completion_ids
+    )  # vLLM holds its own copy until the sync (exact: the same engine and weights)
     fast.sync_weights(model)
     after = fast.generate(prompts_of(tokenizer), 1, greedy)
     assert fast.llm is llm
     assert not torch.equal(after.completion_ids, before.completion_ids)
-    assert_same_rollout(after, reference.generate(prompts_of(tokenizer), 1, greedy), model, assert_same_greedy)
+    assert_same_rollout(
+        after, reference.generate(prompts_of(tokenizer), 1, greedy), model, assert_same_greedy
+    )
 
 
 @pytest.mark.vllm
@@ -244,9 +332,16 @@ def test_a_weight_missing_from_the_push_is_an_error(tokenizer, monkeypatch):
     model = llama(tokenizer)
     fast = engine_module.VLLMEngine(model, tokenizer, make_cfg())
     every = engine_module.policy_weights
-    monkeypatch.setattr(engine_module, "policy_weights",
-                        lambda policy, dtype=None: ((n, w) for n, w in every(policy, dtype) if n != "model.norm.weight"))
-    with pytest.raises(engine_module.WeightsNotLoaded, match=r"rollout\.engine: vllm: .*model\.norm\.weight"):
+    monkeypatch.setattr(
+        engine_module,
+        "policy_weights",
+        lambda policy, dtype=None: (
+            (n, w) for n, w in every(policy, dtype) if n != "model.norm.weight"
+        ),
+    )
+    with pytest.raises(
+        engine_module.WeightsNotLoaded, match=r"rollout\.engine: vllm: .*model\.norm\.weight"
+    ):
         fast.sync_weights(model)
 
 
@@ -259,10 +354,20 @@ def test_bf16_training_generates_in_bf16(tokenizer):
     model = llama(tokenizer)
     fast = VLLMEngine(model, tokenizer, make_cfg("training.bf16=true"))
     assert fast.llm.llm_engine.model_config.dtype == torch.bfloat16
-    rollout = fast.generate(prompts_of(tokenizer), 4, SamplingParams(10, temperature=1.0), torch.Generator().manual_seed(0))
+    rollout = fast.generate(
+        prompts_of(tokenizer),
+        4,
+        SamplingParams(10, temperature=1.0),
+        torch.Generator().manual_seed(0),
+    )
     with torch.no_grad():
-        logp, _ = completion_logprobs(model, rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
-                                      rollout.completion_mask)
+        logp, _ = completion_logprobs(
+            model,
+            rollout.prompt_ids,
+            rollout.prompt_mask,
+            rollout.completion_ids,
+            rollout.completion_mask,
+        )
     mask = rollout.completion_mask.bool()
     gap = (rollout.sampling_logprobs[mask] - logp[mask]).abs()
     assert 0 < float(gap.max()) < 0.05  # bf16 rounding against float32: small, not zero
@@ -286,7 +391,9 @@ def test_lora_policy_is_pushed_merged(tokenizer, assert_same_greedy):
     fast.sync_weights(model)
     adapted = fast.generate(prompts_of(tokenizer), 1, greedy)
     assert not torch.equal(adapted.completion_ids, base.completion_ids)
-    assert_same_rollout(adapted, reference.generate(prompts_of(tokenizer), 1, greedy), model, assert_same_greedy)
+    assert_same_rollout(
+        adapted, reference.generate(prompts_of(tokenizer), 1, greedy), model, assert_same_greedy
+    )
 
 
 @pytest.mark.vllm
@@ -295,10 +402,19 @@ def test_trainer_with_vllm_learns_the_toy_task(tokenizer, tmp_path, toy_config, 
     """The toy task (tests/conftest.py's toy_config: a+b= with the answer's digit), generated by vLLM."""
     from grpo.training.trainer import Trainer
 
-    overrides = ["rollout.engine=vllm", "rollout.vllm.kv_cache_gb=0.0625", "rollout.vllm.enforce_eager=true",
-                 "training.max_steps=200"]  # toy_config's 200 steps at its learning rate: ~30 s on 2 cores
+    overrides = [
+        "rollout.engine=vllm",
+        "rollout.vllm.kv_cache_gb=0.0625",
+        "rollout.vllm.enforce_eager=true",
+        "training.max_steps=200",
+    ]  # toy_config's 200 steps at its learning rate: ~30 s on 2 cores
     cfg = config.from_dict({**toy_config, "output_dir": str(tmp_path / "run")}, overrides)
-    trainer = Trainer(cfg, model=llama(tokenizer, hidden=64), tokenizer=tokenizer, reward_funcs={"correct": first_char_correct})
+    trainer = Trainer(
+        cfg,
+        model=llama(tokenizer, hidden=64),
+        tokenizer=tokenizer,
+        reward_funcs={"correct": first_char_correct},
+    )
     history = trainer.train()
     first = sum(h["reward"] for h in history[:10]) / 10
     last = sum(h["reward"] for h in history[-10:]) / 10

@@ -23,14 +23,28 @@ TIMING = ("time/", "tokens_per_second")
 
 BASE = {
     "model": {"name": "tiny", "tiny_hidden_size": 32, "tiny_num_layers": 1},
-    "data": {"chat_template": "never", "arithmetic": {
-        "operands": [[1, 4], [1, 4]], "operators": ["+"], "instruction": "{expression}=", "num_train": 200, "num_eval": 4}},
+    "data": {
+        "chat_template": "never",
+        "arithmetic": {
+            "operands": [[1, 4], [1, 4]],
+            "operators": ["+"],
+            "instruction": "{expression}=",
+            "num_train": 200,
+            "num_eval": 4,
+        },
+    },
     "rollout": {"num_generations": 4, "max_completion_length": 2, "temperature": 0.9},
     "rewards": {"isolation": "thread"},  # the functions: REWARDS, below
     # a KL reference that ref_sync_steps changes, a schedule with warm-up: all of it must come back
     "algorithm": {"beta": 0.04, "ref_sync_steps": 3},
-    "training": {"max_steps": 6, "per_device_train_batch_size": 16, "learning_rate": 0.003,
-                 "lr_scheduler_type": "linear", "warmup_steps": 1, "save_steps": 1},
+    "training": {
+        "max_steps": 6,
+        "per_device_train_batch_size": 16,
+        "learning_rate": 0.003,
+        "lr_scheduler_type": "linear",
+        "warmup_steps": 1,
+        "save_steps": 1,
+    },
     "eval": {"every": 2, "after": True, "temperatures": [0.0, 1.0]},
     "logging": {"log_every": 100, "sample_every": 2},
 }
@@ -58,16 +72,26 @@ def third(completions, **kwargs):
 def quick(monkeypatch):
     """For the files that run `grpo train` (pytestmark = pytest.mark.usefixtures("quick")): no
     plots, and no tqdm monitor thread."""
-    monkeypatch.setattr(runlog.RunLog, "report", lambda self: None)  # plots: seconds, and not what is tested here
-    monkeypatch.setattr(tqdm.tqdm, "monitor_interval", 0)  # no monitor thread whose lock a fork could copy held
+    monkeypatch.setattr(
+        runlog.RunLog, "report", lambda self: None
+    )  # plots: seconds, and not what is tested here
+    monkeypatch.setattr(
+        tqdm.tqdm, "monitor_interval", 0
+    )  # no monitor thread whose lock a fork could copy held
 
 
 def _write_config(tmp_path, name, overrides=()):
     rewards = tmp_path / "rewards.py"
     rewards.write_text(REWARDS)
     funcs = [f"{rewards}:third", f"{ROOT / 'examples' / 'toy_rewards.py'}:first_char_correct"]
-    cfg = config.from_dict({**BASE, "output_dir": str(tmp_path / name), "rewards": {**BASE["rewards"], "funcs": funcs}},
-                           list(overrides))
+    cfg = config.from_dict(
+        {
+            **BASE,
+            "output_dir": str(tmp_path / name),
+            "rewards": {**BASE["rewards"], "funcs": funcs},
+        },
+        list(overrides),
+    )
     path = tmp_path / f"{name}.yaml"
     config.save(cfg, path)
     return path
@@ -107,7 +131,10 @@ def _assert_same_run(got: Path, expected: Path):
     assert _untimed(_rows(got / "metrics.jsonl")) == _untimed(_rows(expected / "metrics.jsonl"))
     assert _rows(got / "samples.jsonl") == _rows(expected / "samples.jsonl")
     assert _rows(got / "eval.jsonl") == _rows(expected / "eval.jsonl")
-    a, b = load_file(got / "final" / "model.safetensors"), load_file(expected / "final" / "model.safetensors")
+    a, b = (
+        load_file(got / "final" / "model.safetensors"),
+        load_file(expected / "final" / "model.safetensors"),
+    )
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name

@@ -16,7 +16,14 @@ from grpo.run.eval_results import EvalResult, append_results  # noqa: E402
 from grpo.run.report import ReportError, build_report, figures, read_metrics  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-BASE_PLOTS = {"reward", "rewards_per_function", "completion_length", "entropy", "clip_ratio", "frac_reward_zero_std"}
+BASE_PLOTS = {
+    "reward",
+    "rewards_per_function",
+    "completion_length",
+    "entropy",
+    "clip_ratio",
+    "frac_reward_zero_std",
+}
 
 
 def _metrics(steps: int, kl: bool) -> list[dict]:
@@ -52,9 +59,20 @@ def _metrics(steps: int, kl: bool) -> list[dict]:
 
 
 def _eval(label, step, temperature, correct, formatted, n=200):
-    samples = [{"prompt": "Calculate 28 * 3 + 43.", "completion": "28 * 3 = 84\n84 + 43 = 127\nAnswer: 127",
-                "answer": 127, "predicted": 127, "correct": True}]
-    counts = {"correct": [correct, n], "formatted": [formatted, n], "correct among formatted": [correct, formatted]}
+    samples = [
+        {
+            "prompt": "Calculate 28 * 3 + 43.",
+            "completion": "28 * 3 = 84\n84 + 43 = 127\nAnswer: 127",
+            "answer": 127,
+            "predicted": 127,
+            "correct": True,
+        }
+    ]
+    counts = {
+        "correct": [correct, n],
+        "formatted": [formatted, n],
+        "correct among formatted": [correct, formatted],
+    }
     return EvalResult(label, step, temperature, n, counts, correct / n, {}, 50.0, 0.0, samples)
 
 
@@ -69,14 +87,31 @@ def _run_dir(tmp_path, steps=30, kl=True, evals=True, samples=True):
     cfg.algorithm.beta = 0.04 if kl else 0.0
     config_module.save(cfg, run / "config.yaml")
     if evals:
-        append_results(run / "eval.jsonl", [_eval("before", 0, 0.0, 8, 8), _eval("before", 0, 1.0, 91, 106)])
-        append_results(run / "eval.jsonl", [_eval("step 15", 15, 0.0, 120, 150), _eval("step 15", 15, 1.0, 110, 160)])
-        append_results(run / "eval.jsonl", [_eval("after", steps, 0.0, 194, 200), _eval("after", steps, 1.0, 191, 199)])
+        append_results(
+            run / "eval.jsonl", [_eval("before", 0, 0.0, 8, 8), _eval("before", 0, 1.0, 91, 106)]
+        )
+        append_results(
+            run / "eval.jsonl",
+            [_eval("step 15", 15, 0.0, 120, 150), _eval("step 15", 15, 1.0, 110, 160)],
+        )
+        append_results(
+            run / "eval.jsonl",
+            [_eval("after", steps, 0.0, 194, 200), _eval("after", steps, 1.0, 191, 199)],
+        )
     if samples:
         with open(run / "samples.jsonl", "w") as f:
             for s in (10, 20, 30):
-                f.write(json.dumps({"step": s, "prompt": "Calculate 28 * 3 + 43.",
-                                    "completion": f"step {s} work\nAnswer: 127", "reward": s / 30}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "step": s,
+                            "prompt": "Calculate 28 * 3 + 43.",
+                            "completion": f"step {s} work\nAnswer: 127",
+                            "reward": s / 30,
+                        }
+                    )
+                    + "\n"
+                )
     return run
 
 
@@ -187,7 +222,9 @@ def test_figures_have_titles_labels_and_legends():
 
 
 def test_single_eval_step_has_no_accuracy_plot():
-    figs = figures(_metrics(5, kl=False), [_eval("before", 0, 0.0, 8, 8), _eval("before", 0, 1.0, 9, 9)])
+    figs = figures(
+        _metrics(5, kl=False), [_eval("before", 0, 0.0, 8, 8), _eval("before", 0, 1.0, 9, 9)]
+    )
     assert "eval_accuracy" not in figs
 
 
@@ -195,5 +232,11 @@ def test_reward_in_tens_is_the_seeds_ten_step_means():
     from grpo.run.report import reward_in_tens
 
     metrics = [{"step": s, "reward": 0.5 if s <= 10 else 1.0} for s in range(1, 26)]
-    metrics[3]["reward"] = float("nan")  # step 4 has no reward: blocks are of ten steps that have one
-    assert reward_in_tens(metrics) == [(1, 11, pytest.approx((9 * 0.5 + 1.0) / 10)), (12, 21, 1.0), (22, 25, 1.0)]
+    metrics[3]["reward"] = float(
+        "nan"
+    )  # step 4 has no reward: blocks are of ten steps that have one
+    assert reward_in_tens(metrics) == [
+        (1, 11, pytest.approx((9 * 0.5 + 1.0) / 10)),
+        (12, 21, 1.0),
+        (22, 25, 1.0),
+    ]

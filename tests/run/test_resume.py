@@ -23,12 +23,17 @@ from grpo.run import checkpoint, run_lock, runlog
 pytestmark = pytest.mark.usefixtures("quick")
 
 
-@pytest.mark.parametrize("overrides,seed", [
-    ([], 0),
-    (["algorithm.num_iterations=2"], 1),
-    (["algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=3"], 2),
-])
-def test_killed_at_random_moments_and_resumed_is_the_uninterrupted_run(tmp_path, overrides, seed, write_config, run_grpo, read_rows, assert_same_run):
+@pytest.mark.parametrize(
+    "overrides,seed",
+    [
+        ([], 0),
+        (["algorithm.num_iterations=2"], 1),
+        (["algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=3"], 2),
+    ],
+)
+def test_killed_at_random_moments_and_resumed_is_the_uninterrupted_run(
+    tmp_path, overrides, seed, write_config, run_grpo, read_rows, assert_same_run
+):
     expected_cfg = write_config(tmp_path, "expected", overrides)
     assert run_grpo(["train", str(expected_cfg)]) == 0
     expected = tmp_path / "expected"
@@ -40,15 +45,22 @@ def test_killed_at_random_moments_and_resumed_is_the_uninterrupted_run(tmp_path,
     cfg = write_config(tmp_path, "killed", overrides)
     rng = random.Random(seed)
     # named points (a fixed count of hits) and wall-clock moments, drawn at random
-    kills = [(rng.choice(["step", "logged", "save", "manifest"]), rng.randint(1, 3)) for _ in range(4)]
+    kills = [
+        (rng.choice(["step", "logged", "save", "manifest"]), rng.randint(1, 3)) for _ in range(4)
+    ]
     kills.insert(rng.randint(0, 4), ("save", 1))  # at least once mid-save
-    kills.append((None, rng.uniform(0.2, 1.0)))  # last: a run fast enough to finish first changes no other kill
+    kills.append(
+        (None, rng.uniform(0.2, 1.0))
+    )  # last: a run fast enough to finish first changes no other kill
     outcomes, starts = [], []
     for point, when in kills:
         latest = checkpoint.latest_checkpoint(tmp_path / "killed")
         starts.append(checkpoint.manifest_step(latest) if latest else 0)
-        rc = run_grpo(["train", str(cfg), "--resume"], kill_at=f"{point}:{when}" if point else None,
-                  kill_after=None if point else when)
+        rc = run_grpo(
+            ["train", str(cfg), "--resume"],
+            kill_at=f"{point}:{when}" if point else None,
+            kill_after=None if point else when,
+        )
         outcomes.append(rc)
         if rc == 0:
             break
@@ -59,14 +71,22 @@ def test_killed_at_random_moments_and_resumed_is_the_uninterrupted_run(tmp_path,
         assert run_grpo(["train", str(cfg), "--resume"]) == 0
     print(kills, outcomes, starts)
     # killed several times, and resumed from checkpoints, not rerun from the start
-    assert outcomes.count(-signal.SIGKILL) >= 3 and len(set(starts) - {0}) >= 2 and starts[-1] > 0, (kills, outcomes, starts)
+    assert (
+        outcomes.count(-signal.SIGKILL) >= 3 and len(set(starts) - {0}) >= 2 and starts[-1] > 0
+    ), (kills, outcomes, starts)
     assert_same_run(tmp_path / "killed", expected)
     # leftovers cleaned; the lock file stays (unlocked: a killed run's lock dies with it)
-    assert [p.name for p in (tmp_path / "killed").iterdir() if p.name.startswith(".")] == [run_lock.LOCK]
+    assert [p.name for p in (tmp_path / "killed").iterdir() if p.name.startswith(".")] == [
+        run_lock.LOCK
+    ]
 
 
-def test_a_damaged_latest_checkpoint_is_passed_over_with_a_warning(tmp_path, caplog, run_grpo, train_to, assert_same_run):
-    path, run = train_to(tmp_path, "run", ["training.max_steps=4", "training.save_steps=2", "eval.after=false"])
+def test_a_damaged_latest_checkpoint_is_passed_over_with_a_warning(
+    tmp_path, caplog, run_grpo, train_to, assert_same_run
+):
+    path, run = train_to(
+        tmp_path, "run", ["training.max_steps=4", "training.save_steps=2", "eval.after=false"]
+    )
     weights = run / "final" / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-1] ^= 0xFF  # one flipped bit of a weight: the size is right, the hash is not
@@ -81,7 +101,9 @@ def test_a_damaged_latest_checkpoint_is_passed_over_with_a_warning(tmp_path, cap
 
     # resumed from checkpoint-2 it is the run never damaged (the damaged ones are replaced)
     assert run_grpo(["train", str(path), "--resume"]) == 0
-    _, expected = train_to(tmp_path, "expected", ["training.max_steps=4", "training.save_steps=2", "eval.after=false"])
+    _, expected = train_to(
+        tmp_path, "expected", ["training.max_steps=4", "training.save_steps=2", "eval.after=false"]
+    )
     assert_same_run(run, expected)
     assert checkpoint.verify(run / "final") == "" and checkpoint.verify(run / "checkpoint-4") == ""
 
@@ -93,20 +115,42 @@ def test_a_damaged_latest_checkpoint_is_passed_over_with_a_warning(tmp_path, cap
 
 def test_a_changed_config_is_refused_naming_the_keys(tmp_path, capsys, read_rows, train_to):
     path, run = train_to(tmp_path, "run", ["training.max_steps=2", "eval.after=false"])
-    rc = main(["train", str(path), "--resume", "training.learning_rate=0.01", "rollout.temperature=1.0"])
+    rc = main(
+        ["train", str(path), "--resume", "training.learning_rate=0.01", "rollout.temperature=1.0"]
+    )
     assert rc == 2
     err = capsys.readouterr().err
     assert "rollout.temperature (saved 0.9, now 1.0)" in err and "training.learning_rate" in err
     assert "training.max_steps" not in err.split("differ:")[1].split(";")[0]
     # what may change: how long, what is logged and evaluated, which kernels compute the tiles
-    assert main(["train", str(path), "--resume", "training.max_steps=3", "logging.sample_every=1",
-                 "eval.every=0", "training.save_total_limit=1", "cpu.compile=eager"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                str(path),
+                "--resume",
+                "training.max_steps=3",
+                "logging.sample_every=1",
+                "eval.every=0",
+                "training.save_total_limit=1",
+                "cpu.compile=eager",
+            ]
+        )
+        == 0
+    )
     assert [r["step"] for r in read_rows(run / "metrics.jsonl")] == [1, 2, 3]
     assert sorted(p.name for p in checkpoint.checkpoints(run)) == ["checkpoint-3", "final"]
 
 
-def test_sigterm_saves_a_checkpoint_and_the_resumed_run_is_exact(tmp_path, write_config, run_grpo, start_grpo, read_rows, train_to, assert_same_run):
-    overrides = ["training.max_steps=40", "training.save_steps=0", "eval.every=0", "eval.after=false"]
+def test_sigterm_saves_a_checkpoint_and_the_resumed_run_is_exact(
+    tmp_path, write_config, run_grpo, start_grpo, read_rows, train_to, assert_same_run
+):
+    overrides = [
+        "training.max_steps=40",
+        "training.save_steps=0",
+        "eval.every=0",
+        "eval.after=false",
+    ]
     path = write_config(tmp_path, "run", overrides)
     run = tmp_path / "run"
     process = start_grpo(["train", str(path)])
@@ -118,7 +162,9 @@ def test_sigterm_saves_a_checkpoint_and_the_resumed_run_is_exact(tmp_path, write
     assert process.exitcode == 143  # 128 + SIGTERM, as the README says
     (saved,) = checkpoint.checkpoints(run)
     step = int(saved.name.split("-")[1])
-    assert checkpoint.verify(saved) == "" and [r["step"] for r in read_rows(run / "metrics.jsonl")] == list(range(1, step + 1))
+    assert checkpoint.verify(saved) == "" and [
+        r["step"] for r in read_rows(run / "metrics.jsonl")
+    ] == list(range(1, step + 1))
     assert torch.load(saved / checkpoint.STATE, weights_only=True)["train"]["step"] == step
 
     assert run_grpo(["train", str(path), "--resume"]) == 0
@@ -127,7 +173,9 @@ def test_sigterm_saves_a_checkpoint_and_the_resumed_run_is_exact(tmp_path, write
 
 
 def test_a_second_signal_stops_at_once(tmp_path, write_config, start_grpo, read_rows):
-    path = write_config(tmp_path, "run", ["training.max_steps=50", "training.save_steps=0", "eval.every=0"])
+    path = write_config(
+        tmp_path, "run", ["training.max_steps=50", "training.save_steps=0", "eval.every=0"]
+    )
     data = yaml.safe_load(path.read_text())
     data["rewards"]["funcs"] = [f"{tmp_path / 'rewards.py'}:slow"]
     path.write_text(yaml.safe_dump(data))
@@ -154,19 +202,29 @@ def test_output_dir_that_is_a_file_is_a_clear_error(tmp_path, capsys, write_conf
     (tmp_path / "run").write_text("not a directory")
     assert main(["train", str(path)]) == 2
     assert "is a file, not a directory" in capsys.readouterr().err
-    with pytest.raises(config.ConfigError, match=r"output_dir: .* is a file, not a directory; set output_dir"):
+    with pytest.raises(
+        config.ConfigError, match=r"output_dir: .* is a file, not a directory; set output_dir"
+    ):
         runlog.check_output_dir(tmp_path / "run", overwrite=True)
 
 
-def test_a_run_stopped_before_its_first_checkpoint_is_simply_rerun(tmp_path, write_config, run_grpo, read_rows):
+def test_a_run_stopped_before_its_first_checkpoint_is_simply_rerun(
+    tmp_path, write_config, run_grpo, read_rows
+):
     path = write_config(tmp_path, "run", ["training.save_steps=3", "eval.every=0"])
     run = tmp_path / "run"
     assert run_grpo(["train", str(path)], kill_at="step:2") == -signal.SIGKILL
     assert read_rows(run / "metrics.jsonl") and not checkpoint.checkpoints(run)
-    assert run_grpo(["train", str(path)], kill_at="save:1") == -signal.SIGKILL  # rerun; killed mid-way through its first save
-    assert not checkpoint.checkpoints(run)  # the half-written one is hidden, never taken for a checkpoint
+    assert (
+        run_grpo(["train", str(path)], kill_at="save:1") == -signal.SIGKILL
+    )  # rerun; killed mid-way through its first save
+    assert not checkpoint.checkpoints(
+        run
+    )  # the half-written one is hidden, never taken for a checkpoint
     assert [p.name for p in run.iterdir() if p.name.startswith(".checkpoint-3.tmp-")]
-    assert run_grpo(["train", str(path), "training.max_steps=2"]) == 0  # no overwrite_output_dir needed
+    assert (
+        run_grpo(["train", str(path), "training.max_steps=2"]) == 0
+    )  # no overwrite_output_dir needed
     assert [p.name for p in run.iterdir() if p.name.startswith(".")] == [run_lock.LOCK]
     assert [r["step"] for r in read_rows(run / "metrics.jsonl")] == [1, 2]
 
@@ -178,7 +236,9 @@ def test_a_run_with_checkpoints_is_kept_unless_overwritten(tmp_path, capsys, tra
     assert "already holds a run (checkpoint-1/, checkpoint-2/, final/)" in err
     assert "--resume" in err and "overwrite_output_dir=true" in err
     assert main(["train", str(path), "overwrite_output_dir=true", "training.save_steps=0"]) == 0
-    assert [p.name for p in checkpoint.checkpoints(run)] == ["final"]  # the old run's checkpoints are gone
+    assert [p.name for p in checkpoint.checkpoints(run)] == [
+        "final"
+    ]  # the old run's checkpoints are gone
 
 
 def test_a_failed_start_writes_nothing(tmp_path, write_config):
@@ -191,14 +251,18 @@ def test_a_failed_start_writes_nothing(tmp_path, write_config):
 
 
 def test_resume_without_a_checkpoint_starts_from_step_0(tmp_path, capsys, write_config):
-    path = write_config(tmp_path, "run", ["training.max_steps=1", "eval.every=0", "eval.after=false"])
+    path = write_config(
+        tmp_path, "run", ["training.max_steps=1", "eval.every=0", "eval.after=false"]
+    )
     assert main(["train", str(path), "--resume"]) == 0
     assert "no checkpoint" in capsys.readouterr().err
     assert main(["train", str(path), "--resume", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
 
 
-def test_resuming_a_finished_run_neither_repeats_nor_loses_its_evaluations(tmp_path, read_rows, train_to):
+def test_resuming_a_finished_run_neither_repeats_nor_loses_its_evaluations(
+    tmp_path, read_rows, train_to
+):
     path, run = train_to(tmp_path, "run", ["training.max_steps=2", "eval.every=0"])
     labels = lambda: [(r["label"], r["step"]) for r in read_rows(run / "eval.jsonl")]  # noqa: E731
     assert labels() == [("after", 2), ("after", 2)]  # greedy and sampled
@@ -223,4 +287,6 @@ def test_a_checkpoint_with_the_earlier_cpu_keys_resumes():
     saved["rollout"]["decoding"] = "plain"
     assert checkpoint.config_differences(saved, now) == []
     saved["training"]["learning_rate"] = 0.5
-    assert [key for key, _, _ in checkpoint.config_differences(saved, now)] == ["training.learning_rate"]
+    assert [key for key, _, _ in checkpoint.config_differences(saved, now)] == [
+        "training.learning_rate"
+    ]

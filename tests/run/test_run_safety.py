@@ -61,30 +61,48 @@ class _WritesAFile:
 # ---------------------------------------------------------------- checkpoints safe to load
 
 
-def test_a_crafted_train_state_runs_no_code_and_is_refused_or_passed_over(tmp_path, capsys, caplog, read_rows, train_to):
+def test_a_crafted_train_state_runs_no_code_and_is_refused_or_passed_over(
+    tmp_path, capsys, caplog, read_rows, train_to
+):
     path, run = train_to(tmp_path, "run", SHORT)
     marker = tmp_path / "code-ran"
     # in final/: a torch.save archive whose pickle calls os.system; in checkpoint-3: a bare pickle
-    torch.save({"train": {"step": 3}, "payload": _WritesAFile(marker)}, run / "final" / checkpoint.STATE)
-    (run / "checkpoint-3" / checkpoint.STATE).write_bytes(pickle.dumps({"train": _WritesAFile(marker)}))
+    torch.save(
+        {"train": {"step": 3}, "payload": _WritesAFile(marker)}, run / "final" / checkpoint.STATE
+    )
+    (run / "checkpoint-3" / checkpoint.STATE).write_bytes(
+        pickle.dumps({"train": _WritesAFile(marker)})
+    )
     for name in ("final", "checkpoint-3"):
         _rewrite_manifest(run / name)
 
     # named explicitly: refused, saying why
     assert main(["train", str(path), "--resume", str(run / "final")]) == 2
     err = capsys.readouterr().err
-    assert "grpo: config error: --resume" in err and "train_state.pt was written by an older grpo whose train state " \
-        "needs unpickling arbitrary objects (posix.system); it cannot be loaded safely" in err
+    assert (
+        "grpo: config error: --resume" in err
+        and "train_state.pt was written by an older grpo whose train state "
+        "needs unpickling arbitrary objects (posix.system); it cannot be loaded safely"
+        in err
+    )
     assert main(["train", str(path), "--resume", str(run / "checkpoint-3")]) == 2
-    assert "train_state.pt is unreadable (not a file written by torch.save)" in capsys.readouterr().err
+    assert (
+        "train_state.pt is unreadable (not a file written by torch.save)" in capsys.readouterr().err
+    )
     assert not marker.exists()
 
     # --resume alone: both passed over with a warning, the run continues from checkpoint-2
     with caplog.at_level("WARNING"):
         assert main(["train", str(path), "--resume", "training.max_steps=4"]) == 0
     assert not marker.exists()
-    assert f"checkpoint {run / 'final'} cannot be loaded (train_state.pt was written by an older grpo" in caplog.text
-    assert f"checkpoint {run / 'checkpoint-3'} cannot be loaded (train_state.pt is unreadable" in caplog.text
+    assert (
+        f"checkpoint {run / 'final'} cannot be loaded (train_state.pt was written by an older grpo"
+        in caplog.text
+    )
+    assert (
+        f"checkpoint {run / 'checkpoint-3'} cannot be loaded (train_state.pt is unreadable"
+        in caplog.text
+    )
     assert f"resuming from {run / 'checkpoint-2'} instead" in caplog.text
     assert [r["step"] for r in read_rows(run / "metrics.jsonl")] == [1, 2, 3, 4]
     assert checkpoint.problem(run / "final") == ""
@@ -97,13 +115,23 @@ def test_a_train_state_that_needs_unpickling_numpy_is_refused_as_an_older_grpos(
     state["train"]["rng"]["numpy"] = numpy.random.get_state()  # as grpo wrote it before: an ndarray
     torch.save(state, run / "final" / checkpoint.STATE)
     _rewrite_manifest(run / "final")
-    with pytest.raises(ConfigError, match=r"older grpo .*numpy.*cannot be loaded safely: start afresh or resume "
-                                          r"with the grpo version that wrote it"):
+    with pytest.raises(
+        ConfigError,
+        match=r"older grpo .*numpy.*cannot be loaded safely: start afresh or resume "
+        r"with the grpo version that wrote it",
+    ):
         checkpoint.load_checkpoint(run / "final", config.load(path))
 
 
-def test_a_checkpoint_that_fails_to_load_is_passed_over_and_a_named_one_refused(tmp_path, capsys, caplog, run_grpo, train_to, assert_same_run):
-    overrides = ["training.max_steps=4", "training.save_steps=1", "eval.every=0", "eval.after=false"]
+def test_a_checkpoint_that_fails_to_load_is_passed_over_and_a_named_one_refused(
+    tmp_path, capsys, caplog, run_grpo, train_to, assert_same_run
+):
+    overrides = [
+        "training.max_steps=4",
+        "training.save_steps=1",
+        "eval.every=0",
+        "eval.after=false",
+    ]
     path, run = train_to(tmp_path, "run", overrides)
     # final/: train state cut short; checkpoint-4: weights cut short; checkpoint-3: a NaN weight
     state = (run / "final" / checkpoint.STATE).read_bytes()
@@ -119,7 +147,10 @@ def test_a_checkpoint_that_fails_to_load_is_passed_over_and_a_named_one_refused(
 
     assert "train_state.pt is unreadable" in checkpoint.problem(run / "final")
     assert "model.safetensors is unreadable" in checkpoint.problem(run / "checkpoint-4")
-    assert f"model.safetensors holds non-finite weights (NaN or infinity in {name})" == checkpoint.problem(run / "checkpoint-3")
+    assert (
+        f"model.safetensors holds non-finite weights (NaN or infinity in {name})"
+        == checkpoint.problem(run / "checkpoint-3")
+    )
     with caplog.at_level("WARNING"):
         assert checkpoint.latest_checkpoint(run) == run / "checkpoint-2"
     for bad in ("final", "checkpoint-4", "checkpoint-3"):
@@ -128,7 +159,10 @@ def test_a_checkpoint_that_fails_to_load_is_passed_over_and_a_named_one_refused(
     # named: refused with the file and the reason, before the model is loaded
     assert main(["train", str(path), "--resume", str(run / "checkpoint-3")]) == 2
     err = capsys.readouterr().err
-    assert f"--resume {run / 'checkpoint-3'}: cannot resume from it: model.safetensors holds non-finite weights" in err
+    assert (
+        f"--resume {run / 'checkpoint-3'}: cannot resume from it: model.safetensors holds non-finite weights"
+        in err
+    )
 
     # --resume alone: from checkpoint-2, and the run ends as the one never damaged
     assert run_grpo(["train", str(path), "--resume"]) == 0
@@ -185,12 +219,17 @@ def _wait_for(condition, what, timeout=60):
         time.sleep(0.01)
 
 
-def test_a_second_run_resume_or_overwrite_during_a_run_is_refused_naming_its_pid(tmp_path, write_config, read_rows):
+def test_a_second_run_resume_or_overwrite_during_a_run_is_refused_naming_its_pid(
+    tmp_path, write_config, read_rows
+):
     path = _gated_config(write_config, tmp_path, SHORT)
     run = tmp_path / "run"
     lock = run / run_lock.LOCK
     first = _start(["train", str(path)], tmp_path / "first.err")
-    _wait_for(lambda: lock.is_file() and lock.read_text().startswith(f"{first.pid} "), "the first run's lock")
+    _wait_for(
+        lambda: lock.is_file() and lock.read_text().startswith(f"{first.pid} "),
+        "the first run's lock",
+    )
 
     for n, extra in enumerate([[], ["--resume"], ["overwrite_output_dir=true"]]):
         err = tmp_path / f"second-{n}.err"
@@ -198,7 +237,9 @@ def test_a_second_run_resume_or_overwrite_during_a_run_is_refused_naming_its_pid
         second.join(60)
         assert second.exitcode == 2, (extra, err.read_text())
         message = err.read_text()
-        assert message.startswith("grpo: config error: output_dir: ") and message.count("\n") == 1, message
+        assert (
+            message.startswith("grpo: config error: output_dir: ") and message.count("\n") == 1
+        ), message
         assert f"is in use by another grpo run, process {first.pid}, which holds {lock}" in message
         assert first.is_alive()
 
@@ -207,8 +248,15 @@ def test_a_second_run_resume_or_overwrite_during_a_run_is_refused_naming_its_pid
     assert first.exitcode == 0, (tmp_path / "first.err").read_text()
     # the first run's results, as it wrote them alone
     assert [r["step"] for r in read_rows(run / "metrics.jsonl")] == [1, 2, 3]
-    assert [r["step"] for r in read_rows(run / "samples.jsonl")] == sorted(r["step"] for r in read_rows(run / "samples.jsonl"))
-    assert [p.name for p in checkpoint.checkpoints(run)] == ["checkpoint-1", "checkpoint-2", "checkpoint-3", "final"]
+    assert [r["step"] for r in read_rows(run / "samples.jsonl")] == sorted(
+        r["step"] for r in read_rows(run / "samples.jsonl")
+    )
+    assert [p.name for p in checkpoint.checkpoints(run)] == [
+        "checkpoint-1",
+        "checkpoint-2",
+        "checkpoint-3",
+        "final",
+    ]
     assert all(checkpoint.problem(p) == "" for p in checkpoint.checkpoints(run))
     # over: the directory is free again (a resume of the finished run is accepted)
     assert main(["train", str(path), "--resume"]) == 0
@@ -217,7 +265,9 @@ def test_a_second_run_resume_or_overwrite_during_a_run_is_refused_naming_its_pid
 def test_a_sigkilled_run_leaves_no_stale_lock(tmp_path, write_config, run_grpo, read_rows):
     path = write_config(tmp_path, "run", SHORT)
     run = tmp_path / "run"
-    assert run_grpo(["train", str(path)], kill_at="logged:2") == -signal.SIGKILL  # step 2 logged, checkpoint-1 saved
+    assert (
+        run_grpo(["train", str(path)], kill_at="logged:2") == -signal.SIGKILL
+    )  # step 2 logged, checkpoint-1 saved
     assert (run / run_lock.LOCK).is_file()  # the file stays; its lock died with the process
     assert [p.name for p in checkpoint.checkpoints(run)] == ["checkpoint-1"]
     assert run_grpo(["train", str(path), "--resume"]) == 0  # no manual unlock
@@ -226,7 +276,9 @@ def test_a_sigkilled_run_leaves_no_stale_lock(tmp_path, write_config, run_grpo, 
 
 def test_trainers_in_one_process_share_its_claim_and_a_failed_start_leaves_nothing(tmp_path):
     first = run_lock.claim(tmp_path / "a" / "b")
-    again = run_lock.claim(tmp_path / "a" / "b")  # e.g. GRPOTrainer's trainer replaced by one that resumes
+    again = run_lock.claim(
+        tmp_path / "a" / "b"
+    )  # e.g. GRPOTrainer's trainer replaced by one that resumes
     first.release()
     assert again.held
     again.abandon()  # the last: created here and holding only the lock file, the directories go
@@ -240,7 +292,9 @@ def test_trainers_in_one_process_share_its_claim_and_a_failed_start_leaves_nothi
 # ---------------------------------------------------------------- unwritable or full disks
 
 
-def test_an_unwritable_output_dir_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch, write_config):
+def test_an_unwritable_output_dir_is_refused_before_the_model_loads(
+    tmp_path, capsys, monkeypatch, write_config
+):
     path = write_config(tmp_path, "run", SHORT)
 
     def no_model(*args, **kwargs):
@@ -249,18 +303,27 @@ def test_an_unwritable_output_dir_is_refused_before_the_model_loads(tmp_path, ca
     monkeypatch.setattr("grpo.training.trainer.load_model_and_tokenizer", no_model)
     assert main(["train", str(path), "output_dir=/proc/no/such/dir"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("grpo: config error: output_dir: cannot write to /proc/no/such/dir (No such file or directory); "
-                          "set output_dir to a directory") and err.count("\n") == 1
+    assert (
+        err.startswith(
+            "grpo: config error: output_dir: cannot write to /proc/no/such/dir (No such file or directory); "
+            "set output_dir to a directory"
+        )
+        and err.count("\n") == 1
+    )
 
     def read_only(*args, **kwargs):
         raise OSError(errno.EROFS, "Read-only file system")
 
     monkeypatch.setattr("tempfile.mkstemp", read_only)
-    with pytest.raises(ConfigError, match=r"output_dir: cannot write to .*run \(Read-only file system\)"):
+    with pytest.raises(
+        ConfigError, match=r"output_dir: cannot write to .*run \(Read-only file system\)"
+    ):
         run_lock.claim(tmp_path / "run")
 
 
-def test_too_little_free_space_for_a_checkpoint_is_warned_at_start(tmp_path, monkeypatch, caplog, write_config):
+def test_too_little_free_space_for_a_checkpoint_is_warned_at_start(
+    tmp_path, monkeypatch, caplog, write_config
+):
     from grpo.training.trainer import Trainer
 
     path = write_config(tmp_path, "run", SHORT)
@@ -271,12 +334,21 @@ def test_too_little_free_space_for_a_checkpoint_is_warned_at_start(tmp_path, mon
     size = checkpoint.estimated_size(trainer.model)
     params = sum(p.numel() for p in trainer.model.parameters())
     assert size == 3 * 4 * params  # float32 weights, and AdamW's two moments of each
-    assert f"output_dir {tmp_path / 'run'} has 1000 B free, less than one checkpoint needs (about " \
-           f"{checkpoint.format_bytes(size)}" in caplog.text
+    assert (
+        f"output_dir {tmp_path / 'run'} has 1000 B free, less than one checkpoint needs (about "
+        f"{checkpoint.format_bytes(size)}" in caplog.text
+    )
 
 
-def test_a_full_disk_at_a_save_keeps_the_previous_checkpoint_and_says_so(tmp_path, capsys, monkeypatch, write_config, run_grpo, train_to, assert_same_run):
-    overrides = ["training.max_steps=3", "training.save_steps=1", "eval.every=0", "eval.after=false"]
+def test_a_full_disk_at_a_save_keeps_the_previous_checkpoint_and_says_so(
+    tmp_path, capsys, monkeypatch, write_config, run_grpo, train_to, assert_same_run
+):
+    overrides = [
+        "training.max_steps=3",
+        "training.save_steps=1",
+        "eval.every=0",
+        "eval.after=false",
+    ]
     path = write_config(tmp_path, "run", overrides)
     run = tmp_path / "run"
     real_save = torch.save
@@ -284,20 +356,35 @@ def test_a_full_disk_at_a_save_keeps_the_previous_checkpoint_and_says_so(tmp_pat
     def disk_full_at_step_2(obj, f, *args, **kwargs):
         if "checkpoint-2" in str(f):
             Path(f).write_bytes(b"half")  # a part written, then the disk is full
-            monkeypatch.setattr(shutil, "disk_usage", lambda p: namedtuple("Usage", "total used free")(1 << 30, 1 << 30, 0))
+            monkeypatch.setattr(
+                shutil,
+                "disk_usage",
+                lambda p: namedtuple("Usage", "total used free")(1 << 30, 1 << 30, 0),
+            )
             # torch.save's words for a write the disk refused
-            raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 1536 vs 1428")
+            raise RuntimeError(
+                "[enforce fail at inline_container.cc:664] . unexpected pos 1536 vs 1428"
+            )
         return real_save(obj, f, *args, **kwargs)
 
     monkeypatch.setattr(torch, "save", disk_full_at_step_2)
     assert main(["train", str(path)]) == 2
     err = capsys.readouterr().err
-    assert f"could not write {run / 'checkpoint-2'} ([enforce fail at inline_container.cc:664] . unexpected pos " in err
-    assert "the disk is full: 0 B free); the checkpoints before it (checkpoint-1) are intact: free space or point " \
-           "output_dir elsewhere, then resume with --resume" in err
+    assert (
+        f"could not write {run / 'checkpoint-2'} ([enforce fail at inline_container.cc:664] . unexpected pos "
+        in err
+    )
+    assert (
+        "the disk is full: 0 B free); the checkpoints before it (checkpoint-1) are intact: free space or point "
+        "output_dir elsewhere, then resume with --resume" in err
+    )
     assert err.count("\n") == 1  # one line, no traceback
-    assert not [p.name for p in run.iterdir() if p.name.startswith(".") and p.name != run_lock.LOCK]  # no half-written one
-    assert [p.name for p in checkpoint.checkpoints(run)] == ["checkpoint-1"] and checkpoint.problem(run / "checkpoint-1") == ""
+    assert not [
+        p.name for p in run.iterdir() if p.name.startswith(".") and p.name != run_lock.LOCK
+    ]  # no half-written one
+    assert [p.name for p in checkpoint.checkpoints(run)] == ["checkpoint-1"] and checkpoint.problem(
+        run / "checkpoint-1"
+    ) == ""
 
     monkeypatch.undo()  # space freed
     assert run_grpo(["train", str(path), "--resume"]) == 0
@@ -313,15 +400,22 @@ def test_a_failed_replacement_keeps_the_checkpoint_it_would_replace(tmp_path):
         (directory / "a").write_text("new, cut")
         raise OSError(errno.EDQUOT, "Disk quota exceeded")
 
-    with pytest.raises(checkpoint.SaveFailed, match=r"could not write .*final \(Disk quota exceeded; .* free\); the "
-                                                    r"checkpoints before it \(final\) are intact"):
+    with pytest.raises(
+        checkpoint.SaveFailed,
+        match=r"could not write .*final \(Disk quota exceeded; .* free\); the "
+        r"checkpoints before it \(final\) are intact",
+    ):
         checkpoint.atomic_directory_write(target, fails, step=2)
     assert (target / "a").read_text() == "old" and checkpoint.manifest_step(target) == 1
     with pytest.raises(checkpoint.SaveFailed, match=r"\(No space left on device; "):
-        checkpoint.atomic_directory_write(target, lambda d: _raise(OSError(errno.ENOSPC, "No space left on device")), step=2)
+        checkpoint.atomic_directory_write(
+            target, lambda d: _raise(OSError(errno.ENOSPC, "No space left on device")), step=2
+        )
     assert (target / "a").read_text() == "old" and checkpoint.manifest_step(target) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
-    with pytest.raises(ValueError, match="a bug"):  # not the disk: raised as it is, the temporary directory gone
+    with pytest.raises(
+        ValueError, match="a bug"
+    ):  # not the disk: raised as it is, the temporary directory gone
         checkpoint.atomic_directory_write(target, lambda d: _raise(ValueError("a bug")), step=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
 

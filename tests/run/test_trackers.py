@@ -28,7 +28,9 @@ def test_empty_report_to_imports_nothing_and_log_is_a_no_op(tmp_path):
         "             or m.startswith('torch.utils.tensorboard'))\n"
         "print('NEW', bad, bool(t))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
     assert "NEW [] False" in out
     assert not (tmp_path / "run").exists()  # nothing written either
 
@@ -72,7 +74,9 @@ def test_wandb_and_trackio_get_init_log_finish(tmp_path, monkeypatch, name):
     cfg = Config(output_dir=str(tmp_path / "my-run"))
     cfg.logging.report_to = [name]
     with Trackers.from_config(cfg) as trackers:
-        trackers.log({"step": 3, "reward": 0.5, "kl": float("nan"), "note": "text", "num_tokens": 12}, step=3)
+        trackers.log(
+            {"step": 3, "reward": 0.5, "kl": float("nan"), "note": "text", "num_tokens": 12}, step=3
+        )
     init, log, finish = fake.calls
     assert init[0] == "init" and init[1]["project"] == "grpo" and init[1]["name"] == "my-run"
     assert init[1]["config"]["logging"]["report_to"] == [name]
@@ -140,7 +144,13 @@ class _FakeTable:
 
 
 ROWS = [
-    {"step": 4, "prompt": [{"role": "user", "content": "2+2?"}], "completion": "4", "reward": 1.0, "correct": 1.0},
+    {
+        "step": 4,
+        "prompt": [{"role": "user", "content": "2+2?"}],
+        "completion": "4",
+        "reward": 1.0,
+        "correct": 1.0,
+    },
     {"step": 4, "prompt": "a|b", "completion": "x\ny", "reward": float("nan"), "correct": None},
 ]
 
@@ -154,11 +164,17 @@ def test_completions_go_to_wandb_and_trackio_as_a_table(tmp_path, monkeypatch, n
         trackers.log_completions(ROWS, step=4)
     _, (kind, logged, step), _ = fake.calls
     table = logged["completions"]
-    assert (kind, step, table.columns) == ("log", 4, ["step", "prompt", "completion", "reward", "correct"])
+    assert (kind, step, table.columns) == (
+        "log",
+        4,
+        ["step", "prompt", "completion", "reward", "correct"],
+    )
     assert table.data[0] == [4, "2+2?", "4", 1.0, 1.0]  # a chat prompt as its last message's text
     missing = table.data[1][3]
     assert table.data[1][:3] == [4, "a|b", "x\ny"]
-    assert missing is None or (name == "trackio" and missing != missing)  # no reward (a DataFrame holds it as NaN)
+    assert missing is None or (
+        name == "trackio" and missing != missing
+    )  # no reward (a DataFrame holds it as NaN)
 
 
 def test_a_tracker_without_a_table_type_is_said_once(tmp_path, monkeypatch, caplog):
@@ -194,12 +210,18 @@ def test_completions_go_to_tensorboard_as_markdown(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake_tb)
     with Trackers(["tensorboard"], tmp_path) as trackers:
         trackers.log_completions(ROWS, step=4)
-    assert texts == [("completions", (
-        "| step | prompt | completion | reward | correct |\n"
-        "|---|---|---|---|---|\n"
-        "| 4 | 2+2? | 4 | 1 | 1 |\n"
-        "| 4 | a\\|b | x<br>y |  |  |"
-    ), 4)]
+    assert texts == [
+        (
+            "completions",
+            (
+                "| step | prompt | completion | reward | correct |\n"
+                "|---|---|---|---|---|\n"
+                "| 4 | 2+2? | 4 | 1 | 1 |\n"
+                "| 4 | a\\|b | x<br>y |  |  |"
+            ),
+            4,
+        )
+    ]
 
 
 def test_run_log_samples_reach_the_tracker_every_sample_step(tmp_path, monkeypatch):
@@ -214,14 +236,30 @@ def test_run_log_samples_reach_the_tracker_every_sample_step(tmp_path, monkeypat
     run.start()
     run.start_training(0)
     prompts = ["p0", "p0", "p1", "p1"]
-    run.samples(2, prompts, ["a", "b", "c", "d"], [0.5, 0.0, 1.0, 1.0], group_size=2,
-                reward_columns={"correct": [0.0, 0.0, 1.0, 1.0], "reward": [0.5, 0.0, 0.0, 0.0]})
+    run.samples(
+        2,
+        prompts,
+        ["a", "b", "c", "d"],
+        [0.5, 0.0, 1.0, 1.0],
+        group_size=2,
+        reward_columns={"correct": [0.0, 0.0, 1.0, 1.0], "reward": [0.5, 0.0, 0.0, 0.0]},
+    )
     run.close()
     (table,) = [c[1]["completions"] for c in fake.calls if c[0] == "log"]
     assert table.columns == ["step", "prompt", "completion", "reward", "correct", "reward (reward)"]
-    assert table.data == [[2, "p0", "a", 0.5, 0.0, 0.5], [2, "p1", "c", 1.0, 1.0, 0.0]]  # one per group
+    assert table.data == [
+        [2, "p0", "a", 0.5, 0.0, 0.5],
+        [2, "p1", "c", 1.0, 1.0, 0.0],
+    ]  # one per group
     import json
 
-    lines = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
-    assert lines[1] == {"step": 2, "prompt": "p1", "completion": "c", "reward": 1.0,
-                        "rewards": {"correct": 1.0, "reward": 0.0}}
+    lines = [
+        json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()
+    ]
+    assert lines[1] == {
+        "step": 2,
+        "prompt": "p1",
+        "completion": "c",
+        "reward": 1.0,
+        "rewards": {"correct": 1.0, "reward": 0.0},
+    }

@@ -38,14 +38,22 @@ def sandbox_processes() -> list[str]:
             continue
         try:
             status = Path(entry.path, "status").read_text()
-            cmdline = Path(entry.path, "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            cmdline = (
+                Path(entry.path, "cmdline")
+                .read_bytes()
+                .replace(b"\0", b" ")
+                .decode(errors="replace")
+            )
         except OSError:
             continue
         uid = int(next(line.split()[1] for line in status.splitlines() if line.startswith("Uid:")))
         if "\nState:\tZ" in status:
             continue
         # this process's own sandbox uids (another process on the machine has other ones)
-        if run_module._uids.base <= uid < run_module._uids.base + run_module.UID_SLOTS or "grpo-hostile" in cmdline:
+        if (
+            run_module._uids.base <= uid < run_module._uids.base + run_module.UID_SLOTS
+            or "grpo-hostile" in cmdline
+        ):
             found.append(f"{entry.name} uid={uid} {cmdline[:120]}")
     return found
 
@@ -81,9 +89,11 @@ def test_stdin_is_given_or_closed():
 
 
 def test_program_can_use_its_working_directory_and_the_stdlib():
-    r = run("import json, math, collections, os\n"
-            "open('data.txt', 'w').write('x' * 1000)\n"
-            "print(os.getcwd(), len(open('data.txt').read()), math.factorial(5), json.dumps([1]))\n")
+    r = run(
+        "import json, math, collections, os\n"
+        "open('data.txt', 'w').write('x' * 1000)\n"
+        "print(os.getcwd(), len(open('data.txt').read()), math.factorial(5), json.dumps([1]))\n"
+    )
     assert r.status == "ok" and r.stdout == "/tmp 1000 120 [1]\n"
 
 
@@ -132,35 +142,53 @@ def test_cpu_limit_stops_a_busy_program_before_the_wall_clock():
 
 
 def test_ignoring_sigterm_does_not_help():
-    r = run(STARTED + "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-            "while True:\n    time.sleep(0.1)\n", timeout=1.5)
+    r = run(
+        STARTED + "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "while True:\n    time.sleep(0.1)\n",
+        timeout=1.5,
+    )
     assert r.status == "timeout" and "started" in r.stdout and r.duration < 4
 
 
 def test_fork_bomb_is_bounded():
-    r = run(STARTED + "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
-            timeout=2, processes=16)
+    r = run(
+        STARTED
+        + "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
+        timeout=2,
+        processes=16,
+    )
     assert r.status == "timeout" and "started" in r.stdout and r.duration < 6
 
 
 def test_fork_limit_is_felt_by_the_program():
-    r = run("import os, sys\nn = 0\ntry:\n    for _ in range(100):\n        if os.fork() == 0:\n"
-            "            import time; time.sleep(5); os._exit(0)\n        n += 1\nexcept OSError as e:\n"
-            "    print('refused after', n, type(e).__name__)\n    sys.exit(0)\n", timeout=5, processes=8)
+    r = run(
+        "import os, sys\nn = 0\ntry:\n    for _ in range(100):\n        if os.fork() == 0:\n"
+        "            import time; time.sleep(5); os._exit(0)\n        n += 1\nexcept OSError as e:\n"
+        "    print('refused after', n, type(e).__name__)\n    sys.exit(0)\n",
+        timeout=5,
+        processes=8,
+    )
     assert r.status == "ok" and r.stdout.startswith("refused after")
     assert int(r.stdout.split()[2]) < 8
 
 
 def test_thread_bomb_is_bounded():
-    r = run(STARTED + "import threading, time\nwhile True:\n"
-            "    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n", timeout=5, processes=16)
+    r = run(
+        STARTED + "import threading, time\nwhile True:\n"
+        "    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n",
+        timeout=5,
+        processes=16,
+    )
     assert r.status == "failed" and "started" in r.stdout and "can't start new thread" in r.stderr
 
 
 def test_memory_bomb_is_stopped():
     r = run(STARTED + "x = bytearray(4 << 30)\n", memory=256 << 20)
     assert r.status == "memory" and "started" in r.stdout
-    r = run(STARTED + "chunks = []\nwhile True:\n    chunks.append(bytearray(8 << 20))\n", memory=256 << 20)
+    r = run(
+        STARTED + "chunks = []\nwhile True:\n    chunks.append(bytearray(8 << 20))\n",
+        memory=256 << 20,
+    )
     assert r.status == "memory" and "started" in r.stdout
 
 
@@ -168,25 +196,41 @@ def test_memory_spread_over_processes_hits_the_cgroup_limit():
     if sandbox.cgroups.available() is None:
         pytest.skip("cgroups are not writable here")
     # each process stays under the address-space limit; together they exceed the cgroup's
-    r = run(STARTED + "import os, time\nfor _ in range(5):\n    if os.fork() == 0:\n        break\n"
-            "x = bytearray(150 << 20)\nfor i in range(0, len(x), 4096):\n    x[i] = 1\ntime.sleep(3)\n",
-            memory=256 << 20, timeout=8)
+    r = run(
+        STARTED + "import os, time\nfor _ in range(5):\n    if os.fork() == 0:\n        break\n"
+        "x = bytearray(150 << 20)\nfor i in range(0, len(x), 4096):\n    x[i] = 1\ntime.sleep(3)\n",
+        memory=256 << 20,
+        timeout=8,
+    )
     assert r.status == "memory" and "started" in r.stdout
 
 
 def test_output_flood_is_cut_quickly():
-    r = run(STARTED + "import sys\nblock = 'x' * (1 << 20)\nfor _ in range(4096):\n    sys.stdout.write(block)\n",
-            timeout=30, output=1 << 20)
+    r = run(
+        STARTED
+        + "import sys\nblock = 'x' * (1 << 20)\nfor _ in range(4096):\n    sys.stdout.write(block)\n",
+        timeout=30,
+        output=1 << 20,
+    )
     assert r.status == "output_limit" and r.truncated and r.stdout.startswith("started")
     assert len(r.stdout) == 1 << 20 and r.duration < 10
 
 
 def test_disk_fill_is_bounded():
-    r = run(STARTED + "block = b'x' * (1 << 20)\nwith open('fill', 'wb') as f:\n    while True:\n        f.write(block)\n",
-            disk=32 << 20, file_size=1 << 30, timeout=10)
+    r = run(
+        STARTED
+        + "block = b'x' * (1 << 20)\nwith open('fill', 'wb') as f:\n    while True:\n        f.write(block)\n",
+        disk=32 << 20,
+        file_size=1 << 30,
+        timeout=10,
+    )
     assert r.status == "output_limit" and "started" in r.stdout
-    r = run(STARTED + "block = b'x' * (1 << 20)\nwith open('big', 'wb') as f:\n    while True:\n        f.write(block)\n",
-            file_size=4 << 20, timeout=10)
+    r = run(
+        STARTED
+        + "block = b'x' * (1 << 20)\nwith open('big', 'wb') as f:\n    while True:\n        f.write(block)\n",
+        file_size=4 << 20,
+        timeout=10,
+    )
     assert r.status == "output_limit" and "started" in r.stdout
 
 
@@ -197,11 +241,13 @@ def test_network_is_unreachable(tmp_path):
     server.settimeout(0.5)
     port = server.getsockname()[1]
     try:
-        r = run(STARTED + "import socket\ntry:\n"
-                f"    socket.create_connection(('127.0.0.1', {port}), timeout=2)\n    print('connected')\n"
-                "except OSError as e:\n    print('refused', type(e).__name__)\n"
-                "try:\n    socket.create_connection(('1.1.1.1', 53), timeout=2)\n    print('internet')\n"
-                "except OSError as e:\n    print('no internet', type(e).__name__)\n")
+        r = run(
+            STARTED + "import socket\ntry:\n"
+            f"    socket.create_connection(('127.0.0.1', {port}), timeout=2)\n    print('connected')\n"
+            "except OSError as e:\n    print('refused', type(e).__name__)\n"
+            "try:\n    socket.create_connection(('1.1.1.1', 53), timeout=2)\n    print('internet')\n"
+            "except OSError as e:\n    print('no internet', type(e).__name__)\n"
+        )
         with pytest.raises(socket.timeout):
             server.accept()
     finally:
@@ -213,10 +259,19 @@ def test_network_is_unreachable(tmp_path):
 def test_writes_outside_its_directory_fail(tmp_path):
     target = tmp_path / "escaped"
     checkout_file = Path(__file__).resolve().parent / "escaped_from_sandbox"
-    paths = [str(target), str(checkout_file), "/usr/escaped", "/etc/escaped", "/sandbox/main.py", "/escaped"]
-    r = run(STARTED + f"paths = {paths!r}\n"
-            "for p in paths:\n    try:\n        open(p, 'w').write('x')\n        print('WROTE', p)\n"
-            "    except OSError as e:\n        print('denied', p, type(e).__name__)\n")
+    paths = [
+        str(target),
+        str(checkout_file),
+        "/usr/escaped",
+        "/etc/escaped",
+        "/sandbox/main.py",
+        "/escaped",
+    ]
+    r = run(
+        STARTED + f"paths = {paths!r}\n"
+        "for p in paths:\n    try:\n        open(p, 'w').write('x')\n        print('WROTE', p)\n"
+        "    except OSError as e:\n        print('denied', p, type(e).__name__)\n"
+    )
     assert r.status == "ok" and "started" in r.stdout and "WROTE" not in r.stdout
     assert r.stdout.count("denied") == len(paths)
     assert not target.exists() and not checkout_file.exists() and not Path("/usr/escaped").exists()
@@ -224,38 +279,49 @@ def test_writes_outside_its_directory_fail(tmp_path):
 
 def test_host_files_are_not_visible():
     here = str(Path(__file__).resolve())
-    r = run(STARTED + f"import os\nfor p in [{here!r}, '/root', '/etc/passwd', '/home', '/work']:\n"
-            "    print(p, os.path.exists(p))\n")
+    r = run(
+        STARTED + f"import os\nfor p in [{here!r}, '/root', '/etc/passwd', '/home', '/work']:\n"
+        "    print(p, os.path.exists(p))\n"
+    )
     assert r.status == "ok" and "True" not in r.stdout and r.stdout.count("False") == 5
 
 
 def test_parent_environment_is_not_readable(monkeypatch):
     secret = secrets.token_hex(16)
     monkeypatch.setenv("GRPO_TEST_SECRET", secret)
-    r = run(STARTED + "import os\nprint(dict(os.environ))\n"
-            f"for pid in ['1', str(os.getppid()), 'self', '{os.getpid()}']:\n"
-            "    try:\n        print(open(f'/proc/{pid}/environ', 'rb').read())\n"
-            "    except OSError as e:\n        print(pid, type(e).__name__)\n")
+    r = run(
+        STARTED + "import os\nprint(dict(os.environ))\n"
+        f"for pid in ['1', str(os.getppid()), 'self', '{os.getpid()}']:\n"
+        "    try:\n        print(open(f'/proc/{pid}/environ', 'rb').read())\n"
+        "    except OSError as e:\n        print(pid, type(e).__name__)\n"
+    )
     assert r.status == "ok" and "started" in r.stdout
     assert secret not in r.stdout and "GRPO_TEST_SECRET" not in r.stdout
 
 
 def test_killing_its_parent_leaves_the_test_process_alive():
-    r = run(STARTED + "import os, signal\n"
-            f"for pid in [os.getppid(), {os.getpid()}, {os.getppid()}, -1]:\n"
-            "    try:\n        os.kill(pid, signal.SIGKILL)\n        print('sent', pid)\n"
-            "    except OSError as e:\n        print('could not', pid, type(e).__name__)\n")
+    r = run(
+        STARTED + "import os, signal\n"
+        f"for pid in [os.getppid(), {os.getpid()}, {os.getppid()}, -1]:\n"
+        "    try:\n        os.kill(pid, signal.SIGKILL)\n        print('sent', pid)\n"
+        "    except OSError as e:\n        print('could not', pid, type(e).__name__)\n"
+    )
     assert "started" in r.stdout
-    assert r.status in ("ok", "crashed")  # kill(-1) may take the program itself down with its siblings
+    assert r.status in (
+        "ok",
+        "crashed",
+    )  # kill(-1) may take the program itself down with its siblings
     assert run("print(1)").stdout == "1\n"  # this process, and the sandbox, carry on
 
 
 def test_daemon_does_not_survive():
     marker = f"grpo-hostile-{secrets.token_hex(4)}"
-    r = run(STARTED + "import os, sys, time\nr, w = os.pipe()\nif os.fork() == 0:\n    os.setsid()\n"
-            "    if os.fork() == 0:\n        os.write(w, b'up')\n"
-            f"        os.execv('/bin/sleep', ['{marker}', '60'])\n    os._exit(0)\n"
-            "print('daemon', os.read(r, 2).decode(), flush=True)\n")
+    r = run(
+        STARTED + "import os, sys, time\nr, w = os.pipe()\nif os.fork() == 0:\n    os.setsid()\n"
+        "    if os.fork() == 0:\n        os.write(w, b'up')\n"
+        f"        os.execv('/bin/sleep', ['{marker}', '60'])\n    os._exit(0)\n"
+        "print('daemon', os.read(r, 2).decode(), flush=True)\n"
+    )
     assert r.status == "ok" and "daemon up" in r.stdout
     time.sleep(0.1)
     assert not [p for p in sandbox_processes() if marker in p]
@@ -357,20 +423,41 @@ def probe(template: str) -> dict:
 def test_programs_cannot_create_user_namespaces():
     found = probe(NAMESPACE_PROBE)
     tool_status, tool_error = found.pop("unshare_tool")
-    assert found == {"unshare_user": "EPERM", "unshare_user_mount": "EPERM", "unshare_net": "EPERM",
-                     "clone_user": "EPERM", "clone_net": "EPERM", "clone3_user": "ENOSYS", "setns": "EPERM",
-                     "mount_tmpfs": "EPERM"}
+    assert found == {
+        "unshare_user": "EPERM",
+        "unshare_user_mount": "EPERM",
+        "unshare_net": "EPERM",
+        "clone_user": "EPERM",
+        "clone_net": "EPERM",
+        "clone3_user": "ENOSYS",
+        "setns": "EPERM",
+        "mount_tmpfs": "EPERM",
+    }
     assert tool_status != 0 and "Operation not permitted" in tool_error
 
 
 @needs_filter
 def test_programs_cannot_reach_io_uring_bpf_perf_userfaultfd_or_the_keyring():
-    names = ("io_uring_setup", "io_uring_enter", "io_uring_register", "bpf", "perf_event_open", "userfaultfd",
-             "keyctl", "add_key", "request_key", "ptrace", "process_vm_readv", "personality")
+    names = (
+        "io_uring_setup",
+        "io_uring_enter",
+        "io_uring_register",
+        "bpf",
+        "perf_event_open",
+        "userfaultfd",
+        "keyctl",
+        "add_key",
+        "request_key",
+        "ptrace",
+        "process_vm_readv",
+        "personality",
+    )
     assert probe(SURFACE_PROBE) == {name: "EPERM" for name in names}
-    r = run("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
-            "if libc.mount(b'none', b'/tmp', b'tmpfs', 0, None) != 0:\n"
-            "    e = ctypes.get_errno()\n    raise OSError(e, os.strerror(e))\n")
+    r = run(
+        "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "if libc.mount(b'none', b'/tmp', b'tmpfs', 0, None) != 0:\n"
+        "    e = ctypes.get_errno()\n    raise OSError(e, os.strerror(e))\n"
+    )
     assert r.status == "failed" and "PermissionError: [Errno 1] Operation not permitted" in r.stderr
 
 
@@ -380,9 +467,17 @@ def test_probes_reach_the_kernel_without_the_filter(monkeypatch):
     # are the filter's)
     monkeypatch.setattr(run_module, "_seccomp_filter", lambda: None)
     found = probe(SURFACE_PROBE)
-    expected = {"io_uring_enter": "EBADF", "io_uring_register": "EBADF", "perf_event_open": "EFAULT",
-                "keyctl": errno.errorcode[errno.EOPNOTSUPP], "add_key": "EFAULT", "request_key": "EFAULT",
-                "ptrace": "ESRCH", "process_vm_readv": "EINVAL", "personality": "ok"}
+    expected = {
+        "io_uring_enter": "EBADF",
+        "io_uring_register": "EBADF",
+        "perf_event_open": "EFAULT",
+        "keyctl": errno.errorcode[errno.EOPNOTSUPP],
+        "add_key": "EFAULT",
+        "request_key": "EFAULT",
+        "ptrace": "ESRCH",
+        "process_vm_readv": "EINVAL",
+        "personality": "ok",
+    }
     assert {name: found[name] for name in expected} == expected
 
 
@@ -394,7 +489,10 @@ def test_userns_ban_holds_without_the_filter(monkeypatch):
     found = probe(NAMESPACE_PROBE)
     # the kernel's answer once the sandbox's user namespace may hold no more of them
     assert (found["unshare_user"], found["clone_user"], found["clone3_user"]) == ("ENOSPC",) * 3
-    assert "ok" not in [v for k, v in found.items() if k != "unshare_tool"] and found["unshare_tool"][0] != 0
+    assert (
+        "ok" not in [v for k, v in found.items() if k != "unshare_tool"]
+        and found["unshare_tool"][0] != 0
+    )
 
 
 @needs_filter
@@ -407,8 +505,17 @@ def test_filter_alone_denies_user_namespaces(monkeypatch, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="grpo.sandbox.runner"):
         assert run_module._userns_ban(str(old)) is False
         assert run_module._userns_ban(str(old)) is False
-    assert len([r for r in caplog.records if "cannot ban user namespaces" in r.message
-                and "the seccomp filter alone denies" in r.message]) == 1
+    assert (
+        len(
+            [
+                r
+                for r in caplog.records
+                if "cannot ban user namespaces" in r.message
+                and "the seccomp filter alone denies" in r.message
+            ]
+        )
+        == 1
+    )
     run_module._warned.discard("userns")
     monkeypatch.setattr(run_module, "bwrap_path", lambda: str(old))
     cmd = run_module._bwrap(Limits(), "/usr/bin/python3", 3, 4, 5)
@@ -417,32 +524,43 @@ def test_filter_alone_denies_user_namespaces(monkeypatch, tmp_path, caplog):
     monkeypatch.setattr(run_module, "_userns_ban", lambda bwrap: False)
     found = probe(NAMESPACE_PROBE)
     assert (found["unshare_user"], found["clone_user"], found["clone3_user"], found["setns"]) == (
-        "EPERM", "EPERM", "ENOSYS", "EPERM")
+        "EPERM",
+        "EPERM",
+        "ENOSYS",
+        "EPERM",
+    )
 
 
 @needs_filter
 def test_ordinary_programs_still_work_under_the_filter():
-    r = run("import concurrent.futures, multiprocessing, os, subprocess, threading\n"
-            "print(open('/proc/self/status').read().split('Seccomp:')[1].split()[0])\n"
-            "done = []\nt = threading.Thread(target=done.append, args=(1,))\nt.start()\nt.join()\n"
-            "print('thread', done)\n"
-            "print('subprocess', subprocess.run(['/usr/bin/true']).returncode,\n"
-            "      subprocess.run(['/usr/bin/echo', 'hi'], capture_output=True, text=True).stdout.strip())\n"
-            "pid = os.posix_spawn('/usr/bin/true', ['true'], {})\n"
-            "print('posix_spawn', os.waitpid(pid, 0)[1])\n"
-            "def square(x):\n    return x * x\n"
-            "with multiprocessing.get_context('fork').Pool(2) as pool:\n"
-            "    print('pool', pool.map(square, range(4)))\n"
-            "with concurrent.futures.ThreadPoolExecutor(2) as ex:\n"
-            "    print('threads', list(ex.map(square, range(3))))\n",
-            timeout=20)
+    r = run(
+        "import concurrent.futures, multiprocessing, os, subprocess, threading\n"
+        "print(open('/proc/self/status').read().split('Seccomp:')[1].split()[0])\n"
+        "done = []\nt = threading.Thread(target=done.append, args=(1,))\nt.start()\nt.join()\n"
+        "print('thread', done)\n"
+        "print('subprocess', subprocess.run(['/usr/bin/true']).returncode,\n"
+        "      subprocess.run(['/usr/bin/echo', 'hi'], capture_output=True, text=True).stdout.strip())\n"
+        "pid = os.posix_spawn('/usr/bin/true', ['true'], {})\n"
+        "print('posix_spawn', os.waitpid(pid, 0)[1])\n"
+        "def square(x):\n    return x * x\n"
+        "with multiprocessing.get_context('fork').Pool(2) as pool:\n"
+        "    print('pool', pool.map(square, range(4)))\n"
+        "with concurrent.futures.ThreadPoolExecutor(2) as ex:\n"
+        "    print('threads', list(ex.map(square, range(3))))\n",
+        timeout=20,
+    )
     assert r.status == "ok", r.stderr
-    assert r.stdout == "2\nthread [1]\nsubprocess 0 hi\nposix_spawn 0\npool [0, 1, 4, 9]\nthreads [0, 1, 4]\n"
+    assert (
+        r.stdout
+        == "2\nthread [1]\nsubprocess 0 hi\nposix_spawn 0\npool [0, 1, 4, 9]\nthreads [0, 1, 4]\n"
+    )
 
 
 @pytest.mark.skipif(ARCH != "x86_64", reason="the x32 ABI is x86_64's")
 def test_other_abis_are_killed():
-    r = run(STARTED + "import ctypes\nctypes.CDLL(None).syscall(0x40000000 | 39)\nprint('survived')\n")
+    r = run(
+        STARTED + "import ctypes\nctypes.CDLL(None).syscall(0x40000000 | 39)\nprint('survived')\n"
+    )
     assert r.status == "crashed" and r.signal == signal.SIGSYS and r.stdout == "started\n"
 
 
@@ -453,8 +571,12 @@ def test_without_a_filter_the_sandbox_says_so_and_runs(monkeypatch, caplog):
         results = [run("print(1)"), run("print(2)")]
     run_module._warned.discard("seccomp")
     assert [r.stdout for r in results] == ["1\n", "2\n"]
-    assert len([r for r in caplog.records if "no seccomp filter for this machine" in r.message]) == 1
-    monkeypatch.setattr(seccomp.os, "uname", lambda: os.uname_result(("Linux", "h", "6", "1", "riscv64")))
+    assert (
+        len([r for r in caplog.records if "no seccomp filter for this machine" in r.message]) == 1
+    )
+    monkeypatch.setattr(
+        seccomp.os, "uname", lambda: os.uname_result(("Linux", "h", "6", "1", "riscv64"))
+    )
     assert seccomp.machine() is None
 
 
@@ -466,7 +588,9 @@ ALLOW, KILL, EPERM, ENOSYS = 0x7FFF0000, 0x80000000, 0x50000 | errno.EPERM, 0x50
 def run_filter(program: bytes, nr: int, arch: int, arg0: int = 0) -> int:
     data = struct.pack("<iIQ6Q", nr, arch, 0x400000, arg0, 0, 0, 0, 0, 0)
     pc, acc = 0, 0
-    for _ in range(len(program) // 8):  # no loops in classic BPF: each instruction runs at most once
+    for _ in range(
+        len(program) // 8
+    ):  # no loops in classic BPF: each instruction runs at most once
         code, jt, jf, k = struct.unpack_from("<HBBI", program, 8 * pc)
         if code == 0x20:  # ld [k]
             acc = struct.unpack_from("<I", data, k)[0]
@@ -481,10 +605,33 @@ def run_filter(program: bytes, nr: int, arch: int, arg0: int = 0) -> int:
     raise AssertionError("ran off the end of the filter")
 
 
-MUST_DENY = {"io_uring_setup", "io_uring_enter", "io_uring_register", "bpf", "perf_event_open",
-             "userfaultfd", "keyctl", "add_key", "request_key", "unshare", "setns", "mount", "umount2",
-             "pivot_root", "fsopen", "fsmount", "move_mount", "open_tree", "open_by_handle_at", "init_module",
-             "finit_module", "kexec_load", "ptrace", "process_vm_readv", "process_vm_writev"}
+MUST_DENY = {
+    "io_uring_setup",
+    "io_uring_enter",
+    "io_uring_register",
+    "bpf",
+    "perf_event_open",
+    "userfaultfd",
+    "keyctl",
+    "add_key",
+    "request_key",
+    "unshare",
+    "setns",
+    "mount",
+    "umount2",
+    "pivot_root",
+    "fsopen",
+    "fsmount",
+    "move_mount",
+    "open_tree",
+    "open_by_handle_at",
+    "init_module",
+    "finit_module",
+    "kexec_load",
+    "ptrace",
+    "process_vm_readv",
+    "process_vm_writev",
+}
 
 
 @pytest.mark.parametrize("arch", sorted(AUDIT))
@@ -512,24 +659,34 @@ def test_seccomp_filter_encodes_the_policy(arch):
         assert run_filter(program, 0x40000000 | numbers["io_uring_setup"], AUDIT[arch]) == KILL
         assert run_filter(program, -1, AUDIT[arch]) == ALLOW  # no call: the kernel answers ENOSYS
     if ARCH is not None:
-        assert seccomp.program() == seccomp.build(ARCH) and seccomp.program() is seccomp.program()  # built once
+        assert (
+            seccomp.program() == seccomp.build(ARCH) and seccomp.program() is seccomp.program()
+        )  # built once
 
 
 def test_seccomp_syscall_numbers_match_the_c_headers():
-    headers = {"x86_64": ["/usr/include/x86_64-linux-gnu/asm/unistd_64.h", "/usr/include/asm/unistd_64.h"],
-               "aarch64": ["/usr/include/asm-generic/unistd.h"]}
-    assert set(seccomp.DENIED) <= set(seccomp.SYSCALLS["x86_64"])  # every name spelt as the kernel does
+    headers = {
+        "x86_64": ["/usr/include/x86_64-linux-gnu/asm/unistd_64.h", "/usr/include/asm/unistd_64.h"],
+        "aarch64": ["/usr/include/asm-generic/unistd.h"],
+    }
+    assert set(seccomp.DENIED) <= set(
+        seccomp.SYSCALLS["x86_64"]
+    )  # every name spelt as the kernel does
     checked = 0
     for arch, paths in headers.items():
         path = next((p for p in paths if os.path.exists(p)), None)
         if path is None:
             continue
         text = Path(path).read_text()
-        defined = {m[1]: int(m[2]) for m in re.finditer(r"^#define __NR_(\w+)\s+(\d+)\s*$", text, re.M)}
+        defined = {
+            m[1]: int(m[2]) for m in re.finditer(r"^#define __NR_(\w+)\s+(\d+)\s*$", text, re.M)
+        }
         table = seccomp.SYSCALLS[arch]
         common = set(table) & set(defined)
         assert {name: table[name] for name in common} == {name: defined[name] for name in common}
-        assert len(common) >= len(table) - 3, sorted(set(table) - common)  # only calls newer than the headers
+        assert len(common) >= len(table) - 3, sorted(
+            set(table) - common
+        )  # only calls newer than the headers
         checked += 1
     if not checked:
         pytest.skip("no kernel headers here (apt-get install -y linux-libc-dev)")
@@ -560,15 +717,19 @@ def test_process_mode_warns_once_and_still_bounds(caplog):
         loop = run(STARTED + "while True:\n    pass\n", isolation="process", timeout=1)
     assert ok.status == "ok" and ok.stdout == "hi\n"
     assert loop.status == "timeout" and "started" in loop.stdout
-    warnings = [r for r in caplog.records if "WITHOUT filesystem, network or PID isolation" in r.message]
+    warnings = [
+        r for r in caplog.records if "WITHOUT filesystem, network or PID isolation" in r.message
+    ]
     assert len(warnings) == 1
 
 
 def test_process_mode_leaves_no_daemon_behind():
     marker = f"grpo-hostile-{secrets.token_hex(4)}"
-    r = run("import os\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
-            f"        os.execv('/bin/sleep', ['{marker}', '60'])\n    os._exit(0)\nprint('forked')\n",
-            isolation="process")
+    r = run(
+        "import os\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+        f"        os.execv('/bin/sleep', ['{marker}', '60'])\n    os._exit(0)\nprint('forked')\n",
+        isolation="process",
+    )
     assert r.status == "ok"
     time.sleep(0.1)
     assert not [p for p in sandbox_processes() if marker in p]

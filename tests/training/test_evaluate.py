@@ -47,12 +47,20 @@ def test_answer_scorer_counts_exactly():
         "",  # nothing
     ]
     scores = AnswerScorer().score(rows, texts)
-    assert scores.counts == {"correct": (4, 8), "formatted": (6, 8), "correct among formatted": (4, 6)}
+    assert scores.counts == {
+        "correct": (4, 8),
+        "formatted": (6, 8),
+        "correct among formatted": (4, 6),
+    }
     assert [d["predicted"] for d in scores.details] == [127, -5, 1000, None, 41, 8, 12, None]
 
 
 def test_answer_scorer_answer_column_forms():
-    rows = [{"prompt": "a", "answer": "127"}, {"prompt": "b", "answer": "-3"}, {"prompt": "c", "answer": 5.0}]
+    rows = [
+        {"prompt": "a", "answer": "127"},
+        {"prompt": "b", "answer": "-3"},
+        {"prompt": "c", "answer": 5.0},
+    ]
     scores = AnswerScorer().score(rows, ["Answer: 127", "Answer: -3", "Answer: 6"])
     assert (scores.counts["correct"][0], scores.counts["formatted"][0]) == (2, 3)
     # chat-style completions are read as their text
@@ -115,8 +123,13 @@ class ScriptedEngine:
             comp[r, : len(i)] = torch.tensor(i)
             mask[r, : len(i)] = 1
         n = len(prompts)
-        return Rollout(torch.zeros(n, 1, dtype=torch.long), torch.ones(n, 1, dtype=torch.long), comp, mask,
-                       torch.zeros(n, dtype=torch.bool))
+        return Rollout(
+            torch.zeros(n, 1, dtype=torch.long),
+            torch.ones(n, 1, dtype=torch.long),
+            comp,
+            mask,
+            torch.zeros(n, dtype=torch.bool),
+        )
 
 
 class Counter:
@@ -130,25 +143,49 @@ class Counter:
 def test_evaluate_scores_scripted_completions(tokenizer):
     """The engine replaced by a script: the counts, mean reward and samples follow from the texts."""
     rows = _rows([127, -5, 1000, 3, 42])
-    script = {"Q0=": "Answer: 127", "Q1=": "Answer: 1\nAnswer: -5", "Q2=": "Answer: 1,000",
-              "Q3=": "three", "Q4=": "Answer: 41"}
+    script = {
+        "Q0=": "Answer: 127",
+        "Q1=": "Answer: 1\nAnswer: -5",
+        "Q2=": "Answer: 1,000",
+        "Q3=": "three",
+        "Q4=": "Answer: 41",
+    }
     engine, progress = ScriptedEngine(tokenizer, script), Counter()
-    results = evaluate(engine, tokenizer, rows, label="before", step=0, progress=progress, **_kwargs(temperatures=[0.0]))
+    results = evaluate(
+        engine,
+        tokenizer,
+        rows,
+        label="before",
+        step=0,
+        progress=progress,
+        **_kwargs(temperatures=[0.0]),
+    )
     (r,) = results
     assert (r.label, r.step, r.temperature, r.n) == ("before", 0, 0.0, 5)
     assert (r.correct, r.formatted, r.counts["correct among formatted"]) == (3, 4, [3, 4])
     assert r.mean_reward == pytest.approx(3 / 5)
     assert r.clipped_ratio == 0.0
-    assert r.samples[0] == {"prompt": "Q0=", "completion": "Answer: 127", "answer": 127, "predicted": 127, "correct": True}
+    assert r.samples[0] == {
+        "prompt": "Q0=",
+        "completion": "Answer: 127",
+        "answer": 127,
+        "predicted": 127,
+        "correct": True,
+    }
     assert progress.n == engine.calls == 2  # batches of 3: the progress bar hears of each
 
     # with a reward set, mean_reward is the weighted total of the configured rewards, and each has its mean
     rewards = RewardSet.from_config(
-        RewardsConfig(funcs=["arithmetic_correct", "arithmetic_format"], weights=[1.0, 0.5]), 16, {"answer"}
+        RewardsConfig(funcs=["arithmetic_correct", "arithmetic_format"], weights=[1.0, 0.5]),
+        16,
+        {"answer"},
     )
     (r,) = evaluate(engine, tokenizer, rows, reward_set=rewards, **_kwargs(temperatures=[0.0]))
     assert r.mean_reward == pytest.approx((3 * 1.0 + 4 * 0.5) / 5)
-    assert r.rewards == {"arithmetic_correct": pytest.approx(0.6), "arithmetic_format": pytest.approx(0.8)}
+    assert r.rewards == {
+        "arithmetic_correct": pytest.approx(0.6),
+        "arithmetic_format": pytest.approx(0.8),
+    }
     again = EvalResult.from_dict(json.loads(json.dumps(r.to_dict())))
     assert again == r and again.correct == 3
 
@@ -161,7 +198,13 @@ def test_rows_without_answers_are_scored_by_their_rewards(tokenizer):
         return [1.0 if len(c) < 10 else 0.0 for c in completions]
 
     rewards = RewardSet.from_config(RewardsConfig(funcs=[]), 16, {"topic"}, {"brevity": brevity})
-    (r,) = evaluate(engine, tokenizer, rows, reward_set=rewards, **_kwargs(scorer=RewardScorer(), temperatures=[0.0]))
+    (r,) = evaluate(
+        engine,
+        tokenizer,
+        rows,
+        reward_set=rewards,
+        **_kwargs(scorer=RewardScorer(), temperatures=[0.0]),
+    )
     assert r.counts == {} and r.mean_reward == 0.5 and r.rewards == {"brevity": 0.5}
     assert r.accuracy == 0.5  # the mean reward stands in for accuracy
     table = format_table([r])
@@ -201,7 +244,9 @@ def test_evaluator_uses_config(model, tokenizer, tmp_path):
     cfg.eval.temperatures = [0.0]
     cfg.eval.max_completion_length = 4
     cfg.data.chat_template = "never"
-    evaluator = Evaluator(cfg, _engine(model, tokenizer), tokenizer, _rows([1, 2, 3, 4, 5]), AnswerScorer())
+    evaluator = Evaluator(
+        cfg, _engine(model, tokenizer), tokenizer, _rows([1, 2, 3, 4, 5]), AnswerScorer()
+    )
     assert evaluator.max_new_tokens == 4 and len(evaluator.rows) == 3 and evaluator.num_batches == 1
     before = evaluator("before", 0)
     after = evaluator("after", 10)
@@ -209,14 +254,31 @@ def test_evaluator_uses_config(model, tokenizer, tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
     assert [(x["label"], x["step"], x["n"]) for x in lines] == [("before", 0, 3), ("after", 10, 3)]
     assert before[0].correct == lines[0]["counts"]["correct"][0] and after[0].n == 3
-    assert eval_results.latest(eval_results.read_results(tmp_path / "run" / "eval.jsonl"), "after")[0].step == 10
+    assert (
+        eval_results.latest(eval_results.read_results(tmp_path / "run" / "eval.jsonl"), "after")[
+            0
+        ].step
+        == 10
+    )
 
 
 def test_eval_jsonl_of_earlier_versions_still_reads():
-    old = {"label": "before", "step": 0, "temperature": 0.0, "n": 200, "correct": 84, "formatted": 200,
-           "correct_among_formatted": 84, "mean_reward": 0.42}
+    old = {
+        "label": "before",
+        "step": 0,
+        "temperature": 0.0,
+        "n": 200,
+        "correct": 84,
+        "formatted": 200,
+        "correct_among_formatted": 84,
+        "mean_reward": 0.42,
+    }
     r = EvalResult.from_dict(old)
-    assert r.counts == {"correct": [84, 200], "formatted": [200, 200], "correct among formatted": [84, 200]}
+    assert r.counts == {
+        "correct": [84, 200],
+        "formatted": [200, 200],
+        "correct among formatted": [84, 200],
+    }
     assert r.accuracy == 0.42
 
 
@@ -226,8 +288,14 @@ def test_eval_jsonl_of_earlier_versions_still_reads():
 
 
 def _result(label, step, temperature, correct, formatted, n=200, reward=None):
-    counts = {"correct": [correct, n], "formatted": [formatted, n], "correct among formatted": [correct, formatted]}
-    return EvalResult(label, step, temperature, n, counts, correct / n if reward is None else reward)
+    counts = {
+        "correct": [correct, n],
+        "formatted": [formatted, n],
+        "correct among formatted": [correct, formatted],
+    }
+    return EvalResult(
+        label, step, temperature, n, counts, correct / n if reward is None else reward
+    )
 
 
 def _row_cells(table: str, decoding: str) -> list[str]:
@@ -245,10 +313,14 @@ def test_format_table_before_after_like_the_seed():
     header = [c.strip() for c in table.splitlines()[0].strip("|").split("|")]
     assert header == [
         "decoding",
-        "correct (before)", "correct (after)",
-        "formatted (before)", "formatted (after)",
-        "correct among formatted (before)", "correct among formatted (after)",
-        "mean reward (before)", "mean reward (after)",
+        "correct (before)",
+        "correct (after)",
+        "formatted (before)",
+        "formatted (after)",
+        "correct among formatted (before)",
+        "correct among formatted (after)",
+        "mean reward (before)",
+        "mean reward (after)",
     ]
     greedy = _row_cells(table, "greedy")
     assert greedy[1].startswith("8/200") and greedy[2].startswith("194/200")
@@ -262,7 +334,12 @@ def test_format_table_before_after_like_the_seed():
 def test_format_table_before_only():
     table = format_table([_result("before", 0, 0.0, 8, 8), _result("before", 0, 0.7, 0, 0)])
     assert "after" not in table
-    assert _row_cells(table, "greedy")[1:] == ["8/200 (4.0%)", "8/200 (4.0%)", "8/8 (100.0%)", "0.040"]
+    assert _row_cells(table, "greedy")[1:] == [
+        "8/200 (4.0%)",
+        "8/200 (4.0%)",
+        "8/8 (100.0%)",
+        "0.040",
+    ]
     assert _row_cells(table, "temperature 0.7")[3] == "0/0"
 
 
@@ -282,27 +359,43 @@ def test_cli_eval_before_and_after_checkpoint(tmp_path, capsys):
     config = {
         "output_dir": str(run),
         "model": {"name": "tiny", "tiny_hidden_size": 32, "tiny_num_layers": 1},
-        "data": {"chat_template": "never", "arithmetic": {
-            "operands": [[1, 9], [1, 9]], "operators": ["+"], "instruction": "{expression}=",
-            "num_train": 10, "num_eval": 4}},
+        "data": {
+            "chat_template": "never",
+            "arithmetic": {
+                "operands": [[1, 9], [1, 9]],
+                "operators": ["+"],
+                "instruction": "{expression}=",
+                "num_train": 10,
+                "num_eval": 4,
+            },
+        },
         "rollout": {"num_generations": 2, "max_completion_length": 3},
         "training": {"per_device_train_batch_size": 2},
         "eval": {"temperatures": [0.0, 1.0]},
     }
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(config))
-    model, tok = load_model_and_tokenizer(ModelConfig(name="tiny", tiny_hidden_size=32, tiny_num_layers=1))
+    model, tok = load_model_and_tokenizer(
+        ModelConfig(name="tiny", tiny_hidden_size=32, tiny_num_layers=1)
+    )
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.5 * torch.randn_like(p))  # a different model than the base
     save_checkpoint(tmp_path / "ckpt", model, tok, state={"step": 17})
 
-    assert cli.main(["eval", str(path), "eval.num_problems=3", "--checkpoint", str(tmp_path / "ckpt")]) == 0
+    assert (
+        cli.main(["eval", str(path), "eval.num_problems=3", "--checkpoint", str(tmp_path / "ckpt")])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "| decoding | correct (before) | correct (after) |" in out
     lines = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
     assert [(x["label"], x["step"], x["temperature"], x["n"]) for x in lines] == [
-        ("before", 0, 0.0, 3), ("before", 0, 1.0, 3), ("after", 17, 0.0, 3), ("after", 17, 1.0, 3)]
+        ("before", 0, 0.0, 3),
+        ("before", 0, 1.0, 3),
+        ("after", 17, 0.0, 3),
+        ("after", 17, 1.0, 3),
+    ]
     assert (run / "eval_table.md").read_text().startswith("| decoding |")
 
     assert cli.main(["eval", str(path), "--checkpoint", str(tmp_path / "nope")]) == 2
@@ -329,8 +422,11 @@ def _seed_counts(rows, texts):
     found = [re.findall(r"Answer:\s*(-?\d+)", t.replace(",", "")) for t in texts]
     formatted = sum(bool(f) for f in found)
     correct = sum(bool(f) and int(f[-1]) == row["answer"] for f, row in zip(found, rows))
-    return {"correct": [correct, len(rows)], "formatted": [formatted, len(rows)],
-            "correct among formatted": [correct, formatted]}
+    return {
+        "correct": [correct, len(rows)],
+        "formatted": [formatted, len(rows)],
+        "correct among formatted": [correct, formatted],
+    }
 
 
 class Recorder:
@@ -338,7 +434,11 @@ class Recorder:
 
     def __init__(self, engine, tokenizer):
         self.engine, self.tokenizer, self.texts = engine, tokenizer, []
-        self.device, self.eos_token_ids, self.pad_token_id = engine.device, engine.eos_token_ids, engine.pad_token_id
+        self.device, self.eos_token_ids, self.pad_token_id = (
+            engine.device,
+            engine.eos_token_ids,
+            engine.pad_token_id,
+        )
 
     def generate(self, prompts, G, params, seeds=None):
         rollout = self.engine.generate(prompts, G, params, seeds)
@@ -356,15 +456,32 @@ def _arithmetic_rows(cfg):
 def _wording_cfg(tmp_path):
     from grpo.config import schema as config
 
-    return config.from_dict({
-        "output_dir": str(tmp_path / "run"), "model": {"name": "tiny"}, "data": {"chat_template": "never", "arithmetic": {
-            "operands": [[1, 9], [1, 9]], "operators": ["+"], "instruction": "Calculate {expression}.", "num_eval": 6}},
-        "eval": {"temperatures": [0.0, 1.0], "max_completion_length": 6, "batch_size": 4,
-                 "instructions": ["What is {expression}? End with Answer: N."]},
-    })
+    return config.from_dict(
+        {
+            "output_dir": str(tmp_path / "run"),
+            "model": {"name": "tiny"},
+            "data": {
+                "chat_template": "never",
+                "arithmetic": {
+                    "operands": [[1, 9], [1, 9]],
+                    "operators": ["+"],
+                    "instruction": "Calculate {expression}.",
+                    "num_eval": 6,
+                },
+            },
+            "eval": {
+                "temperatures": [0.0, 1.0],
+                "max_completion_length": 6,
+                "batch_size": 4,
+                "instructions": ["What is {expression}? End with Answer: N."],
+            },
+        }
+    )
 
 
-def test_each_wording_of_the_tiny_models_evaluation_is_counted_as_the_seed_counts(model, tokenizer, tmp_path):
+def test_each_wording_of_the_tiny_models_evaluation_is_counted_as_the_seed_counts(
+    model, tokenizer, tmp_path
+):
     cfg = _wording_cfg(tmp_path)
     rows = _arithmetic_rows(cfg)
     recorder = Recorder(_engine(model, tokenizer), tokenizer)
@@ -372,8 +489,15 @@ def test_each_wording_of_the_tiny_models_evaluation_is_counted_as_the_seed_count
     assert evaluator.num_batches == 2 * 2 * 2  # wordings x temperatures x batches of 4 of 6 rows
     results = evaluator("before", 0)
     assert [(r.wording, r.temperature) for r in results] == [(1, 0.0), (1, 1.0), (2, 0.0), (2, 1.0)]
-    assert [r.decoding for r in results] == ["greedy", "temperature 1", "greedy, wording 2", "temperature 1, wording 2"]
-    assert results[2].samples[0]["prompt"].startswith("What is ") and results[0].samples[0]["prompt"].startswith("Calculate")
+    assert [r.decoding for r in results] == [
+        "greedy",
+        "temperature 1",
+        "greedy, wording 2",
+        "temperature 1, wording 2",
+    ]
+    assert results[2].samples[0]["prompt"].startswith("What is ") and results[0].samples[0][
+        "prompt"
+    ].startswith("Calculate")
     for k, r in enumerate(results):
         assert r.counts == _seed_counts(rows, recorder.texts[6 * k : 6 * (k + 1)])
     table = format_table(results)
@@ -389,15 +513,36 @@ def test_a_wording_gain_is_reported_beside_the_trained_one(tokenizer, tmp_path):
     asked = {}
     for row in rows:
         # messages are rendered as plain text (data.chat_template: never), each content and a newline
-        asked[f"Calculate {row['expression']}.\n"] = f"{row['expression']} = {row['answer']}\nAnswer: {row['answer']:,}"
+        asked[f"Calculate {row['expression']}.\n"] = (
+            f"{row['expression']} = {row['answer']}\nAnswer: {row['answer']:,}"
+        )
         asked[f"What is {row['expression']}? End with Answer: N.\n"] = f"It is {row['answer']}."
-    before = Evaluator(cfg, ScriptedEngine(tokenizer, asked), tokenizer, rows, AnswerScorer())("before", 0)
+    before = Evaluator(cfg, ScriptedEngine(tokenizer, asked), tokenizer, rows, AnswerScorer())(
+        "before", 0
+    )
     asked = {k: v.replace("It is", "Answer:") for k, v in asked.items()}
-    after = Evaluator(cfg, ScriptedEngine(tokenizer, asked), tokenizer, rows, AnswerScorer())("after", 10)
+    after = Evaluator(cfg, ScriptedEngine(tokenizer, asked), tokenizer, rows, AnswerScorer())(
+        "after", 10
+    )
     table = format_table(before, after)
-    assert _row_cells(table, "greedy")[1:5] == ["6/6 (100.0%)", "6/6 (100.0%)", "6/6 (100.0%)", "6/6 (100.0%)"]
-    assert _row_cells(table, "greedy, wording 2")[1:5] == ["0/6 (0.0%)", "6/6 (100.0%)", "0/6 (0.0%)", "6/6 (100.0%)"]
-    assert [r.setting for r in eval_results.latest(before + after, "after")] == [(1, 0.0), (1, 1.0), (2, 0.0), (2, 1.0)]
+    assert _row_cells(table, "greedy")[1:5] == [
+        "6/6 (100.0%)",
+        "6/6 (100.0%)",
+        "6/6 (100.0%)",
+        "6/6 (100.0%)",
+    ]
+    assert _row_cells(table, "greedy, wording 2")[1:5] == [
+        "0/6 (0.0%)",
+        "6/6 (100.0%)",
+        "0/6 (0.0%)",
+        "6/6 (100.0%)",
+    ]
+    assert [r.setting for r in eval_results.latest(before + after, "after")] == [
+        (1, 0.0),
+        (1, 1.0),
+        (2, 0.0),
+        (2, 1.0),
+    ]
 
 
 def test_instructions_are_for_task_arithmetic_and_need_the_expression(tmp_path):
@@ -405,5 +550,12 @@ def test_instructions_are_for_task_arithmetic_and_need_the_expression(tmp_path):
 
     with pytest.raises(ConfigError, match=r"eval.instructions\[0\]: must contain \{expression\}"):
         config.from_dict({"eval": {"instructions": ["What is it?"]}})
-    with pytest.raises(ConfigError, match=r"eval.instructions: rewords task arithmetic's prompts only"):
-        config.from_dict({"data": {"task": "jsonl", "train_file": "x.jsonl"}, "eval": {"instructions": ["{expression}"]}})
+    with pytest.raises(
+        ConfigError, match=r"eval.instructions: rewords task arithmetic's prompts only"
+    ):
+        config.from_dict(
+            {
+                "data": {"task": "jsonl", "train_file": "x.jsonl"},
+                "eval": {"instructions": ["{expression}"]},
+            }
+        )

@@ -42,14 +42,21 @@ def test_each_preset_learns(tokenizer, tmp_path, preset, make_trainer):
 
 @pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce_pp"])
 def test_each_outcome_estimator_learns(tokenizer, tmp_path, estimator, make_trainer):
-    _, history = learns(make_trainer, tokenizer, tmp_path, [f"algorithm.advantage_estimator={estimator}"])
+    _, history = learns(
+        make_trainer, tokenizer, tmp_path, [f"algorithm.advantage_estimator={estimator}"]
+    )
     first, last = mean(history, "reward", "first"), mean(history, "reward", "last")
     assert last > first + 0.3, (estimator, first, last)
 
 
 def test_gae_learns(tokenizer, tmp_path, make_trainer):
     """PPO through the `gae` estimator: the policy's reward rises with a learned value baseline."""
-    trainer, history = learns(make_trainer, tokenizer, tmp_path, ["algorithm.advantage_estimator=gae", "algorithm.critic_learning_rate=1e-3"])
+    trainer, history = learns(
+        make_trainer,
+        tokenizer,
+        tmp_path,
+        ["algorithm.advantage_estimator=gae", "algorithm.critic_learning_rate=1e-3"],
+    )
     assert trainer.critic is not None
     first, last = mean(history, "reward", "first"), mean(history, "reward", "last")
     assert last > first + 0.3, (first, last)
@@ -67,43 +74,79 @@ def test_gae_critic_learns_the_values(tokenizer, tmp_path, make_trainer):
     """With rewards a critic can predict from the prompt, its value loss falls towards 0 and its
     values come to explain the returns."""
     trainer = make_trainer(
-        tokenizer, tmp_path,
-        ["training.max_steps=60", "algorithm.advantage_estimator=gae", "algorithm.critic_learning_rate=3e-3"],
+        tokenizer,
+        tmp_path,
+        [
+            "training.max_steps=60",
+            "algorithm.advantage_estimator=gae",
+            "algorithm.critic_learning_rate=3e-3",
+        ],
         reward_funcs={"answer": answer_over_ten},
     )
     history = trainer.train()
-    loss_first, loss_last = mean(history, "critic/value_loss", "first"), mean(history, "critic/value_loss", "last")
+    loss_first, loss_last = (
+        mean(history, "critic/value_loss", "first"),
+        mean(history, "critic/value_loss", "last"),
+    )
     assert loss_last < 0.1 * loss_first, (loss_first, loss_last)
     assert mean(history, "critic/explained_variance", "last") > 0.8
 
 
-def test_gae_resume_restores_the_critic(tokenizer, tmp_path, make_trainer, toy_config, first_char_correct):
-    cfg_overrides = ["algorithm.advantage_estimator=gae", "algorithm.critic_learning_rate=1e-3",
-                     "training.max_steps=4", "training.save_steps=2", "training.per_device_train_batch_size=32"]
+def test_gae_resume_restores_the_critic(
+    tokenizer, tmp_path, make_trainer, toy_config, first_char_correct
+):
+    cfg_overrides = [
+        "algorithm.advantage_estimator=gae",
+        "algorithm.critic_learning_rate=1e-3",
+        "training.max_steps=4",
+        "training.save_steps=2",
+        "training.per_device_train_batch_size=32",
+    ]
     full = make_trainer(tokenizer, tmp_path / "a", cfg_overrides)
     full.train()
     cut = make_trainer(tokenizer, tmp_path / "b", [*cfg_overrides, "training.max_steps=2"])
     cut.train()
     cfg = config.from_dict({**toy_config, "output_dir": str(tmp_path / "b" / "run")}, cfg_overrides)
-    resumed = Trainer(cfg, model=tiny_model(tokenizer, hidden_size=64, num_layers=2, seed=0), tokenizer=tokenizer,
-                      reward_funcs={"correct": first_char_correct}, resume=tmp_path / "b" / "run" / "checkpoint-2")
+    resumed = Trainer(
+        cfg,
+        model=tiny_model(tokenizer, hidden_size=64, num_layers=2, seed=0),
+        tokenizer=tokenizer,
+        reward_funcs={"correct": first_char_correct},
+        resume=tmp_path / "b" / "run" / "checkpoint-2",
+    )
     resumed.train()
     for a, b in zip(full.critic.model.parameters(), resumed.critic.model.parameters()):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)  # exact: the resumed steps compute as the uninterrupted ones
+        torch.testing.assert_close(
+            a, b, rtol=0, atol=0
+        )  # exact: the resumed steps compute as the uninterrupted ones
 
 
 @pytest.mark.parametrize("decoding", ["plain", "auto"])
-def test_sampling_logprobs_are_the_updates(decoding, tokenizer, tmp_path, monkeypatch, make_trainer):
+def test_sampling_logprobs_are_the_updates(
+    decoding, tokenizer, tmp_path, monkeypatch, make_trainer
+):
     """In float32, with transformers' decoding steps or the fused ones (auto on the CPU), the
     engine's logprobs equal the update's, so the mismatch metric reads ~0; it is logged every step."""
-    trainer = make_trainer(tokenizer, tmp_path, ["training.max_steps=1", "rollout.max_completion_length=4",
-                                                 f"cpu.decoding={decoding}", "training.per_device_train_batch_size=32"])
+    trainer = make_trainer(
+        tokenizer,
+        tmp_path,
+        [
+            "training.max_steps=1",
+            "rollout.max_completion_length=4",
+            f"cpu.decoding={decoding}",
+            "training.per_device_train_batch_size=32",
+        ],
+    )
     fused = decoding == "auto" and kernels.onednn_available()
     assert trainer.backend.cpu.uses_fused_decoding(trainer.model, torch.float32) == fused
     built, original = [], FusedDecoder.__init__
-    monkeypatch.setattr(FusedDecoder, "__init__", lambda self, *a, **kw: built.append(1) or original(self, *a, **kw))
+    monkeypatch.setattr(
+        FusedDecoder, "__init__", lambda self, *a, **kw: built.append(1) or original(self, *a, **kw)
+    )
     history = trainer.train()
-    assert len(built) == (1 if fused else 0)  # the step's rollout decoded fused, or through transformers
+    assert len(built) == (
+        1 if fused else 0
+    )  # the step's rollout decoded fused, or through transformers
     m = history[-1]
     assert m["rollout/logprob_diff_mean"] < 1e-5 and m["rollout/logprob_diff_max"] < 1e-4
     assert math.isclose(m["rollout/is_ratio"], 1.0, abs_tol=1e-4)
@@ -111,9 +154,17 @@ def test_sampling_logprobs_are_the_updates(decoding, tokenizer, tmp_path, monkey
 
 def test_rollout_correction_metrics_under_bf16(tokenizer, tmp_path, make_trainer):
     """bf16 decoding against the bf16 update: a small, logged mismatch, the weights capped at the cap."""
-    trainer = make_trainer(tokenizer, tmp_path, ["training.max_steps=2", "rollout.max_completion_length=4",
-                                                 "training.bf16=true", "algorithm.rollout_correction=token_truncate",
-                                                 "training.per_device_train_batch_size=32"])
+    trainer = make_trainer(
+        tokenizer,
+        tmp_path,
+        [
+            "training.max_steps=2",
+            "rollout.max_completion_length=4",
+            "training.bf16=true",
+            "algorithm.rollout_correction=token_truncate",
+            "training.per_device_train_batch_size=32",
+        ],
+    )
     history = trainer.train()
     m = history[-1]
     assert 0 <= m["rollout/logprob_diff_mean"] < 0.1
@@ -125,13 +176,24 @@ def test_rollout_correction_metrics_under_bf16(tokenizer, tmp_path, make_trainer
 def test_each_policy_loss_learns(tokenizer, tmp_path, loss, make_trainer):
     overrides = [f"algorithm.policy_loss={loss}"]
     if loss == "cispo":
-        overrides.append("algorithm.epsilon_high=5.0")  # CISPO's cap on the importance weight (TRL's advice)
+        overrides.append(
+            "algorithm.epsilon_high=5.0"
+        )  # CISPO's cap on the importance weight (TRL's advice)
     _, history = learns(make_trainer, tokenizer, tmp_path, overrides)
     assert mean(history, "reward", "last") > mean(history, "reward", "first") + 0.3
 
 
 def test_top_entropy_quantile_trains_on_a_fraction_of_the_tokens(tokenizer, tmp_path, make_trainer):
-    _, history = learns(make_trainer, tokenizer, tmp_path, ["algorithm.top_entropy_quantile=0.5", "rollout.max_completion_length=4",
-                                              "training.per_device_train_batch_size=64"], steps=3)
+    _, history = learns(
+        make_trainer,
+        tokenizer,
+        tmp_path,
+        [
+            "algorithm.top_entropy_quantile=0.5",
+            "rollout.max_completion_length=4",
+            "training.per_device_train_batch_size=64",
+        ],
+        steps=3,
+    )
     kept = history[-1]["entropy/kept_ratio"]
     assert 0.4 <= kept <= 0.75, kept

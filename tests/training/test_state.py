@@ -22,10 +22,22 @@ def state_trainer(toy_config, first_char_correct):
     restored from the train state `restore` if given."""
 
     def build(tokenizer, path, overrides, model=None, restore=None):
-        cfg = config.from_dict({**toy_config, "output_dir": str(path)}, ["training.per_device_train_batch_size=32",
-                                                                         "training.max_steps=6", *overrides])
-        model = model if model is not None else tiny_model(tokenizer, hidden_size=32, num_layers=1, seed=0)
-        return Trainer(cfg, model=model, tokenizer=tokenizer, reward_funcs={"correct": first_char_correct}, restore=restore)
+        cfg = config.from_dict(
+            {**toy_config, "output_dir": str(path)},
+            ["training.per_device_train_batch_size=32", "training.max_steps=6", *overrides],
+        )
+        model = (
+            model
+            if model is not None
+            else tiny_model(tokenizer, hidden_size=32, num_layers=1, seed=0)
+        )
+        return Trainer(
+            cfg,
+            model=model,
+            tokenizer=tokenizer,
+            reward_funcs={"correct": first_char_correct},
+            restore=restore,
+        )
 
     return build
 
@@ -34,11 +46,19 @@ def _untimed(metrics):
     return {k: v for k, v in metrics.items() if not k.startswith(TIMING)}
 
 
-@pytest.mark.parametrize("overrides", [
-    ["training.lr_scheduler_type=linear", "training.warmup_steps=2"],
-    ["algorithm.beta=0.04", "algorithm.ref_sync_steps=2", "algorithm.num_iterations=2", "rollout.temperature=0.9"],
-    ["algorithm.dynamic_sampling=true", "rollout.max_completion_length=2"],
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["training.lr_scheduler_type=linear", "training.warmup_steps=2"],
+        [
+            "algorithm.beta=0.04",
+            "algorithm.ref_sync_steps=2",
+            "algorithm.num_iterations=2",
+            "rollout.temperature=0.9",
+        ],
+        ["algorithm.dynamic_sampling=true", "rollout.max_completion_length=2"],
+    ],
+)
 def test_restored_trainer_takes_the_same_next_steps(tokenizer, tmp_path, overrides, state_trainer):
     original = state_trainer(tokenizer, tmp_path / "a", overrides)
     for _ in range(3):
@@ -46,7 +66,9 @@ def test_restored_trainer_takes_the_same_next_steps(tokenizer, tmp_path, overrid
     saved = copy.deepcopy(original.state_dict())
     weights = copy.deepcopy(original.model.state_dict())
 
-    model = tiny_model(tokenizer, hidden_size=32, num_layers=1, seed=1)  # other weights, replaced below
+    model = tiny_model(
+        tokenizer, hidden_size=32, num_layers=1, seed=1
+    )  # other weights, replaced below
     model.load_state_dict(weights)
     restored = state_trainer(tokenizer, tmp_path / "b", overrides, model=model, restore=saved)
     assert restored.state.step == 3
@@ -61,7 +83,9 @@ def test_restored_trainer_takes_the_same_next_steps(tokenizer, tmp_path, overrid
     for (name, a), b in zip(original.model.named_parameters(), restored.model.parameters()):
         assert torch.equal(a, b), name
     if original.reference.enabled:
-        for a, b in zip(original.reference.model.parameters(), restored.reference.model.parameters()):
+        for a, b in zip(
+            original.reference.model.parameters(), restored.reference.model.parameters()
+        ):
             assert torch.equal(a, b)
     assert not math.isnan(got["loss"])
 
@@ -73,7 +97,9 @@ def test_without_restore_the_next_step_differs(tokenizer, tmp_path, state_traine
     for _ in range(3):
         original.train_step()
     model = copy.deepcopy(original.model)
-    fresh = state_trainer(tokenizer, tmp_path / "b", ["training.lr_scheduler_type=linear"], model=model)
+    fresh = state_trainer(
+        tokenizer, tmp_path / "b", ["training.lr_scheduler_type=linear"], model=model
+    )
     expected, _ = original.train_step()
     got, _ = fresh.train_step()
     assert got["step"] != expected["step"] and got["learning_rate"] != expected["learning_rate"]

@@ -28,14 +28,28 @@ def test_learns_toy_task(tokenizer, tmp_path, make_trainer):
 
 def test_metrics_have_trl_names(tokenizer, tmp_path, make_trainer):
     trainer = make_trainer(
-        tokenizer, tmp_path, ["training.max_steps=2", "algorithm.beta=0.04", "training.per_device_train_batch_size=32"]
+        tokenizer,
+        tmp_path,
+        ["training.max_steps=2", "algorithm.beta=0.04", "training.per_device_train_batch_size=32"],
     )
     history = trainer.train()
     m = history[-1]
     for key in [
-        "reward", "reward_std", "rewards/correct/mean", "frac_reward_zero_std", "kl", "entropy",
-        "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "completions/mean_length",
-        "completions/clipped_ratio", "time/step", "tokens_per_second", "learning_rate", "grad_norm",
+        "reward",
+        "reward_std",
+        "rewards/correct/mean",
+        "frac_reward_zero_std",
+        "kl",
+        "entropy",
+        "clip_ratio/low_mean",
+        "clip_ratio/high_mean",
+        "clip_ratio/region_mean",
+        "completions/mean_length",
+        "completions/clipped_ratio",
+        "time/step",
+        "tokens_per_second",
+        "learning_rate",
+        "grad_norm",
     ]:
         assert key in m, key
         assert isinstance(m[key], (int, float)) and not math.isnan(m[key]), key
@@ -59,18 +73,33 @@ def _hand_batch(trainer, seed=0):
     rollout = Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, lengths == T)
     rewards = torch.randn(N, generator=g)
     return GenerationBatch(
-        rows=[{}] * N, prompts=[""] * N, completions=[""] * N, completion_texts=[""] * N, rollout=rollout,
-        rewards_per_func=rewards[:, None], rewards=rewards, loss_mask=completion_mask.clone(),
+        rows=[{}] * N,
+        prompts=[""] * N,
+        completions=[""] * N,
+        completion_texts=[""] * N,
+        rollout=rollout,
+        rewards_per_func=rewards[:, None],
+        rewards=rewards,
+        loss_mask=completion_mask.clone(),
     )
 
 
-def _gradient(make_trainer, tokenizer, tmp_path, loss_type, minibatch, model_state, batch, extra=()):
+def _gradient(
+    make_trainer, tokenizer, tmp_path, loss_type, minibatch, model_state, batch, extra=()
+):
     trainer = make_trainer(
         tokenizer,
         tmp_path,
-        [f"algorithm.loss_type={loss_type}", f"training.per_device_train_batch_size={minibatch}",
-         f"training.gradient_accumulation_steps={16 // minibatch}", "training.learning_rate=0.0",
-         "training.max_grad_norm=0", "rollout.num_generations=4", "rollout.max_completion_length=6", *extra],
+        [
+            f"algorithm.loss_type={loss_type}",
+            f"training.per_device_train_batch_size={minibatch}",
+            f"training.gradient_accumulation_steps={16 // minibatch}",
+            "training.learning_rate=0.0",
+            "training.max_grad_norm=0",
+            "rollout.num_generations=4",
+            "rollout.max_completion_length=6",
+            *extra,
+        ],
     )
     trainer.model.load_state_dict(model_state)
     if trainer.reference.enabled:
@@ -81,7 +110,9 @@ def _gradient(make_trainer, tokenizer, tmp_path, loss_type, minibatch, model_sta
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
 @pytest.mark.parametrize("extra", [(), ("algorithm.beta=0.04",), ("training.bf16=true",)])
-def test_gradient_independent_of_minibatch_split(tokenizer, tmp_path, loss_type, extra, make_trainer):
+def test_gradient_independent_of_minibatch_split(
+    tokenizer, tmp_path, loss_type, extra, make_trainer
+):
     """One optimizer step's gradient is the same for 1 minibatch of 16 or 4 of 4 with accumulation."""
     state = copy.deepcopy(tiny_model(tokenizer, hidden_size=64, num_layers=2, seed=7).state_dict())
     trainer = make_trainer(tokenizer, tmp_path)
@@ -91,7 +122,13 @@ def test_gradient_independent_of_minibatch_split(tokenizer, tmp_path, loss_type,
     assert whole.keys() == split.keys() and whole
     tol = 2e-2 if extra == ("training.bf16=true",) else 1e-5
     for name in whole:
-        torch.testing.assert_close(split[name], whole[name], atol=tol * whole[name].abs().max().item() + 1e-8, rtol=tol, msg=name)
+        torch.testing.assert_close(
+            split[name],
+            whole[name],
+            atol=tol * whole[name].abs().max().item() + 1e-8,
+            rtol=tol,
+            msg=name,
+        )
     # the gradient is not trivially zero
     assert max(g.abs().max().item() for g in whole.values()) > 1e-4
 
@@ -104,16 +141,39 @@ def test_gradient_independent_of_microbatches(tokenizer, tmp_path, loss_type, ex
     state = copy.deepcopy(tiny_model(tokenizer, hidden_size=64, num_layers=2, seed=7).state_dict())
     batch = _hand_batch(make_trainer(tokenizer, tmp_path))
     whole = _gradient(make_trainer, tokenizer, tmp_path, loss_type, 8, state, batch, extra)
-    split = _gradient(make_trainer, tokenizer, tmp_path, loss_type, 8, state, batch, (*extra, "training.microbatch_tokens=20"))
+    split = _gradient(
+        make_trainer,
+        tokenizer,
+        tmp_path,
+        loss_type,
+        8,
+        state,
+        batch,
+        (*extra, "training.microbatch_tokens=20"),
+    )
     tol = 2e-2 if extra == ("training.bf16=true",) else 1e-5
     for name in whole:
-        torch.testing.assert_close(split[name], whole[name], atol=tol * whole[name].abs().max().item() + 1e-8, rtol=tol, msg=name)
+        torch.testing.assert_close(
+            split[name],
+            whole[name],
+            atol=tol * whole[name].abs().max().item() + 1e-8,
+            rtol=tol,
+            msg=name,
+        )
     assert max(g.abs().max().item() for g in whole.values()) > 1e-4
 
 
 def test_microbatches_respect_the_token_budget(tokenizer, tmp_path, make_trainer):
-    trainer = make_trainer(tokenizer, tmp_path, ["rollout.num_generations=4", "training.per_device_train_batch_size=8",
-                                                 "training.gradient_accumulation_steps=2", "training.microbatch_tokens=24"])
+    trainer = make_trainer(
+        tokenizer,
+        tmp_path,
+        [
+            "rollout.num_generations=4",
+            "training.per_device_train_batch_size=8",
+            "training.gradient_accumulation_steps=2",
+            "training.microbatch_tokens=24",
+        ],
+    )
     batch = _hand_batch(trainer)
     ro = batch.rollout
     for minibatch in minibatches(ro.lengths.tolist(), 4, 8):
@@ -121,7 +181,9 @@ def test_microbatches_respect_the_token_budget(tokenizer, tmp_path, make_trainer
         assert torch.equal(torch.cat(pieces), minibatch)  # every row once, order kept
         assert len(pieces) > 1
         for piece in pieces:
-            prompts = {tuple(ro.prompt_ids[r][ro.prompt_mask[r].bool()].tolist()) for r in piece.tolist()}
+            prompts = {
+                tuple(ro.prompt_ids[r][ro.prompt_mask[r].bool()].tolist()) for r in piece.tolist()
+            }
             cost = sum(len(p) for p in prompts) + len(piece) * int(ro.lengths[piece].max())
             assert cost <= 24 or len(piece) == 1
     assert all(len(microbatches(ro, mb, 0)) == 1 for mb in minibatches(ro.lengths.tolist(), 4, 8))
@@ -144,9 +206,16 @@ def third_of_first_characters(prompts, completions, **kwargs):
 def test_num_iterations_and_clipping(tokenizer, tmp_path, make_trainer):
     """With several passes per batch the ratio moves away from 1 and clipping engages."""
     trainer = make_trainer(
-        tokenizer, tmp_path,
-        ["training.max_steps=2", "algorithm.num_iterations=4", "training.learning_rate=0.01", "algorithm.epsilon=0.05",
-         "training.per_device_train_batch_size=32", "rollout.max_completion_length=3"],
+        tokenizer,
+        tmp_path,
+        [
+            "training.max_steps=2",
+            "algorithm.num_iterations=4",
+            "training.learning_rate=0.01",
+            "algorithm.epsilon=0.05",
+            "training.per_device_train_batch_size=32",
+            "rollout.max_completion_length=3",
+        ],
         # a reward a random model earns a third of the time: groups with spread, so the ratio moves
         reward_funcs={"third": third_of_first_characters},
     )
@@ -157,8 +226,14 @@ def test_num_iterations_and_clipping(tokenizer, tmp_path, make_trainer):
 
 def test_reference_sync_replaces_reference(tokenizer, tmp_path, make_trainer):
     trainer = make_trainer(
-        tokenizer, tmp_path,
-        ["training.max_steps=2", "algorithm.beta=0.04", "algorithm.ref_sync_steps=2", "training.per_device_train_batch_size=32"],
+        tokenizer,
+        tmp_path,
+        [
+            "training.max_steps=2",
+            "algorithm.beta=0.04",
+            "algorithm.ref_sync_steps=2",
+            "training.per_device_train_batch_size=32",
+        ],
         reward_funcs={"third": third_of_first_characters},  # a learning signal, so the weights move
     )
     before = {n: p.clone() for n, p in trainer.reference.model.named_parameters()}
@@ -169,7 +244,9 @@ def test_reference_sync_replaces_reference(tokenizer, tmp_path, make_trainer):
     assert any(not torch.equal(before[n], ref[n]) for n in before)
 
 
-def test_failing_reward_is_missing_not_fatal(tokenizer, tmp_path, caplog, make_trainer, first_char_correct):
+def test_failing_reward_is_missing_not_fatal(
+    tokenizer, tmp_path, caplog, make_trainer, first_char_correct
+):
     calls = {"n": 0}
 
     def flaky(completions, **kw):
@@ -179,7 +256,9 @@ def test_failing_reward_is_missing_not_fatal(tokenizer, tmp_path, caplog, make_t
         return [None] * (len(completions) // 2) + [1.0] * (len(completions) - len(completions) // 2)
 
     trainer = make_trainer(
-        tokenizer, tmp_path, ["training.max_steps=2", "training.per_device_train_batch_size=32"],
+        tokenizer,
+        tmp_path,
+        ["training.max_steps=2", "training.per_device_train_batch_size=32"],
         reward_funcs={"correct": first_char_correct, "flaky": flaky},
     )
     history = trainer.train()
@@ -195,9 +274,15 @@ def test_dynamic_sampling_keeps_groups_with_spread(tokenizer, tmp_path, make_tra
         return [float(i < 8 and i % 2 == 0) for i in range(len(completions))]
 
     trainer = make_trainer(
-        tokenizer, tmp_path,
-        ["training.max_steps=1", "algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=3",
-         "training.per_device_train_batch_size=32", "rollout.num_generations=8"],
+        tokenizer,
+        tmp_path,
+        [
+            "training.max_steps=1",
+            "algorithm.dynamic_sampling=true",
+            "algorithm.max_sampling_rounds=3",
+            "training.per_device_train_batch_size=32",
+            "rollout.num_generations=8",
+        ],
         reward_funcs={"half": half_right},
     )
     batch = trainer.collect_batch()
@@ -210,7 +295,9 @@ def test_dynamic_sampling_keeps_groups_with_spread(tokenizer, tmp_path, make_tra
 
 def test_mask_truncated_completions(tokenizer, tmp_path, make_trainer):
     trainer = make_trainer(
-        tokenizer, tmp_path, ["algorithm.mask_truncated_completions=true", "training.per_device_train_batch_size=32"]
+        tokenizer,
+        tmp_path,
+        ["algorithm.mask_truncated_completions=true", "training.per_device_train_batch_size=32"],
     )
     batch = trainer.collect_batch()
     # the tiny model never emits EOS in one token: every completion is truncated and masked out
@@ -220,8 +307,13 @@ def test_mask_truncated_completions(tokenizer, tmp_path, make_trainer):
 
 def test_overlong_penalty_is_added_as_a_reward(tokenizer, tmp_path, make_trainer):
     trainer = make_trainer(
-        tokenizer, tmp_path,
-        ["rewards.overlong_buffer=1", "training.per_device_train_batch_size=32", "rollout.max_completion_length=2"],
+        tokenizer,
+        tmp_path,
+        [
+            "rewards.overlong_buffer=1",
+            "training.per_device_train_batch_size=32",
+            "rollout.max_completion_length=2",
+        ],
     )
     batch = trainer.collect_batch()
     assert trainer.rewards.names == ["correct", "overlong"]
@@ -235,14 +327,30 @@ def test_gradient_checkpointing_same_gradient(tokenizer, tmp_path, make_trainer)
     state = copy.deepcopy(tiny_model(tokenizer, hidden_size=64, num_layers=2, seed=7).state_dict())
     batch = _hand_batch(make_trainer(tokenizer, tmp_path))
     plain = _gradient(make_trainer, tokenizer, tmp_path, "dapo", 8, state, batch)
-    checkpointed = _gradient(make_trainer, tokenizer, tmp_path, "dapo", 8, state, batch, ("training.gradient_checkpointing=true",))
+    checkpointed = _gradient(
+        make_trainer,
+        tokenizer,
+        tmp_path,
+        "dapo",
+        8,
+        state,
+        batch,
+        ("training.gradient_checkpointing=true",),
+    )
     for name in plain:
         torch.testing.assert_close(checkpointed[name], plain[name], atol=1e-6, rtol=1e-5, msg=name)
 
 
 def test_minibatches_group_similar_lengths(tokenizer, tmp_path, make_trainer):
-    trainer = make_trainer(tokenizer, tmp_path, ["rollout.num_generations=4", "training.per_device_train_batch_size=4",
-                                                 "training.gradient_accumulation_steps=4"])
+    trainer = make_trainer(
+        tokenizer,
+        tmp_path,
+        [
+            "rollout.num_generations=4",
+            "training.per_device_train_batch_size=4",
+            "training.gradient_accumulation_steps=4",
+        ],
+    )
     batch = _hand_batch(trainer)
     pieces = minibatches(batch.rollout.lengths.tolist(), 4, 4)
     rows = torch.cat(pieces)
@@ -254,13 +362,23 @@ def test_minibatches_group_similar_lengths(tokenizer, tmp_path, make_trainer):
     assert longest == sorted(longest)
 
 
-def test_tied_embedding_sparse_gradient_equals_dense(tokenizer, tmp_path, toy_config, first_char_correct):
+def test_tied_embedding_sparse_gradient_equals_dense(
+    tokenizer, tmp_path, toy_config, first_char_correct
+):
     """A tied embedding's lookup sends a sparse gradient; the weight's total gradient is unchanged."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    llama = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    llama = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     torch.manual_seed(0)
     tied = LlamaForCausalLM(llama)
     grads = {}
@@ -268,10 +386,17 @@ def test_tied_embedding_sparse_gradient_equals_dense(tokenizer, tmp_path, toy_co
         model = copy.deepcopy(tied)
         cfg = config.from_dict(
             {**toy_config, "output_dir": str(tmp_path / "run")},
-            ["training.learning_rate=0.0", "training.max_grad_norm=0", "rollout.num_generations=4",
-             "rollout.max_completion_length=6", "training.per_device_train_batch_size=16"],
+            [
+                "training.learning_rate=0.0",
+                "training.max_grad_norm=0",
+                "rollout.num_generations=4",
+                "rollout.max_completion_length=6",
+                "training.per_device_train_batch_size=16",
+            ],
         )
-        trainer = Trainer(cfg, model=model, tokenizer=tokenizer, reward_funcs={"correct": first_char_correct})
+        trainer = Trainer(
+            cfg, model=model, tokenizer=tokenizer, reward_funcs={"correct": first_char_correct}
+        )
         assert trainer.model.get_input_embeddings().sparse is True
         trainer.model.get_input_embeddings().sparse = sparse
         trainer.update(_hand_batch(trainer))
@@ -284,24 +409,52 @@ def test_tied_embedding_sparse_gradient_equals_dense(tokenizer, tmp_path, toy_co
 
 def test_refuses_to_overwrite_a_run(tokenizer, tmp_path, make_trainer):
     run = tmp_path / "run"
-    (run / "checkpoint-1").mkdir(parents=True)  # metrics.jsonl alone (no checkpoint yet) is simply run again
+    (run / "checkpoint-1").mkdir(
+        parents=True
+    )  # metrics.jsonl alone (no checkpoint yet) is simply run again
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
     with pytest.raises(config.ConfigError, match="already holds a run"):
         make_trainer(tokenizer, tmp_path, ["training.max_steps=1"])
-    trainer = make_trainer(tokenizer, tmp_path, ["training.max_steps=1", "overwrite_output_dir=true",
-                                                  "training.per_device_train_batch_size=32"])
+    trainer = make_trainer(
+        tokenizer,
+        tmp_path,
+        [
+            "training.max_steps=1",
+            "overwrite_output_dir=true",
+            "training.per_device_train_batch_size=32",
+        ],
+    )
     trainer.train()
-    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert [
+        json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
+    ] == [1]
 
 
 def test_evaluates_before_every_n_and_after(tokenizer, tmp_path, make_trainer):
-    trainer = make_trainer(tokenizer, tmp_path, ["training.max_steps=3", "training.per_device_train_batch_size=32",
-                                                 "eval.before=true", "eval.after=true", "eval.every=2"])
+    trainer = make_trainer(
+        tokenizer,
+        tmp_path,
+        [
+            "training.max_steps=3",
+            "training.per_device_train_batch_size=32",
+            "eval.before=true",
+            "eval.after=true",
+            "eval.every=2",
+        ],
+    )
     trainer.train()
-    results = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    results = [
+        json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()
+    ]
     # two decodings (greedy, temperature 1) per evaluation, on the 4 held-out problems
     assert [(r["label"], r["step"]) for r in results] == [
-        ("before", 0), ("before", 0), ("step 2", 2), ("step 2", 2), ("after", 3), ("after", 3)]
+        ("before", 0),
+        ("before", 0),
+        ("step 2", 2),
+        ("step 2", 2),
+        ("after", 3),
+        ("after", 3),
+    ]
     assert all(r["n"] == 4 for r in results)
     assert (tmp_path / "run" / "report.md").exists()
 
@@ -309,10 +462,18 @@ def test_evaluates_before_every_n_and_after(tokenizer, tmp_path, make_trainer):
 def test_bf16_weights_train(tokenizer, tmp_path, toy_config, first_char_correct):
     """model.dtype=bfloat16 (bf16 weights, bf16 gradients) runs a step and moves the weights,
     the output layer's gradient included."""
-    cfg = config.from_dict({**toy_config, "output_dir": str(tmp_path / "run")},
-                           ["training.max_steps=1", "rollout.num_generations=4", "training.per_device_train_batch_size=16"])
+    cfg = config.from_dict(
+        {**toy_config, "output_dir": str(tmp_path / "run")},
+        [
+            "training.max_steps=1",
+            "rollout.num_generations=4",
+            "training.per_device_train_batch_size=16",
+        ],
+    )
     model = tiny_model(tokenizer, hidden_size=32, num_layers=1, seed=0, dtype=torch.bfloat16)
-    trainer = Trainer(cfg, model=model, tokenizer=tokenizer, reward_funcs={"correct": first_char_correct})
+    trainer = Trainer(
+        cfg, model=model, tokenizer=tokenizer, reward_funcs={"correct": first_char_correct}
+    )
     batch = _hand_batch(trainer)
     trainer.update(batch)
     head = trainer.model.get_output_embeddings().weight
@@ -332,8 +493,16 @@ def test_a_registered_estimator_is_what_the_step_uses(tokenizer, tmp_path, make_
         return torch.zeros_like(rewards)
 
     try:
-        trainer = make_trainer(tokenizer, tmp_path, ["training.max_steps=1", "training.per_device_train_batch_size=32",
-                                                     "algorithm.advantage_estimator=zero_test", "algorithm.scale_rewards=none"])
+        trainer = make_trainer(
+            tokenizer,
+            tmp_path,
+            [
+                "training.max_steps=1",
+                "training.per_device_train_batch_size=32",
+                "algorithm.advantage_estimator=zero_test",
+                "algorithm.scale_rewards=none",
+            ],
+        )
         metrics, batch = trainer.train_step()
     finally:
         ADVANTAGE_ESTIMATORS.unregister("zero_test")
@@ -347,7 +516,9 @@ def test_unknown_engine_fails_before_the_model_loads(tokenizer, tmp_path, make_t
         make_trainer(tokenizer, tmp_path, ["rollout.engine=sglang"])
 
 
-def test_jsonl_task_without_answers_trains_and_evaluates_by_its_rewards(tokenizer, tmp_path, capsys, toy_config):
+def test_jsonl_task_without_answers_trains_and_evaluates_by_its_rewards(
+    tokenizer, tmp_path, capsys, toy_config
+):
     """Rows with no integer answer: training and the before/after evaluation use the reward functions."""
     rows = [{"prompt": f"{a}+{b}=", "target": str(a + b)} for a in range(1, 5) for b in range(1, 5)]
     for name, part in (("train", rows), ("eval", rows[:4])):
@@ -357,25 +528,42 @@ def test_jsonl_task_without_answers_trains_and_evaluates_by_its_rewards(tokenize
         return [float(c[:1] == t[:1]) for c, t in zip(completions, target)]
 
     cfg = config.from_dict(
-        {**toy_config, "output_dir": str(tmp_path / "run"),
-         "data": {"task": "jsonl", "train_file": str(tmp_path / "train.jsonl"), "eval_file": str(tmp_path / "eval.jsonl"),
-                  "chat_template": "never"},
-         "eval": {"before": True, "after": True, "temperatures": [0.0]}},
+        {
+            **toy_config,
+            "output_dir": str(tmp_path / "run"),
+            "data": {
+                "task": "jsonl",
+                "train_file": str(tmp_path / "train.jsonl"),
+                "eval_file": str(tmp_path / "eval.jsonl"),
+                "chat_template": "never",
+            },
+            "eval": {"before": True, "after": True, "temperatures": [0.0]},
+        },
         ["training.max_steps=2", "training.per_device_train_batch_size=32"],
     )
-    trainer = Trainer(cfg, model=tiny_model(tokenizer, hidden_size=32, num_layers=1, seed=0), tokenizer=tokenizer,
-                      reward_funcs={"target": starts_with_target})
+    trainer = Trainer(
+        cfg,
+        model=tiny_model(tokenizer, hidden_size=32, num_layers=1, seed=0),
+        tokenizer=tokenizer,
+        reward_funcs={"target": starts_with_target},
+    )
     history = trainer.train()
     assert len(history) == 2 and "rewards/target/mean" in history[0]
-    results = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    results = [
+        json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()
+    ]
     assert [(r["label"], r["counts"]) for r in results] == [("before", {}), ("after", {})]
     assert all(0.0 <= r["mean_reward"] <= 1.0 and set(r["rewards"]) == {"target"} for r in results)
     out = capsys.readouterr().out
     assert "mean reward (before) | mean reward (after)" in out
-    assert "Scored by the configured reward functions" in (tmp_path / "run" / "report.md").read_text()
+    assert (
+        "Scored by the configured reward functions" in (tmp_path / "run" / "report.md").read_text()
+    )
 
 
-def test_console_eta_counts_training_steps_only(tokenizer, tmp_path, capsys, monkeypatch, make_trainer):
+def test_console_eta_counts_training_steps_only(
+    tokenizer, tmp_path, capsys, monkeypatch, make_trainer
+):
     """A slow evaluation before training shows its own progress bar and does not enter the ETA."""
     import re
     import time
@@ -389,11 +577,22 @@ def test_console_eta_counts_training_steps_only(tokenizer, tmp_path, capsys, mon
         return original(self, label, step, progress)
 
     monkeypatch.setattr(Evaluator, "__call__", slow)
-    trainer = make_trainer(tokenizer, tmp_path, ["training.max_steps=3", "training.per_device_train_batch_size=32",
-                                                 "eval.before=true", "logging.log_every=1", "eval.temperatures=[0.0]"])
+    trainer = make_trainer(
+        tokenizer,
+        tmp_path,
+        [
+            "training.max_steps=3",
+            "training.per_device_train_batch_size=32",
+            "eval.before=true",
+            "logging.log_every=1",
+            "eval.temperatures=[0.0]",
+        ],
+    )
     trainer.train()
     out = capsys.readouterr().out
-    assert "eval before" in out and "1/1" in out  # the evaluation's bar: one batch of the 4 held-out problems
+    assert (
+        "eval before" in out and "1/1" in out
+    )  # the evaluation's bar: one batch of the 4 held-out problems
     first = re.search(r"1/3 \|.*\| ([\d.]+)s/step \| ETA (\d+):(\d+)", out)
     assert first, out
     step_s, eta_s = float(first.group(1)), int(first.group(2)) * 60 + int(first.group(3))

@@ -85,7 +85,9 @@ def group_advantages(
     if scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
     if rewards.dim() != 1 or rewards.numel() % group_size != 0:
-        raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} entries, got {tuple(rewards.shape)}")
+        raise ValueError(
+            f"rewards must be 1-D with a multiple of group_size={group_size} entries, got {tuple(rewards.shape)}"
+        )
     dtype = rewards.dtype
     # float64, so that squares of large float32 rewards cannot overflow into an inf std, and
     # inf (a sum of weighted rewards past float32) counts as missing: an advantage is always finite
@@ -104,7 +106,9 @@ def group_advantages(
     return advantages.reshape(-1).to(dtype)
 
 
-def grpo_advantages(rewards: torch.Tensor, group_size: int, *, scale_rewards: str = "group") -> torch.Tensor:
+def grpo_advantages(
+    rewards: torch.Tensor, group_size: int, *, scale_rewards: str = "group"
+) -> torch.Tensor:
     """The registered `grpo` estimator: group_advantages (GRPO, or Dr. GRPO with scale_rewards="none")."""
     return group_advantages(rewards, group_size, scale_rewards)
 
@@ -117,10 +121,14 @@ def _finite_or_nan(rewards: torch.Tensor) -> torch.Tensor:
 
 def _check_grouped(rewards: torch.Tensor, group_size: int) -> None:
     if rewards.dim() != 1 or group_size < 1 or rewards.numel() % group_size != 0:
-        raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} entries, got {tuple(rewards.shape)}")
+        raise ValueError(
+            f"rewards must be 1-D with a multiple of group_size={group_size} entries, got {tuple(rewards.shape)}"
+        )
 
 
-def dr_grpo_advantages(rewards: torch.Tensor, group_size: int, *, scale_rewards: str = "none") -> torch.Tensor:
+def dr_grpo_advantages(
+    rewards: torch.Tensor, group_size: int, *, scale_rewards: str = "none"
+) -> torch.Tensor:
     """The registered `dr_grpo` estimator (Dr. GRPO, Liu et al. 2025): A_i = r_i - mean_g r.
 
     The group mean is subtracted and nothing is divided, whatever `scale_rewards`
@@ -134,7 +142,9 @@ def dr_grpo_advantages(rewards: torch.Tensor, group_size: int, *, scale_rewards:
     return group_advantages(rewards, group_size, "none")
 
 
-def rloo_advantages(rewards: torch.Tensor, group_size: int, *, scale_rewards: str = "none") -> torch.Tensor:
+def rloo_advantages(
+    rewards: torch.Tensor, group_size: int, *, scale_rewards: str = "none"
+) -> torch.Tensor:
     """The registered `rloo` estimator (REINFORCE leave-one-out, Ahmadian et al. 2024).
 
     A_i = r_i - (1 / (n - 1)) sum_{j != i} r_j, the sum over the other present
@@ -159,7 +169,11 @@ def rloo_advantages(rewards: torch.Tensor, group_size: int, *, scale_rewards: st
 
 
 def reinforce_pp_advantages(
-    rewards: torch.Tensor, group_size: int, *, scale_rewards: str = "batch", eps: float = ADVANTAGE_EPS
+    rewards: torch.Tensor,
+    group_size: int,
+    *,
+    scale_rewards: str = "batch",
+    eps: float = ADVANTAGE_EPS,
 ) -> torch.Tensor:
     """The registered `reinforce_pp` estimator: REINFORCE++ (Hu et al. 2025) with outcome rewards.
 

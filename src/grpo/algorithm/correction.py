@@ -51,16 +51,24 @@ class RolloutCorrection:
 
     def __post_init__(self) -> None:
         if self.level not in CORRECTION_LEVELS:
-            raise ValueError(f"rollout correction level must be one of {CORRECTION_LEVELS}, got {self.level!r}")
+            raise ValueError(
+                f"rollout correction level must be one of {CORRECTION_LEVELS}, got {self.level!r}"
+            )
         if self.mode not in CORRECTION_MODES:
-            raise ValueError(f"rollout correction mode must be one of {CORRECTION_MODES}, got {self.mode!r}")
+            raise ValueError(
+                f"rollout correction mode must be one of {CORRECTION_MODES}, got {self.mode!r}"
+            )
         if not self.cap > 0:
             raise ValueError(f"rollout correction cap must be > 0, got {self.cap!r}")
         if self.floor is not None and not 0 <= self.floor < self.cap:
-            raise ValueError(f"rollout correction floor must be in [0, cap={self.cap}) or None, got {self.floor!r}")
+            raise ValueError(
+                f"rollout correction floor must be in [0, cap={self.cap}) or None, got {self.floor!r}"
+            )
 
 
-def _log_ratio(old_logp: torch.Tensor, sampling_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _log_ratio(
+    old_logp: torch.Tensor, sampling_logp: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
     """old - sampling per token in float64, 0 at padding and where the sampler gave no finite log-prob."""
     diff = old_logp.detach().double() - sampling_logp.detach().double()
     keep = mask.bool() & torch.isfinite(diff)
@@ -88,7 +96,10 @@ def _apply(ratio: torch.Tensor, correction: RolloutCorrection) -> tuple[torch.Te
 
 
 def correction_weights(
-    old_logp: torch.Tensor, sampling_logp: torch.Tensor, mask: torch.Tensor, correction: RolloutCorrection
+    old_logp: torch.Tensor,
+    sampling_logp: torch.Tensor,
+    mask: torch.Tensor,
+    correction: RolloutCorrection,
 ) -> torch.Tensor:
     """The detached per-token (or per-sequence) weights of the policy loss, in old_logp's dtype.
 
@@ -134,7 +145,9 @@ def mismatch_stats(
         "is_ratio_sum": (torch.exp(diff) * m).sum(),
     }
     if correction is not None:
-        weights, outside = _apply(_ratios(old_logp, sampling_logp, mask, correction.level), correction)
+        weights, outside = _apply(
+            _ratios(old_logp, sampling_logp, mask, correction.level), correction
+        )
         stats["is_weight_sum"] = (weights * m).sum()
         stats["is_capped"] = (outside.double() * m).sum()
     return stats

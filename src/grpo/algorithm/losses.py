@@ -175,20 +175,26 @@ def _count(value: float, like: torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(value, dtype=like.dtype, device=like.device).clamp(min=1.0)
 
 
-def per_sequence_mean(per_token_loss: torch.Tensor, mask: torch.Tensor, norm: LossNormalisers) -> torch.Tensor:
+def per_sequence_mean(
+    per_token_loss: torch.Tensor, mask: torch.Tensor, norm: LossNormalisers
+) -> torch.Tensor:
     """`grpo`: (1/num_sequences) sum_i (sum_t L M / sum_t M)."""
     masked, mask = _masked(per_token_loss, mask)
     per_sequence = masked.sum(-1) / mask.sum(-1).clamp(min=1.0)
     return per_sequence.sum() / norm.num_sequences
 
 
-def minibatch_token_mean(per_token_loss: torch.Tensor, mask: torch.Tensor, norm: LossNormalisers) -> torch.Tensor:
+def minibatch_token_mean(
+    per_token_loss: torch.Tensor, mask: torch.Tensor, norm: LossNormalisers
+) -> torch.Tensor:
     """`bnpo`: (sum L M / minibatch_tokens) / num_minibatches (TRL normalises per minibatch)."""
     masked, _ = _masked(per_token_loss, mask)
     return masked.sum() / _count(norm.minibatch_tokens, masked) / norm.num_minibatches
 
 
-def fixed_length_mean(per_token_loss: torch.Tensor, mask: torch.Tensor, norm: LossNormalisers) -> torch.Tensor:
+def fixed_length_mean(
+    per_token_loss: torch.Tensor, mask: torch.Tensor, norm: LossNormalisers
+) -> torch.Tensor:
     """`dr_grpo`: sum L M / (num_sequences * max_completion_length)."""
     if norm.max_completion_length is None:
         raise ValueError("dr_grpo needs max_completion_length")
@@ -196,14 +202,19 @@ def fixed_length_mean(per_token_loss: torch.Tensor, mask: torch.Tensor, norm: Lo
     return masked.sum() / (norm.num_sequences * norm.max_completion_length)
 
 
-def batch_token_mean(per_token_loss: torch.Tensor, mask: torch.Tensor, norm: LossNormalisers) -> torch.Tensor:
+def batch_token_mean(
+    per_token_loss: torch.Tensor, mask: torch.Tensor, norm: LossNormalisers
+) -> torch.Tensor:
     """`dapo`: sum L M / num_tokens (every completion token of the generation batch)."""
     masked, _ = _masked(per_token_loss, mask)
     return masked.sum() / _count(norm.num_tokens, masked)
 
 
 def aggregate_loss(
-    per_token_loss: torch.Tensor, mask: torch.Tensor, loss_type: str, norms: LossNormalisers = LossNormalisers()
+    per_token_loss: torch.Tensor,
+    mask: torch.Tensor,
+    loss_type: str,
+    norms: LossNormalisers = LossNormalisers(),
 ) -> torch.Tensor:
     """Reduce per-token losses of one minibatch to the scalar to backpropagate, with the
     aggregation registered as `loss_type`. Summing the results over the pieces of a
@@ -273,11 +284,15 @@ def clipped_policy_loss(
     """
     log_w = log_importance_weights(logp, old_logp, mask, params.importance_sampling_level)
     ratio = torch.exp(log_w)
-    per_token = clipped_surrogate(ratio, advantages, params.epsilon_low, params.epsilon_high, params.delta)
+    per_token = clipped_surrogate(
+        ratio, advantages, params.epsilon_low, params.epsilon_high, params.delta
+    )
     return per_token, _trust_region_stats(ratio, advantages, mask, params)
 
 
-def _clip_stats(low: torch.Tensor, high: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+def _clip_stats(
+    low: torch.Tensor, high: torch.Tensor, mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
     low, high = low.expand(mask.shape), high.expand(mask.shape)
     return {
         "clip_low": masked_sum(low.double(), mask),
@@ -286,7 +301,9 @@ def _clip_stats(low: torch.Tensor, high: torch.Tensor, mask: torch.Tensor) -> di
     }
 
 
-def _trust_region_stats(ratio, advantages, mask, params: PolicyLossParams) -> dict[str, torch.Tensor]:
+def _trust_region_stats(
+    ratio, advantages, mask, params: PolicyLossParams
+) -> dict[str, torch.Tensor]:
     """clip_low: rho < 1 - eps_low with A < 0; clip_high: rho > 1 + eps_high with A > 0; clip_region: either."""
     with torch.no_grad():
         adv = token_advantages(advantages)
@@ -323,7 +340,9 @@ def cispo_policy_loss(
     cap 1.5 -> w = 1.5, l = -1.5 * log 0.5 = 1.0397, dl/dlogp = -1.5 (capped);
     cap 5 -> w = 2, l = 1.3863, dl/dlogp = -2.
     """
-    ratio = torch.exp(log_importance_weights(logp, old_logp, mask, params.importance_sampling_level))
+    ratio = torch.exp(
+        log_importance_weights(logp, old_logp, mask, params.importance_sampling_level)
+    )
     weight = torch.clamp(ratio, max=params.epsilon_high).detach()
     adv = token_advantages(advantages)
     per_token = -weight * adv * logp
@@ -361,7 +380,9 @@ def sapo_policy_loss(
     rho = 2, A = +1: s = sigmoid(1) = 0.73106, l = -2.92423,
     dl/dlogp = -4 * 0.73106 * 0.26894 * 2 = -1.57290.
     """
-    ratio = torch.exp(log_importance_weights(logp, old_logp, mask, params.importance_sampling_level))
+    ratio = torch.exp(
+        log_importance_weights(logp, old_logp, mask, params.importance_sampling_level)
+    )
     adv = token_advantages(advantages)
     tau = torch.where(
         adv > 0,
@@ -372,7 +393,9 @@ def sapo_policy_loss(
     return per_token, _trust_region_stats(ratio, advantages, mask, params)
 
 
-def entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float, scope: str) -> torch.Tensor:
+def entropy_mask(
+    entropy: torch.Tensor, mask: torch.Tensor, quantile: float, scope: str
+) -> torch.Tensor:
     """The high-entropy tokens that keep their policy loss ("Beyond the 80/20 rule", Wang et al. 2025).
 
     keep_{i,t} = m_{i,t} and H_{i,t} >= q_{1 - quantile}(H over the masked tokens)
@@ -401,11 +424,15 @@ def entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float, sco
     rank 0.5 -> 0.85 -> [[F, F, T, T], [F, T, F, F]].
     """
     if not 0.0 <= quantile <= 1.0:
-        raise ValueError(f"top_entropy_quantile must be in [0, 1] (0.2 keeps the top 20%), got {quantile!r}")
+        raise ValueError(
+            f"top_entropy_quantile must be in [0, 1] (0.2 keeps the top 20%), got {quantile!r}"
+        )
     if scope not in ENTROPY_MASK_SCOPES:
         raise ValueError(f"entropy mask scope must be one of {ENTROPY_MASK_SCOPES}, got {scope!r}")
     if entropy.shape != mask.shape or mask.dim() != 2:
-        raise ValueError(f"entropy and mask must both be [N, T], got {tuple(entropy.shape)} and {tuple(mask.shape)}")
+        raise ValueError(
+            f"entropy and mask must both be [N, T], got {tuple(entropy.shape)} and {tuple(mask.shape)}"
+        )
     keep = mask.bool()
     values = entropy.detach().double()
     if scope == "batch":
@@ -483,18 +510,28 @@ def policy_loss(
         old_logp = logp.detach()
     correction = settings.correction
     if correction is not None and sampling_logp is None:
-        raise ValueError("a rollout correction needs sampling_logp, the log-probs the engine sampled with")
-    per_token, stats = POLICY_LOSSES.get(settings.objective)(logp, old_logp, advantages, mask, settings.params)
+        raise ValueError(
+            "a rollout correction needs sampling_logp, the log-probs the engine sampled with"
+        )
+    per_token, stats = POLICY_LOSSES.get(settings.objective)(
+        logp, old_logp, advantages, mask, settings.params
+    )
     if entropy_mask is not None:
         if entropy_mask.shape != mask.shape:
-            raise ValueError(f"entropy_mask must have mask's shape {tuple(mask.shape)}, got {tuple(entropy_mask.shape)}")
+            raise ValueError(
+                f"entropy_mask must have mask's shape {tuple(mask.shape)}, got {tuple(entropy_mask.shape)}"
+            )
         per_token = per_token * entropy_mask.to(per_token.dtype)
     if sampling_logp is not None:
         if sampling_logp.shape != mask.shape:
-            raise ValueError(f"sampling_logp must have mask's shape {tuple(mask.shape)}, got {tuple(sampling_logp.shape)}")
+            raise ValueError(
+                f"sampling_logp must have mask's shape {tuple(mask.shape)}, got {tuple(sampling_logp.shape)}"
+            )
         stats.update(mismatch_stats(old_logp, sampling_logp, mask, correction))
         if correction is not None:
-            per_token = per_token * correction_weights(old_logp, sampling_logp, mask, correction).to(per_token.dtype)
+            per_token = per_token * correction_weights(
+                old_logp, sampling_logp, mask, correction
+            ).to(per_token.dtype)
     if settings.beta != 0.0:
         if ref_logp is None:
             raise ValueError("beta > 0 needs ref_logp")

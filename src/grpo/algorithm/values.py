@@ -17,7 +17,9 @@ from __future__ import annotations
 import torch
 
 
-def gae_estimator(rewards: torch.Tensor, group_size: int, *, scale_rewards: str = "none") -> torch.Tensor:
+def gae_estimator(
+    rewards: torch.Tensor, group_size: int, *, scale_rewards: str = "none"
+) -> torch.Tensor:
     """The registered `gae` estimator's entry: always raises.
 
     GAE needs the critic's values V_t for every token, which the registry's
@@ -50,7 +52,9 @@ def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Te
     [[0, 0, 1], [0, 2, 0], [0, 0, 0]].
     """
     if rewards.dim() != 1 or mask.dim() != 2 or mask.shape[0] != rewards.shape[0]:
-        raise ValueError(f"rewards must be [N] and mask [N, T], got {tuple(rewards.shape)} and {tuple(mask.shape)}")
+        raise ValueError(
+            f"rewards must be [N] and mask [N, T], got {tuple(rewards.shape)} and {tuple(mask.shape)}"
+        )
     last, has_token = _last_token(mask)
     reward = torch.where(torch.isfinite(rewards) & has_token, rewards, torch.zeros_like(rewards))
     out = torch.zeros(mask.shape, dtype=rewards.dtype, device=rewards.device)
@@ -102,7 +106,9 @@ def gae_advantages(
     return advantages.to(values.dtype), returns.to(values.dtype)
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, population: torch.Tensor | None = None) -> torch.Tensor:
+def masked_whiten(
+    x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, population: torch.Tensor | None = None
+) -> torch.Tensor:
     """PPO's advantage normalisation: (x - mean) / (std + eps) over the entries where mask is 1
     (or, when given, with the mean and std of `population`, a 1-D tensor: e.g. the masked entries
     of every rank of a data-parallel run).
@@ -155,7 +161,9 @@ def clipped_value_loss(
     return 0.5 * torch.max(unclipped, (clipped_values - returns) ** 2) * m
 
 
-def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def explained_variance(
+    values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
     """1 - Var(R - V) / Var(R) over masked tokens, a detached float64 scalar (the critic's fit).
 
     1 is a perfect critic, 0 one no better than a constant, negative a harmful
@@ -175,4 +183,8 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
 
     var_r = var(r)
     # torch.where rather than a Python test: no device synchronisation for a metric
-    return torch.where(var_r > 0, 1.0 - var(residual) / var_r.clamp(min=1e-300), torch.full_like(var_r, float("nan")))
+    return torch.where(
+        var_r > 0,
+        1.0 - var(residual) / var_r.clamp(min=1e-300),
+        torch.full_like(var_r, float("nan")),
+    )

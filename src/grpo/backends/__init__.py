@@ -103,7 +103,9 @@ def world_size() -> int:
     try:
         return int(os.environ.get("WORLD_SIZE", "1"))
     except ValueError:
-        raise ConfigError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not a number; start with torchrun") from None
+        raise ConfigError(
+            f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not a number; start with torchrun"
+        ) from None
 
 
 def create_backend(cfg: Config) -> Backend:
@@ -114,8 +116,10 @@ def create_backend(cfg: Config) -> Backend:
 
         return DataParallel(cfg)
     if cfg.training.sharding != "none":
-        raise ConfigError(f"training.sharding={cfg.training.sharding} shards over torchrun's processes: start with "
-                          "`torchrun --nproc_per_node N -m grpo train CONFIG`, or set training.sharding=none")
+        raise ConfigError(
+            f"training.sharding={cfg.training.sharding} shards over torchrun's processes: start with "
+            "`torchrun --nproc_per_node N -m grpo train CONFIG`, or set training.sharding=none"
+        )
     from grpo.backends.single import SingleProcess
 
     return SingleProcess(cfg)

@@ -59,7 +59,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from grpo.backends.single import SingleProcess, adamw, cpu_layer, enable_checkpointing, resolve_device
+from grpo.backends.single import (
+    SingleProcess,
+    adamw,
+    cpu_layer,
+    enable_checkpointing,
+    resolve_device,
+)
 from grpo.config.schema import Config, ConfigError, validate
 
 # gradients are reduced in flat buckets of at most this many elements (a float32 bucket: 256 MB)
@@ -79,7 +85,9 @@ class DataParallel(SingleProcess):
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        validate(cfg, self.world_size)  # the batch's split over the ranks, before any process waits on another
+        validate(
+            cfg, self.world_size
+        )  # the batch's split over the ranks, before any process waits on another
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if resolve_device(cfg.training.device).type == "cuda":
             if self.local_rank >= torch.cuda.device_count():
@@ -110,14 +118,18 @@ class DataParallel(SingleProcess):
         enable_checkpointing(model, self.cfg.training.gradient_checkpointing)
         self.broadcast_module(model)  # every rank shards the same weights
         model = shard_with_fsdp(model)
-        if self.cpu is not None:  # its compiled kernels only: the shards' modules stay as FSDP wraps them
+        if (
+            self.cpu is not None
+        ):  # its compiled kernels only: the shards' modules stay as FSDP wraps them
             self.cpu.install(model, swap_modules=False)
         return model
 
     def make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         if not self.fsdp:
             return super().make_optimizer(model)
-        return adamw(model, self.cfg.training, self.device)  # over the shards; FSDP allocates their gradients
+        return adamw(
+            model, self.cfg.training, self.device
+        )  # over the shards; FSDP allocates their gradients
 
     def output_layer_kernels(self):
         kernels = super().output_layer_kernels()
@@ -128,7 +140,9 @@ class DataParallel(SingleProcess):
         if not self.fsdp:
             return super().clip_grad_norm(model, max_norm)
         # the norm over every rank's shards (DTensors); an infinite maximum measures without clipping
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
+        norm = torch.nn.utils.clip_grad_norm_(
+            model.parameters(), max_norm if max_norm > 0 else float("inf")
+        )
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     @contextlib.contextmanager
@@ -141,7 +155,9 @@ class DataParallel(SingleProcess):
         units = [m for m in model.modules() if isinstance(m, FSDPModule)]
         for unit in units:
             unit.unshard()
-        model.set_reshard_after_forward(False)  # whole until the rollout ends: no collective per decoding step
+        model.set_reshard_after_forward(
+            False
+        )  # whole until the rollout ends: no collective per decoding step
         try:
             yield
         finally:
@@ -158,7 +174,11 @@ class DataParallel(SingleProcess):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         # every rank reads the whole checkpoint and keeps its shards
-        set_model_state_dict(model, saved.weights(model), options=StateDictOptions(full_state_dict=True, strict=False))
+        set_model_state_dict(
+            model,
+            saved.weights(model),
+            options=StateDictOptions(full_state_dict=True, strict=False),
+        )
 
     def passes_needed(self, count: int) -> int:
         if not self.fsdp:
@@ -245,7 +265,11 @@ class DataParallel(SingleProcess):
             return {}
         is_max = torch.tensor([k.endswith("_max") for k in keys], device=self._comm_device)
         missing = [float("-inf") if k.endswith("_max") else 0.0 for k in keys]
-        values = torch.tensor([sums.get(k, m) for k, m in zip(keys, missing)], dtype=torch.float64, device=self._comm_device)
+        values = torch.tensor(
+            [sums.get(k, m) for k, m in zip(keys, missing)],
+            dtype=torch.float64,
+            device=self._comm_device,
+        )
         total = values.clone()
         dist.all_reduce(total)
         largest = values.clone()
@@ -284,11 +308,14 @@ def shard_with_fsdp(model: torch.nn.Module) -> torch.nn.Module:
     body = getattr(model, getattr(model, "base_model_prefix", "model"), None)
     layers = getattr(body, "layers", None)
     if layers is None:
-        raise ConfigError(f"training.sharding=fsdp: {type(model).__name__} has no decoder layers at "
-                          f"{model.base_model_prefix}.layers to shard; set training.sharding=none")
+        raise ConfigError(
+            f"training.sharding=fsdp: {type(model).__name__} has no decoder layers at "
+            f"{model.base_model_prefix}.layers to shard; set training.sharding=none"
+        )
     for layer in layers:
         fully_shard(layer)
     fully_shard(model)
+
     def logprobs(self, *args, share_prompts: bool = True, **kwargs):
         # one decoder pass per call, whatever the rows (shared prompts would make it two for some
         # micro-batches and one for others, and the ranks' all-gathers would no longer pair up)
@@ -307,14 +334,26 @@ class FullOptimizerState:
         self.model, self.optimizer = model, optimizer
 
     def state_dict(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
 
-        return get_optimizer_state_dict(self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return get_optimizer_state_dict(
+            self.model,
+            self.optimizer,
+            options=StateDictOptions(full_state_dict=True, cpu_offload=True),
+        )
 
     def load_state_dict(self, state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
 
-        set_optimizer_state_dict(self.model, self.optimizer, state, options=StateDictOptions(full_state_dict=True))
+        set_optimizer_state_dict(
+            self.model, self.optimizer, state, options=StateDictOptions(full_state_dict=True)
+        )
 
 
 def unsharded_copy(model: torch.nn.Module) -> torch.nn.Module | None:
@@ -323,17 +362,25 @@ def unsharded_copy(model: torch.nn.Module) -> torch.nn.Module | None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import FSDPModule
 
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     if dist.get_rank() != 0:
         return None
-    cls = next(c for c in type(model).__mro__[1:] if not issubclass(c, FSDPModule) and issubclass(c, torch.nn.Module))
+    cls = next(
+        c
+        for c in type(model).__mro__[1:]
+        if not issubclass(c, FSDPModule) and issubclass(c, torch.nn.Module)
+    )
     with torch.device("meta"):
         plain = cls(model.config)
     plain.load_state_dict(state, assign=True, strict=False)
     plain.tie_weights()
     missing = [name for name, p in plain.named_parameters() if p.is_meta]
     if missing:
-        raise RuntimeError(f"the gathered FSDP state has no {missing[:3]}: cannot write the checkpoint")
+        raise RuntimeError(
+            f"the gathered FSDP state has no {missing[:3]}: cannot write the checkpoint"
+        )
     return plain
 
 

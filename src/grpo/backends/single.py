@@ -33,7 +33,9 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("training.device: cuda requested but no CUDA device is available; use training.device=cpu")
+        raise ConfigError(
+            "training.device: cuda requested but no CUDA device is available; use training.device=cpu"
+        )
     return torch.device(name)
 
 
@@ -58,7 +60,11 @@ def sparse_tied_embedding_gradient(model) -> None:
     """
     embedding = model.get_input_embeddings()
     output = model.get_output_embeddings()
-    if isinstance(embedding, torch.nn.Embedding) and output is not None and embedding.weight is output.weight:
+    if (
+        isinstance(embedding, torch.nn.Embedding)
+        and output is not None
+        and embedding.weight is output.weight
+    ):
         embedding.sparse = True
 
 
@@ -66,9 +72,13 @@ def enable_checkpointing(model, enabled: bool) -> None:
     """training.gradient_checkpointing (non-reentrant), and the KV cache on for generation."""
     if enabled:
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            model.activation_checkpointing_enable(
+                activation_checkpointing_kwargs={"use_reentrant": False}
+            )
         else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
     model.config.use_cache = True
 
 
@@ -99,7 +109,9 @@ class SingleProcess:
         return True
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        if getattr(model, "hf_quantizer", None) is None:  # a QLoRA base is placed by bitsandbytes, and cannot move
+        if (
+            getattr(model, "hf_quantizer", None) is None
+        ):  # a QLoRA base is placed by bitsandbytes, and cannot move
             model = model.to(self.device)
         enable_checkpointing(model, self.cfg.training.gradient_checkpointing)
         sparse_tied_embedding_gradient(model)
@@ -131,7 +143,11 @@ class SingleProcess:
     def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> float:
         if max_norm > 0:
             return float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
-        return float(torch.sqrt(sum((p.grad.float() ** 2).sum() for p in model.parameters() if p.grad is not None)))
+        return float(
+            torch.sqrt(
+                sum((p.grad.float() ** 2).sum() for p in model.parameters() if p.grad is not None)
+            )
+        )
 
     # the collectives of grpo.backends.distributed.DataParallel, for one rank
     def sum(self, value: float) -> float:

@@ -22,23 +22,40 @@ from grpo.config.schema import Config
 
 SECTIONS: dict[str, tuple[str, str]] = {
     # section: (what it holds, an example override)
-    "model": ("the policy: a hub id, a local directory, a .gguf file, gemma-3-270m or tiny; dtype, LoRA (model.lora)",
-              "model.name=Qwen/Qwen2.5-0.5B-Instruct"),
-    "data": ("the task and its rows: arithmetic, jsonl, hf, gsm8k, math, code; prompt column, chat template",
-             "data.task=jsonl data.train_file=train.jsonl"),
-    "rollout": ("generation: the engine (hf, vllm), completions per prompt (G), max_completion_length, temperature, "
-                "top_p, top_k, stop strings", "rollout.num_generations=8"),
-    "rewards": ("reward functions (built-in names, file.py:function, reward_model:PATH), weights, timeouts, sandbox",
-                "rewards.funcs=[math_answer,think_format]"),
-    "algorithm": ("the objective: a paper's preset (grpo, dr_grpo, dapo, gspo), the advantage estimator (gae: PPO "
-                  "with a critic), policy loss, KL beta, clipping, loss_type, rollout correction",
-                  "algorithm.preset=dapo"),
-    "training": ("optimisation: max_steps, batch sizes, learning rate and schedule, bf16, checkpoints, device",
-                 "training.max_steps=50"),
-    "eval": ("held-out evaluation before, during and after training: decoding temperatures, problems, batch size",
-             "eval.after=true"),
-    "logging": ("the console line, sample completions, trackers (tensorboard, wandb, trackio)",
-                "logging.report_to=[wandb]"),
+    "model": (
+        "the policy: a hub id, a local directory, a .gguf file, gemma-3-270m or tiny; dtype, LoRA (model.lora)",
+        "model.name=Qwen/Qwen2.5-0.5B-Instruct",
+    ),
+    "data": (
+        "the task and its rows: arithmetic, jsonl, hf, gsm8k, math, code; prompt column, chat template",
+        "data.task=jsonl data.train_file=train.jsonl",
+    ),
+    "rollout": (
+        "generation: the engine (hf, vllm), completions per prompt (G), max_completion_length, temperature, "
+        "top_p, top_k, stop strings",
+        "rollout.num_generations=8",
+    ),
+    "rewards": (
+        "reward functions (built-in names, file.py:function, reward_model:PATH), weights, timeouts, sandbox",
+        "rewards.funcs=[math_answer,think_format]",
+    ),
+    "algorithm": (
+        "the objective: a paper's preset (grpo, dr_grpo, dapo, gspo), the advantage estimator (gae: PPO "
+        "with a critic), policy loss, KL beta, clipping, loss_type, rollout correction",
+        "algorithm.preset=dapo",
+    ),
+    "training": (
+        "optimisation: max_steps, batch sizes, learning rate and schedule, bf16, checkpoints, device",
+        "training.max_steps=50",
+    ),
+    "eval": (
+        "held-out evaluation before, during and after training: decoding temperatures, problems, batch size",
+        "eval.after=true",
+    ),
+    "logging": (
+        "the console line, sample completions, trackers (tensorboard, wandb, trackio)",
+        "logging.report_to=[wandb]",
+    ),
 }
 
 
@@ -52,8 +69,13 @@ def field_docs(cls: type) -> dict[str, str]:
     body = next((node.body for node in tree.body if isinstance(node, ast.ClassDef)), [])
     docs = {}
     for here, after in zip(body, body[1:]):
-        if (isinstance(here, ast.AnnAssign) and isinstance(here.target, ast.Name) and isinstance(after, ast.Expr)
-                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+        if (
+            isinstance(here, ast.AnnAssign)
+            and isinstance(here.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
             docs[here.target.id] = inspect.cleandoc(after.value.value)
     return docs
 
@@ -63,7 +85,9 @@ def doc_of(owner: type, name: str, value: Any) -> str | None:
     doc = field_docs(owner).get(name)
     if doc is None and dataclasses.is_dataclass(value) and type(value).__doc__:
         own = type(value).__doc__
-        if not own.startswith(f"{type(value).__name__}("):  # dataclass's generated signature is no documentation
+        if not own.startswith(
+            f"{type(value).__name__}("
+        ):  # dataclass's generated signature is no documentation
             doc = inspect.cleandoc(own)
     return doc
 
@@ -74,12 +98,18 @@ def _comment(text: str, pad: str) -> list[str]:
 
 def _scalar(name: str, value: Any, pad: str) -> list[str]:
     """`name: value` as YAML reads it back (leaf lists in flow style), each line indented by `pad`."""
-    if isinstance(value, str) and "\n" in value:  # one line, escaped: JSON's string is YAML's double-quoted one
+    if (
+        isinstance(value, str) and "\n" in value
+    ):  # one line, escaped: JSON's string is YAML's double-quoted one
         return [f"{pad}{name}: {json.dumps(value, ensure_ascii=False)}"]
     if isinstance(value, (list, dict)):
-        flow = yaml.safe_dump(value, default_flow_style=True, width=10**6, allow_unicode=True).strip()
+        flow = yaml.safe_dump(
+            value, default_flow_style=True, width=10**6, allow_unicode=True
+        ).strip()
         return [f"{pad}{name}: {flow}"]
-    text = yaml.safe_dump({name: value}, default_flow_style=False, sort_keys=False, width=10**6, allow_unicode=True)
+    text = yaml.safe_dump(
+        {name: value}, default_flow_style=False, sort_keys=False, width=10**6, allow_unicode=True
+    )
     return [pad + line for line in text.rstrip("\n").split("\n")]
 
 

@@ -50,7 +50,9 @@ class _BoundedLoader(yaml.SafeLoader):
         self._depth += 1
         try:
             if self._depth > MAX_DEPTH:
-                raise _Refused(f"nested more than {MAX_DEPTH} levels deep", self.peek_event().start_mark)
+                raise _Refused(
+                    f"nested more than {MAX_DEPTH} levels deep", self.peek_event().start_mark
+                )
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
@@ -67,8 +69,11 @@ class _BoundedLoader(yaml.SafeLoader):
                 except TypeError:
                     continue  # SafeLoader's own error names an unhashable key
                 if key in seen:
-                    raise _Refused(f"the key {shown(key)} appears twice in one mapping (first on line "
-                                   f"{seen[key].line + 1}); keep one of them", key_node.start_mark)
+                    raise _Refused(
+                        f"the key {shown(key)} appears twice in one mapping (first on line "
+                        f"{seen[key].line + 1}); keep one of them",
+                        key_node.start_mark,
+                    )
                 seen[key] = key_node.start_mark
         return super().construct_mapping(node, deep=deep)
 
@@ -106,7 +111,9 @@ def parse(text: str, where: str) -> Any:
     except yaml.YAMLError as e:
         raise ConfigError(f"{where}: not valid YAML ({_first_lines(str(e))})") from None
     except ValueError as e:  # a constructor's own limit, e.g. an integer of more than 4,300 digits
-        raise ConfigError(f"{where}: a value cannot be read ({_first_lines(str(e), 1, 160)})") from None
+        raise ConfigError(
+            f"{where}: a value cannot be read ({_first_lines(str(e), 1, 160)})"
+        ) from None
     except RecursionError:  # a structure the depth count does not see (a flow scalar's parser, say)
         raise ConfigError(f"{where}: nested too deeply to read; write it flatter") from None
     if expanded_size(value) > MAX_NODES:
@@ -123,7 +130,9 @@ def read(path: str | Path, what: str = "config file") -> Any:
     try:
         size = path.stat().st_size
         if size > MAX_BYTES:
-            raise ConfigError(f"{what} {path}: {size:,} bytes, more than a config's {MAX_BYTES:,}; is it the right file?")
+            raise ConfigError(
+                f"{what} {path}: {size:,} bytes, more than a config's {MAX_BYTES:,}; is it the right file?"
+            )
         data = path.read_bytes()
     except OSError as e:
         raise ConfigError(f"{what} {path}: cannot be read ({e.strerror or e})") from None
@@ -131,7 +140,9 @@ def read(path: str | Path, what: str = "config file") -> Any:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         line = data[: e.start].count(b"\n") + 1
-        raise ConfigError(f"{path} (line {line}): not UTF-8 text (byte {data[e.start]:#04x}); save it as UTF-8") from None
+        raise ConfigError(
+            f"{path} (line {line}): not UTF-8 text (byte {data[e.start]:#04x}); save it as UTF-8"
+        ) from None
     return parse(text, str(path))
 
 

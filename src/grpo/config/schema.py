@@ -60,13 +60,21 @@ class LoraConfig:
 
     def check(self, cfg: "Config") -> None:
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 0:
-            raise ConfigError(f"model.lora.r: must be an integer >= 0 (0 turns LoRA off), got {self.r!r}")
+            raise ConfigError(
+                f"model.lora.r: must be an integer >= 0 (0 turns LoRA off), got {self.r!r}"
+            )
         if not self.alpha > 0:
-            raise ConfigError(f"model.lora.alpha: must be > 0 (the adapter is scaled by alpha / r), got {self.alpha!r}")
+            raise ConfigError(
+                f"model.lora.alpha: must be > 0 (the adapter is scaled by alpha / r), got {self.alpha!r}"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.lora.dropout: must be in [0, 1), got {self.dropout!r}")
         targets = self.target_modules
-        if not isinstance(targets, list) or not targets or not all(isinstance(t, str) and t for t in targets):
+        if (
+            not isinstance(targets, list)
+            or not targets
+            or not all(isinstance(t, str) and t for t in targets)
+        ):
             raise ConfigError(
                 f"model.lora.target_modules: must be a non-empty list of module names or [all-linear], got {targets!r}"
             )
@@ -89,16 +97,22 @@ class LoraConfig:
                 "set model.lora.r > 0 (e.g. 16), or model.lora.quantize: none"
             )
         if cfg.training.device == "cpu":
-            raise ConfigError(f"model.lora.quantize: {self.quantize} (QLoRA) is GPU-only (bitsandbytes on CUDA), "
-                              f"and training.device is cpu; {fix}")
+            raise ConfigError(
+                f"model.lora.quantize: {self.quantize} (QLoRA) is GPU-only (bitsandbytes on CUDA), "
+                f"and training.device is cpu; {fix}"
+            )
         import torch
 
         if not torch.cuda.is_available():
-            raise ConfigError(f"model.lora.quantize: {self.quantize} (QLoRA) is GPU-only (bitsandbytes on CUDA), and "
-                              f"no CUDA device is available here; {fix}")
+            raise ConfigError(
+                f"model.lora.quantize: {self.quantize} (QLoRA) is GPU-only (bitsandbytes on CUDA), and "
+                f"no CUDA device is available here; {fix}"
+            )
         if importlib.util.find_spec("bitsandbytes") is None:
-            raise ConfigError(f"model.lora.quantize: {self.quantize} needs the bitsandbytes package, which is not "
-                              f"installed: pip install bitsandbytes; or {fix}")
+            raise ConfigError(
+                f"model.lora.quantize: {self.quantize} needs the bitsandbytes package, which is not "
+                f"installed: pip install bitsandbytes; or {fix}"
+            )
 
 
 @dataclass
@@ -146,7 +160,9 @@ class ArithmeticConfig:
 
     def check(self) -> None:
         if len(self.operands) < 2 or any(len(rg) != 2 or rg[0] > rg[1] for rg in self.operands):
-            raise ConfigError(f"data.arithmetic.operands: need two or more [low, high] ranges with low <= high, got {self.operands}")
+            raise ConfigError(
+                f"data.arithmetic.operands: need two or more [low, high] ranges with low <= high, got {self.operands}"
+            )
         if len(self.operators) != len(self.operands) - 1:
             raise ConfigError(
                 f"data.arithmetic.operators: need {len(self.operands) - 1} operators for {len(self.operands)} operands, got {self.operators}"
@@ -154,13 +170,17 @@ class ArithmeticConfig:
         for op in self.operators:
             _choice("data.arithmetic.operators[]", op, ("+", "-", "*"))
         if "{expression}" not in self.instruction:
-            raise ConfigError("data.arithmetic.instruction: must contain {expression}, where the problem goes")
+            raise ConfigError(
+                "data.arithmetic.instruction: must contain {expression}, where the problem goes"
+            )
         _positive("data.arithmetic.num_train", self.num_train)
         _positive("data.arithmetic.num_eval", self.num_eval, allow_zero=True)
         for key in ("num_train", "num_eval"):
             if getattr(self, key) > MAX_ROWS:
-                raise ConfigError(f"data.arithmetic.{key}: {getattr(self, key):,} problems, more than the "
-                                  f"{MAX_ROWS:,} the task makes (each is a row held in memory); lower it")
+                raise ConfigError(
+                    f"data.arithmetic.{key}: {getattr(self, key):,} problems, more than the "
+                    f"{MAX_ROWS:,} the task makes (each is a row held in memory); lower it"
+                )
 
 
 @dataclass
@@ -179,7 +199,9 @@ class DataConfig:
     data files), or a hub dataset `name[:subset[:split]]` (needs the network)."""
     eval_file: str | None = None
     """Held-out rows, in the same form as `train_file` (a hub dataset's split defaults to `test`)."""
-    instruction: str = "{question}\n\nPlease reason step by step, and put your final answer within \\boxed{}."
+    instruction: str = (
+        "{question}\n\nPlease reason step by step, and put your final answer within \\boxed{}."
+    )
     """The prompt of tasks gsm8k and math: `{question}` is replaced by the row's question
     (GSM8K) or problem (MATH); other braces are kept as written."""
     prompt_column: str = "prompt"
@@ -206,7 +228,9 @@ class DataConfig:
         if self.task == "arithmetic":
             self.arithmetic.check()
         if self.task == "jsonl" and not self.train_file:
-            raise ConfigError("data.train_file: task 'jsonl' needs a JSONL file of rows; set data.train_file=path/to/train.jsonl")
+            raise ConfigError(
+                "data.train_file: task 'jsonl' needs a JSONL file of rows; set data.train_file=path/to/train.jsonl"
+            )
         if self.task == "hf":
             if not self.train_file:
                 raise ConfigError(
@@ -215,7 +239,9 @@ class DataConfig:
                 )
             for key in ("train_split", "eval_split"):
                 if not getattr(self, key).strip():
-                    raise ConfigError(f"data.{key}: empty; name a split (e.g. train, test, validation)")
+                    raise ConfigError(
+                        f"data.{key}: empty; name a split (e.g. train, test, validation)"
+                    )
         targets: set[str] = set()
         for i, rename in enumerate(self.columns):
             source, sep, target = rename.partition("=")
@@ -224,10 +250,14 @@ class DataConfig:
                     f"data.columns[{i}]: {rename!r} is not `dataset_column=row_key`; write e.g. data.columns=[question=prompt]"
                 )
             if target.strip() in targets:
-                raise ConfigError(f"data.columns[{i}]: two columns renamed to {target.strip()!r}; give each its own name")
+                raise ConfigError(
+                    f"data.columns[{i}]: two columns renamed to {target.strip()!r}; give each its own name"
+                )
             targets.add(target.strip())
         if self.columns and self.task != "hf":
-            raise ConfigError(f"data.columns: renames columns for task 'hf' only, not {self.task!r}; remove it")
+            raise ConfigError(
+                f"data.columns: renames columns for task 'hf' only, not {self.task!r}; remove it"
+            )
         if self.task in ("gsm8k", "math"):
             if not self.train_file:
                 raise ConfigError(
@@ -235,7 +265,9 @@ class DataConfig:
                     "(or .parquet, or a hub dataset name)"
                 )
             if "{question}" not in self.instruction:
-                raise ConfigError("data.instruction: must contain {question}, where the question goes")
+                raise ConfigError(
+                    "data.instruction: must contain {question}, where the question goes"
+                )
 
 
 @dataclass
@@ -412,7 +444,9 @@ class RewardsConfig:
 
     def check(self, cfg: "Config", world_size: int = 1) -> None:
         if not self.funcs and self.overlong_buffer is None:
-            raise ConfigError("rewards.funcs: empty; name at least one reward function (e.g. [arithmetic_correct])")
+            raise ConfigError(
+                "rewards.funcs: empty; name at least one reward function (e.g. [arithmetic_correct])"
+            )
         if self.weights is not None and len(self.weights) != len(self.funcs):
             raise ConfigError(
                 f"rewards.weights: {len(self.weights)} weights for {len(self.funcs)} functions in rewards.funcs; give one weight per function"
@@ -422,10 +456,18 @@ class RewardsConfig:
         for form in self.math_forms:
             _choice("rewards.math_forms[]", form, ("boxed", "gsm8k", "answer"))
         _positive("rewards.math_timeout", self.math_timeout)
-        if not (isinstance(self.timeout, (int, float)) and math.isfinite(self.timeout) and self.timeout > 0):
-            raise ConfigError(f"rewards.timeout: must be a finite number of seconds > 0, got {self.timeout}")
+        if not (
+            isinstance(self.timeout, (int, float))
+            and math.isfinite(self.timeout)
+            and self.timeout > 0
+        ):
+            raise ConfigError(
+                f"rewards.timeout: must be a finite number of seconds > 0, got {self.timeout}"
+            )
         if self.workers < 0:
-            raise ConfigError(f"rewards.workers: must be >= 0 (0 = one per CPU core, at most 8), got {self.workers}")
+            raise ConfigError(
+                f"rewards.workers: must be >= 0 (0 = one per CPU core, at most 8), got {self.workers}"
+            )
         most = MAX_WORKERS_PER_CORE * (os.cpu_count() or 1)
         if self.workers > most:
             raise ConfigError(
@@ -433,11 +475,19 @@ class RewardsConfig:
                 f"use at most {most} ({MAX_WORKERS_PER_CORE} per core), or 0 for one per core"
             )
         if self.worker_memory_mb < 0:
-            raise ConfigError(f"rewards.worker_memory_mb: must be >= 0 MiB (0 = no limit), got {self.worker_memory_mb}")
+            raise ConfigError(
+                f"rewards.worker_memory_mb: must be >= 0 MiB (0 = no limit), got {self.worker_memory_mb}"
+            )
         _choice("rewards.isolation", self.isolation, ("process", "thread"))
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.reward_model_device):
-            raise ConfigError(f"rewards.reward_model_device: {self.reward_model_device!r} is not one of auto, cpu, cuda, cuda:N")
-        _choice("rewards.reward_model_dtype", self.reward_model_dtype, ("float32", "bfloat16", "float16"))
+            raise ConfigError(
+                f"rewards.reward_model_device: {self.reward_model_device!r} is not one of auto, cpu, cuda, cuda:N"
+            )
+        _choice(
+            "rewards.reward_model_dtype",
+            self.reward_model_dtype,
+            ("float32", "bfloat16", "float16"),
+        )
         _positive("rewards.reward_model_batch_size", self.reward_model_batch_size)
         _choice("rewards.code_reward", self.code_reward, ("fraction", "all"))
         self.sandbox.check()
@@ -450,20 +500,56 @@ class RewardsConfig:
 
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     # GRPO as DeepSeekMath ran it: group-normalised advantages, a per-sequence mean, a KL penalty
-    "grpo": {"algorithm": {"advantage_estimator": "grpo", "scale_rewards": "group", "loss_type": "grpo",
-                           "epsilon": 0.2, "epsilon_high": 0.2, "beta": 0.04, "importance_sampling_level": "token"}},
+    "grpo": {
+        "algorithm": {
+            "advantage_estimator": "grpo",
+            "scale_rewards": "group",
+            "loss_type": "grpo",
+            "epsilon": 0.2,
+            "epsilon_high": 0.2,
+            "beta": 0.04,
+            "importance_sampling_level": "token",
+        }
+    },
     # Dr. GRPO (Liu et al. 2025): no std scaling, a fixed-length normaliser, no KL
-    "dr_grpo": {"algorithm": {"advantage_estimator": "dr_grpo", "scale_rewards": "none", "loss_type": "dr_grpo",
-                              "epsilon": 0.2, "epsilon_high": 0.2, "beta": 0.0, "importance_sampling_level": "token"}},
+    "dr_grpo": {
+        "algorithm": {
+            "advantage_estimator": "dr_grpo",
+            "scale_rewards": "none",
+            "loss_type": "dr_grpo",
+            "epsilon": 0.2,
+            "epsilon_high": 0.2,
+            "beta": 0.0,
+            "importance_sampling_level": "token",
+        }
+    },
     # DAPO (Yu et al. 2025): clip-higher, token-level mean, dynamic sampling, no KL, the soft
     # overlong penalty over the last fifth of the completion length (their 4k of 20k)
-    "dapo": {"algorithm": {"advantage_estimator": "grpo", "scale_rewards": "group", "loss_type": "dapo",
-                           "epsilon": 0.2, "epsilon_high": 0.28, "beta": 0.0, "dynamic_sampling": True,
-                           "importance_sampling_level": "token"},
-             "rewards": {"overlong_buffer": lambda data: _fifth_of_completion_length(data)}},
+    "dapo": {
+        "algorithm": {
+            "advantage_estimator": "grpo",
+            "scale_rewards": "group",
+            "loss_type": "dapo",
+            "epsilon": 0.2,
+            "epsilon_high": 0.28,
+            "beta": 0.0,
+            "dynamic_sampling": True,
+            "importance_sampling_level": "token",
+        },
+        "rewards": {"overlong_buffer": lambda data: _fifth_of_completion_length(data)},
+    },
     # GSPO (Zheng et al. 2025): the sequence-level ratio, with its much narrower clipping range
-    "gspo": {"algorithm": {"advantage_estimator": "grpo", "scale_rewards": "group", "loss_type": "grpo",
-                           "importance_sampling_level": "sequence", "epsilon": 3e-4, "epsilon_high": 4e-4, "beta": 0.0}},
+    "gspo": {
+        "algorithm": {
+            "advantage_estimator": "grpo",
+            "scale_rewards": "group",
+            "loss_type": "grpo",
+            "importance_sampling_level": "sequence",
+            "epsilon": 3e-4,
+            "epsilon_high": 4e-4,
+            "beta": 0.0,
+        }
+    },
 }
 """algorithm.preset -> the settings each paper used, per section; a value may be a function of the
 config as read (dapo's overlong buffer follows max_completion_length). A key the user sets (in the
@@ -556,7 +642,11 @@ class AlgorithmConfig:
         registry.LOSS_AGGREGATIONS.check(self.loss_type)
         _choice("algorithm.scale_rewards", self.scale_rewards, registry.SCALE_REWARDS)
         _choice("algorithm.kl_estimator", self.kl_estimator, registry.KL_ESTIMATORS)
-        _choice("algorithm.importance_sampling_level", self.importance_sampling_level, registry.IMPORTANCE_LEVELS)
+        _choice(
+            "algorithm.importance_sampling_level",
+            self.importance_sampling_level,
+            registry.IMPORTANCE_LEVELS,
+        )
         _positive("algorithm.beta", self.beta, allow_zero=True)
         if not 0 <= self.epsilon < 1:
             raise ConfigError(f"algorithm.epsilon: must be in [0, 1), got {self.epsilon}")
@@ -576,7 +666,9 @@ class AlgorithmConfig:
                     "set algorithm.beta > 0 or remove ref_sync_steps"
                 )
         if not 0 < self.ref_sync_alpha <= 1:
-            raise ConfigError(f"algorithm.ref_sync_alpha: must be in (0, 1], got {self.ref_sync_alpha}")
+            raise ConfigError(
+                f"algorithm.ref_sync_alpha: must be in (0, 1], got {self.ref_sync_alpha}"
+            )
         _positive("algorithm.max_sampling_rounds", self.max_sampling_rounds)
         if self.policy_loss == "cispo" and cfg.epsilon_high <= 1:
             raise ConfigError(
@@ -598,7 +690,9 @@ class AlgorithmConfig:
         _choice("algorithm.entropy_mask_scope", self.entropy_mask_scope, ("completion", "batch"))
         _choice("algorithm.rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
         if self.rollout_correction_cap <= 1:
-            raise ConfigError(f"algorithm.rollout_correction_cap: must be > 1 (a bound on importance ratios), got {self.rollout_correction_cap}")
+            raise ConfigError(
+                f"algorithm.rollout_correction_cap: must be > 1 (a bound on importance ratios), got {self.rollout_correction_cap}"
+            )
         if not 0 <= self.gamma <= 1:
             raise ConfigError(f"algorithm.gamma: must be in [0, 1], got {self.gamma}")
         if not 0 <= self.lam <= 1:
@@ -696,16 +790,32 @@ def _check_fsdp(cfg: "Config", world_size: int) -> None:
     """What FSDP sharding does not cover yet, refused with the way out."""
     refused = [
         (cfg.model.lora.r > 0, "model.lora.r > 0 (LoRA)", "set model.lora.r=0"),
-        (cfg.algorithm.beta > 0, "algorithm.beta > 0 (the KL reference is not sharded yet)", "set algorithm.beta=0"),
-        (cfg.algorithm.advantage_estimator == "gae", "advantage_estimator=gae (the critic is not sharded yet)",
-         "use another estimator"),
-        (cfg.rollout.engine != "hf", f"rollout.engine={cfg.rollout.engine}", "set rollout.engine=hf"),
-        (cfg.cpu.decoding == "fused", "cpu.decoding=fused (it reads the weights outside the model's forward)",
-         "set cpu.decoding=auto"),
+        (
+            cfg.algorithm.beta > 0,
+            "algorithm.beta > 0 (the KL reference is not sharded yet)",
+            "set algorithm.beta=0",
+        ),
+        (
+            cfg.algorithm.advantage_estimator == "gae",
+            "advantage_estimator=gae (the critic is not sharded yet)",
+            "use another estimator",
+        ),
+        (
+            cfg.rollout.engine != "hf",
+            f"rollout.engine={cfg.rollout.engine}",
+            "set rollout.engine=hf",
+        ),
+        (
+            cfg.cpu.decoding == "fused",
+            "cpu.decoding=fused (it reads the weights outside the model's forward)",
+            "set cpu.decoding=auto",
+        ),
     ]
     for bad, what, fix in refused:
         if bad:
-            raise ConfigError(f"training.sharding=fsdp does not support {what} yet; {fix}, or set training.sharding=none")
+            raise ConfigError(
+                f"training.sharding=fsdp does not support {what} yet; {fix}, or set training.sharding=none"
+            )
 
 
 @dataclass
@@ -765,10 +875,14 @@ class EvalConfig:
     def check(self, cfg: "Config", world_size: int = 1) -> None:
         for i, instruction in enumerate(self.instructions):
             if "{expression}" not in instruction:
-                raise ConfigError(f"eval.instructions[{i}]: must contain {{expression}}, where the problem goes")
+                raise ConfigError(
+                    f"eval.instructions[{i}]: must contain {{expression}}, where the problem goes"
+                )
         if self.instructions and cfg.data.task != "arithmetic":
-            raise ConfigError(f"eval.instructions: rewords task arithmetic's prompts only, not {cfg.data.task!r}; "
-                              "remove it")
+            raise ConfigError(
+                f"eval.instructions: rewords task arithmetic's prompts only, not {cfg.data.task!r}; "
+                "remove it"
+            )
         for temperature in self.temperatures:
             _positive("eval.temperatures[]", temperature, allow_zero=True)
         _positive("eval.every", self.every, allow_zero=True)
@@ -851,7 +965,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected a list, got {safe_yaml.shown(value)}; write it as [a, b, ...]")
+            raise ConfigError(
+                f"{key}: expected a list, got {safe_yaml.shown(value)}; write it as [a, b, ...]"
+            )
         return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
     if tp is float:
         if isinstance(value, str):
@@ -867,7 +983,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{key}: expected an integer, got {safe_yaml.shown(value)}")
         if not -MAX_INT <= value <= MAX_INT:
-            raise ConfigError(f"{key}: an integer of {value.bit_length()} bits is beyond any setting (at most 63 bits)")
+            raise ConfigError(
+                f"{key}: an integer of {value.bit_length()} bits is beyond any setting (at most 63 bits)"
+            )
         return value
     if tp is bool:
         if not isinstance(value, bool):
@@ -875,31 +993,47 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         return value
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {safe_yaml.shown(value)}; quote it in YAML")
+            raise ConfigError(
+                f"{key}: expected a string, got {safe_yaml.shown(value)}; quote it in YAML"
+            )
         return value
     raise ConfigError(f"{key}: unsupported type {_type_name(tp)}")
 
 
-MOVED_KEYS = {"model.cpu_kernels": "cpu.kernels", "training.kernels": "cpu.compile", "rollout.decoding": "cpu.decoding"}
+MOVED_KEYS = {
+    "model.cpu_kernels": "cpu.kernels",
+    "training.kernels": "cpu.compile",
+    "rollout.decoding": "cpu.decoding",
+}
 """Keys of earlier versions and where they live now."""
 
 
 def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     if not isinstance(data, dict):
         where = prefix.rstrip(".") or "config"
-        raise ConfigError(f"{where}: expected a mapping of keys (e.g. {where}:\n  key: value), got {safe_yaml.shown(data)}")
+        raise ConfigError(
+            f"{where}: expected a mapping of keys (e.g. {where}:\n  key: value), got {safe_yaml.shown(data)}"
+        )
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in data.items():
         full = f"{prefix}{key}"
         if full in MOVED_KEYS:
-            shown = str(value).lower() if isinstance(value, bool) else safe_yaml.shown(value).strip("'")
-            raise ConfigError(f"{full} is now {MOVED_KEYS[full]} (the CPU layer's settings live under cpu:); "
-                              f"write {MOVED_KEYS[full]}: {shown}")
+            shown = (
+                str(value).lower() if isinstance(value, bool) else safe_yaml.shown(value).strip("'")
+            )
+            raise ConfigError(
+                f"{full} is now {MOVED_KEYS[full]} (the CPU layer's settings live under cpu:); "
+                f"write {MOVED_KEYS[full]}: {shown}"
+            )
         if key not in known:
             close = difflib.get_close_matches(str(key), sorted(known), n=1)
-            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; known keys: {', '.join(sorted(known))}"
+            hint = (
+                f"; did you mean '{prefix}{close[0]}'?"
+                if close
+                else f"; known keys: {', '.join(sorted(known))}"
+            )
             raise ConfigError(f"unknown config key '{full}'{hint}")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
@@ -934,10 +1068,14 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 def from_dict(data: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> Config:
     if data is not None and not isinstance(data, dict):
-        raise ConfigError(f"config: expected a mapping of sections (model:, data:, training: ...), got "
-                          f"{type(data).__name__} {safe_yaml.shown(data, 60)}; see examples/ for the form")
+        raise ConfigError(
+            f"config: expected a mapping of sections (model:, data:, training: ...), got "
+            f"{type(data).__name__} {safe_yaml.shown(data, 60)}; see examples/ for the form"
+        )
     if safe_yaml.expanded_size(data) > safe_yaml.MAX_NODES:
-        raise ConfigError(f"config: more than {safe_yaml.MAX_NODES:,} values; a config is sections of settings")
+        raise ConfigError(
+            f"config: more than {safe_yaml.MAX_NODES:,} values; a config is sections of settings"
+        )
     data = copy.deepcopy(data or {})  # overrides must not change the caller's nested dicts
     for text in overrides:
         key, value = parse_override(text)
@@ -955,7 +1093,9 @@ def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist; pass the path of a YAML file (see examples/)")
+            raise ConfigError(
+                f"config file {path} does not exist; pass the path of a YAML file (see examples/)"
+            )
         data = safe_yaml.read(path)
         if data is None:
             data = {}
@@ -971,7 +1111,12 @@ def _reward_files_beside(cfg: Config, base: Path) -> None:
     funcs = []
     for spec in cfg.rewards.funcs:
         target, sep, name = spec.rpartition(":")
-        if sep and target.endswith(".py") and not Path(target).expanduser().is_file() and (base / target).is_file():
+        if (
+            sep
+            and target.endswith(".py")
+            and not Path(target).expanduser().is_file()
+            and (base / target).is_file()
+        ):
             spec = f"{base / target}:{name}"
         funcs.append(spec)
     cfg.rewards.funcs = funcs
@@ -1015,7 +1160,9 @@ def apply_task_rewards(data: dict[str, Any]) -> None:
     (TASK_REWARDS): set in the config itself, so the run's saved config names the reward used."""
     data_section, rewards = data.get("data"), data.get("rewards")
     task = data_section.get("task") if isinstance(data_section, dict) else None
-    if task in TASK_REWARDS and (rewards is None or (isinstance(rewards, dict) and "funcs" not in rewards)):
+    if task in TASK_REWARDS and (
+        rewards is None or (isinstance(rewards, dict) and "funcs" not in rewards)
+    ):
         data["rewards"] = {**(rewards or {}), "funcs": list(TASK_REWARDS[task])}
 
 
@@ -1048,7 +1195,9 @@ def _choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         close = difflib.get_close_matches(str(value), choices, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(f"{key}: {safe_yaml.shown(value)} is not one of {', '.join(choices)}{hint}")
+        raise ConfigError(
+            f"{key}: {safe_yaml.shown(value)} is not one of {', '.join(choices)}{hint}"
+        )
 
 
 def _positive(key: str, value: float, allow_zero: bool = False) -> None:
@@ -1064,9 +1213,15 @@ def _check_finite(node: Any, prefix: str = "") -> None:
         if dataclasses.is_dataclass(value):
             _check_finite(value, f"{key}.")
             continue
-        for where, v in [(f"{key}[{i}]", v) for i, v in enumerate(value)] if isinstance(value, list) else [(key, value)]:
+        for where, v in (
+            [(f"{key}[{i}]", v) for i, v in enumerate(value)]
+            if isinstance(value, list)
+            else [(key, value)]
+        ):
             if isinstance(v, float) and not math.isfinite(v):
-                raise ConfigError(f"{where}: must be a finite number, got {v}; set it to a number (NaN and inf are not settings)")
+                raise ConfigError(
+                    f"{where}: must be a finite number, got {v}; set it to a number (NaN and inf are not settings)"
+                )
 
 
 def validate(cfg: Config, world_size: int = 1) -> None:
@@ -1074,9 +1229,24 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     checks itself, in the order of the file, with the whole config at hand for the
     fields that depend on another section."""
     _check_finite(cfg)
-    for key, seed in (("data.seed", cfg.data.seed), ("training.seed", cfg.training.seed), ("eval.seed", cfg.eval.seed)):
+    for key, seed in (
+        ("data.seed", cfg.data.seed),
+        ("training.seed", cfg.training.seed),
+        ("eval.seed", cfg.eval.seed),
+    ):
         if not 0 <= seed < 2**32:
-            raise ConfigError(f"{key}: must be in [0, 2**32) as in TRL, whose seeds go to NumPy; got {seed}")
-    for section in (cfg.model, cfg.data, cfg.rollout, cfg.rewards, cfg.algorithm, cfg.training, cfg.eval, cfg.logging,
-                    cfg.cpu):
+            raise ConfigError(
+                f"{key}: must be in [0, 2**32) as in TRL, whose seeds go to NumPy; got {seed}"
+            )
+    for section in (
+        cfg.model,
+        cfg.data,
+        cfg.rollout,
+        cfg.rewards,
+        cfg.algorithm,
+        cfg.training,
+        cfg.eval,
+        cfg.logging,
+        cfg.cpu,
+    ):
         section.check(cfg, world_size)

@@ -49,14 +49,18 @@ def grouped_sdpa_attention(
     if (
         groups == 1
         or query.device.type != "cpu"
-        or (q_length > 1 and attention_mask is None)  # causal without a mask: torch's is_causal path
+        or (
+            q_length > 1 and attention_mask is None
+        )  # causal without a mask: torch's is_causal path
         or dropout
         or kwargs.get("position_bias") is not None
         or kwargs.get("softcap") is not None
         or kwargs.get("output_attentions", False)
         or (attention_mask is not None and attention_mask.shape[1] != 1)  # a mask per head
     ):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     return grouped_attention(query, key, value, attention_mask, scaling), None
 
 
@@ -71,7 +75,11 @@ def grouped_attention(query, key, value, mask, scale) -> torch.Tensor:
     # their queries follow one another ([groups, queries] within a key/value head)
     grouped = query.reshape(batch, kv_heads, groups * q_length, head_dim)
     if mask is not None and q_length > 1:  # each head of a group sees its queries' mask rows
-        mask = mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(mask.shape[0], 1, groups * q_length, -1)
+        mask = (
+            mask[:, :, None]
+            .expand(-1, -1, groups, -1, -1)
+            .reshape(mask.shape[0], 1, groups * q_length, -1)
+        )
     out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=mask, scale=scale)
     out = out.reshape(batch, heads, q_length, value.shape[-1])
     return out.transpose(1, 2).contiguous()

@@ -63,8 +63,11 @@ def compiled_class(cls: type) -> type:
             return eager(self, x)
         return compiling.call(eager, self, x)
 
-    return type(cls.__name__, (cls, CompiledNorm), {"forward": forward, "__module__": cls.__module__,
-                                                   "__qualname__": cls.__qualname__})
+    return type(
+        cls.__name__,
+        (cls, CompiledNorm),
+        {"forward": forward, "__module__": cls.__module__, "__qualname__": cls.__qualname__},
+    )
 
 
 def use_compiled_norms(model: torch.nn.Module) -> int:

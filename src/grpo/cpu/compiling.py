@@ -59,8 +59,11 @@ def call(fn, *args):
             return compiled(fn)(*args)
         except torch._dynamo.exc.TorchDynamoException as e:
             broken.append(_reason(e))
-            log.warning("compiling a kernel of cpu.compile failed (%s); the rest of the run computes it eagerly, "
-                        "slower (cpu.compile=eager avoids compiling)", broken[0])
+            log.warning(
+                "compiling a kernel of cpu.compile failed (%s); the rest of the run computes it eagerly, "
+                "slower (cpu.compile=eager avoids compiling)",
+                broken[0],
+            )
     return fn(*args)
 
 
@@ -75,8 +78,12 @@ def compile_works(device_type: str) -> str | None:
     """None when torch.compile builds a kernel on `device_type` that agrees with eager (probed once
     per process), else why not: the reason to show the user."""
     if os.environ.get("RANK", "0") == "0":  # said once, not by every rank of a torchrun job
-        print("building the update's compiled kernels (cpu.compile; torch.compile: about 20 s the first "
-              "time on a machine, then loaded from its cache)", file=sys.stderr, flush=True)
+        print(
+            "building the update's compiled kernels (cpu.compile; torch.compile: about 20 s the first "
+            "time on a machine, then loaded from its cache)",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
         x = torch.randn(3, 70, generator=torch.Generator().manual_seed(0)).to(device_type)
         with torch.no_grad(), torch.autocast(device_type, enabled=False):
@@ -112,5 +119,8 @@ def use_compiled(setting: str, model) -> bool:
             f"cpu.compile=compiled, but torch.compile cannot build kernels on {device.type} ({reason}); "
             "install a C++ compiler (the CPU) or set cpu.compile=eager"
         )
-    log.warning("the update's element-wise work runs eagerly: torch.compile cannot build kernels here (%s)", reason)
+    log.warning(
+        "the update's element-wise work runs eagerly: torch.compile cannot build kernels here (%s)",
+        reason,
+    )
     return False

@@ -41,11 +41,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # the same in the four architectures
+from transformers.models.llama.modeling_llama import (
+    apply_rotary_pos_emb,
+)  # the same in the four architectures
 
 from grpo.cpu import kernels
-from grpo.models import lora
 from grpo.cpu.attention import grouped_attention
+from grpo.models import lora
 from grpo.models.logprobs import FSDP_METHOD
 
 # config.model_type -> RMS-norm style: Gemma scales by (1 + w) and rounds after;
@@ -59,7 +61,9 @@ def unsupported_reason(model) -> str | None:
     kind = getattr(config, "model_type", None)
     if kind not in NORM_STYLES:
         return f"architecture {kind!r}"
-    if getattr(model, FSDP_METHOD, None) is not None:  # its weights are whole only inside FSDP's gathers
+    if (
+        getattr(model, FSDP_METHOD, None) is not None
+    ):  # its weights are whole only inside FSDP's gathers
         return "parameters sharded by FSDP"
     if getattr(config, "attn_logit_softcapping", None) is not None:
         return "attention logit soft-capping"
@@ -74,11 +78,20 @@ def unsupported_reason(model) -> str | None:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         names = ("q_proj", "k_proj", "v_proj", "o_proj")
         # a LoRA layer computes its merged weight when it is plain LoRA (no DoRA or other variant)
-        if attn is None or mlp is None or not all(lora.plain_lora_linear(getattr(attn, n, None)) for n in names):
+        if (
+            attn is None
+            or mlp is None
+            or not all(lora.plain_lora_linear(getattr(attn, n, None)) for n in names)
+        ):
             return "unexpected module layout (or a LoRA variant)"
-        if not all(lora.plain_lora_linear(getattr(mlp, n, None)) for n in ("gate_proj", "up_proj", "down_proj")):
+        if not all(
+            lora.plain_lora_linear(getattr(mlp, n, None))
+            for n in ("gate_proj", "up_proj", "down_proj")
+        ):
             return "unexpected MLP layout (or a LoRA variant)"
-        if attn.o_proj.bias is not None or any(getattr(mlp, n).bias is not None for n in ("gate_proj", "up_proj", "down_proj")):
+        if attn.o_proj.bias is not None or any(
+            getattr(mlp, n).bias is not None for n in ("gate_proj", "up_proj", "down_proj")
+        ):
             return "output or MLP biases"
     if not isinstance(model.get_output_embeddings(), torch.nn.Linear):
         return "unexpected output layer"
@@ -100,7 +113,9 @@ def fused_decoding_applies(model, compute_dtype: torch.dtype) -> bool:
     elif compute_dtype != torch.float32 or adapters or not kernels.onednn_available():
         return False
     return all(
-        isinstance(m, kernels.CPULinear) and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
+        isinstance(m, kernels.CPULinear)
+        and m.weight.device.type == "cpu"
+        and m.weight.dtype == torch.float32
         for m in model.modules()
         if isinstance(m, torch.nn.Linear) and id(m) not in adapters
     )
@@ -131,7 +146,9 @@ class _Product:
         outs = [self._one(x, w, b) for w, b in self.parts]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
-    def _one(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _one(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         if bias is not None:
             return kernels.linear(x, weight, bias)
         return kernels.tall_linear_nt(x, weight) if self.tall else kernels.linear_nt(x, weight)
@@ -164,7 +181,9 @@ class _Norm:
             return F.rms_norm(x.float(), shape, self.weight, self.eps).to(x.dtype)
         if x.dtype == torch.float32:  # w * norm(x)
             return F.rms_norm(x, shape, self.weight, self.eps)
-        return self.weight * F.rms_norm(x.float(), shape, None, self.eps).to(x.dtype)  # w * round(norm(x))
+        return self.weight * F.rms_norm(x.float(), shape, None, self.eps).to(
+            x.dtype
+        )  # w * round(norm(x))
 
 
 @dataclass
@@ -205,17 +224,25 @@ class FusedDecoder:
     def __init__(self, model, rows: int, max_length: int, pack: bool = True):
         reason = unsupported_reason(model)
         if reason is not None:
-            raise ValueError(f"FusedDecoder does not support this model ({reason}); decode through transformers instead")
+            raise ValueError(
+                f"FusedDecoder does not support this model ({reason}); decode through transformers instead"
+            )
         config = model.config
         style = NORM_STYLES[config.model_type]
         self.body = getattr(model, model.base_model_prefix)
         self.dtype = torch.bfloat16 if pack else model.get_output_embeddings().weight.dtype
         self.max_length = max_length
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
         self.softcap = getattr(config, "final_logit_softcapping", None)
-        self._rope_takes_layer_type = "layer_type" in inspect.signature(self.body.rotary_emb.forward).parameters
-        layer_types = getattr(config, "layer_types", None) or ["full_attention"] * len(self.body.layers)
+        self._rope_takes_layer_type = (
+            "layer_type" in inspect.signature(self.body.rotary_emb.forward).parameters
+        )
+        layer_types = getattr(config, "layer_types", None) or ["full_attention"] * len(
+            self.body.layers
+        )
 
         def product(*layers):
             return _Product(list(layers), self.dtype, rows, pack)
@@ -233,14 +260,20 @@ class FusedDecoder:
                         down=product(m.down_proj),
                         input_norm=_Norm(layer.input_layernorm, style),
                         post_attention_norm=_Norm(layer.post_attention_layernorm, style),
-                        pre_mlp_norm=_Norm(layer.pre_feedforward_layernorm, style) if sandwich else None,
-                        post_mlp_norm=_Norm(layer.post_feedforward_layernorm, style) if sandwich else None,
+                        pre_mlp_norm=_Norm(layer.pre_feedforward_layernorm, style)
+                        if sandwich
+                        else None,
+                        post_mlp_norm=_Norm(layer.post_feedforward_layernorm, style)
+                        if sandwich
+                        else None,
                         q_norm=_Norm(a.q_norm, style) if hasattr(a, "q_norm") else None,
                         k_norm=_Norm(a.k_norm, style) if hasattr(a, "k_norm") else None,
                         act=m.act_fn,
                         scaling=float(a.scaling),
                         layer_type=layer_type,
-                        window=getattr(a, "sliding_window", None),  # what transformers' attention is given
+                        window=getattr(
+                            a, "sliding_window", None
+                        ),  # what transformers' attention is given
                         index=len(self.layers),
                     )
                 )
@@ -264,13 +297,17 @@ class FusedDecoder:
     # -- the forward pass ---------------------------------------------------------------
 
     @torch.no_grad()
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
         R, Lq = input_ids.shape
         start, end = self.length, self.length + Lq
         if end > self.max_length:
             raise ValueError(f"FusedDecoder cache holds {self.max_length} tokens, asked for {end}")
         if attention_mask.shape != (R, end):
-            raise ValueError(f"attention_mask must be [rows, cached + new] = {(R, end)}, got {tuple(attention_mask.shape)}")
+            raise ValueError(
+                f"attention_mask must be [rows, cached + new] = {(R, end)}, got {tuple(attention_mask.shape)}"
+            )
         if not self.keys:
             shape = (R, self.kv_heads, self.max_length, self.head_dim)
             device = input_ids.device
@@ -294,7 +331,9 @@ class FusedDecoder:
                 logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
 
-    def _mask(self, attention_mask: torch.Tensor, start: int, Lq: int, window: int | None) -> torch.Tensor | None:
+    def _mask(
+        self, attention_mask: torch.Tensor, start: int, Lq: int, window: int | None
+    ) -> torch.Tensor | None:
         """Boolean [R, 1, Lq, cached + Lq]: real (unpadded) keys at or before each query's
         slot, within the sliding window if any; None when that is every key."""
         end = start + Lq

@@ -49,7 +49,9 @@ def onednn_available() -> bool:
         x, w = torch.randn(3, 5, generator=gen), torch.randn(4, 5, generator=gen)
         # the answer is cached: it must not depend on an autocast the first caller is under
         with torch.autocast("cpu", enabled=False):
-            return bool(torch.allclose(op(x, w, None, "none", [], ""), F.linear(x, w), rtol=1e-5, atol=1e-5))
+            return bool(
+                torch.allclose(op(x, w, None, "none", [], ""), F.linear(x, w), rtol=1e-5, atol=1e-5)
+            )
     except (AttributeError, RuntimeError):
         return False
 
@@ -113,7 +115,9 @@ class _OneDNNLinearFunction(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         g = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = grad_w = grad_b = None
-        with torch.autocast("cpu", enabled=False):  # float32 gradients even if called under autocast
+        with torch.autocast(
+            "cpu", enabled=False
+        ):  # float32 gradients even if called under autocast
             if ctx.needs_input_grad[0]:
                 grad_x = linear_nt(g, weight.t()).reshape(x.shape)  # g @ W
             if ctx.needs_input_grad[1]:
@@ -161,7 +165,10 @@ def packing_available() -> bool:
         return False
     try:
         gen = torch.Generator().manual_seed(0)
-        x, w = torch.randn(3, 5, generator=gen).bfloat16(), torch.randn(4, 5, generator=gen).bfloat16()
+        x, w = (
+            torch.randn(3, 5, generator=gen).bfloat16(),
+            torch.randn(4, 5, generator=gen).bfloat16(),
+        )
         with torch.autocast("cpu", enabled=False):  # cached, as above
             packed = torch.ops.mkldnn._reorder_linear_weight(w, 3)
             out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
@@ -176,7 +183,9 @@ def packing_available() -> bool:
 PACK_PIECE_ELEMENTS = 1 << 24
 
 
-def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, rows: int) -> list:
+def pack_weight(
+    weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, rows: int
+) -> list:
     """A copy of `weight` [out, in] (and `bias`) in `dtype`, reordered by oneDNN for products
     with about `rows` rows, as [(reordered rows of the weight, their bias)] pieces of at
     most PACK_PIECE_ELEMENTS (see the module docstring). Needs packing_available()."""
@@ -184,7 +193,9 @@ def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dt
         step = max(1, PACK_PIECE_ELEMENTS // weight.shape[1])
         return [
             (
-                torch.ops.mkldnn._reorder_linear_weight(weight[r : r + step].to(dtype), max(1, rows)),
+                torch.ops.mkldnn._reorder_linear_weight(
+                    weight[r : r + step].to(dtype), max(1, rows)
+                ),
                 bias[r : r + step].to(dtype) if bias is not None else None,
             )
             for r in range(0, weight.shape[0], step)
@@ -220,12 +231,19 @@ def packed_for_decoding(model: torch.nn.Module, rows: int):
     extra memory, not a replacement for autocast's). Does nothing without bf16
     autocast, or where oneDNN cannot do it."""
     dtype = torch.bfloat16
-    if not torch.is_autocast_enabled("cpu") or torch.get_autocast_dtype("cpu") != dtype or not packing_available():
+    if (
+        not torch.is_autocast_enabled("cpu")
+        or torch.get_autocast_dtype("cpu") != dtype
+        or not packing_available()
+    ):
         yield
         return
     layers = [
-        m for m in model.modules()
-        if isinstance(m, CPULinear) and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
+        m
+        for m in model.modules()
+        if isinstance(m, CPULinear)
+        and m.weight.device.type == "cpu"
+        and m.weight.dtype == torch.float32
     ]
     try:
         for m in layers:

@@ -85,12 +85,16 @@ class CPULayer:
     def decoding(self, model: torch.nn.Module, rows: int, max_length: int):
         """Decoding steps for one rollout of `rows` completions up to `max_length` positions, in the
         compute precision the caller opened (bf16 autocast or the weights' dtype)."""
-        bf16 = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        bf16 = (
+            torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        )
         compute_dtype = torch.bfloat16 if bf16 else model.get_output_embeddings().weight.dtype
         if self.uses_fused_decoding(model, compute_dtype):
             yield FusedDecoder(model, rows, max_length, pack=bf16 and kernels.packing_available())
             return
-        with kernels.packed_for_decoding(model, rows=rows):  # under bf16 autocast: oneDNN-reordered bf16 weights
+        with kernels.packed_for_decoding(
+            model, rows=rows
+        ):  # under bf16 autocast: oneDNN-reordered bf16 weights
             yield TransformersSteps(model)
 
     def after_update(self) -> None:

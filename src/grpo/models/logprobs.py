@@ -109,8 +109,20 @@ class _TiledTokenLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, softcap, chunk_size, block, compute_dtype, weight_grad_sink,
-                kernels):
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        bias,
+        targets,
+        temperature,
+        softcap,
+        chunk_size,
+        block,
+        compute_dtype,
+        weight_grad_sink,
+        kernels,
+    ):
         n, V = hidden.shape[0], weight.shape[0]
         dev = hidden.device
         # running max m, S = sum exp(z - m), U = sum exp(z - m) (z - m), per token
@@ -128,8 +140,16 @@ class _TiledTokenLogprobs(torch.autograd.Function):
                 w = buffers.cast("w", weight[vs], compute_dtype)
                 product = buffers.product("low", h_all[ts], w)
                 m[ts], S[ts], U[ts], target_z[ts] = tile.forward(
-                    product, b[vs] if b is not None else None, _target_columns(targets[ts], vs),
-                    m[ts], S[ts], U[ts], target_z[ts], softcap, temperature, buffers,
+                    product,
+                    b[vs] if b is not None else None,
+                    _target_columns(targets[ts], vs),
+                    m[ts],
+                    S[ts],
+                    U[ts],
+                    target_z[ts],
+                    softcap,
+                    temperature,
+                    buffers,
                 )
         lse = m + S.log()
         logp = target_z - lse
@@ -145,7 +165,11 @@ class _TiledTokenLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
         temperature, softcap, chunk_size, block, compute_dtype, kernels = ctx.settings
-        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        need_h, need_w, need_b = (
+            ctx.needs_input_grad[0],
+            ctx.needs_input_grad[1],
+            ctx.needs_input_grad[2],
+        )
         sink = ctx.weight_grad_sink
         n, V = hidden.shape[0], weight.shape[0]
         dev = hidden.device
@@ -170,8 +194,16 @@ class _TiledTokenLogprobs(torch.autograd.Function):
                 w = buffers.cast("w", weight[vs], compute_dtype)
                 product = buffers.product("low", h, w)
                 gz, column_sums = tile.backward(
-                    product, b[vs] if b is not None else None, _target_columns(targets[ts], vs), lse[ts], g_all[ts],
-                    softcap, temperature, compute_dtype, need_b, buffers,
+                    product,
+                    b[vs] if b is not None else None,
+                    _target_columns(targets[ts], vs),
+                    lse[ts],
+                    g_all[ts],
+                    softcap,
+                    temperature,
+                    compute_dtype,
+                    need_b,
+                    buffers,
                 )
                 if need_b:
                     grad_b[vs] += column_sums
@@ -217,8 +249,17 @@ def token_logprobs_from_hidden(
     in_place = kernels.weight_grad_in_place and torch.is_grad_enabled() and weight.requires_grad
     sink = weight.grad if in_place else None
     return _TiledTokenLogprobs.apply(
-        hidden, weight, output_layer.bias, targets, float(temperature), softcap, int(chunk_size),
-        vocab_block, compute_dtype, sink, kernels,
+        hidden,
+        weight,
+        output_layer.bias,
+        targets,
+        float(temperature),
+        softcap,
+        int(chunk_size),
+        vocab_block,
+        compute_dtype,
+        sink,
+        kernels,
     )
 
 
@@ -226,7 +267,9 @@ def _decoder(model) -> torch.nn.Module:
     """The transformer body of a *ForCausalLM model (everything but the output layer)."""
     body = getattr(model, model.base_model_prefix, None)
     if body is None or body is model:
-        raise TypeError(f"cannot find the decoder of {type(model).__name__}; expected attribute {model.base_model_prefix!r}")
+        raise TypeError(
+            f"cannot find the decoder of {type(model).__name__}; expected attribute {model.base_model_prefix!r}"
+        )
     return body
 
 
@@ -248,23 +291,36 @@ def completion_hidden_states(
     """
     body = _decoder(model)
     T = completion_ids.shape[1]
-    unique, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask], dim=1), dim=0, return_inverse=True)
-    flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
+    unique, inverse = torch.unique(
+        torch.cat([prompt_ids, prompt_mask], dim=1), dim=0, return_inverse=True
+    )
+    flag = (
+        "is_activation_checkpointing"
+        if hasattr(type(model), "is_activation_checkpointing")
+        else "is_gradient_checkpointing"
+    )
     # checkpointed layers run without a cache, so they take the plain path
     checkpointing = bool(getattr(model, flag, False)) and model.training
     if not share_prompts or unique.shape[0] == prompt_ids.shape[0] or checkpointing:
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
         hidden = body(
-            input_ids=input_ids, attention_mask=attention_mask,
-            position_ids=position_ids_from_mask(attention_mask), use_cache=False,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+            use_cache=False,
         ).last_hidden_state
         Lp = prompt_ids.shape[1]
         # the hidden state at position j predicts token j + 1
         return hidden[:, Lp - 1 : Lp + T - 1]
     Lp = prompt_ids.shape[1]
     u_ids, u_mask = unique[:, :Lp], unique[:, Lp:]
-    out = body(input_ids=u_ids, attention_mask=u_mask, position_ids=position_ids_from_mask(u_mask), use_cache=True)
+    out = body(
+        input_ids=u_ids,
+        attention_mask=u_mask,
+        position_ids=position_ids_from_mask(u_mask),
+        use_cache=True,
+    )
     cache = out.cache if hasattr(out, "cache") else out.past_key_values
     cache.batch_select_indices(inverse)
     last_prompt_hidden = out.last_hidden_state[:, -1][inverse]
@@ -315,19 +371,50 @@ def completion_logprobs(
     """
     sharded = getattr(model, FSDP_METHOD, None)
     if sharded is not None:
-        return sharded(prompt_ids, prompt_mask, completion_ids, completion_mask, temperature=temperature,
-                       chunk_size=chunk_size, vocab_block=vocab_block, share_prompts=share_prompts, kernels=kernels)
-    return _completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature=temperature,
-                                chunk_size=chunk_size, vocab_block=vocab_block, share_prompts=share_prompts,
-                                kernels=kernels)
+        return sharded(
+            prompt_ids,
+            prompt_mask,
+            completion_ids,
+            completion_mask,
+            temperature=temperature,
+            chunk_size=chunk_size,
+            vocab_block=vocab_block,
+            share_prompts=share_prompts,
+            kernels=kernels,
+        )
+    return _completion_logprobs(
+        model,
+        prompt_ids,
+        prompt_mask,
+        completion_ids,
+        completion_mask,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        vocab_block=vocab_block,
+        share_prompts=share_prompts,
+        kernels=kernels,
+    )
 
 
 FSDP_METHOD = "grpo_completion_logprobs"
 
 
-def _completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *, temperature, chunk_size,
-                         vocab_block, share_prompts, kernels) -> tuple[torch.Tensor, torch.Tensor]:
-    hidden = completion_hidden_states(model, prompt_ids, prompt_mask, completion_ids, completion_mask, share_prompts)
+def _completion_logprobs(
+    model,
+    prompt_ids,
+    prompt_mask,
+    completion_ids,
+    completion_mask,
+    *,
+    temperature,
+    chunk_size,
+    vocab_block,
+    share_prompts,
+    kernels,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    hidden = completion_hidden_states(
+        model, prompt_ids, prompt_mask, completion_ids, completion_mask, share_prompts
+    )
     keep = completion_mask.bool()
     softcap = getattr(model.config, "final_logit_softcapping", None)
     logp_flat, entropy_flat = token_logprobs_from_hidden(
@@ -347,12 +434,16 @@ def _completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, complet
     return logp, entropy
 
 
-def reference_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *, temperature=1.0) -> torch.Tensor:
+def reference_logprobs(
+    model, prompt_ids, prompt_mask, completion_ids, completion_mask, *, temperature=1.0
+) -> torch.Tensor:
     """Plain full-logits computation: the definition the chunked path must match (tests, small models)."""
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
     logits = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
     ).logits
     Lp, T = prompt_ids.shape[1], completion_ids.shape[1]
     logits = logits[:, Lp - 1 : Lp + T - 1]

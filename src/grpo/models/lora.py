@@ -110,13 +110,19 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, seed: int = 0) -> torch.
         # Activation checkpointing is the backend's (training.gradient_checkpointing).
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     device = next(model.parameters()).device
-    devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    devices = (
+        [device.index if device.index is not None else torch.cuda.current_device()]
+        if device.type == "cuda"
+        else []
+    )
     with torch.random.fork_rng(devices=devices):  # the adapter's initial A from training.seed alone
         torch.manual_seed(seed)
         try:
             wrapper = get_peft_model(model, peft_config(cfg))
         except ValueError as error:
-            if "not found in the base model" not in str(error) and "Target module" not in str(error):
+            if "not found in the base model" not in str(error) and "Target module" not in str(
+                error
+            ):
                 raise
             raise ConfigError(
                 f"model.lora.target_modules: {cfg.target_modules} match no layer of this model; its Linear layers "
@@ -125,7 +131,9 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, seed: int = 0) -> torch.
             ) from None
     inner = wrapper.get_base_model()
     output = inner.get_output_embeddings()
-    if output is not None and hasattr(output, "base_layer"):  # matched some other way (a regular expression)
+    if output is not None and hasattr(
+        output, "base_layer"
+    ):  # matched some other way (a regular expression)
         raise ConfigError(_OUTPUT_LAYER_ERROR.format(targets=cfg.target_modules))
     object.__setattr__(inner, _WRAPPER, wrapper)
     return inner
@@ -142,7 +150,11 @@ def _refuse_output_layer(model: torch.nn.Module, cfg: LoraConfig) -> None:
     """Before wrapping (which changes the model in place): no adapter on the output layer.
     peft matches a module name by its last parts (`lm_head` matches `model.lm_head`)."""
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    name = next((n for n, m in model.named_modules() if m is output), None) if output is not None else None
+    name = (
+        next((n for n, m in model.named_modules() if m is output), None)
+        if output is not None
+        else None
+    )
     if name and any(name == t or name.endswith("." + t) for t in cfg.target_modules):
         raise ConfigError(_OUTPUT_LAYER_ERROR.format(targets=cfg.target_modules))
 
@@ -150,7 +162,9 @@ def _refuse_output_layer(model: torch.nn.Module, cfg: LoraConfig) -> None:
 # ------------------------------------------------------------------ adapter weights
 
 
-def adapter_parameters(model: torch.nn.Module, adapter: str = POLICY_ADAPTER) -> dict[str, torch.nn.Parameter]:
+def adapter_parameters(
+    model: torch.nn.Module, adapter: str = POLICY_ADAPTER
+) -> dict[str, torch.nn.Parameter]:
     """The parameters of one adapter, by their name with the adapter's name taken out
     (`...q_proj.lora_A.weight`), so that two adapters' parameters pair up by key."""
     out = {}
@@ -171,7 +185,9 @@ def copy_adapter(model: torch.nn.Module, source: str, target: str, alpha: float 
             dst[key].mul_(1.0 - alpha).add_(p.detach(), alpha=alpha)
 
 
-def adapter_state_dict(model: torch.nn.Module, adapter: str = POLICY_ADAPTER) -> dict[str, torch.Tensor]:
+def adapter_state_dict(
+    model: torch.nn.Module, adapter: str = POLICY_ADAPTER
+) -> dict[str, torch.Tensor]:
     """One adapter's weights as peft saves them (its adapter_model.safetensors), cloned."""
     from peft import get_peft_model_state_dict
 
@@ -179,8 +195,12 @@ def adapter_state_dict(model: torch.nn.Module, adapter: str = POLICY_ADAPTER) ->
     return {k: v.detach().clone() for k, v in state.items()}
 
 
-def load_adapter_state(model: torch.nn.Module, weights: dict[str, torch.Tensor], adapter: str = POLICY_ADAPTER,
-                       what: str = "adapter") -> None:
+def load_adapter_state(
+    model: torch.nn.Module,
+    weights: dict[str, torch.Tensor],
+    adapter: str = POLICY_ADAPTER,
+    what: str = "adapter",
+) -> None:
     """peft-format adapter weights (adapter_model.safetensors, adapter_state_dict) into one
     adapter of `model`, in place; every weight of that adapter must be given, nothing else."""
     from peft import get_peft_model_state_dict, set_peft_model_state_dict
@@ -272,7 +292,9 @@ def held_tensors(*modules: torch.nn.Module) -> dict[int, int]:
     for module in modules:
         for t in [*module.parameters(), *module.buffers()]:
             storage = t.untyped_storage()
-            held[storage.data_ptr()] = max(held.get(storage.data_ptr(), 0), storage.nbytes() // t.element_size())
+            held[storage.data_ptr()] = max(
+                held.get(storage.data_ptr(), 0), storage.nbytes() // t.element_size()
+            )
     return held
 
 

@@ -9,4 +9,6 @@ import torch
 
 def bf16_autocast(device: torch.device, enabled: bool):
     """bf16 autocast on `device` when enabled (fp32 master weights stay as they are)."""
-    return torch.autocast(device.type, dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
+    return (
+        torch.autocast(device.type, dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
+    )

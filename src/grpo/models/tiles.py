@@ -65,8 +65,18 @@ def forward_tile(product, bias, column, m, S, U, target_z, softcap, temperature)
     return m_new, S_new, U_new, target_new
 
 
-def backward_tile(product, bias, column, lse, grad, softcap, temperature, out_dtype: torch.dtype, with_bias: bool,
-                  column_major: bool = False):
+def backward_tile(
+    product,
+    bias,
+    column,
+    lse,
+    grad,
+    softcap,
+    temperature,
+    out_dtype: torch.dtype,
+    with_bias: bool,
+    column_major: bool = False,
+):
     """d loss / d product of one tile in `out_dtype` (the dtype of the products that follow), and
     with `with_bias` its float32 column sums (the bias gradient), else None. With `column_major`
     the gradient [r, c] is laid out column by column (a transposed view of a contiguous [c, r]).
@@ -92,7 +102,9 @@ def backward_tile(product, bias, column, lse, grad, softcap, temperature, out_dt
 
 
 def _logits_in_place(product, bias, softcap, temperature, buffers):
-    z = buffers.cast("z", product, torch.float32)  # product itself when it is float32 (then modified)
+    z = buffers.cast(
+        "z", product, torch.float32
+    )  # product itself when it is float32 (then modified)
     if bias is not None:
         z += bias
     tanh = None
@@ -119,7 +131,9 @@ def _forward_in_place(product, bias, column, m, S, U, target_z, softcap, tempera
     return m_new, c * S + block_S, c * (U + torch.nan_to_num(shift) * S) + block_U, target_z
 
 
-def _backward_in_place(product, bias, column, lse, grad, softcap, temperature, out_dtype, with_bias, buffers):
+def _backward_in_place(
+    product, bias, column, lse, grad, softcap, temperature, out_dtype, with_bias, buffers
+):
     z, tanh = _logits_in_place(product, bias, softcap, temperature, buffers)
     gz = z.sub_(lse[:, None]).exp_().mul_(-grad[:, None])
     rows = (column >= 0).nonzero().squeeze(1)
@@ -142,4 +156,9 @@ def accumulate(acc, part):
     acc.add_(part)
 
 
-EAGER = SimpleNamespace(forward=_forward_in_place, backward=_backward_in_place, cast_into=cast_into, accumulate=accumulate)
+EAGER = SimpleNamespace(
+    forward=_forward_in_place,
+    backward=_backward_in_place,
+    cast_into=cast_into,
+    accumulate=accumulate,
+)

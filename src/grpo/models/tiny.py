@@ -34,7 +34,9 @@ def char_tokenizer():
     )
 
 
-def tiny_model(tokenizer, hidden_size: int = 64, num_layers: int = 2, seed: int = 0, dtype=torch.float32):
+def tiny_model(
+    tokenizer, hidden_size: int = 64, num_layers: int = 2, seed: int = 0, dtype=torch.float32
+):
     """A small Llama-architecture model with random weights, deterministic in `seed`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -25,7 +25,9 @@ def extract_answer(text: str) -> int | None:
 
 def arithmetic_correct(completions, answer, **kwargs) -> list[float]:
     """1.0 when the last `Answer: N` equals the row's `answer`, else 0.0."""
-    return [float(extract_answer(completion_text(c)) == int(a)) for c, a in zip(completions, answer)]
+    return [
+        float(extract_answer(completion_text(c)) == int(a)) for c, a in zip(completions, answer)
+    ]
 
 
 def arithmetic_format(completions, **kwargs) -> list[float]:

@@ -50,7 +50,6 @@ from typing import Any
 from grpo.config.schema import ConfigError, SandboxConfig
 from grpo.sandbox import Limits, SandboxError, run
 
-
 CODE_REWARDS = ("fraction", "all")
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
@@ -68,7 +67,7 @@ def extract_program(text: str) -> str | None:
 # The harness for assert-style tests
 # --------------------------------------------------------------------------
 
-_HARNESS = '''\
+_HARNESS = """\
 def _grpo_harness(program, tests):
     import builtins, os, sys
     token = sys.stdin.readline().strip()
@@ -95,7 +94,7 @@ def _grpo_harness(program, tests):
 
 
 _grpo_harness({program}, {tests})
-'''
+"""
 
 
 def harness(program: str, tests: list[str]) -> str:
@@ -155,12 +154,22 @@ class CodeRunner:
     def __init__(self, settings: SandboxConfig | None = None):
         self.settings = settings or SandboxConfig()
         s = self.settings
-        self.limits = Limits(timeout=s.timeout, memory=s.memory_mb << 20, processes=s.processes,
-                             output=s.output_kb << 10)
+        self.limits = Limits(
+            timeout=s.timeout,
+            memory=s.memory_mb << 20,
+            processes=s.processes,
+            output=s.output_kb << 10,
+        )
 
     def _run(self, code: str, stdin: str | None = None, count: bool = True):
-        return run(code, stdin=stdin, isolation=self.settings.isolation, python=self.settings.python,
-                   limits=self.limits, count=count)
+        return run(
+            code,
+            stdin=stdin,
+            isolation=self.settings.isolation,
+            python=self.settings.python,
+            limits=self.limits,
+            count=count,
+        )
 
     def check(self) -> None:
         """Fail now, naming the fix, when the sandbox cannot run programs on this machine."""
@@ -169,8 +178,10 @@ class CodeRunner:
         except SandboxError as e:
             raise ConfigError(f"rewards.sandbox: {e}") from e
         if result.stdout.strip() != "2":
-            raise ConfigError(f"rewards.sandbox: a trivial program did not run in the sandbox "
-                              f"({result.status}: {result.stderr.strip()[-300:]})")
+            raise ConfigError(
+                f"rewards.sandbox: a trivial program did not run in the sandbox "
+                f"({result.status}: {result.stderr.strip()[-300:]})"
+            )
 
     def outcome(self, program: str, cases: list[Any]) -> Outcome:
         """Run `program` against `cases` (stdin/stdout dicts and assert-style strings)."""
@@ -183,7 +194,9 @@ class CodeRunner:
                 if result.ok and _same_output(result.stdout, str(case.get("output", ""))):
                     passed += 1
                 elif status == "ok":
-                    status = result.status if not result.ok else "failed"  # ran, but printed the wrong output
+                    status = (
+                        result.status if not result.ok else "failed"
+                    )  # ran, but printed the wrong output
             if asserts:
                 token = secrets.token_hex(16)
                 result = self._run(harness(program, asserts), stdin=token + "\n")
@@ -213,11 +226,15 @@ def _cases(value: Any, index: int) -> list[Any]:
         except json.JSONDecodeError:
             value = [value]  # a single assert-style test
     if not isinstance(value, (list, tuple)) or not value:
-        raise ValueError(f"row {index}: `tests` must be a non-empty list of cases, got {value!r:.200}")
+        raise ValueError(
+            f"row {index}: `tests` must be a non-empty list of cases, got {value!r:.200}"
+        )
     for case in value:
         if not (isinstance(case, str) or (isinstance(case, dict) and "output" in case)):
-            raise ValueError(f"row {index}: a test case is an assert-style string or "
-                             f"{{'input': ..., 'output': ...}}, got {case!r:.200}")
+            raise ValueError(
+                f"row {index}: a test case is an assert-style string or "
+                f"{{'input': ..., 'output': ...}}, got {case!r:.200}"
+            )
     return list(value)
 
 
@@ -255,7 +272,9 @@ class CodeTests:
     """The `code_tests` reward (see the module docstring)."""
 
     runs_in_process = True  # its outcomes are counted in this process (sandbox/<status>)
-    bounds_itself = True  # each program by the sandbox's timeout: not by rewards.timeout for the batch
+    bounds_itself = (
+        True  # each program by the sandbox's timeout: not by rewards.timeout for the batch
+    )
     __name__ = "code_tests"
 
     def __init__(self, settings: SandboxConfig | None = None, reward: str = "fraction"):
@@ -263,7 +282,9 @@ class CodeTests:
             raise ConfigError(f"rewards.code_reward: must be one of {CODE_REWARDS}, got {reward!r}")
         self.runner, self.reward = CodeRunner(settings), reward
 
-    def __call__(self, prompts, completions, completion_ids=None, *, tests, **columns) -> list[float | None]:
+    def __call__(
+        self, prompts, completions, completion_ids=None, *, tests, **columns
+    ) -> list[float | None]:
         texts = [_text(c) for c in completions]
         programs = [p if (p := extract_program(t)) is not None else t for t in texts]
         cases = [_cases(t, i) for i, t in enumerate(tests)]
@@ -285,17 +306,30 @@ def check_cases(test: str, entry_point: str) -> list[str]:
         tree = ast.parse(test)
     except SyntaxError:
         return whole
-    check = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "check"), None)
+    check = next(
+        (n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "check"), None
+    )
     if check is None:
         return whole
-    asserting = [i for i, stmt in enumerate(check.body) if any(isinstance(n, ast.Assert) for n in ast.walk(stmt))]
+    asserting = [
+        i
+        for i, stmt in enumerate(check.body)
+        if any(isinstance(n, ast.Assert) for n in ast.walk(stmt))
+    ]
     if len(asserting) < 2:
         return whole
     cases = []
     for keep in asserting:
         body = [stmt for i, stmt in enumerate(check.body) if i == keep or i not in asserting]
-        variant = ast.Module(body=[ast.FunctionDef(**{**{f: getattr(check, f) for f in check._fields}, "body": body})
-                                   if n is check else n for n in tree.body], type_ignores=[])
+        variant = ast.Module(
+            body=[
+                ast.FunctionDef(**{**{f: getattr(check, f) for f in check._fields}, "body": body})
+                if n is check
+                else n
+                for n in tree.body
+            ],
+            type_ignores=[],
+        )
         cases.append(f"{ast.unparse(ast.fix_missing_locations(variant))}\ncheck({entry_point})\n")
     return cases
 
@@ -314,8 +348,14 @@ class HumanEvalTests:
             raise ConfigError(f"rewards.code_reward: must be one of {CODE_REWARDS}, got {reward!r}")
         self.runner, self.reward = CodeRunner(settings), reward
 
-    def outcomes(self, prompts: list[str], completions: list, tests: list[str], entry_points: list[str],
-                 partial: bool = False) -> list[Outcome]:
+    def outcomes(
+        self,
+        prompts: list[str],
+        completions: list,
+        tests: list[str],
+        entry_points: list[str],
+        partial: bool = False,
+    ) -> list[Outcome]:
         """Per program, how it did: on each assertion of check when `partial`, else on the whole
         check, HumanEval's own measure (pass@1)."""
         programs = [humaneval_program(_text(p), _text(c)) for p, c in zip(prompts, completions)]
@@ -325,10 +365,14 @@ class HumanEvalTests:
             cases = [[f"{test}\ncheck({entry})\n"] for test, entry in zip(tests, entry_points)]
         return self.runner.outcomes(programs, cases)
 
-    def __call__(self, prompts, completions, completion_ids=None, *, test, entry_point, **columns) -> list[float | None]:
+    def __call__(
+        self, prompts, completions, completion_ids=None, *, test, entry_point, **columns
+    ) -> list[float | None]:
         partial = self.reward == "fraction"
-        return [None if o.status == "error" else (o.fraction if partial else float(o.passed))
-                for o in self.outcomes(prompts, completions, test, entry_point, partial)]
+        return [
+            None if o.status == "error" else (o.fraction if partial else float(o.passed))
+            for o in self.outcomes(prompts, completions, test, entry_point, partial)
+        ]
 
 
 _default_humaneval: HumanEvalTests | None = None
@@ -341,7 +385,9 @@ def _humaneval() -> HumanEvalTests:
     return _default_humaneval
 
 
-def humaneval_tests(prompts, completions, completion_ids=None, *, test, entry_point, **columns) -> list[float | None]:
+def humaneval_tests(
+    prompts, completions, completion_ids=None, *, test, entry_point, **columns
+) -> list[float | None]:
     """`humaneval_tests` with the default sandbox settings."""
     return _humaneval()(prompts, completions, completion_ids, test=test, entry_point=entry_point)
 
@@ -351,6 +397,8 @@ def humaneval_outcomes(prompts, completions, tests, entry_points) -> list[Outcom
     return _humaneval().outcomes(prompts, completions, tests, entry_points)
 
 
-def code_tests(prompts, completions, completion_ids=None, *, tests, **columns) -> list[float | None]:
+def code_tests(
+    prompts, completions, completion_ids=None, *, tests, **columns
+) -> list[float | None]:
     """`code_tests` with the default sandbox settings and fractional reward."""
     return CodeTests()(prompts, completions, completion_ids, tests=tests)

@@ -84,8 +84,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Callable
 
-from grpo.rewards import worker as reward_worker
 from grpo.config.schema import ConfigError
+from grpo.rewards import worker as reward_worker
 from grpo.rewards.worker import call_reward
 
 log = logging.getLogger(__name__)
@@ -120,8 +120,15 @@ class RewardExecutor:
     completion_ids and the dataset's columns), each a list of n.
     """
 
-    def __init__(self, names: list[str], funcs: list[Callable], timeout: float = 60.0, workers: int = 0,
-                 isolation: str = "process", memory_mb: int = 4096):
+    def __init__(
+        self,
+        names: list[str],
+        funcs: list[Callable],
+        timeout: float = 60.0,
+        workers: int = 0,
+        isolation: str = "process",
+        memory_mb: int = 4096,
+    ):
         self.names, self.funcs, self.timeout = list(names), list(funcs), timeout
         self.size, self.memory_mb = workers or default_workers(), memory_mb
         self._pickled: dict[int, bytes] = {}
@@ -183,7 +190,11 @@ class RewardExecutor:
         self._output.flush()
 
     def __call__(self, inputs: dict[str, list], n: int) -> list[list[Call]]:
-        threads = {k: self._start_thread(k, inputs, n) for k in range(len(self.funcs)) if k not in self._pickled}
+        threads = {
+            k: self._start_thread(k, inputs, n)
+            for k in range(len(self.funcs))
+            if k not in self._pickled
+        }
         calls = self._run_in_workers(inputs, n)
         for k, finish in threads.items():
             calls[k] = [finish()]
@@ -195,23 +206,35 @@ class RewardExecutor:
     def _start_thread(self, k: int, inputs: dict[str, list], n: int) -> Callable[[], Call]:
         """Starts the call; returns the wait for its outcome, bounded by the timeout from now."""
         if k in self._in_call:
-            skipped = Call(0, n, "timeout", message=(
-                f"its call of an earlier batch overran {self.timeout:g} s and has not returned; not called again until it has"
-            ))
+            skipped = Call(
+                0,
+                n,
+                "timeout",
+                message=(
+                    f"its call of an earlier batch overran {self.timeout:g} s and has not returned; not called again until it has"
+                ),
+            )
             return lambda: skipped
         fn = self.funcs[k]
         # A reward that bounds each of its items (the code rewards: each program by the sandbox's
         # timeout) always returns; a batch-wide limit would only throw its finished work away.
-        deadline = math.inf if getattr(fn, "bounds_itself", False) else time.monotonic() + self.timeout
+        deadline = (
+            math.inf if getattr(fn, "bounds_itself", False) else time.monotonic() + self.timeout
+        )
         # functions running side by side share no list (trainer_state, one object, is not a list)
-        inputs = {key: list(values) if isinstance(values, list) else values for key, values in inputs.items()}
+        inputs = {
+            key: list(values) if isinstance(values, list) else values
+            for key, values in inputs.items()
+        }
         outcome: list[Call] = []
         done = threading.Event()
 
         def run():
             try:
                 outcome.append(Call(0, n, "ok", call_reward(fn, inputs, n)))
-            except BaseException:  # SystemExit too: sys.exit() in a thread is the function's failure
+            except (
+                BaseException
+            ):  # SystemExit too: sys.exit() in a thread is the function's failure
                 outcome.append(Call(0, n, "error", message=traceback.format_exc()))
             finally:
                 self._in_call.discard(k)
@@ -223,9 +246,14 @@ class RewardExecutor:
         def finish() -> Call:
             if done.wait(None if deadline == math.inf else max(0.0, deadline - time.monotonic())):
                 return outcome[0]
-            return Call(0, n, "timeout", message=(
-                f"no result within rewards.timeout={self.timeout:g} s; the call goes on in its thread, abandoned"
-            ))
+            return Call(
+                0,
+                n,
+                "timeout",
+                message=(
+                    f"no result within rewards.timeout={self.timeout:g} s; the call goes on in its thread, abandoned"
+                ),
+            )
 
         return finish
 
@@ -250,7 +278,10 @@ class RewardExecutor:
                 for k, a, b in pending:
                     calls[k].append(Call(a, b, "error", message=self._start_failure))
                 break
-            wait([w.conn for w in waiting], max(0.0, min(w.deadline for w in waiting) - time.monotonic()))
+            wait(
+                [w.conn for w in waiting],
+                max(0.0, min(w.deadline for w in waiting) - time.monotonic()),
+            )
             for w in waiting:
                 self._collect(w, calls)
         return calls
@@ -265,7 +296,16 @@ class RewardExecutor:
     def _send(self, w: "_Worker", pending: deque, inputs: dict[str, list]) -> None:
         k, a, b = task = pending.popleft()
         try:
-            w.conn.send((k, {key: values[a:b] if isinstance(values, list) else values for key, values in inputs.items()}, b - a))
+            w.conn.send(
+                (
+                    k,
+                    {
+                        key: values[a:b] if isinstance(values, list) else values
+                        for key, values in inputs.items()
+                    },
+                    b - a,
+                )
+            )
         except OSError:  # it died while idle (killed from outside): not this chunk's fault
             pending.appendleft(task)
             self._replace(w)
@@ -280,14 +320,21 @@ class RewardExecutor:
                 self._lost(w, calls, "crashed", "the worker process died")
                 return
             if status == "ready":
-                w.ready, w.load_failures = True, value  # a function that failed to load fails each call
+                w.ready, w.load_failures = (
+                    True,
+                    value,
+                )  # a function that failed to load fails each call
                 return
             k, a, b = w.task
-            calls[k].append(Call(a, b, "ok", value) if status == "ok" else Call(a, b, "error", message=value))
+            calls[k].append(
+                Call(a, b, "ok", value) if status == "ok" else Call(a, b, "error", message=value)
+            )
             w.task = None
         elif time.monotonic() >= w.deadline:
             if w.task:
-                self._lost(w, calls, "timeout", f"no result within rewards.timeout={self.timeout:g} s")
+                self._lost(
+                    w, calls, "timeout", f"no result within rewards.timeout={self.timeout:g} s"
+                )
             else:
                 self._lost(w, calls, "error", f"not ready within {STARTUP_SECONDS:g} s")
 
@@ -299,7 +346,14 @@ class RewardExecutor:
             reason += f" (exit code {code})"
         if w.task:
             k, a, b = w.task
-            calls[k].append(Call(a, b, status, message=f"{reason} on completions {a}..{b - 1}; its worker was killed and replaced"))
+            calls[k].append(
+                Call(
+                    a,
+                    b,
+                    status,
+                    message=f"{reason} on completions {a}..{b - 1}; its worker was killed and replaced",
+                )
+            )
             self._replace(w, kill=False)
         else:
             self._workers.remove(w)
@@ -330,12 +384,20 @@ class RewardExecutor:
 class _Worker:
     """One worker process and its end of the connection; `task` is the chunk it is computing."""
 
-    def __init__(self, functions: dict[int, bytes], module_files: dict[str, str],
-                 main_script: tuple[str, str | None] | None, memory_mb: int, output: "_Output"):
+    def __init__(
+        self,
+        functions: dict[int, bytes],
+        module_files: dict[str, str],
+        main_script: tuple[str, str | None] | None,
+        memory_mb: int,
+        output: "_Output",
+    ):
         self.process = reward_worker.Worker(
             "grpo.rewards.worker:serve",
             {"functions": functions, "module_files": module_files, "main_script": main_script},
-            keeper=True, memory_mb=memory_mb, capture=True,
+            keeper=True,
+            memory_mb=memory_mb,
+            capture=True,
         )
         self.conn = self.process.conn
         output.add(self.process.output, f"reward worker process {self.process.pid}")
@@ -381,7 +443,9 @@ class _Output:
         os.set_blocking(fd, False)
         with self._lock:
             self._pipes[fd] = (pipe, label)
-        threading.Thread(target=self._follow, args=(fd, pipe), daemon=True, name=f"output of {label}").start()
+        threading.Thread(
+            target=self._follow, args=(fd, pipe), daemon=True, name=f"output of {label}"
+        ).start()
 
     def _follow(self, fd: int, pipe) -> None:
         poller = select.poll()
@@ -392,7 +456,9 @@ class _Output:
             except InterruptedError:
                 continue
             with self._lock:
-                if not self._read(fd, 1):  # every writer has closed it: the worker and all it started are gone
+                if not self._read(
+                    fd, 1
+                ):  # every writer has closed it: the worker and all it started are gone
                     del self._pipes[fd]
                     pipe.close()  # only here, so no other thread reads a reused descriptor number
                     return
@@ -430,25 +496,32 @@ class _Output:
             return
         parts = []
         for label in dict.fromkeys([*kept, *dropped]):
-            text = escaped(bytes(kept.get(label, b"")).decode("utf-8", "backslashreplace")).rstrip("\n")
+            text = escaped(bytes(kept.get(label, b"")).decode("utf-8", "backslashreplace")).rstrip(
+                "\n"
+            )
             more = f"\n(... {dropped[label]} bytes more dropped)" if dropped[label] else ""
             parts.append(f"--- {label} ---\n{text}{more}")
         log.warning(
             "reward functions printed (control characters escaped; at most %d KiB of a batch shown):\n%s",
-            self.limit // 1024, "\n".join(parts),
+            self.limit // 1024,
+            "\n".join(parts),
         )
 
 
 def escaped(text: str) -> str:
     """`text` with every character that is not printable (but newlines and tabs) written as Python
     writes it in a string literal: a terminal's escape sequences and bidirectional controls shown, not run."""
-    return "".join(c if c.isprintable() or c in "\n\t" else c.encode("unicode_escape").decode("ascii")
-                   for c in text)
+    return "".join(
+        c if c.isprintable() or c in "\n\t" else c.encode("unicode_escape").decode("ascii")
+        for c in text
+    )
 
 
 def _pickled_for_worker(fn: Callable) -> tuple[bytes, bool] | None:
     """`fn` as a worker can load it, and whether that needs the main script; None where it cannot."""
-    if getattr(fn, "__module__", None) == "__main__" and not getattr(sys.modules["__main__"], "__file__", None):
+    if getattr(fn, "__module__", None) == "__main__" and not getattr(
+        sys.modules["__main__"], "__file__", None
+    ):
         return None  # defined interactively: no file a worker could load it from
     buffer = io.BytesIO()
     pickler = _MainNoting(buffer)
@@ -465,7 +538,10 @@ class _MainNoting(pickle.Pickler):
     uses_main = False
 
     def reducer_override(self, obj):
-        if isinstance(obj, (type, types.FunctionType)) and getattr(obj, "__module__", None) == "__main__":
+        if (
+            isinstance(obj, (type, types.FunctionType))
+            and getattr(obj, "__module__", None) == "__main__"
+        ):
             self.uses_main = True
         return NotImplemented
 
@@ -489,7 +565,8 @@ def _guarded(path: str) -> bool:
         if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq):
             sides = [test.left, test.comparators[0]]
             if any(isinstance(s, ast.Name) and s.id == "__name__" for s in sides) and any(
-                    isinstance(s, ast.Constant) and s.value == "__main__" for s in sides):
+                isinstance(s, ast.Constant) and s.value == "__main__" for s in sides
+            ):
                 return True
     return False
 
@@ -502,12 +579,13 @@ def _warn_unguarded(name: str, path: str) -> None:
         return
     _warned_unguarded.add((name, path))
     log.warning(
-        "reward function %r is defined in the main script %s, which has no `if __name__ == \"__main__\":`: "
+        'reward function %r is defined in the main script %s, which has no `if __name__ == "__main__":`: '
         "a worker process could load it only by running the whole script again, training included, so it "
         "runs in a thread of the trainer (a call past rewards.timeout is abandoned, not stopped, and an "
-        "os._exit in it ends the run). Put the script's training under `if __name__ == \"__main__\":`, or "
+        'os._exit in it ends the run). Put the script\'s training under `if __name__ == "__main__":`, or '
         "the function in a module of its own, to run it in a worker process.",
-        name, path,
+        name,
+        path,
     )
 
 

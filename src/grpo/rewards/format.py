@@ -17,7 +17,10 @@ import re
 from grpo.rewards.arithmetic import completion_text
 
 OPEN, CLOSE = "<think>", "</think>"
-_STRICT = re.compile(r"\s*<think>(?P<reasoning>(?:(?!</?think>).)+?)</think>(?P<answer>(?:(?!</?think>).)*)", re.DOTALL)
+_STRICT = re.compile(
+    r"\s*<think>(?P<reasoning>(?:(?!</?think>).)+?)</think>(?P<answer>(?:(?!</?think>).)*)",
+    re.DOTALL,
+)
 _LENIENT = re.compile(r"<think>.*?</think>(?P<answer>.*)", re.DOTALL)
 
 

@@ -29,8 +29,8 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
-from grpo.rewards.bounded import BoundedWorker
 from grpo.rewards.arithmetic import completion_text
+from grpo.rewards.bounded import BoundedWorker
 
 FORMS = ("boxed", "gsm8k", "answer")
 MAX_ANSWER_CHARS = 1000
@@ -101,7 +101,14 @@ def normalise_gold(gold) -> str | None:
 
 def as_number(text: str) -> Fraction | None:
     """The exact value of a plain number (commas, `+`, `%`, `\\!` spacing dropped), else None."""
-    t = text.replace(",", "").replace("\\!", "").replace(" ", "").replace("\\%", "%").rstrip("%").rstrip(".")
+    t = (
+        text.replace(",", "")
+        .replace("\\!", "")
+        .replace(" ", "")
+        .replace("\\%", "%")
+        .rstrip("%")
+        .rstrip(".")
+    )
     if not _NUMBER.fullmatch(t):
         return None
     try:
@@ -119,7 +126,9 @@ class MathAnswer:
     def __init__(self, forms: tuple[str, ...] | list[str] = FORMS, timeout: float = 5.0):
         unknown = [f for f in forms if f not in FORMS]
         if unknown or not forms:
-            raise ValueError(f"math answer forms must be some of {', '.join(FORMS)}, got {list(forms)}")
+            raise ValueError(
+                f"math answer forms must be some of {', '.join(FORMS)}, got {list(forms)}"
+            )
         self.forms, self.timeout = tuple(forms), timeout
         self.__name__ = "math_answer"
         self._worker: BoundedWorker | None = None

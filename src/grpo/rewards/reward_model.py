@@ -36,9 +36,13 @@ def _device(device: str) -> torch.device:
     try:
         resolved = torch.device(device)
     except (RuntimeError, ValueError):
-        raise ConfigError(f"rewards.reward_model_device: {device!r} is not a device; use auto, cpu or cuda[:N]") from None
+        raise ConfigError(
+            f"rewards.reward_model_device: {device!r} is not a device; use auto, cpu or cuda[:N]"
+        ) from None
     if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"rewards.reward_model_device: {device!r}, but no CUDA device is available; use auto or cpu")
+        raise ConfigError(
+            f"rewards.reward_model_device: {device!r}, but no CUDA device is available; use auto or cpu"
+        )
     return resolved
 
 
@@ -61,7 +65,9 @@ class RewardModel:
 
         self.path = str(path)
         if dtype not in DTYPES:
-            raise ConfigError(f"rewards.reward_model_dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
+            raise ConfigError(
+                f"rewards.reward_model_dtype: {dtype!r} is not one of {', '.join(DTYPES)}"
+            )
         if batch_size < 1:
             raise ConfigError(f"rewards.reward_model_batch_size: must be > 0, got {batch_size}")
         try:
@@ -73,7 +79,11 @@ class RewardModel:
                     f"reward model {self.path!r}: it brings its own Python code (auto_map), which a reward model is "
                     "never allowed to run; use a sequence-classification model transformers knows itself"
                 ) from None
-            where = "no config.json in that directory" if Path(self.path).is_dir() else "no such directory"
+            where = (
+                "no config.json in that directory"
+                if Path(self.path).is_dir()
+                else "no such directory"
+            )
             raise ConfigError(
                 f"reward model {self.path!r}: {where}, and not loadable from the hub ({type(e).__name__}); expected "
                 "a transformers sequence-classification model saved with save_pretrained"
@@ -97,7 +107,9 @@ class RewardModel:
         if self.tokenizer.pad_token is None:  # many decoder reward models ship without one
             self.tokenizer.pad_token = self.tokenizer.eos_token
         if self.tokenizer.pad_token is None:
-            raise ConfigError(f"reward model {self.path!r}: its tokenizer has neither a pad nor an eos token")
+            raise ConfigError(
+                f"reward model {self.path!r}: its tokenizer has neither a pad nor an eos token"
+            )
         # Right padding: the pads come after the last real token, which is where the
         # classifier reads the sequence, so they change nothing it attends to.
         self.tokenizer.padding_side = "right"
@@ -124,7 +136,9 @@ class RewardModel:
         if isinstance(prompt, list) and getattr(self.tokenizer, "chat_template", None):
             messages = [*prompt, {"role": "assistant", "content": answer}]
             return self.tokenizer.apply_chat_template(messages, tokenize=False), True
-        prompt_text = "\n".join(m["content"] for m in prompt) + "\n" if isinstance(prompt, list) else prompt
+        prompt_text = (
+            "\n".join(m["content"] for m in prompt) + "\n" if isinstance(prompt, list) else prompt
+        )
         return prompt_text + answer, False
 
     @torch.no_grad()
@@ -132,16 +146,24 @@ class RewardModel:
         scores: list[float] = []
         for start in range(0, len(texts), self.batch_size):
             batch = self.tokenizer(
-                texts[start : start + self.batch_size], padding=True, truncation=True, max_length=self.max_length,
-                add_special_tokens=not templated, return_tensors="pt",
+                texts[start : start + self.batch_size],
+                padding=True,
+                truncation=True,
+                max_length=self.max_length,
+                add_special_tokens=not templated,
+                return_tensors="pt",
             ).to(self.device)
-            logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            logits = self.model(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+            ).logits
             scores += logits[:, self.label].float().cpu().tolist()
         return scores
 
     def __call__(self, prompts, completions, completion_ids=None, **columns) -> list[float]:
         if len(prompts) != len(completions):
-            raise ValueError(f"reward model: {len(prompts)} prompts for {len(completions)} completions")
+            raise ValueError(
+                f"reward model: {len(prompts)} prompts for {len(completions)} completions"
+            )
         texts = [self.text(p, c) for p, c in zip(prompts, completions)]
         out = [0.0] * len(texts)
         # templated and plain texts are tokenized differently (special tokens), so each kind is its own batch
@@ -156,8 +178,13 @@ def from_spec(spec: str, cfg: RewardsConfig) -> tuple[str, RewardModel]:
     """`reward_model:path/to/model` -> (name, reward), the name being the model directory's name."""
     path = spec[len(PREFIX) :] if spec.startswith(PREFIX) else spec
     if not path:
-        raise ConfigError(f"rewards.funcs: {spec!r} names no model; write 'reward_model:path/to/model'")
+        raise ConfigError(
+            f"rewards.funcs: {spec!r} names no model; write 'reward_model:path/to/model'"
+        )
     fn = RewardModel(
-        path, device=cfg.reward_model_device, dtype=cfg.reward_model_dtype, batch_size=cfg.reward_model_batch_size
+        path,
+        device=cfg.reward_model_device,
+        dtype=cfg.reward_model_dtype,
+        batch_size=cfg.reward_model_batch_size,
     )
     return fn.__name__, fn

@@ -137,7 +137,9 @@ def resolve(spec: str, cfg: RewardsConfig | None = None) -> tuple[str, RewardFn]
     except ConfigError:
         raise
     except Exception as e:  # the user's module failed to import
-        raise ConfigError(f"rewards.funcs: cannot import {target!r} for {spec!r}: {type(e).__name__}: {e}") from e
+        raise ConfigError(
+            f"rewards.funcs: cannot import {target!r} for {spec!r}: {type(e).__name__}: {e}"
+        ) from e
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ConfigError(f"rewards.funcs: {target!r} has no function {name!r}")
@@ -156,7 +158,11 @@ def check_signature(name: str, fn: RewardFn, columns: set[str]) -> None:
         )
     available = CALL_ARGUMENTS | columns
     for p in params:
-        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty and p.name not in available:
+        if (
+            p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            and p.default is p.empty
+            and p.name not in available
+        ):
             raise ConfigError(
                 f"reward function {name!r} needs argument {p.name!r}, but the dataset has no such column "
                 f"(columns: {sorted(columns)}); add the column or give the argument a default"
@@ -178,7 +184,9 @@ class RewardSet:
     isolation: str = "process"
     worker_memory_mb: int = 4096
     _executor: RewardExecutor | None = field(default=None, init=False, repr=False, compare=False)
-    _since_step: defaultdict = field(default_factory=lambda: defaultdict(Counter), init=False, repr=False, compare=False)
+    _since_step: defaultdict = field(
+        default_factory=lambda: defaultdict(Counter), init=False, repr=False, compare=False
+    )
     _seen: Counter = field(default_factory=Counter, init=False, repr=False, compare=False)
     _trainer_state: object = field(default=None, init=False, repr=False, compare=False)
 
@@ -200,14 +208,27 @@ class RewardSet:
             resolved = list(funcs.items())
         weights = cfg.weights if cfg.weights is not None else [1.0] * len(resolved)
         if len(weights) != len(resolved):
-            raise ConfigError(f"rewards.weights: {len(weights)} weights for {len(resolved)} reward functions; give one weight each")
-        rewards = cls([], [], torch.zeros(0), timeout=cfg.timeout, workers=cfg.workers, isolation=cfg.isolation,
-                      worker_memory_mb=cfg.worker_memory_mb)
+            raise ConfigError(
+                f"rewards.weights: {len(weights)} weights for {len(resolved)} reward functions; give one weight each"
+            )
+        rewards = cls(
+            [],
+            [],
+            torch.zeros(0),
+            timeout=cfg.timeout,
+            workers=cfg.workers,
+            isolation=cfg.isolation,
+            worker_memory_mb=cfg.worker_memory_mb,
+        )
         for (name, fn), weight in zip(resolved, weights):
             check_signature(name, fn, columns)
             rewards.add(name, fn, weight)
         if cfg.overlong_buffer is not None:
-            rewards.add("overlong", overlong_reward(max_completion_length, cfg.overlong_buffer), cfg.overlong_weight)
+            rewards.add(
+                "overlong",
+                overlong_reward(max_completion_length, cfg.overlong_buffer),
+                cfg.overlong_weight,
+            )
         if failures is not None:
             if set(failures) != set(rewards.names):
                 raise ConfigError(
@@ -234,18 +255,35 @@ class RewardSet:
     @property
     def executor(self) -> RewardExecutor:
         if self._executor is None:
-            self._executor = RewardExecutor(self.names, self.funcs, self.timeout, self.workers, self.isolation,
-                                            self.worker_memory_mb)
+            self._executor = RewardExecutor(
+                self.names,
+                self.funcs,
+                self.timeout,
+                self.workers,
+                self.isolation,
+                self.worker_memory_mb,
+            )
         return self._executor
 
-    def score(self, prompts: list, completions: list, completion_ids: list[list[int]], rows: list[dict],
-              trainer_state: object = None) -> torch.Tensor:
+    def score(
+        self,
+        prompts: list,
+        completions: list,
+        completion_ids: list[list[int]],
+        rows: list[dict],
+        trainer_state: object = None,
+    ) -> torch.Tensor:
         """[N, K] rewards, NaN where missing. `rows` are the dataset rows, one per completion.
         `trainer_state` (TRL's keyword: global_step, max_steps, epoch) goes to every function; left
         out (an evaluation), the last one given; none is passed before any was."""
         self._trainer_state = trainer_state if trainer_state is not None else self._trainer_state
         columns = {key: [r.get(key) for r in rows] for key in rows[0] if key != "prompt"}
-        inputs = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **columns}
+        inputs = {
+            "prompts": prompts,
+            "completions": completions,
+            "completion_ids": completion_ids,
+            **columns,
+        }
         if self._trainer_state is not None:
             inputs["trainer_state"] = self._trainer_state
         out = torch.full((len(completions), len(self.funcs)), float("nan"))
@@ -264,12 +302,20 @@ class RewardSet:
         self._since_step[name][kind] += 1
         self._seen[name, call.status] += 1
         seen = self._seen[name, call.status]
-        what = {"error": "failed", "crashed": "crashed its worker", "timeout": "timed out"}[call.status]
+        what = {"error": "failed", "crashed": "crashed its worker", "timeout": "timed out"}[
+            call.status
+        ]
         if seen == 1:
             log.warning(
                 "reward function %r %s on completions %d..%d; their rewards are missing. Only this first time is "
                 "logged in full; later ones are counted (rewards/%s/%s):\n%s",
-                name, what, call.start, call.stop - 1, name, kind, call.message.rstrip(),
+                name,
+                what,
+                call.start,
+                call.stop - 1,
+                name,
+                kind,
+                call.message.rstrip(),
             )
         elif seen & (seen - 1) == 0:  # 2, 4, 8, ...: a reminder that fades
             log.warning("reward function %r has %s %d times so far", name, what, seen)
@@ -277,8 +323,13 @@ class RewardSet:
     def step_failures(self) -> dict[str, dict[str, int]]:
         """Failed calls of each function since the last time asked ({"errors": n, "timeouts": n}):
         a step's, however many batches it scored."""
-        counts = {name: {"errors": self._since_step[name]["errors"], "timeouts": self._since_step[name]["timeouts"]}
-                  for name in self.names}
+        counts = {
+            name: {
+                "errors": self._since_step[name]["errors"],
+                "timeouts": self._since_step[name]["timeouts"],
+            }
+            for name in self.names
+        }
         self._since_step.clear()
         return counts
 

@@ -107,20 +107,26 @@ def as_rewards(values: Any, n: int) -> list[float]:
     than completions (counted by iterating, at most n + 1 items, whatever `len` says), an
     infinite value or one float32 rounds to infinity.
     """
-    if isinstance(values, (str, bytes, bytearray, set, frozenset, Mapping)):  # text, no order, or keys
+    if isinstance(
+        values, (str, bytes, bytearray, set, frozenset, Mapping)
+    ):  # text, no order, or keys
         raise TypeError(f"expected a list of {n} floats or None, got {_brief(values)}")
     try:
         items = iter(values)
     except TypeError:
         raise TypeError(f"expected a list of {n} floats or None, got {_brief(values)}") from None
     got: list = []
-    for v in items:  # at most n + 1: a list whose __len__ lies, or an endless generator, is still counted
+    for v in (
+        items
+    ):  # at most n + 1: a list whose __len__ lies, or an endless generator, is still counted
         got.append(v)
         if len(got) > n:
             break
     if len(got) != n:
         length = f"more than {n}" if len(got) > n else str(len(got))
-        raise TypeError(f"expected a list of {n} floats or None, got {type(values).__name__} of length {length}")
+        raise TypeError(
+            f"expected a list of {n} floats or None, got {type(values).__name__} of length {length}"
+        )
     rewards = []
     for v in got:
         r = _real(v)
@@ -138,14 +144,21 @@ def _real(v: Any) -> float:
     """One reward as a float (NaN for None); TypeError unless it is a real number."""
     if v is None:
         return math.nan
-    if isinstance(v, numbers.Real):  # int, float, bool, Fraction, numpy's integer and floating scalars
+    if isinstance(
+        v, numbers.Real
+    ):  # int, float, bool, Fraction, numpy's integer and floating scalars
         try:
             return float(v)
         except OverflowError:
             return math.inf  # an int too large for a float: refused as not finite
     # arrays and tensors: only 0-d ones of a real dtype (their modules are loaded when such a value exists)
     numpy, torch = sys.modules.get("numpy"), sys.modules.get("torch")
-    if numpy is not None and isinstance(v, (numpy.ndarray, numpy.generic)) and v.ndim == 0 and v.dtype.kind in "biuf":
+    if (
+        numpy is not None
+        and isinstance(v, (numpy.ndarray, numpy.generic))
+        and v.ndim == 0
+        and v.dtype.kind in "biuf"
+    ):
         return float(v)  # numpy.bool_ is no numbers.Real, nor is a 0-d array
     if torch is not None and isinstance(v, torch.Tensor) and v.ndim == 0 and not v.is_complex():
         return float(v.item())
@@ -154,7 +167,9 @@ def _real(v: Any) -> float:
 
 def _brief(v: Any) -> str:
     shape = getattr(v, "shape", None)
-    text = repr(v) if not shape else f"{type(v).__name__} of shape {tuple(shape)}"  # an array's items: not shown
+    text = (
+        repr(v) if not shape else f"{type(v).__name__} of shape {tuple(shape)}"
+    )  # an array's items: not shown
     return text if len(text) <= 200 else text[:200] + "..."
 
 
@@ -164,7 +179,9 @@ def _brief(v: Any) -> str:
 def main(fd: int) -> None:
     """A worker's program (BOOT): the start message, then the serving function it names."""
     conn = Connection(fd)
-    os.set_inheritable(fd, False)  # what a function starts with exec never holds the trainer's connection
+    os.set_inheritable(
+        fd, False
+    )  # what a function starts with exec never holds the trainer's connection
     start = conn.recv()
     sys.path[:] = start["sys_path"]
     sys.argv[:] = start["argv"]
@@ -178,14 +195,20 @@ def main(fd: int) -> None:
         limit = start["memory_mb"] << 20
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
     if start["capture"]:
-        sys.stdout.reconfigure(line_buffering=True)  # a call's prints reach the pipe before the call ends
+        sys.stdout.reconfigure(
+            line_buffering=True
+        )  # a call's prints reach the pipe before the call ends
     module, name = start["target"].split(":")
     getattr(importlib.import_module(module), name)(conn, **start["kwargs"])
     _flush_output()
 
 
-def serve(conn, functions: dict[int, bytes], module_files: dict[str, str],
-          main_script: tuple[str, str | None] | None) -> None:
+def serve(
+    conn,
+    functions: dict[int, bytes],
+    module_files: dict[str, str],
+    main_script: tuple[str, str | None] | None,
+) -> None:
     """A reward worker's loop: messages (k, inputs, n) -> ("ok", rewards) | ("error", traceback).
     `main_script` (path, module name under -m) is loaded as `__mp_main__` first when a function
     comes from the trainer's main script."""
@@ -205,7 +228,9 @@ def serve(conn, functions: dict[int, bytes], module_files: dict[str, str],
         try:
             loaded[k] = pickle.loads(blob)
         except BaseException:
-            failed[k] = f"cannot be loaded in a worker process:\n{module_errors}{traceback.format_exc()}"
+            failed[k] = (
+                f"cannot be loaded in a worker process:\n{module_errors}{traceback.format_exc()}"
+            )
     _flush_output()
     conn.send(("ready", failed))
     while True:
@@ -221,7 +246,9 @@ def serve(conn, functions: dict[int, bytes], module_files: dict[str, str],
         else:
             try:
                 reply = ("ok", call_reward(loaded[k], inputs, n))
-            except BaseException as e:  # SystemExit too: a sys.exit() is the function's failure, not the worker's end
+            except (
+                BaseException
+            ) as e:  # SystemExit too: a sys.exit() is the function's failure, not the worker's end
                 reply = ("error", traceback.format_exc() + _memory_limit_note(e))
         _flush_output()
         conn.send(reply)
@@ -245,7 +272,9 @@ def _load_main(path: str, name: str | None) -> None:
     import runpy
     import types
 
-    if name and name != "__main__" and not name.endswith(".__main__"):  # started as `python -m name`
+    if (
+        name and name != "__main__" and not name.endswith(".__main__")
+    ):  # started as `python -m name`
         namespace = runpy.run_module(name, run_name="__mp_main__", alter_sys=True)
     else:
         namespace = runpy.run_path(path, run_name="__mp_main__")
@@ -293,7 +322,9 @@ def _keep(fd: int) -> None:
         if os.getppid() != keeper:  # the keeper died before the line above
             os._exit(1)
         return
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a signal to the group is for the worker, not its keeper
+    signal.signal(
+        signal.SIGINT, signal.SIG_IGN
+    )  # a signal to the group is for the worker, not its keeper
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     def trainer_gone():
@@ -399,7 +430,9 @@ def _processes() -> dict[int, tuple[bytes, int, int]]:
                 stat = f.read()
         except OSError:
             continue
-        fields = stat[stat.rfind(b")") + 2 :].split()  # the command name may hold spaces and parentheses
+        fields = stat[
+            stat.rfind(b")") + 2 :
+        ].split()  # the command name may hold spaces and parentheses
         table[int(name)] = (fields[0], int(fields[1]), int(fields[4]))
     return table
 
@@ -447,30 +480,51 @@ class Worker:
     `target` ("module:function") serves the connection with `kwargs`; `keeper`, `memory_mb` and
     `capture` as the module's docstring says."""
 
-    def __init__(self, target: str, kwargs: dict, *, keeper: bool = False, memory_mb: int = 0,
-                 capture: bool = False):
+    def __init__(
+        self,
+        target: str,
+        kwargs: dict,
+        *,
+        keeper: bool = False,
+        memory_mb: int = 0,
+        capture: bool = False,
+    ):
         import subprocess
 
         import grpo
 
         if not sys.executable:
-            raise RuntimeError("no Python interpreter to start a worker with (sys.executable is empty)")
+            raise RuntimeError(
+                "no Python interpreter to start a worker with (sys.executable is empty)"
+            )
         ours, theirs = socket.socketpair()
-        flags = subprocess._args_from_interpreter_flags()  # -X, -W, -O as the trainer's, as multiprocessing does
+        flags = (
+            subprocess._args_from_interpreter_flags()
+        )  # -X, -W, -O as the trainer's, as multiprocessing does
         grpo_parent = os.path.dirname(os.path.dirname(os.path.abspath(grpo.__file__)))
         try:
             self.process = subprocess.Popen(
                 [sys.executable, *flags, "-c", BOOT, str(theirs.fileno()), grpo_parent],
-                pass_fds=(theirs.fileno(),), start_new_session=True, stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE if capture else None, stderr=subprocess.STDOUT if capture else None,
+                pass_fds=(theirs.fileno(),),
+                start_new_session=True,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE if capture else None,
+                stderr=subprocess.STDOUT if capture else None,
             )
         finally:
             theirs.close()
         self.pid, self.keeper = self.process.pid, keeper
         self.output = self.process.stdout
         self.conn = Connection(ours.detach())
-        start = {"sys_path": list(sys.path), "argv": list(sys.argv), "target": target, "kwargs": kwargs,
-                 "keeper": keeper, "memory_mb": memory_mb, "capture": capture}
+        start = {
+            "sys_path": list(sys.path),
+            "argv": list(sys.argv),
+            "target": target,
+            "kwargs": kwargs,
+            "keeper": keeper,
+            "memory_mb": memory_mb,
+            "capture": capture,
+        }
         try:
             self.conn.send(start)
         except OSError:
@@ -506,7 +560,9 @@ class Worker:
         """Kills the worker (after `grace` seconds for it to end by itself), everything it started and
         its session; its exit code (the worker's own, through a keeper: negative for a signal)."""
         ended = self._ended(grace)
-        if self.process.returncode is None:  # not reaped: its pid and its session's id are still its own
+        if (
+            self.process.returncode is None
+        ):  # not reaped: its pid and its session's id are still its own
             if self.keeper and not ended:
                 kill_tree(self.pid, session=self.pid)  # the keeper, alive, holds them
                 ended = self._ended(2.0)  # the keeper reaps its worker, then ends as it ended
@@ -517,7 +573,9 @@ class Worker:
                     pass
                 self.process.kill()
                 self._ended(10.0)
-            kill_tree(self.pid, session=self.pid)  # those a killed keeper left behind keep its session
+            kill_tree(
+                self.pid, session=self.pid
+            )  # those a killed keeper left behind keep its session
         self.process.wait()
         self.conn.close()
         return self.process.returncode

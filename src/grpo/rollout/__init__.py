@@ -6,11 +6,17 @@ transformers engine (`hf.py`, `rollout.engine: hf`) is the default; engines are
 named in grpo.registry.ROLLOUT_ENGINES and built with `create_engine`.
 """
 
-from grpo.rollout.types import Rollout, SamplingParams
 from grpo.rollout.base import DecodingSteps, RolloutEngine, create_engine
 from grpo.rollout.hf import StopStrings, TransformersEngine, generate
+from grpo.rollout.types import Rollout, SamplingParams
 
 __all__ = [
-    "DecodingSteps", "Rollout", "RolloutEngine", "SamplingParams", "StopStrings", "TransformersEngine",
-    "create_engine", "generate",
+    "DecodingSteps",
+    "Rollout",
+    "RolloutEngine",
+    "SamplingParams",
+    "StopStrings",
+    "TransformersEngine",
+    "create_engine",
+    "generate",
 ]

@@ -47,7 +47,9 @@ class DecodingSteps(Protocol):
     """One way of running the model's forward pass while decoding (grpo.rollout.hf uses
     transformers' modules and cache, or grpo.cpu.fused_decoding.FusedDecoder)."""
 
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
         """input_ids [R, Lq] after everything cached so far -> next-token logits [R, V]."""
 
     def repeat_interleave(self, repeats: int) -> None:

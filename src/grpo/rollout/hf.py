@@ -60,7 +60,9 @@ def sample_next_token(
 
 
 def sample_with_logprobs(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
     uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Pick one token per row from next-token logits [B, V]: (tokens [B], their logprobs [B]).
@@ -85,12 +87,18 @@ def sample_with_logprobs(
         # the probabilities at hand are the unfiltered ones: no second pass over the vocabulary
         return tokens, torch.log(probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1))
     log_total = torch.logsumexp(scores, dim=-1)
-    tokens = _sample_filtered(scores, params, generator, uniforms)  # filters copies: `scores` stays whole
+    tokens = _sample_filtered(
+        scores, params, generator, uniforms
+    )  # filters copies: `scores` stays whole
     return tokens, scores.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - log_total
 
 
-def _sample_filtered(scores: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
-                     uniforms: torch.Tensor | None) -> torch.Tensor:
+def _sample_filtered(
+    scores: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    uniforms: torch.Tensor | None,
+) -> torch.Tensor:
     """A token per row from temperature-scaled scores [B, V] under top-k and top-p."""
     if params.top_k and params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k, dim=-1).values[:, -1:]
@@ -106,7 +114,9 @@ def _sample_filtered(scores: torch.Tensor, params: SamplingParams, generator: to
 
 
 def sample_from(
-    weights: torch.Tensor, generator: torch.Generator | None = None, uniforms: torch.Tensor | None = None
+    weights: torch.Tensor,
+    generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One index per row of `weights` [B, V] (non-negative, each row with a positive sum),
     drawn with probability proportional to its weight, from two uniform numbers per row:
@@ -130,9 +140,15 @@ def sample_from(
     total = block_cdf[:, -1]
     if not bool((torch.isfinite(total) & (total > 0)).all()):
         raise NonFiniteProbabilities(_NON_FINITE)
-    u = uniforms if uniforms is not None else torch.rand(B, 2, generator=generator, device=weights.device)
+    u = (
+        uniforms
+        if uniforms is not None
+        else torch.rand(B, 2, generator=generator, device=weights.device)
+    )
     b = first_exceeding(block_cdf, u[:, :1])
-    index = b * block + torch.arange(block, device=weights.device)  # [B, block]: the chosen block's entries
+    index = b * block + torch.arange(
+        block, device=weights.device
+    )  # [B, block]: the chosen block's entries
     inside = index < V
     local_cdf = (weights.gather(1, index.clamp(max=V - 1)) * inside).cumsum(-1)
     return (b * block + first_exceeding(local_cdf, u[:, 1:])).squeeze(-1)
@@ -148,12 +164,19 @@ def first_exceeding(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target, right=True)
 
 
-def prompt_noise(seeds: list[int], num_generations: int, max_new_tokens: int, device) -> torch.Tensor:
+def prompt_noise(
+    seeds: list[int], num_generations: int, max_new_tokens: int, device
+) -> torch.Tensor:
     """[P x G, max_new_tokens, 2]: the uniform numbers each completion's tokens are drawn with
     (`sample_from`), from its prompt's seed alone. Drawn up front on the CPU: 2 numbers a token,
     a few kilobytes a rollout, and the same on any device."""
-    parts = [torch.rand(num_generations, max_new_tokens, 2, generator=torch.Generator().manual_seed(s)) for s in seeds]
-    return torch.cat(parts).to(device) if parts else torch.zeros(0, max_new_tokens, 2, device=device)
+    parts = [
+        torch.rand(num_generations, max_new_tokens, 2, generator=torch.Generator().manual_seed(s))
+        for s in seeds
+    ]
+    return (
+        torch.cat(parts).to(device) if parts else torch.zeros(0, max_new_tokens, 2, device=device)
+    )
 
 
 class TransformersSteps:
@@ -194,8 +217,12 @@ class StopStrings:
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [n, t] generated so far -> [n] bool."""
-        tails = self.tokenizer.batch_decode(tokens[:, -self.window :].tolist(), skip_special_tokens=True)
-        return torch.tensor([any(s in tail for s in self.strings) for tail in tails], device=tokens.device)
+        tails = self.tokenizer.batch_decode(
+            tokens[:, -self.window :].tolist(), skip_special_tokens=True
+        )
+        return torch.tensor(
+            [any(s in tail for s in self.strings) for tail in tails], device=tokens.device
+        )
 
 
 @torch.no_grad()
@@ -225,8 +252,19 @@ def generate(
     rows = len(prompts) * num_generations
     max_length = max((len(p) for p in prompts), default=0) + params.max_new_tokens
     with (decoding or plain_decoding)(model, rows, max_length) as steps:
-        return _generate(steps, model, prompts, num_generations, params, eos_token_ids, pad_token_id, seeds,
-                         share_prefix, compact, stop)
+        return _generate(
+            steps,
+            model,
+            prompts,
+            num_generations,
+            params,
+            eos_token_ids,
+            pad_token_id,
+            seeds,
+            share_prefix,
+            compact,
+            stop,
+        )
 
 
 @contextlib.contextmanager
@@ -236,7 +274,17 @@ def plain_decoding(model, rows: int, max_length: int):
 
 
 def _generate(
-    steps, model, prompts, num_generations, params, eos_token_ids, pad_token_id, seeds, share_prefix, compact, stop
+    steps,
+    model,
+    prompts,
+    num_generations,
+    params,
+    eos_token_ids,
+    pad_token_id,
+    seeds,
+    share_prefix,
+    compact,
+    stop,
 ) -> Rollout:
     device = next(model.parameters()).device
     G = num_generations
@@ -247,7 +295,9 @@ def _generate(
     N, Lp = full_ids.shape
     eos = torch.tensor(sorted(set(eos_token_ids)), device=device, dtype=torch.long)
 
-    positions = logprobs.position_ids_from_mask(prompt_mask)  # skip left padding, as in the loss pass
+    positions = logprobs.position_ids_from_mask(
+        prompt_mask
+    )  # skip left padding, as in the loss pass
     if share_prefix:
         logits = steps(prompt_ids, prompt_mask, positions)
         steps.repeat_interleave(G)
@@ -255,9 +305,15 @@ def _generate(
     else:
         logits = steps(full_ids, full_mask, positions.repeat_interleave(G, 0))
 
-    noise = prompt_noise(prompt_seeds(seeds, len(prompts)), G, params.max_new_tokens, device) if params.temperature > 0 else None
+    noise = (
+        prompt_noise(prompt_seeds(seeds, len(prompts)), G, params.max_new_tokens, device)
+        if params.temperature > 0
+        else None
+    )
     tokens = torch.full((N, params.max_new_tokens), pad_token_id, dtype=torch.long, device=device)
-    token_logprobs = torch.zeros(N, params.max_new_tokens, device=device) if params.temperature > 0 else None
+    token_logprobs = (
+        torch.zeros(N, params.max_new_tokens, device=device) if params.temperature > 0 else None
+    )
     done = torch.zeros(N, dtype=torch.bool, device=device)
     lengths = torch.zeros(N, dtype=torch.long, device=device)
     active = torch.arange(N, device=device)  # batch row of each cache row
@@ -266,7 +322,9 @@ def _generate(
     next_pos = full_mask.sum(-1)  # position id of each cache row's next token
 
     for t in range(params.max_new_tokens):
-        new, new_logprobs = sample_with_logprobs(logits, params, uniforms=noise[active, t] if noise is not None else None)
+        new, new_logprobs = sample_with_logprobs(
+            logits, params, uniforms=noise[active, t] if noise is not None else None
+        )
         rows = active[alive]
         tokens[rows, t] = new[alive]
         if token_logprobs is not None:
@@ -284,7 +342,13 @@ def _generate(
         if compact and not bool(alive.all()):
             keep = alive.nonzero().squeeze(-1)
             steps.select(keep)
-            active, new, attn, next_pos, alive = active[keep], new[keep], attn[keep], next_pos[keep], alive[keep]
+            active, new, attn, next_pos, alive = (
+                active[keep],
+                new[keep],
+                attn[keep],
+                next_pos[keep],
+                alive[keep],
+            )
         attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
         logits = steps(new.unsqueeze(-1), attn, next_pos.unsqueeze(-1))
         next_pos = next_pos + 1
@@ -338,16 +402,24 @@ class TransformersEngine:
         try:
             with torch.no_grad(), bf16_autocast(self.device, self.bf16):
                 return generate(
-                    self.model, prompts, num_generations, params,
-                    eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id,
-                    seeds=seeds, stop=self.stop, decoding=self.decoding,
+                    self.model,
+                    prompts,
+                    num_generations,
+                    params,
+                    eos_token_ids=self.eos_token_ids,
+                    pad_token_id=self.pad_token_id,
+                    seeds=seeds,
+                    stop=self.stop,
+                    decoding=self.decoding,
                 )
         finally:
             self.model.train(was_training)
 
     def sync_weights(self, policy) -> None:
         if policy is not self.model:
-            raise ValueError("the hf engine generates with the policy module it was built with; build a new engine for another")
+            raise ValueError(
+                "the hf engine generates with the policy module it was built with; build a new engine for another"
+            )
 
     def sleep(self) -> None:
         pass

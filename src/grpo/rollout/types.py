@@ -21,7 +21,9 @@ def prompt_seeds(seeds: Seeds, num_prompts: int) -> list[int]:
     if seeds is None or isinstance(seeds, torch.Generator):
         generator = seeds
         device = generator.device if generator is not None else "cpu"
-        return torch.randint(0, SEED_BOUND, (num_prompts,), generator=generator, device=device).tolist()
+        return torch.randint(
+            0, SEED_BOUND, (num_prompts,), generator=generator, device=device
+        ).tolist()
     seeds = [int(s) for s in seeds]
     if len(seeds) != num_prompts:
         raise ValueError(f"{len(seeds)} sampling seeds for {num_prompts} prompts: one per prompt")
@@ -97,5 +99,6 @@ class Rollout:
             torch.cat([p.truncated for p in parts]),
             # kept only when every part has them (an engine reports them for all its rollouts or none)
             torch.cat([right(p.sampling_logprobs, lc, 0) for p in parts])
-            if all(p.sampling_logprobs is not None for p in parts) else None,
+            if all(p.sampling_logprobs is not None for p in parts)
+            else None,
         )

@@ -57,12 +57,18 @@ CPU_STEP_TOKENS = 4096
 
 def import_vllm():
     """The vllm module, or a ConfigError naming rollout.engine and the fix."""
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its start-up report would flood the console
+    os.environ.setdefault(
+        "VLLM_LOGGING_LEVEL", "WARNING"
+    )  # its start-up report would flood the console
     try:
         import vllm
     except ImportError as error:
-        raise ConfigError(f"rollout.engine: vllm needs the vllm package, which is not importable here ({error}); {_INSTALL}") from None
-    except Exception as error:  # a broken install, e.g. CUDA builds of torchvision beside a CPU torch
+        raise ConfigError(
+            f"rollout.engine: vllm needs the vllm package, which is not importable here ({error}); {_INSTALL}"
+        ) from None
+    except (
+        Exception
+    ) as error:  # a broken install, e.g. CUDA builds of torchvision beside a CPU torch
         raise ConfigError(
             f"rollout.engine: vllm: `import vllm` failed ({type(error).__name__}: {error}); {_INSTALL}"
         ) from None
@@ -89,7 +95,9 @@ def sampling_logprob_mode(temperature: float, top_p: float, top_k: int) -> tuple
     return "processed_logprobs", False
 
 
-def policy_weights(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def policy_weights(
+    model: torch.nn.Module, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every weight of `model` under its transformers names, as vLLM's
     loaders read them, floating-point ones in `dtype` when given (vLLM's own: it would cast
     each one anyway, with a warning per tensor); for a LoRA-adapted model (peft's layers in
@@ -127,7 +135,9 @@ def check_lora(model: torch.nn.Module) -> None:
 
     if not is_adapted(model):
         return
-    odd = sorted({type(layer).__name__ for layer in lora_layers(model) if not plain_lora_linear(layer)})
+    odd = sorted(
+        {type(layer).__name__ for layer in lora_layers(model) if not plain_lora_linear(layer)}
+    )
     if odd:
         raise ConfigError(
             f"rollout.engine: vllm pushes a LoRA policy as merged Linear weights, but this adapter has "
@@ -140,7 +150,10 @@ def head_dim(config) -> int | None:
     size = getattr(config, "head_dim", None)
     if size:
         return int(size)
-    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    hidden, heads = (
+        getattr(config, "hidden_size", None),
+        getattr(config, "num_attention_heads", None),
+    )
     return hidden // heads if hidden and heads else None
 
 
@@ -149,8 +162,10 @@ def vllm_dtype(model: torch.nn.Module, bf16: bool) -> str:
     dtype = torch.bfloat16 if bf16 else next(model.parameters()).dtype
     names = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
     if dtype not in names:
-        raise ConfigError(f"rollout.engine: vllm generates in bfloat16, float16 or float32, not the policy's {dtype}; "
-                          "load the model in one of them (model.dtype)")
+        raise ConfigError(
+            f"rollout.engine: vllm generates in bfloat16, float16 or float32, not the policy's {dtype}; "
+            "load the model in one of them (model.dtype)"
+        )
     return names[dtype]
 
 
@@ -196,7 +211,9 @@ def process_state_kept(device: torch.device):
 class VLLMEngine:
     """The `vllm` rollout engine (see the module's docstring). Settings: rollout.vllm."""
 
-    def __init__(self, model, tokenizer, cfg, decoding=None):  # `decoding` is for engines that run the policy module
+    def __init__(
+        self, model, tokenizer, cfg, decoding=None
+    ):  # `decoding` is for engines that run the policy module
         from grpo.models.loading import context_length, generation_token_ids
 
         vllm = import_vllm()  # first, so a missing package is the one error a user sees
@@ -230,7 +247,9 @@ class VLLMEngine:
                 )
         self.sleep_enabled = device.type == "cuda" and settings.sleep_mode
         self.asleep = False
-        self.logprobs_mode, self.logprobs_exact = sampling_logprob_mode(r.temperature, r.top_p, r.top_k)
+        self.logprobs_mode, self.logprobs_exact = sampling_logprob_mode(
+            r.temperature, r.top_p, r.top_k
+        )
         if not self.logprobs_exact:
             log.warning(
                 "rollout.engine: vllm reports each sampled token's logprob under the top-k/top-p filtered distribution "
@@ -302,7 +321,9 @@ class VLLMEngine:
             logprobs=None if greedy else 0,  # 0: the sampled token's logprob only
         )
 
-    def generate(self, prompts, num_generations, params: SamplingParams, seeds: Seeds = None) -> Rollout:
+    def generate(
+        self, prompts, num_generations, params: SamplingParams, seeds: Seeds = None
+    ) -> Rollout:
         if self.asleep:
             self.wake()
         G, greedy = num_generations, params.temperature == 0
@@ -321,12 +342,16 @@ class VLLMEngine:
                 samples = samples * G
             for sample in samples:
                 if sample.finish_reason not in ("stop", "length"):
-                    raise RuntimeError(f"vllm did not finish a completion (finish_reason={sample.finish_reason!r})")
+                    raise RuntimeError(
+                        f"vllm did not finish a completion (finish_reason={sample.finish_reason!r})"
+                    )
                 ids = list(sample.token_ids)
                 completions.append(ids)
                 truncated.append(sample.finish_reason == "length")
                 if not greedy:
-                    logprobs.append([step[token].logprob for token, step in zip(ids, sample.logprobs)])
+                    logprobs.append(
+                        [step[token].logprob for token, step in zip(ids, sample.logprobs)]
+                    )
         return self._rollout(prompts, G, completions, truncated, None if greedy else logprobs)
 
     def _rollout(self, prompts, G, completions, truncated, logprobs) -> Rollout:
@@ -362,14 +387,19 @@ class VLLMEngine:
         check_lora(policy)
         self.model = policy
         if self.asleep:
-            self.llm.wake_up(tags=["weights"])  # the memory back first; its contents are replaced now
+            self.llm.wake_up(
+                tags=["weights"]
+            )  # the memory back first; its contents are replaced now
         report = _UnloadedWeightsReport()
         reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.inplace")
         level = reload_log.level
         reload_log.addHandler(report)
         reload_log.setLevel(logging.WARNING)  # heard even where vLLM's logging is set quieter
         try:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": policy_weights(policy, self.weight_dtype)})
+            self.llm.collective_rpc(
+                "reload_weights",
+                kwargs={"weights_iterator": policy_weights(policy, self.weight_dtype)},
+            )
         finally:
             reload_log.removeHandler(report)
             reload_log.setLevel(level)
@@ -382,7 +412,9 @@ class VLLMEngine:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
         if not self.llm.reset_prefix_cache():
-            raise RuntimeError("vllm could not reset its prefix cache after a weight push (requests still running)")
+            raise RuntimeError(
+                "vllm could not reset its prefix cache after a weight push (requests still running)"
+            )
 
     def sleep(self) -> None:
         """CUDA with rollout.vllm.sleep_mode: release vLLM's KV cache and weights (vLLM's sleep

@@ -51,10 +51,10 @@ from typing import Any
 import torch
 import yaml
 
-from grpo.config import schema as config_module
-from grpo.run import faults
 from grpo.config import safe_yaml
+from grpo.config import schema as config_module
 from grpo.config.schema import ConfigError
+from grpo.run import faults
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +69,19 @@ _LEFTOVER = re.compile(r"\.(checkpoint-\d+|final)\.(tmp|old)-\d+")
 # and which kernels compute a step's values (cpu.*: the same to float tolerance), never the values.
 # The CPU layer's keys of earlier versions (config.MOVED_KEYS) are among them, so that their
 # checkpoints resume.
-RESUMABLE_CHANGES = ("output_dir", "overwrite_output_dir", "training.max_steps", "training.save_steps",
-                     "training.save_total_limit", "cpu.", "logging.", "eval.",
-                     "model.cpu_kernels", "training.kernels", "rollout.decoding")
+RESUMABLE_CHANGES = (
+    "output_dir",
+    "overwrite_output_dir",
+    "training.max_steps",
+    "training.save_steps",
+    "training.save_total_limit",
+    "cpu.",
+    "logging.",
+    "eval.",
+    "model.cpu_kernels",
+    "training.kernels",
+    "rollout.decoding",
+)
 
 
 def _fsync(path: Path) -> None:
@@ -115,8 +125,10 @@ def format_bytes(n: float) -> str:
 
 # torch.save's zip writer reports a short write as a RuntimeError ("enforce fail ... unexpected
 # pos", "file write failed"); safetensors' as a SafetensorError naming the OS error
-_WRITE_FAILURE = re.compile(r"unexpected pos|enforce fail|file write failed|No space left|StorageFull|[Qq]uota|"
-                            r"Read-only file system|IoError|Input/output error")
+_WRITE_FAILURE = re.compile(
+    r"unexpected pos|enforce fail|file write failed|No space left|StorageFull|[Qq]uota|"
+    r"Read-only file system|IoError|Input/output error"
+)
 
 
 def is_write_failure(error: BaseException) -> bool:
@@ -128,7 +140,9 @@ def write_failed(what: Path, error: BaseException, kept: str) -> SaveFailed:
     """The error that ends a run whose write of `what` failed; `kept`: what is left as it was."""
     free = _free_space(what.parent)
     text = str(error).strip()
-    reason = getattr(error, "strerror", None) or (text.splitlines()[0][:200] if text else type(error).__name__)
+    reason = getattr(error, "strerror", None) or (
+        text.splitlines()[0][:200] if text else type(error).__name__
+    )
     if free is not None and free < 64 << 20:
         reason = f"{reason}; the disk is full: {format_bytes(free)} free"
     elif free is not None:
@@ -157,16 +171,25 @@ def atomic_directory_write(target: Path, write, step: int | None = None) -> Path
         files = {}
         for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
             _fsync(path)
-            files[path.relative_to(tmp).as_posix()] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+            files[path.relative_to(tmp).as_posix()] = {
+                "size": path.stat().st_size,
+                "sha256": _sha256(path),
+            }
         manifest = tmp / MANIFEST
         manifest.write_text(json.dumps({"step": step, "files": files}, indent=1))
         _fsync(manifest)
         _fsync(tmp)
     except Exception as error:
-        shutil.rmtree(tmp, ignore_errors=True)  # a half-written checkpoint holds space and nothing else
+        shutil.rmtree(
+            tmp, ignore_errors=True
+        )  # a half-written checkpoint holds space and nothing else
         if is_write_failure(error):
             earlier = [p.name for p in checkpoints(target.parent)]
-            kept = f"the checkpoints before it ({', '.join(earlier[-3:])}) are intact" if earlier else "no checkpoint was kept"
+            kept = (
+                f"the checkpoints before it ({', '.join(earlier[-3:])}) are intact"
+                if earlier
+                else "no checkpoint was kept"
+            )
             raise write_failed(target, error, kept) from error
         raise
     faults.reached("manifest")
@@ -194,7 +217,9 @@ def estimated_size(model: torch.nn.Module) -> int:
 
     params = list(model.parameters())  # tied weights once
     trainable = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-    weights = trainable if lora.is_adapted(model) else sum(p.numel() * p.element_size() for p in params)
+    weights = (
+        trainable if lora.is_adapted(model) else sum(p.numel() * p.element_size() for p in params)
+    )
     return weights + 2 * trainable
 
 
@@ -205,12 +230,20 @@ def warn_if_short_of_space(directory: Path, needed: int) -> None:
         log.warning(
             "output_dir %s has %s free, less than one checkpoint needs (about %s: the weights and the optimizer's "
             "state); the first save will fail: free space or point output_dir elsewhere",
-            directory, format_bytes(free), format_bytes(needed),
+            directory,
+            format_bytes(free),
+            format_bytes(needed),
         )
 
 
-def save_checkpoint(directory: Path, model, tokenizer, state: dict[str, Any] | None = None, cfg=None,
-                    step: int | None = None) -> Path:
+def save_checkpoint(
+    directory: Path,
+    model,
+    tokenizer,
+    state: dict[str, Any] | None = None,
+    cfg=None,
+    step: int | None = None,
+) -> Path:
     """Model + tokenizer (loadable with from_pretrained), the train state (`Trainer.state_dict()`)
     and the resolved config, atomically, with a manifest that records `step`."""
 
@@ -219,7 +252,9 @@ def save_checkpoint(directory: Path, model, tokenizer, state: dict[str, Any] | N
     def write(tmp: Path) -> None:
         wrapper = lora.peft_model(model)
         if wrapper is not None:  # the adapter only: the base model is the one the run started from
-            wrapper.save_pretrained(tmp, selected_adapters=[lora.POLICY_ADAPTER], safe_serialization=True)
+            wrapper.save_pretrained(
+                tmp, selected_adapters=[lora.POLICY_ADAPTER], safe_serialization=True
+            )
         else:
             model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
@@ -237,7 +272,7 @@ def save_checkpoint(directory: Path, model, tokenizer, state: dict[str, Any] | N
 
 
 def verify(directory: Path) -> str:
-    """"" when every file in the manifest is there with its size and hash; else what is wrong."""
+    """ "" when every file in the manifest is there with its size and hash; else what is wrong."""
     try:
         manifest = json.loads((directory / MANIFEST).read_text())
         files = manifest["files"]
@@ -288,19 +323,25 @@ class Unusable(Exception):
         """Its files do not match its manifest (rather than: they match, and cannot be loaded)."""
 
 
-UNSAFE_STATE = ("was written by an older grpo whose train state needs unpickling arbitrary objects ({names}); "
-                "it cannot be loaded safely: start afresh or resume with the grpo version that wrote it")
+UNSAFE_STATE = (
+    "was written by an older grpo whose train state needs unpickling arbitrary objects ({names}); "
+    "it cannot be loaded safely: start afresh or resume with the grpo version that wrote it"
+)
 
 
 def read_state(path: Path) -> dict[str, Any]:
     """A train_state.pt as tensors and plain containers, never running code from the file
     (`torch.load(weights_only=True)`); Unusable naming the file and why when it cannot be read so."""
     name = path.name
-    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; a bare pickle is nothing grpo wrote
+    if not zipfile.is_zipfile(
+        path
+    ):  # torch.save writes a zip archive; a bare pickle is nothing grpo wrote
         raise Unusable(f"{name} is unreadable (not a file written by torch.save)", damaged=False)
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch's advice to retry with weights_only=False is not taken
+            warnings.simplefilter(
+                "ignore"
+            )  # torch's advice to retry with weights_only=False is not taken
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001 - any failure to read it is the reason to pass it over
         try:
@@ -308,10 +349,18 @@ def read_state(path: Path) -> dict[str, Any]:
         except Exception:  # noqa: BLE001
             unsafe = []
         if unsafe:
-            raise Unusable(f"{name} " + UNSAFE_STATE.format(names=", ".join(unsafe[:4])), damaged=False) from error
-        first = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
+            raise Unusable(
+                f"{name} " + UNSAFE_STATE.format(names=", ".join(unsafe[:4])), damaged=False
+            ) from error
+        first = next(
+            (line for line in str(error).splitlines() if line.strip()), type(error).__name__
+        )
         raise Unusable(f"{name} is unreadable ({first[:200]})", damaged=False) from error
-    if not (isinstance(state, dict) and isinstance(state.get("train"), dict) and "step" in state["train"]):
+    if not (
+        isinstance(state, dict)
+        and isinstance(state.get("train"), dict)
+        and "step" in state["train"]
+    ):
         raise Unusable(f"{name} holds no train state written by grpo train", damaged=False)
     return state
 
@@ -327,11 +376,16 @@ def check_weights(directory: Path) -> None:
                 for key in f.keys():
                     tensor = f.get_tensor(key)
                     if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                        raise Unusable(f"{file.name} holds non-finite weights (NaN or infinity in {key})", damaged=False)
+                        raise Unusable(
+                            f"{file.name} holds non-finite weights (NaN or infinity in {key})",
+                            damaged=False,
+                        )
         except Unusable:
             raise
         except Exception as error:  # noqa: BLE001 - safetensors' own errors, OSError, ...
-            first = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
+            first = next(
+                (line for line in str(error).splitlines() if line.strip()), type(error).__name__
+            )
             raise Unusable(f"{file.name} is unreadable ({first[:200]})", damaged=False) from error
 
 
@@ -343,7 +397,13 @@ _checked: dict[str, Any] = {}
 
 def _signature(directory: Path) -> tuple:
     state = os.stat(directory / STATE)
-    return (str(directory.resolve()), (directory / MANIFEST).read_bytes(), state.st_ino, state.st_size, state.st_mtime_ns)
+    return (
+        str(directory.resolve()),
+        (directory / MANIFEST).read_bytes(),
+        state.st_ino,
+        state.st_size,
+        state.st_mtime_ns,
+    )
 
 
 def _usable_state(directory: Path, verified: bool = False) -> dict[str, Any]:
@@ -366,7 +426,7 @@ def _usable_state(directory: Path, verified: bool = False) -> dict[str, Any]:
 
 
 def problem(directory: Path) -> str:
-    """"" when `directory` is a checkpoint to resume from: its files match its manifest, its train
+    """ "" when `directory` is a checkpoint to resume from: its files match its manifest, its train
     state loads without running code and its weights load and are finite; else what is wrong."""
     try:
         _usable_state(Path(directory))
@@ -392,8 +452,13 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
             passed.append((path, why))
             continue
         for bad, why in passed:
-            log.warning("checkpoint %s %s (%s); resuming from %s instead", bad,
-                        "is damaged" if why.damaged else "cannot be loaded", why, path)
+            log.warning(
+                "checkpoint %s %s (%s); resuming from %s instead",
+                bad,
+                "is damaged" if why.damaged else "cannot be loaded",
+                why,
+                path,
+            )
         return path
     if passed:
         listed = "; ".join(f"{p.name}: {why}" for p, why in passed)
@@ -432,7 +497,9 @@ class Checkpoint:
                     f"--resume {self.path}: the checkpoint holds {held}, the model {'has none' if self.has_adapter else 'has an adapter'}; "
                     "resume with the model and model.lora settings the run started with"
                 )
-            lora.load_adapter_state(model, load_file(self.path / ADAPTER_WEIGHTS), what=f"--resume {self.path}")
+            lora.load_adapter_state(
+                model, load_file(self.path / ADAPTER_WEIGHTS), what=f"--resume {self.path}"
+            )
             return
         weights = self.weights(model)
         result = model.load_state_dict(weights, strict=False)
@@ -445,7 +512,6 @@ class Checkpoint:
                 f"--resume {self.path}: its weights do not fit model.name's model (missing {missing[:3]}, "
                 f"unexpected {result.unexpected_keys[:3]}); resume with the model the run started from"
             )
-
 
     def weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The checkpoint's full weights by name (a weights checkpoint, not an adapter), each a name of `model`'s."""
@@ -471,12 +537,22 @@ def load_checkpoint(path: Path, cfg) -> Checkpoint:
     if why:
         raise ConfigError(f"--resume {path}: not a checkpoint to resume from: {why}")
     try:  # a shared checkpoint's config is untrusted YAML like any other: bounded, UTF-8, no duplicate keys
-        saved = safe_yaml.read(path / CONFIG, "checkpoint config") if (path / CONFIG).is_file() else None
+        saved = (
+            safe_yaml.read(path / CONFIG, "checkpoint config")
+            if (path / CONFIG).is_file()
+            else None
+        )
     except ConfigError as error:
-        raise ConfigError(f"--resume {path}: its {CONFIG} is unreadable ({error}); resume from another checkpoint") from None
+        raise ConfigError(
+            f"--resume {path}: its {CONFIG} is unreadable ({error}); resume from another checkpoint"
+        ) from None
     if not isinstance(saved, dict):
-        raise ConfigError(f"--resume {path}: no {CONFIG}; resume from a checkpoint written by grpo train")
-    differing = config_differences(saved, yaml.safe_load(yaml.safe_dump(cfg.to_dict())))  # compared as saved
+        raise ConfigError(
+            f"--resume {path}: no {CONFIG}; resume from a checkpoint written by grpo train"
+        )
+    differing = config_differences(
+        saved, yaml.safe_load(yaml.safe_dump(cfg.to_dict()))
+    )  # compared as saved
     if differing:
         raise ConfigError(
             f"--resume {path}: the checkpoint was made with another config; these keys differ: "
@@ -508,7 +584,8 @@ def config_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[tuple
     return [
         (key, a.get(key), b.get(key))
         for key in sorted(set(a) | set(b))
-        if a.get(key) != b.get(key) and not any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUMABLE_CHANGES)
+        if a.get(key) != b.get(key)
+        and not any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUMABLE_CHANGES)
     ]
 
 

@@ -72,7 +72,7 @@ class EvalResult:
 
     @property
     def decoding(self) -> str:
-        """"greedy", "temperature 1", and for another wording "greedy, wording 2"."""
+        """ "greedy", "temperature 1", and for another wording "greedy, wording 2"."""
         name = decoding_name(self.temperature)
         return name if self.wording == 1 else f"{name}, wording {self.wording}"
 
@@ -87,12 +87,17 @@ class EvalResult:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "EvalResult":
         data = dict(data)
-        if "counts" not in data and "correct" in data:  # eval.jsonl written before counts were generic
+        if (
+            "counts" not in data and "correct" in data
+        ):  # eval.jsonl written before counts were generic
             n, formatted = data["n"], data.get("formatted", 0)
             data["counts"] = {
                 "correct": [data["correct"], n],
                 "formatted": [formatted, n],
-                "correct among formatted": [data.get("correct_among_formatted", data["correct"]), formatted],
+                "correct among formatted": [
+                    data.get("correct_among_formatted", data["correct"]),
+                    formatted,
+                ],
             }
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
@@ -143,7 +148,11 @@ def _fraction(x: int, total: int) -> str:
 
 
 def _reward(value: float | None) -> str:
-    return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.3f}"
+    return (
+        "n/a"
+        if value is None or (isinstance(value, float) and math.isnan(value))
+        else f"{value:.3f}"
+    )
 
 
 def format_table(before: list[EvalResult], after: list[EvalResult] | None = None) -> str:
@@ -156,7 +165,10 @@ def format_table(before: list[EvalResult], after: list[EvalResult] | None = None
     results = list(before) + list(after or [])
     count_names = list(dict.fromkeys(name for r in results for name in r.counts))
     columns = [
-        (COLUMN_NAMES.get(name, name), lambda r, name=name: _fraction(*r.counts[name]) if name in r.counts else "—")
+        (
+            COLUMN_NAMES.get(name, name),
+            lambda r, name=name: _fraction(*r.counts[name]) if name in r.counts else "—",
+        )
         for name in count_names
     ]
     columns.append(("mean reward", lambda r: _reward(r.mean_reward)))
@@ -173,7 +185,10 @@ def format_table(before: list[EvalResult], after: list[EvalResult] | None = None
         header.append(f"{name} ({before_name})")
         if after is not None:
             header.append(f"{name} ({after_name})")
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + [":-:"] * (len(header) - 1)) + "|"]
+    lines = [
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join(["---"] + [":-:"] * (len(header) - 1)) + "|",
+    ]
     for t in settings:
         cells = [(before_by.get(t) or after_by[t]).decoding]
         for _, fmt in columns:
@@ -184,5 +199,7 @@ def format_table(before: list[EvalResult], after: list[EvalResult] | None = None
     n = {r.n for r in results}
     if n:
         lines.append("")
-        lines.append(f"{'/'.join(str(x) for x in sorted(n))} held-out problems, one completion each per decoding setting.")
+        lines.append(
+            f"{'/'.join(str(x) for x in sorted(n))} held-out problems, one completion each per decoding setting."
+        )
     return "\n".join(lines)

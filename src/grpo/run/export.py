@@ -19,9 +19,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from grpo.run import checkpoint as ckpt
 from grpo.config import safe_yaml
 from grpo.config.schema import ConfigError
+from grpo.run import checkpoint as ckpt
 
 _RUN_FILES = (ckpt.STATE, ckpt.CONFIG, ckpt.MANIFEST)
 """What a checkpoint holds besides the model: the run's state, config and manifest."""
@@ -32,7 +32,11 @@ def export_checkpoint(checkpoint: Path, out: Path, merge: bool) -> Path:
     `out`, merged with its base model when `merge`; returns `out`."""
     checkpoint, out = Path(checkpoint), Path(out)
     if not checkpoint.is_dir() or not (checkpoint / ckpt.MANIFEST).is_file():
-        what = "does not exist" if not checkpoint.exists() else ("is a file" if not checkpoint.is_dir() else f"has no {ckpt.MANIFEST}")
+        what = (
+            "does not exist"
+            if not checkpoint.exists()
+            else ("is a file" if not checkpoint.is_dir() else f"has no {ckpt.MANIFEST}")
+        )
         raise ConfigError(
             f"grpo export: {checkpoint} is not a checkpoint directory (it {what}); give a checkpoint-N/ or final/ "
             "directory of a run's output_dir"
@@ -50,7 +54,9 @@ def export_checkpoint(checkpoint: Path, out: Path, merge: bool) -> Path:
             "export it without --merge to copy the model files alone"
         )
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"grpo export --out: {out} exists and is not empty; give a new or empty directory")
+        raise ConfigError(
+            f"grpo export --out: {out} exists and is not empty; give a new or empty directory"
+        )
     write = _merged_writer(checkpoint) if merge else _copier(checkpoint)
     # the export's manifest has no train state: grpo.run.checkpoint.verify calls it a model export
     return ckpt.atomic_directory_write(out, write, ckpt.manifest_step(checkpoint))
@@ -77,7 +83,11 @@ def _merged_writer(checkpoint: Path):
     from grpo.config import schema as config_module
     from grpo.models.loading import load_model_and_tokenizer
 
-    saved = safe_yaml.read(checkpoint / ckpt.CONFIG, "checkpoint config") if (checkpoint / ckpt.CONFIG).is_file() else None
+    saved = (
+        safe_yaml.read(checkpoint / ckpt.CONFIG, "checkpoint config")
+        if (checkpoint / ckpt.CONFIG).is_file()
+        else None
+    )
     if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
         raise ConfigError(
             f"grpo export --merge: {checkpoint} has no {ckpt.CONFIG} with a model section, so its base model is "
@@ -90,8 +100,13 @@ def _merged_writer(checkpoint: Path):
             "config cannot grant; load the base model yourself (after reading its code) and merge with "
             "PeftModel.from_pretrained(base, checkpoint).merge_and_unload()"
         )
-    model_section.pop("cpu_kernels", None)  # an earlier version's key (now cpu.kernels): loading needs none of it
-    model_section["lora"] = {**model_section.get("lora", {}), "quantize": "none"}  # merge into full-precision weights
+    model_section.pop(
+        "cpu_kernels", None
+    )  # an earlier version's key (now cpu.kernels): loading needs none of it
+    model_section["lora"] = {
+        **model_section.get("lora", {}),
+        "quantize": "none",
+    }  # merge into full-precision weights
     model_cfg = config_module.from_dict({"model": model_section}).model
     base, _ = load_model_and_tokenizer(model_cfg)
     merged = PeftModel.from_pretrained(base, str(checkpoint)).merge_and_unload()

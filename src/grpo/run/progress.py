@@ -28,8 +28,15 @@ def bar(total: int, desc: str, unit: str, stream=None, initial: int = 0) -> tqdm
     so a log file gets a few updates rather than one per item."""
     stream = stream or sys.stdout
     return tqdm(
-        total=total, initial=initial, desc=desc, unit=unit, file=stream, dynamic_ncols=True,
-        smoothing=0, mininterval=0.1 if _interactive(stream) else 10.0, leave=True,
+        total=total,
+        initial=initial,
+        desc=desc,
+        unit=unit,
+        file=stream,
+        dynamic_ncols=True,
+        smoothing=0,
+        mininterval=0.1 if _interactive(stream) else 10.0,
+        leave=True,
     )
 
 
@@ -37,7 +44,7 @@ def metrics_line(step: int, total: int, metrics: dict, eta_s: float) -> str:
     parts = [f"{step}/{total}", f"reward {metrics['reward']:.3f} ± {metrics['reward_std']:.3f}"]
     for key, value in metrics.items():
         if key.startswith("rewards/") and key.endswith("/mean"):
-            parts.append(f"{key[len('rewards/'):-len('/mean')]} {value:.2f}")
+            parts.append(f"{key[len('rewards/') : -len('/mean')]} {value:.2f}")
     parts.append(f"len {metrics['completions/mean_length']:.1f}")
     if "kl" in metrics:
         parts.append(f"kl {metrics['kl']:.4f}")

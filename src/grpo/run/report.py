@@ -21,7 +21,14 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-from grpo.run.eval_results import ACCURACY_COUNTS, COLUMN_NAMES, EvalResult, format_table, latest, read_results
+from grpo.run.eval_results import (
+    ACCURACY_COUNTS,
+    COLUMN_NAMES,
+    EvalResult,
+    format_table,
+    latest,
+    read_results,
+)
 
 DPI = 100
 SMOOTH_FRACTION = 20
@@ -73,7 +80,9 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
         )
     rows = _read_jsonl(path)
     if not rows:
-        raise ReportError(f"{path} is empty: no training step has been logged yet; run `grpo train` first")
+        raise ReportError(
+            f"{path} is empty: no training step has been logged yet; run `grpo train` first"
+        )
     by_step: dict[int, dict[str, Any]] = {}
     for i, row in enumerate(rows):
         by_step[int(row.get("step", i + 1))] = row
@@ -161,10 +170,23 @@ def _line(ax, steps, values, label, color=None, smooth=True):
     """Raw values as a faint line, their moving average on top (when there are enough points)."""
     if smooth and len(values) >= 2 * SMOOTH_FRACTION:
         (raw,) = ax.plot(steps, values, color=color, alpha=0.3, linewidth=1)
-        ax.plot(steps, _smooth(values), color=raw.get_color(), linewidth=2, label=f"{label} (moving avg.)")
+        ax.plot(
+            steps,
+            _smooth(values),
+            color=raw.get_color(),
+            linewidth=2,
+            label=f"{label} (moving avg.)",
+        )
         return raw.get_color()
-    (line,) = ax.plot(steps, values, color=color, linewidth=1.8, marker="o" if len(values) < 20 else None,
-                      markersize=3, label=label)
+    (line,) = ax.plot(
+        steps,
+        values,
+        color=color,
+        linewidth=1.8,
+        marker="o" if len(values) < 20 else None,
+        markersize=3,
+        label=label,
+    )
     return line.get_color()
 
 
@@ -191,7 +213,11 @@ def reward_figure(metrics):
         if len(band) >= 2 * SMOOTH_FRACTION:  # the band follows the smoothed line
             ms, sds = _smooth(ms), _smooth(sds)
         ax.fill_between(
-            xs, [m - sd for m, sd in zip(ms, sds)], [m + sd for m, sd in zip(ms, sds)], color=color, alpha=0.15,
+            xs,
+            [m - sd for m, sd in zip(ms, sds)],
+            [m + sd for m, sd in zip(ms, sds)],
+            color=color,
+            alpha=0.15,
             label="± reward_std (mean within-group std)",
         )
     ax.legend(loc="best", fontsize=9)
@@ -200,7 +226,9 @@ def reward_figure(metrics):
 
 def rewards_per_function_figure(metrics):
     names = reward_names(metrics)
-    return _simple(metrics, "Reward per function (mean)", "reward", [(f"rewards/{n}/mean", n) for n in names])
+    return _simple(
+        metrics, "Reward per function (mean)", "reward", [(f"rewards/{n}/mean", n) for n in names]
+    )
 
 
 def length_figure(metrics):
@@ -219,11 +247,18 @@ def length_figure(metrics):
 
 
 def kl_figure(metrics):
-    return _simple(metrics, "KL divergence to the reference model", "KL (nats/token)", [("kl", "kl")])
+    return _simple(
+        metrics, "KL divergence to the reference model", "KL (nats/token)", [("kl", "kl")]
+    )
 
 
 def entropy_figure(metrics):
-    return _simple(metrics, "Policy entropy over completion tokens", "entropy (nats/token)", [("entropy", "entropy")])
+    return _simple(
+        metrics,
+        "Policy entropy over completion tokens",
+        "entropy (nats/token)",
+        [("entropy", "entropy")],
+    )
 
 
 def clip_ratio_figure(metrics):
@@ -249,21 +284,37 @@ def eval_accuracy_figure(results: list[EvalResult]):
     """Held-out accuracy (solid; the mean reward for a task scored by its rewards alone) and the
     formatted fraction (dashed, when the scorer counts it) vs step, one colour per decoding setting
     (temperature, and wording when eval.instructions adds some)."""
-    counted = next((name for name in ACCURACY_COUNTS if any(name in r.counts for r in results)), None)
-    fig, ax = _new_axes("Held-out accuracy" if counted else "Held-out mean reward",
-                        "fraction of problems" if counted else "mean reward")
+    counted = next(
+        (name for name in ACCURACY_COUNTS if any(name in r.counts for r in results)), None
+    )
+    fig, ax = _new_axes(
+        "Held-out accuracy" if counted else "Held-out mean reward",
+        "fraction of problems" if counted else "mean reward",
+    )
     by_setting: dict[str, dict[int, EvalResult]] = {}
     for r in results:
         by_setting.setdefault(r.decoding, {})[r.step] = r  # last result per step wins
     for decoding, by_step in by_setting.items():
         steps = sorted(by_step)
-        (line,) = ax.plot(steps, [by_step[s].accuracy for s in steps], marker="o", linewidth=2,
-                          label=f"{COLUMN_NAMES.get(counted, counted) if counted else 'mean reward'}, {decoding}")
+        (line,) = ax.plot(
+            steps,
+            [by_step[s].accuracy for s in steps],
+            marker="o",
+            linewidth=2,
+            label=f"{COLUMN_NAMES.get(counted, counted) if counted else 'mean reward'}, {decoding}",
+        )
         formatted = [s for s in steps if by_step[s].formatted is not None]
         if formatted:
-            ax.plot(formatted, [by_step[s].formatted / by_step[s].n if by_step[s].n else 0 for s in formatted],
-                    marker="s", linestyle="--", linewidth=1.2, color=line.get_color(), alpha=0.7,
-                    label=f"formatted, {decoding}")
+            ax.plot(
+                formatted,
+                [by_step[s].formatted / by_step[s].n if by_step[s].n else 0 for s in formatted],
+                marker="s",
+                linestyle="--",
+                linewidth=1.2,
+                color=line.get_color(),
+                alpha=0.7,
+                label=f"formatted, {decoding}",
+            )
     if counted:
         ax.set_ylim(-0.02, 1.02)
     ax.legend(loc="best", fontsize=9)
@@ -274,7 +325,9 @@ def eval_steps(results: list[EvalResult]) -> set[int]:
     return {r.step for r in results}
 
 
-def figures(metrics: list[dict[str, Any]], eval_results: list[EvalResult] | None = None) -> "OrderedDict[str, Any]":
+def figures(
+    metrics: list[dict[str, Any]], eval_results: list[EvalResult] | None = None
+) -> "OrderedDict[str, Any]":
     """{file stem: matplotlib Figure} for every plot the data allows."""
     out: "OrderedDict[str, Any]" = OrderedDict()
     if _has(metrics, "reward"):
@@ -287,7 +340,10 @@ def figures(metrics: list[dict[str, Any]], eval_results: list[EvalResult] | None
         out["kl"] = kl_figure(metrics)
     if _has(metrics, "entropy"):
         out["entropy"] = entropy_figure(metrics)
-    if any(_has(metrics, k) for k in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")):
+    if any(
+        _has(metrics, k)
+        for k in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+    ):
         out["clip_ratio"] = clip_ratio_figure(metrics)
     if _has(metrics, "frac_reward_zero_std"):
         out["frac_reward_zero_std"] = zero_std_figure(metrics)
@@ -346,10 +402,15 @@ def _task(config: dict[str, Any]) -> str | None:
         operators = _get(config, "data.arithmetic.operators") or []
         pieces = []
         for i, rg in enumerate(operands):
-            pieces.append(f"[{rg[0]}..{rg[1]}]" if isinstance(rg, list) and len(rg) == 2 else str(rg))
+            pieces.append(
+                f"[{rg[0]}..{rg[1]}]" if isinstance(rg, list) and len(rg) == 2 else str(rg)
+            )
             if i < len(operators):
                 pieces.append(str(operators[i]))
-        n_train, n_eval = _get(config, "data.arithmetic.num_train"), _get(config, "data.arithmetic.num_eval")
+        n_train, n_eval = (
+            _get(config, "data.arithmetic.num_train"),
+            _get(config, "data.arithmetic.num_eval"),
+        )
         return f"arithmetic `{' '.join(pieces)}` ({n_train} training, {n_eval} held-out problems)"
     if task == "jsonl":
         return f"jsonl rows from `{_get(config, 'data.train_file')}` (held out: `{_get(config, 'data.eval_file')}`)"
@@ -392,14 +453,24 @@ def _summary(run_dir: Path, config: dict[str, Any], metrics: list[dict[str, Any]
     _, times = _values(metrics, "time/step")
     wall = sum(times)
     if times:
-        rows.append(("training time", f"{_duration(wall)} (sum of time/step; {wall / len(times):.2f} s/step)"))
+        rows.append(
+            (
+                "training time",
+                f"{_duration(wall)} (sum of time/step; {wall / len(times):.2f} s/step)",
+            )
+        )
     _, gen = _values(metrics, "time/generate")
     if gen and wall > 0:
         rows.append(("time generating", f"{100 * sum(gen) / wall:.0f}% of step time"))
     _, tokens = _values(metrics, "num_tokens")
     _, tps = _values(metrics, "tokens_per_second")
     if tokens and wall > 0:
-        rows.append(("tokens/s", f"{tokens[-1] / wall:,.0f} (prompt + completion tokens, {tokens[-1]:,.0f} in all)"))
+        rows.append(
+            (
+                "tokens/s",
+                f"{tokens[-1] / wall:,.0f} (prompt + completion tokens, {tokens[-1]:,.0f} in all)",
+            )
+        )
     elif tps:
         rows.append(("tokens/s", f"{sum(tps) / len(tps):,.0f} (mean of tokens_per_second)"))
     for key, label in SETTINGS:
@@ -421,7 +492,9 @@ def _first_last(metrics: list[dict[str, Any]]) -> list[str]:
         _, v = _values(rows, key)
         return sum(v) / len(v) if v else None
 
-    span = lambda rows: f"{rows[0]['step']}–{rows[-1]['step']}" if len(rows) > 1 else f"{rows[0]['step']}"
+    span = lambda rows: (
+        f"{rows[0]['step']}–{rows[-1]['step']}" if len(rows) > 1 else f"{rows[0]['step']}"
+    )
     lines = [
         "## First vs last 10% of steps",
         "",
@@ -437,7 +510,9 @@ def _first_last(metrics: list[dict[str, Any]]) -> list[str]:
         change = _fmt(b - a, 3) if a is not None and b is not None else "n/a"
         if change not in ("n/a",) and not change.startswith("-"):
             change = "+" + change
-        lines.append(f"| {key} | {_fmt(a) if a is not None else 'n/a'} | {_fmt(b) if b is not None else 'n/a'} | {change} |")
+        lines.append(
+            f"| {key} | {_fmt(a) if a is not None else 'n/a'} | {_fmt(b) if b is not None else 'n/a'} | {change} |"
+        )
     return lines
 
 
@@ -482,9 +557,21 @@ def _samples(run_dir: Path, per_end: int = 3) -> list[str]:
         return []
     steps = sorted({r.get("step", 0) for r in rows})
     first_step, last_step = steps[0], steps[-1]
-    sections = [("Start of training", [r for r in rows if r.get("step", 0) == first_step][:per_end], first_step)]
+    sections = [
+        (
+            "Start of training",
+            [r for r in rows if r.get("step", 0) == first_step][:per_end],
+            first_step,
+        )
+    ]
     if last_step != first_step:
-        sections.append(("End of training", [r for r in rows if r.get("step", 0) == last_step][:per_end], last_step))
+        sections.append(
+            (
+                "End of training",
+                [r for r in rows if r.get("step", 0) == last_step][:per_end],
+                last_step,
+            )
+        )
     lines = ["## Sample completions", ""]
     for title, chosen, step in sections:
         lines += [f"### {title} (step {step})", ""]
@@ -502,7 +589,11 @@ def _eval_samples(before: list[EvalResult], after: list[EvalResult]) -> list[str
         greedy = [r for r in results if r.temperature == 0] or results
         if greedy and greedy[0].samples:
             r, s = greedy[0], greedy[0].samples[0]
-            checked = f"; answer {s.get('answer')}, extracted {s.get('predicted')}" if "answer" in s else ""
+            checked = (
+                f"; answer {s.get('answer')}, extracted {s.get('predicted')}"
+                if "answer" in s
+                else ""
+            )
             lines += [
                 f"**{r.label}** ({r.decoding}, step {r.step}) — prompt: {_one_line(s.get('prompt', ''))}{checked}",
                 "",
@@ -516,7 +607,9 @@ def build_report(run_dir: str | Path) -> Path:
     """Write run_dir/plots/*.png and run_dir/report.md; return the report's path."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise ReportError(f"run directory {run_dir} does not exist; pass the output_dir of a `grpo train` run")
+        raise ReportError(
+            f"run directory {run_dir} does not exist; pass the output_dir of a `grpo train` run"
+        )
     metrics = read_metrics(run_dir)
     _matplotlib()  # fail early, before writing anything, when matplotlib is missing
     config = _read_config(run_dir)
@@ -530,12 +623,19 @@ def build_report(run_dir: str | Path) -> Path:
         fig.savefig(plots_dir / f"{name}.png", dpi=DPI)
         written.append(name)
 
-    title = config.get("logging", {}).get("run_name") if isinstance(config.get("logging"), dict) else None
+    title = (
+        config.get("logging", {}).get("run_name")
+        if isinstance(config.get("logging"), dict)
+        else None
+    )
     lines = [f"# GRPO run report: {title or run_dir.name}", ""]
     if metrics and not any(math.isfinite(m.get("reward", math.nan)) for m in metrics):
-        lines += ["**No reward was computed in any step: every reward call failed or returned None, so nothing "
-                  "was learned.** See `rewards/<name>/errors` and `/timeouts` in metrics.jsonl, and the first "
-                  "failure's traceback in the console log.", ""]
+        lines += [
+            "**No reward was computed in any step: every reward call failed or returned None, so nothing "
+            "was learned.** See `rewards/<name>/errors` and `/timeouts` in metrics.jsonl, and the first "
+            "failure's traceback in the console log.",
+            "",
+        ]
     lines += _summary(run_dir, config, metrics) + [""]
 
     before, after = latest(eval_results, "before"), latest(eval_results, "after")
@@ -551,7 +651,12 @@ def build_report(run_dir: str | Path) -> Path:
         lines += [(AnswerScorer if counted else RewardScorer).description, ""]
         lines += _eval_samples(before, after)
     elif eval_results:
-        lines += ["## Held-out evaluation", "", format_table(latest(eval_results, eval_results[-1].label)), ""]
+        lines += [
+            "## Held-out evaluation",
+            "",
+            format_table(latest(eval_results, eval_results[-1].label)),
+            "",
+        ]
 
     lines += _reward_in_tens(metrics) + [""]
     lines += _first_last(metrics) + [""]

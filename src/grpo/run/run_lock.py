@@ -99,7 +99,9 @@ def claim(output_dir: str | Path) -> RunLock:
     ConfigError naming the fix when it cannot be written, or naming the process holding it."""
     directory = Path(output_dir)  # as RunLog and the checkpoints use it
     if directory.exists() and not directory.is_dir():
-        raise ConfigError(f"output_dir: {directory} is a file, not a directory; set output_dir to a directory path")
+        raise ConfigError(
+            f"output_dir: {directory} is a file, not a directory; set output_dir to a directory path"
+        )
     for _ in range(5):  # again only when a failed start removed the file just locked
         created = _make_directory(directory)
         key = directory.resolve()
@@ -131,7 +133,9 @@ def claim(output_dir: str | Path) -> RunLock:
         os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
         _held[key] = _Held(fd, os.getpid(), created)
         return RunLock(directory, key)
-    raise ConfigError(f"output_dir: {directory} keeps disappearing while this run starts; choose another output_dir")
+    raise ConfigError(
+        f"output_dir: {directory} keeps disappearing while this run starts; choose another output_dir"
+    )
 
 
 _HELD = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
@@ -210,7 +214,11 @@ def _in_use(directory: Path, path: Path) -> str:
     who = f"process {pid}" if pid else "another process"
     if host and host != socket.gethostname():
         who += f" on {host}"
-    stop = f" (`kill {pid}` stops it with a checkpoint)" if pid and not (host and host != socket.gethostname()) else ""
+    stop = (
+        f" (`kill {pid}` stops it with a checkpoint)"
+        if pid and not (host and host != socket.gethostname())
+        else ""
+    )
     return (
         f"output_dir: {directory} is in use by another grpo run, {who}, which holds {path}; two runs in one "
         f"directory would overwrite each other's checkpoints and logs: wait for it to end{stop} and then "

@@ -23,9 +23,9 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from grpo.run import checkpoint
 from grpo.config import schema as config_module
 from grpo.config.schema import Config, ConfigError
+from grpo.run import checkpoint
 from grpo.run.eval_results import EvalResult, append_results, format_table
 from grpo.run.progress import TrainProgress, bar
 
@@ -36,7 +36,9 @@ def check_output_dir(output_dir: Path, overwrite: bool, resuming: bool = False) 
     """Never write over another run's checkpoints unless asked to. A directory whose run stopped
     before its first checkpoint holds nothing to keep: it is simply run again."""
     if output_dir.exists() and not output_dir.is_dir():
-        raise ConfigError(f"output_dir: {output_dir} is a file, not a directory; set output_dir to a directory path")
+        raise ConfigError(
+            f"output_dir: {output_dir} is a file, not a directory; set output_dir to a directory path"
+        )
     found = checkpoint.checkpoints(output_dir)
     if found and not (overwrite or resuming):
         names = ", ".join(f"{p.name}/" for p in found[-3:])
@@ -76,7 +78,9 @@ def _json_float(value: float) -> float | None:
 
 
 class RunLog:
-    def __init__(self, cfg: Config, is_main: bool = True, resume: "checkpoint.Checkpoint | None" = None):
+    def __init__(
+        self, cfg: Config, is_main: bool = True, resume: "checkpoint.Checkpoint | None" = None
+    ):
         """Checks the output directory at once (start-up); writes nothing until `start`.
         `resume`: the checkpoint this run continues (its logs are kept up to its step)."""
         self.cfg, self.is_main, self.resume = cfg, is_main, resume
@@ -107,17 +111,23 @@ class RunLog:
             found = checkpoint.checkpoints(self.dir)
             resolved = [p.resolve() for p in found]
             if self.resume.path.resolve() in resolved:
-                later = found[resolved.index(self.resume.path.resolve()) + 1:]
+                later = found[resolved.index(self.resume.path.resolve()) + 1 :]
             else:  # resumed from a checkpoint elsewhere
                 later = [p for p in found if _step_of(p) > step]
             if later:  # damaged, or from a continuation now abandoned: the logs past `step` go too
-                self._print(f"removing {', '.join(p.name for p in later)} (after the checkpoint resumed from)")
+                self._print(
+                    f"removing {', '.join(p.name for p in later)} (after the checkpoint resumed from)"
+                )
                 checkpoint.remove_checkpoints(later)
             cut_back(self.dir / "metrics.jsonl", step)
             cut_back(self.dir / "samples.jsonl", step)
             # a run resumed at its last step evaluates "after" again (the first try may have been cut short)
             redone = self.cfg.eval.after and step == self.cfg.training.max_steps
-            cut_back(self.dir / "eval.jsonl", step, keep=lambda row: not (redone and row.get("label") == "after"))
+            cut_back(
+                self.dir / "eval.jsonl",
+                step,
+                keep=lambda row: not (redone and row.get("label") == "after"),
+            )
         config_module.save(self.cfg, self.dir / "config.yaml")
         preset = config_module.describe_preset(self.cfg)
         if preset:  # what the preset resolved to, so a run's algorithm is never a guess
@@ -128,7 +138,9 @@ class RunLog:
     def start_training(self, step: int) -> None:
         """The training bar, from `step` (its ETA counts the steps trained from here)."""
         if self.is_main:
-            self.progress = TrainProgress(self.cfg.training.max_steps, self.cfg.logging.log_every, start_step=step)
+            self.progress = TrainProgress(
+                self.cfg.training.max_steps, self.cfg.logging.log_every, start_step=step
+            )
 
     def step(self, metrics: dict) -> None:
         if not self.is_main:
@@ -136,13 +148,25 @@ class RunLog:
         try:
             self._metrics.write(json.dumps(metrics) + "\n")
             self._metrics.flush()
-        except OSError as error:  # a full disk: said so, rather than a traceback (resuming cuts the line back)
-            raise checkpoint.write_failed(self.dir / "metrics.jsonl", error, "the checkpoints so far are intact") from error
+        except (
+            OSError
+        ) as error:  # a full disk: said so, rather than a traceback (resuming cuts the line back)
+            raise checkpoint.write_failed(
+                self.dir / "metrics.jsonl", error, "the checkpoints so far are intact"
+            ) from error
         self.trackers.log(metrics, metrics["step"])
         self.progress.update(metrics["step"], metrics)
 
-    def samples(self, step: int, prompts: list, texts: list[str], rewards: list[float], group_size: int, per_step: int = 4,
-                reward_columns: dict[str, list[float]] | None = None) -> None:
+    def samples(
+        self,
+        step: int,
+        prompts: list,
+        texts: list[str],
+        rewards: list[float],
+        group_size: int,
+        per_step: int = 4,
+        reward_columns: dict[str, list[float]] | None = None,
+    ) -> None:
         """A few (prompt, completion, reward) examples, one per group, to samples.jsonl, the console and
         the trackers (a completions table); `reward_columns`: each reward function's values, by name."""
         if not self.is_main:
@@ -151,20 +175,46 @@ class RunLog:
         try:
             with open(self.dir / "samples.jsonl", "a") as f:
                 for i in range(0, min(len(texts), per_step * group_size), group_size):
-                    prompt = prompts[i][-1]["content"] if isinstance(prompts[i], list) else prompts[i]
-                    record = {"step": step, "prompt": prompt, "completion": texts[i], "reward": _json_float(rewards[i])}
-                    each = {name: _json_float(values[i]) for name, values in (reward_columns or {}).items()}
+                    prompt = (
+                        prompts[i][-1]["content"] if isinstance(prompts[i], list) else prompts[i]
+                    )
+                    record = {
+                        "step": step,
+                        "prompt": prompt,
+                        "completion": texts[i],
+                        "reward": _json_float(rewards[i]),
+                    }
+                    each = {
+                        name: _json_float(values[i])
+                        for name, values in (reward_columns or {}).items()
+                    }
                     f.write(json.dumps({**record, "rewards": each} if each else record) + "\n")
                     # a function named like a fixed column keeps its own column
-                    table.append({**record, **{(f"{name} (reward)" if name in record else name): v for name, v in each.items()}})
+                    table.append(
+                        {
+                            **record,
+                            **{
+                                (f"{name} (reward)" if name in record else name): v
+                                for name, v in each.items()
+                            },
+                        }
+                    )
         except OSError as error:  # as for metrics.jsonl
-            raise checkpoint.write_failed(self.dir / "samples.jsonl", error, "the checkpoints so far are intact") from error
+            raise checkpoint.write_failed(
+                self.dir / "samples.jsonl", error, "the checkpoints so far are intact"
+            ) from error
         if self.trackers is not None:
             self.trackers.log_completions(table, step)
         self.progress.sample(texts[0], _json_float(rewards[0]))
 
-    def evaluation(self, label: str, step: int, num_rows: int, num_batches: int,
-                   run: Callable[[object], list[EvalResult]]) -> list[EvalResult]:
+    def evaluation(
+        self,
+        label: str,
+        step: int,
+        num_rows: int,
+        num_batches: int,
+        run: Callable[[object], list[EvalResult]],
+    ) -> list[EvalResult]:
         """Runs `run(progress)` under an evaluation bar; prints the table, appends eval.jsonl,
         sends each decoding's accuracy to the trackers."""
         if not self.is_main:
@@ -183,7 +233,9 @@ class RunLog:
         return results
 
     def before_after(self, before: list[EvalResult], after: list[EvalResult]) -> None:
-        self._print("\nheld-out evaluation, before and after training:\n" + format_table(before, after))
+        self._print(
+            "\nheld-out evaluation, before and after training:\n" + format_table(before, after)
+        )
 
     def report(self) -> None:
         if not self.is_main:
@@ -202,7 +254,9 @@ class RunLog:
         if self._metrics is not None:
             try:
                 self._metrics.close()
-            except OSError:  # every line was flushed as written: only a line `step` reported as failed is left
+            except (
+                OSError
+            ):  # every line was flushed as written: only a line `step` reported as failed is left
                 pass
             self._metrics = None
         if self.trackers is not None:

@@ -35,8 +35,11 @@ class StopSignals:
         if os.environ.get("RANK", "0") != "0":  # under torchrun every rank gets it: rank 0 says so
             return
         # os.write: no print's locks inside a signal handler
-        os.write(2, f"\ngrpo: {signal.Signals(signum).name} received: stopping after this step with a checkpoint "
-                    "(send it again to stop at once)\n".encode())
+        os.write(
+            2,
+            f"\ngrpo: {signal.Signals(signum).name} received: stopping after this step with a checkpoint "
+            "(send it again to stop at once)\n".encode(),
+        )
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():

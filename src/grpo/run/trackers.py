@@ -56,7 +56,11 @@ def _cell(value: Any) -> Any:
     chat messages as their last message's text."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
-    if isinstance(value, list) and value and all(isinstance(m, dict) and "content" in m for m in value):
+    if (
+        isinstance(value, list)
+        and value
+        and all(isinstance(m, dict) and "content" in m for m in value)
+    ):
         return str(value[-1]["content"])
     if value is None or isinstance(value, (str, int, float)):
         return value
@@ -71,7 +75,13 @@ def markdown_table(columns: list[str], data: list[list]) -> str:
             return ""
         if isinstance(value, float):
             value = f"{value:.4g}"
-        return str(value).replace("\\", "\\\\").replace("|", "\\|").replace("\r", "").replace("\n", "<br>")
+        return (
+            str(value)
+            .replace("\\", "\\\\")
+            .replace("|", "\\|")
+            .replace("\r", "")
+            .replace("\n", "<br>")
+        )
 
     lines = ["| " + " | ".join(map(text, columns)) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(map(text, row)) + " |" for row in data]
@@ -120,11 +130,16 @@ class _InitLogFinish:
         if table_type is None:
             if not self._said_no_table:
                 self._said_no_table = True
-                log.warning("%s %s has no Table type: the sample completions are not sent to it (samples.jsonl has "
-                            "them); upgrade it for a completions table", self.module.__name__,
-                            getattr(self.module, "__version__", ""))
+                log.warning(
+                    "%s %s has no Table type: the sample completions are not sent to it (samples.jsonl has "
+                    "them); upgrade it for a completions table",
+                    self.module.__name__,
+                    getattr(self.module, "__version__", ""),
+                )
             return
-        if self.module.__name__ == "trackio":  # trackio's Table takes its column names from a DataFrame only
+        if (
+            self.module.__name__ == "trackio"
+        ):  # trackio's Table takes its column names from a DataFrame only
             import pandas
 
             table = table_type(dataframe=pandas.DataFrame(data, columns=columns))

@@ -21,6 +21,14 @@ from grpo.sandbox.runner import (
 )
 
 __all__ = [
-    "ISOLATIONS", "STATUSES", "Limits", "SandboxError", "SandboxResult", "SandboxUnavailable",
-    "bwrap_path", "interpreter", "run", "take_counts",
+    "ISOLATIONS",
+    "STATUSES",
+    "Limits",
+    "SandboxError",
+    "SandboxResult",
+    "SandboxUnavailable",
+    "bwrap_path",
+    "interpreter",
+    "run",
+    "take_counts",
 ]

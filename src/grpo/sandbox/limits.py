@@ -32,8 +32,15 @@ class Limits:
             value = getattr(self, f.name)
             if value is None and f.name == "cpu_seconds":
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"sandbox limit {f.name} must be a finite number > 0, got {value!r}")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value <= 0
+            ):
+                raise ValueError(
+                    f"sandbox limit {f.name} must be a finite number > 0, got {value!r}"
+                )
 
     @property
     def cpu_limit(self) -> int:
@@ -42,5 +49,7 @@ class Limits:
     def with_overrides(self, **overrides) -> "Limits":
         unknown = set(overrides) - {f.name for f in fields(self)}
         if unknown:
-            raise TypeError(f"unknown sandbox limit(s) {sorted(unknown)}; known: {[f.name for f in fields(self)]}")
+            raise TypeError(
+                f"unknown sandbox limit(s) {sorted(unknown)}; known: {[f.name for f in fields(self)]}"
+            )
         return replace(self, **overrides)

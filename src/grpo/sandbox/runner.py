@@ -63,7 +63,12 @@ UID_SLOTS = 64
 
 WORKDIR = "/tmp"
 PROGRAM = "/sandbox/main.py"
-ENVIRONMENT = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": WORKDIR, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
+ENVIRONMENT = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "HOME": WORKDIR,
+    "LANG": "C.UTF-8",
+    "PYTHONHASHSEED": "0",
+}
 
 
 class SandboxError(RuntimeError):
@@ -100,7 +105,9 @@ class SandboxResult:
 
 
 def _tool(name: str) -> str | None:
-    path = shutil.which(name) or next((p for p in (f"/usr/bin/{name}", f"/bin/{name}") if os.access(p, os.X_OK)), None)
+    path = shutil.which(name) or next(
+        (p for p in (f"/usr/bin/{name}", f"/bin/{name}") if os.access(p, os.X_OK)), None
+    )
     return path
 
 
@@ -162,14 +169,20 @@ def interpreter(isolation: str = "bwrap", python: str | None = None) -> str:
         if key in _interpreters:
             return _interpreters[key]
         base = getattr(sys, "_base_executable", None) or sys.executable
-        candidates = [python] if python else [os.path.realpath(base), "/usr/bin/python3", "/usr/local/bin/python3"]
+        candidates = (
+            [python]
+            if python
+            else [os.path.realpath(base), "/usr/bin/python3", "/usr/local/bin/python3"]
+        )
         tried = []
         for candidate in dict.fromkeys(c for c in candidates if c):
             if not os.access(candidate, os.X_OK):
                 tried.append(f"{candidate}: not an executable")
                 continue
             try:
-                result = _run("print(6 * 7)", None, Limits(timeout=30), isolation, candidate, count=False)
+                result = _run(
+                    "print(6 * 7)", None, Limits(timeout=30), isolation, candidate, count=False
+                )
             except SandboxError as e:
                 tried.append(f"{candidate}: {e}")
                 continue
@@ -178,7 +191,9 @@ def interpreter(isolation: str = "bwrap", python: str | None = None) -> str:
                 return candidate
             tried.append(f"{candidate}: {result.status} {result.stderr.strip()[-300:]!r}")
         raise SandboxUnavailable(
-            "no Python interpreter runs inside the sandbox (tried " + "; ".join(tried) + "); set sandbox.python to "
+            "no Python interpreter runs inside the sandbox (tried "
+            + "; ".join(tried)
+            + "); set sandbox.python to "
             "an interpreter outside any 0700 directory, e.g. /usr/bin/python3 (apt-get install -y python3)"
         )
 
@@ -209,8 +224,15 @@ def _rlimits(limits: Limits, processes: int) -> list[str]:
 
 
 def _drop_privileges(uid: int) -> list[str]:
-    return [_tool("setpriv") or "setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
-            "--inh-caps=-all", "--bounding-set=-all", "--"]
+    return [
+        _tool("setpriv") or "setpriv",
+        f"--reuid={uid}",
+        f"--regid={uid}",
+        "--clear-groups",
+        "--inh-caps=-all",
+        "--bounding-set=-all",
+        "--",
+    ]
 
 
 _userns_bans: dict[str, bool] = {}
@@ -222,7 +244,9 @@ def _userns_ban(bwrap: str) -> bool:
     if bwrap not in _userns_bans:
         try:
             setuid = bool(os.stat(bwrap).st_mode & stat.S_ISUID)
-            usage = subprocess.run([bwrap, "--help"], capture_output=True, text=True, timeout=30).stdout
+            usage = subprocess.run(
+                [bwrap, "--help"], capture_output=True, text=True, timeout=30
+            ).stdout
         except (OSError, subprocess.TimeoutExpired):
             setuid, usage = False, ""
         _userns_bans[bwrap] = "--disable-userns" in usage and not setuid
@@ -232,7 +256,10 @@ def _userns_ban(bwrap: str) -> bool:
                 rest = "the seccomp filter alone denies creating them (unshare, setns, clone with new namespaces)"
             else:
                 rest = "nor is there a seccomp filter: programs can create user namespaces and be root in them"
-            _warn_once("userns", f"sandbox: {bwrap} cannot ban user namespaces in the sandbox ({why}); {rest}")
+            _warn_once(
+                "userns",
+                f"sandbox: {bwrap} cannot ban user namespaces in the sandbox ({why}); {rest}",
+            )
     return _userns_bans[bwrap]
 
 
@@ -240,12 +267,17 @@ def _seccomp_filter() -> bytes | None:
     """The seccomp program for bwrap's --seccomp, or None (and a warning, once) where there is none."""
     program = seccomp.program()
     if program is None:
-        _warn_once("seccomp", f"sandbox: no seccomp filter for this machine ({os.uname().machine}): "
-                   "sandboxed programs can use io_uring, bpf, perf events, the keyring and other kernel surface")
+        _warn_once(
+            "seccomp",
+            f"sandbox: no seccomp filter for this machine ({os.uname().machine}): "
+            "sandboxed programs can use io_uring, bpf, perf events, the keyring and other kernel surface",
+        )
     return program
 
 
-def _bwrap(limits: Limits, python: str, program_fd: int, status_fd: int, seccomp_fd: int | None) -> list[str]:
+def _bwrap(
+    limits: Limits, python: str, program_fd: int, status_fd: int, seccomp_fd: int | None
+) -> list[str]:
     bwrap = bwrap_path()
     cmd = [bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--clearenv"]
     if _userns_ban(bwrap):
@@ -265,9 +297,32 @@ def _bwrap(limits: Limits, python: str, program_fd: int, status_fd: int, seccomp
     prefix = _interpreter_prefix(python)
     if prefix:
         cmd += ["--ro-bind", prefix, prefix]
-    cmd += ["--proc", "/proc", "--dev", "/dev", "--size", str(limits.disk), "--tmpfs", WORKDIR,
-            "--ro-bind-data", str(program_fd), PROGRAM, "--remount-ro", "/", "--chdir", WORKDIR, "--cap-drop", "ALL", "--as-pid-1",
-            "--json-status-fd", str(status_fd), "--", python, "-I", PROGRAM]
+    cmd += [
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--size",
+        str(limits.disk),
+        "--tmpfs",
+        WORKDIR,
+        "--ro-bind-data",
+        str(program_fd),
+        PROGRAM,
+        "--remount-ro",
+        "/",
+        "--chdir",
+        WORKDIR,
+        "--cap-drop",
+        "ALL",
+        "--as-pid-1",
+        "--json-status-fd",
+        str(status_fd),
+        "--",
+        python,
+        "-I",
+        PROGRAM,
+    ]
     return cmd
 
 
@@ -276,8 +331,16 @@ def _bwrap(limits: Limits, python: str, program_fd: int, status_fd: int, seccomp
 # --------------------------------------------------------------------------
 
 
-def run(code: str, *, stdin: str | None = None, isolation: str = "bwrap", python: str | None = None,
-        limits: Limits | None = None, count: bool = True, **limit_overrides) -> SandboxResult:
+def run(
+    code: str,
+    *,
+    stdin: str | None = None,
+    isolation: str = "bwrap",
+    python: str | None = None,
+    limits: Limits | None = None,
+    count: bool = True,
+    **limit_overrides,
+) -> SandboxResult:
     """Run the Python program `code` in the sandbox and report its outcome.
 
     `stdin` is its standard input (closed when None). Limits come from `limits`
@@ -289,35 +352,49 @@ def run(code: str, *, stdin: str | None = None, isolation: str = "bwrap", python
     if isolation not in ISOLATIONS:
         raise ValueError(f"sandbox isolation must be one of {ISOLATIONS}, got {isolation!r}")
     if isolation == "bwrap" and bwrap_path() is None:
-        raise SandboxUnavailable(f"the sandbox needs bubblewrap (bwrap), which is not installed: {INSTALL_HINT}, "
-                                 "or set rewards.sandbox.isolation: process for a weaker sandbox without namespaces")
+        raise SandboxUnavailable(
+            f"the sandbox needs bubblewrap (bwrap), which is not installed: {INSTALL_HINT}, "
+            "or set rewards.sandbox.isolation: process for a weaker sandbox without namespaces"
+        )
     if isolation == "process":
-        _warn_once("process", "rewards.sandbox.isolation=process: model-written programs run WITHOUT filesystem, network or "
-                   "PID isolation (they can read files this user can read, reach the network, and see other "
-                   "processes; with no seccomp filter, they can create user namespaces and use io_uring, bpf "
-                   "and the rest of the kernel's surface); only resource limits, a separate uid (as root) and a "
-                   "scrubbed environment hold. "
-                   f"For real isolation, {INSTALL_HINT}.")
+        _warn_once(
+            "process",
+            "rewards.sandbox.isolation=process: model-written programs run WITHOUT filesystem, network or "
+            "PID isolation (they can read files this user can read, reach the network, and see other "
+            "processes; with no seccomp filter, they can create user namespaces and use io_uring, bpf "
+            "and the rest of the kernel's surface); only resource limits, a separate uid (as root) and a "
+            "scrubbed environment hold. "
+            f"For real isolation, {INSTALL_HINT}.",
+        )
     return _run(code, stdin, limits, isolation, interpreter(isolation, python), count)
 
 
-def _run(code: str, stdin: str | None, limits: Limits, isolation: str, python: str, count: bool = True) -> SandboxResult:
+def _run(
+    code: str, stdin: str | None, limits: Limits, isolation: str, python: str, count: bool = True
+) -> SandboxResult:
     root = _as_root()
     uid = _uids.take() if root else None
     run_cgroup = None
     parents = cgroups.available() if root else None
     if root and parents is None:
-        _warn_once("cgroups", "sandbox: cgroups are not writable here; memory and process counts are bounded per "
-                   "process by rlimits only")
+        _warn_once(
+            "cgroups",
+            "sandbox: cgroups are not writable here; memory and process counts are bounded per "
+            "process by rlimits only",
+        )
     workdir = None
-    fds: dict[str, int] = {}  # closed exactly once: a second close could hit another thread's reused fd
+    fds: dict[
+        str, int
+    ] = {}  # closed exactly once: a second close could hit another thread's reused fd
     stdin_file = None
     try:
         # RLIMIT_NPROC counts the uid's processes and threads: bwrap's monitor, plus the program's.
         processes = limits.processes + 1 if root else _user_processes() + limits.processes + 1
         cmd: list[str] = []
         if parents is not None:
-            run_cgroup = cgroups.RunCgroup(parents, limits.memory + limits.disk, limits.processes + 1)
+            run_cgroup = cgroups.RunCgroup(
+                parents, limits.memory + limits.disk, limits.processes + 1
+            )
             cmd += _enter_cgroup(run_cgroup.enter_paths)
         cmd += _rlimits(limits, processes)
         if root:
@@ -334,7 +411,9 @@ def _run(code: str, stdin: str | None, limits: Limits, isolation: str, python: s
                 os.write(fds["seccomp"], program)
                 os.lseek(fds["seccomp"], 0, os.SEEK_SET)
             cmd += _bwrap(limits, python, fds["program"], fds["status_w"], fds.get("seccomp"))
-            pass_fds = tuple(fds[name] for name in ("program", "status_w", "seccomp") if name in fds)
+            pass_fds = tuple(
+                fds[name] for name in ("program", "status_w", "seccomp") if name in fds
+            )
             cwd, env = "/", dict(ENVIRONMENT)
         else:
             workdir = tempfile.mkdtemp(prefix="grpo-sandbox-", dir="/tmp")
@@ -366,12 +445,22 @@ def _run(code: str, stdin: str | None, limits: Limits, isolation: str, python: s
     return result
 
 
-def _supervise(cmd, cwd, env, pass_fds, stdin_file, limits, fds, run_cgroup, isolation) -> SandboxResult:
+def _supervise(
+    cmd, cwd, env, pass_fds, stdin_file, limits, fds, run_cgroup, isolation
+) -> SandboxResult:
     start = time.monotonic()
     try:
-        proc = subprocess.Popen(cmd, stdin=stdin_file if stdin_file is not None else subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd, env=env,
-                                pass_fds=pass_fds, start_new_session=True, close_fds=True)
+        proc = subprocess.Popen(
+            cmd,
+            stdin=stdin_file if stdin_file is not None else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=cwd,
+            env=env,
+            pass_fds=pass_fds,
+            start_new_session=True,
+            close_fds=True,
+        )
     except OSError as e:
         raise SandboxError(f"cannot start the sandbox ({cmd[0]}): {e}") from e
     # our copies: the status pipe ends when bwrap's copy closes
@@ -400,7 +489,9 @@ def _supervise(cmd, cwd, env, pass_fds, stdin_file, limits, fds, run_cgroup, iso
                 _kill(proc)
             if proc.poll() is not None:
                 exited_at = exited_at or now
-                if now - exited_at > 0.5:  # a leftover holds a pipe open: it is being killed; stop reading
+                if (
+                    now - exited_at > 0.5
+                ):  # a leftover holds a pipe open: it is being killed; stop reading
                     break
             for key, _ in selector.select(timeout=0.05):
                 fd = key.fd
@@ -438,8 +529,15 @@ def _supervise(cmd, cwd, env, pass_fds, stdin_file, limits, fds, run_cgroup, iso
     code = _program_exit_code(proc.returncode, status_text, isolation, stderr)
     oom = run_cgroup is not None and run_cgroup.oom_killed()
     status, exit_code, sig = _classify(code, stopped, oom, stderr)
-    return SandboxResult(status, exit_code, stdout.decode("utf-8", "replace"), stderr.decode("utf-8", "replace"),
-                         duration, sig, truncated=stopped == "output_limit")
+    return SandboxResult(
+        status,
+        exit_code,
+        stdout.decode("utf-8", "replace"),
+        stderr.decode("utf-8", "replace"),
+        duration,
+        sig,
+        truncated=stopped == "output_limit",
+    )
 
 
 _EXIT = re.compile(rb'"exit-code"\s*:\s*(-?\d+)')
@@ -451,17 +549,23 @@ def _program_exit_code(returncode: int, status_text: bytes, isolation: str, stde
         found = _EXIT.findall(bytes(status_text))
         if found:
             return int(found[-1])
-        if returncode is not None and returncode < 0:  # bwrap itself killed (by the parent, or the kernel)
+        if (
+            returncode is not None and returncode < 0
+        ):  # bwrap itself killed (by the parent, or the kernel)
             return 128 - returncode
         # bwrap exited on its own without the program's exit status: it failed to set up
-        raise SandboxError(f"the sandbox failed before the program started (exit status {returncode}): "
-                           f"{stderr.decode('utf-8', 'replace').strip()[-500:]}")
+        raise SandboxError(
+            f"the sandbox failed before the program started (exit status {returncode}): "
+            f"{stderr.decode('utf-8', 'replace').strip()[-500:]}"
+        )
     if returncode == 125:
         raise SandboxError("the sandbox could not enter its cgroup (exit status 125)")
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _classify(code: int, stopped: str | None, oom: bool, stderr: bytes) -> tuple[str, int | None, int | None]:
+def _classify(
+    code: int, stopped: str | None, oom: bool, stderr: bytes
+) -> tuple[str, int | None, int | None]:
     sig = code - 128 if code > 128 else None
     exit_code = None if sig is not None else code
     last_line = stderr.rstrip().rsplit(b"\n", 1)[-1]
@@ -469,9 +573,16 @@ def _classify(code: int, stopped: str | None, oom: bool, stderr: bytes) -> tuple
         return stopped, None, signal.SIGKILL
     if oom or last_line.startswith(b"MemoryError"):
         return "memory", exit_code, sig
-    if sig in (signal.SIGXCPU, signal.SIGKILL):  # the CPU limit: SIGXCPU at the soft, SIGKILL at the hard limit
+    if sig in (
+        signal.SIGXCPU,
+        signal.SIGKILL,
+    ):  # the CPU limit: SIGXCPU at the soft, SIGKILL at the hard limit
         return "timeout", None, sig
-    if sig == signal.SIGXFSZ or b"No space left on device" in last_line or b"File too large" in last_line:
+    if (
+        sig == signal.SIGXFSZ
+        or b"No space left on device" in last_line
+        or b"File too large" in last_line
+    ):
         return "output_limit", exit_code, sig
     if sig is not None:
         return "crashed", None, sig
@@ -498,13 +609,17 @@ def _kill_uid(uid: int) -> None:
             if not entry.name.isdigit():
                 continue
             try:
-                if entry.stat().st_uid != uid:  # /proc/<pid> belongs to the process's uid: a cheap first look
+                if (
+                    entry.stat().st_uid != uid
+                ):  # /proc/<pid> belongs to the process's uid: a cheap first look
                     continue
                 status = Path(entry.path, "status").read_text()
             except OSError:
                 continue
             fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-            if fields.get("Uid", "").split()[:1] == [str(uid)] and not fields.get("State", "").strip().startswith("Z"):
+            if fields.get("Uid", "").split()[:1] == [str(uid)] and not fields.get(
+                "State", ""
+            ).strip().startswith("Z"):
                 try:
                     os.kill(int(entry.name), signal.SIGKILL)
                     killed = True
@@ -526,4 +641,3 @@ def _user_processes() -> int:
             except (OSError, IndexError):
                 pass
     return count
-

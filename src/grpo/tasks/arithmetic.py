@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from grpo.config.schema import Config
-from grpo.tasks.data import arithmetic_splits
 from grpo.tasks import Task
+from grpo.tasks.data import arithmetic_splits
 from grpo.tasks.scorers import AnswerScorer
 
 

@@ -47,9 +47,13 @@ class CodeScorer:
         "(`check(entry_point)`) ran to the end in the sandbox; one completion per problem."
     )
 
-    def __init__(self, stop_strings: list[str] | tuple[str, ...] = (), sandbox: SandboxConfig | None = None):
+    def __init__(
+        self, stop_strings: list[str] | tuple[str, ...] = (), sandbox: SandboxConfig | None = None
+    ):
         self.stop_strings = tuple(stop_strings)
-        self.sandbox = sandbox  # rewards.sandbox: the same limits and isolation as the training reward
+        self.sandbox = (
+            sandbox  # rewards.sandbox: the same limits and isolation as the training reward
+        )
 
     def check(self, rows: list[Row]) -> None:
         for i, row in enumerate(rows):
@@ -70,11 +74,16 @@ class CodeScorer:
         if len(texts) != len(rows):
             raise ValueError(f"score: {len(texts)} completions for {len(rows)} rows")
         self.check(rows)
-        from grpo.rewards.code import HumanEvalTests  # the sandbox: imported only when code is scored
+        from grpo.rewards.code import (
+            HumanEvalTests,
+        )  # the sandbox: imported only when code is scored
 
         completions = [cut_at_stop(t, self.stop_strings) for t in texts]
         outcomes = HumanEvalTests(self.sandbox).outcomes(
-            [r["prompt"] for r in rows], completions, [r["test"] for r in rows], [r["entry_point"] for r in rows]
+            [r["prompt"] for r in rows],
+            completions,
+            [r["test"] for r in rows],
+            [r["entry_point"] for r in rows],
         )
         passed = [bool(o.passed) for o in outcomes]
         details = [{"status": o.status, "passed": p} for o, p in zip(outcomes, passed)]

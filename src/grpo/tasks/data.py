@@ -55,7 +55,11 @@ def _space_size(cfg: ArithmeticConfig) -> int:
 
 def _row(expression: str, answer: int, cfg: ArithmeticConfig) -> Row:
     content = cfg.instruction.format(expression=expression)
-    return {"prompt": [{"role": "user", "content": content}], "answer": answer, "expression": expression}
+    return {
+        "prompt": [{"role": "user", "content": content}],
+        "answer": answer,
+        "expression": expression,
+    }
 
 
 def arithmetic_splits(cfg: ArithmeticConfig, seed: int) -> tuple[list[Row], list[Row]]:
@@ -87,8 +91,15 @@ def arithmetic_splits(cfg: ArithmeticConfig, seed: int) -> tuple[list[Row], list
 
 def reworded(rows: list[Row], instruction: str) -> list[Row]:
     """The same arithmetic problems asked with another instruction (`{expression}` replaced)."""
-    return [{**row, "prompt": [{"role": "user", "content": instruction.format(expression=row["expression"])}]}
-            for row in rows]
+    return [
+        {
+            **row,
+            "prompt": [
+                {"role": "user", "content": instruction.format(expression=row["expression"])}
+            ],
+        }
+        for row in rows
+    ]
 
 
 # --------------------------------------------------------------------------
@@ -99,8 +110,15 @@ def reworded(rows: list[Row], instruction: str) -> list[Row]:
 def _check_prompt(prompt: Any, where: str, column: str) -> None:
     if isinstance(prompt, str):
         return
-    if isinstance(prompt, list) and prompt and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+            for m in prompt
+        )
     ):
         return
     raise ConfigError(
@@ -129,7 +147,9 @@ def _json_line(line: bytes, where: str) -> Any:
     try:
         return json.loads(text, parse_constant=_not_json_constant)
     except json.JSONDecodeError as e:
-        raise ConfigError(f"{where}: not valid JSON ({e.msg}); each line must be one JSON object") from None
+        raise ConfigError(
+            f"{where}: not valid JSON ({e.msg}); each line must be one JSON object"
+        ) from None
     except RecursionError:
         raise ConfigError(f"{where}: a value nested too deeply to read; write it flatter") from None
     except ValueError as e:  # NaN/Infinity, or an integer of more than 4,300 digits
@@ -144,8 +164,10 @@ def lines(path: Path):
         while line := f.readline(MAX_LINE_BYTES + 1):
             number += 1
             if len(line) > MAX_LINE_BYTES:
-                raise ConfigError(f"{path}:{number}: a line longer than {MAX_LINE_BYTES >> 20} MiB; a row of a dataset "
-                                  "is one prompt and its columns: shorten it, or is this the right file?")
+                raise ConfigError(
+                    f"{path}:{number}: a line longer than {MAX_LINE_BYTES >> 20} MiB; a row of a dataset "
+                    "is one prompt and its columns: shorten it, or is this the right file?"
+                )
             yield number, line
 
 
@@ -160,8 +182,10 @@ def check_text_file(path: Path) -> None:
     if path.suffix == ".json":
         size = path.stat().st_size
         if size > MAX_JSON_BYTES:
-            raise ConfigError(f"{path}: {size:,} bytes of one JSON value, more than {MAX_JSON_BYTES >> 20} MiB; "
-                              "write the rows as JSONL (one object per line, a .jsonl file) instead")
+            raise ConfigError(
+                f"{path}: {size:,} bytes of one JSON value, more than {MAX_JSON_BYTES >> 20} MiB; "
+                "write the rows as JSONL (one object per line, a .jsonl file) instead"
+            )
         try:
             _json_line(path.read_bytes(), str(path))
             return
@@ -179,22 +203,28 @@ def _utf8(line: bytes, where: str) -> str:
     try:
         return line.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ConfigError(f"{where}: not UTF-8 text (byte {line[e.start]:#04x} at column {e.start + 1}); "
-                          "save the file as UTF-8") from None
+        raise ConfigError(
+            f"{where}: not UTF-8 text (byte {line[e.start]:#04x} at column {e.start + 1}); "
+            "save the file as UTF-8"
+        ) from None
 
 
 def read_jsonl(path: str | Path, prompt_column: str) -> list[Row]:
     """Read and check every row before any training starts."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"data file {path} does not exist; check data.train_file / data.eval_file")
+        raise ConfigError(
+            f"data file {path} does not exist; check data.train_file / data.eval_file"
+        )
     rows = []
     for number, line in lines(path):
         where = f"{path}:{number}"
         if line.strip():
             row = _json_line(line, where)
             if not isinstance(row, dict):
-                raise ConfigError(f"{where}: expected a JSON object per line, got {type(row).__name__}")
+                raise ConfigError(
+                    f"{where}: expected a JSON object per line, got {type(row).__name__}"
+                )
             if prompt_column not in row:
                 raise ConfigError(
                     f"{where}: no '{prompt_column}' column (has {sorted(row)}); add it or set data.prompt_column"
@@ -283,7 +313,9 @@ def render_prompt(
     """
     if isinstance(prompt, list):
         if use_chat_template and getattr(tokenizer, "chat_template", None):
-            return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True), True
+            return tokenizer.apply_chat_template(
+                prompt, tokenize=False, add_generation_prompt=True
+            ), True
         prompt = "\n".join(m["content"] for m in prompt) + "\n"
     return (few_shot or "") + prompt, False
 
@@ -292,19 +324,28 @@ def tokenize_prompts(
     rows: list[Row], tokenizer, use_chat_template: bool, few_shot: str | None
 ) -> tuple[list[str], list[list[int]]]:
     """Prompt texts and their whole token ids."""
-    rendered = [render_prompt(row["prompt"], tokenizer, use_chat_template, few_shot) for row in rows]
+    rendered = [
+        render_prompt(row["prompt"], tokenizer, use_chat_template, few_shot) for row in rows
+    ]
     texts = [text for text, _ in rendered]
     ids: list[list[int]] = [[] for _ in rows]
-    for templated in (False, True):  # a chat template writes its own BOS; plain text gets the tokenizer's
+    for templated in (
+        False,
+        True,
+    ):  # a chat template writes its own BOS; plain text gets the tokenizer's
         which = [i for i, (_, t) in enumerate(rendered) if t is templated]
         if which:
-            encoded = tokenizer([texts[i] for i in which], add_special_tokens=not templated)["input_ids"]
+            encoded = tokenizer([texts[i] for i in which], add_special_tokens=not templated)[
+                "input_ids"
+            ]
             for i, tokens in zip(which, encoded):
                 ids[i] = list(tokens)
     return texts, ids
 
 
-def truncate_prompt(tokens: list[int], max_length: int | None, bos_token_id: int | None) -> list[int]:
+def truncate_prompt(
+    tokens: list[int], max_length: int | None, bos_token_id: int | None
+) -> list[int]:
     """At most `max_length` tokens of a prompt: its BOS, when it starts with one (the model was
     trained with it there), and then its end (the instruction's end, where the question is,
     and the chat template's generation prompt). What goes is the start: few-shot text first."""
@@ -316,7 +357,11 @@ def truncate_prompt(tokens: list[int], max_length: int | None, bos_token_id: int
 
 
 def encode_prompts(
-    rows: list[Row], tokenizer, use_chat_template: bool, few_shot: str | None, max_prompt_length: int | None
+    rows: list[Row],
+    tokenizer,
+    use_chat_template: bool,
+    few_shot: str | None,
+    max_prompt_length: int | None,
 ) -> tuple[list[str], list[list[int]]]:
     """Prompt texts and their token ids, each truncated to max_prompt_length (`truncate_prompt`)."""
     texts, ids = tokenize_prompts(rows, tokenizer, use_chat_template, few_shot)
@@ -354,12 +399,22 @@ def check_values(row: Row, where: str) -> None:
     cannot be tokenized or written out), its numbers are finite, and its `answer` (the gold answer
     the built-in rewards and scorers read) is a number or a text."""
     prompt = row.get("prompt")
-    length = len(prompt) if isinstance(prompt, str) else sum(
-        len(m.get("content", "")) for m in prompt if isinstance(m, dict) and isinstance(m.get("content"), str)
-    ) if isinstance(prompt, list) else 0
+    length = (
+        len(prompt)
+        if isinstance(prompt, str)
+        else sum(
+            len(m.get("content", ""))
+            for m in prompt
+            if isinstance(m, dict) and isinstance(m.get("content"), str)
+        )
+        if isinstance(prompt, list)
+        else 0
+    )
     if length > MAX_PROMPT_CHARS:
-        raise ConfigError(f"{where}: its prompt is {length:,} characters, more than the {MAX_PROMPT_CHARS:,} a prompt "
-                          "may have (far beyond any model's context); shorten it or drop the row")
+        raise ConfigError(
+            f"{where}: its prompt is {length:,} characters, more than the {MAX_PROMPT_CHARS:,} a prompt "
+            "may have (far beyond any model's context); shorten it or drop the row"
+        )
     stack = [(column, value) for column, value in row.items()]
     while stack:
         column, value = stack.pop()
@@ -367,10 +422,14 @@ def check_values(row: Row, where: str) -> None:
             try:
                 value.encode("utf-8")
             except UnicodeEncodeError as e:
-                raise ConfigError(f"{where}, column {column!r}: holds {value[e.start]!r}, half of a UTF-16 pair, which "
-                                  "is not a character; repair the text (its source decoded it wrongly)") from None
+                raise ConfigError(
+                    f"{where}, column {column!r}: holds {value[e.start]!r}, half of a UTF-16 pair, which "
+                    "is not a character; repair the text (its source decoded it wrongly)"
+                ) from None
         elif isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"{where}, column {column!r}: {value} is not a value; write null for a missing one")
+            raise ConfigError(
+                f"{where}, column {column!r}: {value} is not a value; write null for a missing one"
+            )
         elif isinstance(value, dict):
             stack.extend((column, v) for v in value.values())
         elif isinstance(value, (list, tuple)):
@@ -400,8 +459,18 @@ class PromptEncoder:
     """Rows -> the prompt token ids generation starts from, as configured (data.chat_template,
     data.few_shot, rollout.max_prompt_length), counting the prompts it truncates."""
 
-    def __init__(self, tokenizer, use_chat_template: bool, few_shot: str | None, max_prompt_length: int | None):
-        self.tokenizer, self.use_chat_template, self.few_shot = tokenizer, use_chat_template, few_shot
+    def __init__(
+        self,
+        tokenizer,
+        use_chat_template: bool,
+        few_shot: str | None,
+        max_prompt_length: int | None,
+    ):
+        self.tokenizer, self.use_chat_template, self.few_shot = (
+            tokenizer,
+            use_chat_template,
+            few_shot,
+        )
         self.max_prompt_length = max_prompt_length
         self.truncated = 0
         """Prompts truncated since `take_truncated` last asked."""
@@ -409,7 +478,11 @@ class PromptEncoder:
 
     def __call__(self, rows: list[Row]) -> list[list[int]]:
         _, ids = tokenize_prompts(rows, self.tokenizer, self.use_chat_template, self.few_shot)
-        long = sum(len(tokens) > self.max_prompt_length for tokens in ids) if self.max_prompt_length else 0
+        long = (
+            sum(len(tokens) > self.max_prompt_length for tokens in ids)
+            if self.max_prompt_length
+            else 0
+        )
         self.truncated += long
         if long:
             self._warn(long, len(rows))
@@ -420,7 +493,9 @@ class PromptEncoder:
         count, self.truncated = self.truncated, 0
         return count
 
-    def check_fits(self, rows: list[Row], max_completion_length: int, context: int | None, what: str) -> None:
+    def check_fits(
+        self, rows: list[Row], max_completion_length: int, context: int | None, what: str
+    ) -> None:
         """Start-up: the longest prompt (as truncated) plus max_completion_length must fit the model's
         context. Only prompts that may not fit are tokenized: a text's UTF-8 bytes, plus a few special
         tokens, bound its token count (tokenizing every row would cost a second per 4,000 rows)."""
@@ -434,7 +509,10 @@ class PromptEncoder:
             )
         if self.max_prompt_length is not None and self.max_prompt_length <= budget:
             return
-        rendered = [render_prompt(row["prompt"], self.tokenizer, self.use_chat_template, self.few_shot) for row in rows]
+        rendered = [
+            render_prompt(row["prompt"], self.tokenizer, self.use_chat_template, self.few_shot)
+            for row in rows
+        ]
         suspects = [i for i, (text, _) in enumerate(rendered) if len(text.encode()) + 8 > budget]
         if not suspects:
             return
@@ -459,5 +537,7 @@ class PromptEncoder:
             "%d of %d prompts in a batch are longer than rollout.max_prompt_length=%d tokens: each keeps its BOS and its "
             "last tokens (the start goes); counted in prompts/truncated, warned about only this once. Raise "
             "rollout.max_prompt_length (or leave it unset) to keep them whole",
-            long, total, self.max_prompt_length,
+            long,
+            total,
+            self.max_prompt_length,
         )

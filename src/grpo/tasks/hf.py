@@ -22,8 +22,8 @@ import os
 from pathlib import Path
 
 from grpo.config.schema import Config, ConfigError
-from grpo.tasks.data import _check_prompt, check_columns, check_text_file
 from grpo.tasks import Row, Task
+from grpo.tasks.data import _check_prompt, check_columns, check_text_file
 from grpo.tasks.scorers import AnswerScorer, RewardScorer, has_integer_answers
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -34,12 +34,18 @@ SAVED_MARKERS = ("dataset_dict.json", "state.json")
 def hf_task(cfg: Config) -> Task:
     d = cfg.data
     train = read_rows(d.train_file, "data.train_file", d.train_split, d.prompt_column, d.columns)
-    held_out = read_rows(d.eval_file, "data.eval_file", d.eval_split, d.prompt_column, d.columns) if d.eval_file else []
+    held_out = (
+        read_rows(d.eval_file, "data.eval_file", d.eval_split, d.prompt_column, d.columns)
+        if d.eval_file
+        else []
+    )
     scorer = AnswerScorer() if has_integer_answers(held_out) else RewardScorer()
     return Task("hf", train, held_out, scorer)
 
 
-def read_rows(source: str, key: str, split: str, prompt_column: str, renames: list[str] = ()) -> list[Row]:
+def read_rows(
+    source: str, key: str, split: str, prompt_column: str, renames: list[str] = ()
+) -> list[Row]:
     """Every row of `source` as a dict with its prompt under `prompt` (checked), the other
     columns kept; a ConfigError naming `key` for anything that cannot be read."""
     dataset, where = load(source, key, split)
@@ -65,7 +71,9 @@ def load(source: str, key: str, split: str):
     try:
         import datasets
     except ImportError as e:
-        raise ConfigError(f"data.task 'hf' reads rows through the `datasets` package ({e}); pip install datasets") from None
+        raise ConfigError(
+            f"data.task 'hf' reads rows through the `datasets` package ({e}); pip install datasets"
+        ) from None
     path = Path(source).expanduser()
     progress_was_on = not datasets.utils.are_progress_bars_disabled()
     datasets.utils.disable_progress_bars()  # a "Generating train split" bar per file is noise here
@@ -78,13 +86,17 @@ def load(source: str, key: str, split: str):
             where = str(path)
             if path.suffix != ".parquet":
                 check_text_file(path)  # pyarrow's JSON reader crashes the process on deep nesting
-            return datasets.load_dataset(FILE_BUILDERS[path.suffix], data_files=str(path), split="train"), where
+            return datasets.load_dataset(
+                FILE_BUILDERS[path.suffix], data_files=str(path), split="train"
+            ), where
         if path.is_dir():
             if any((path / marker).is_file() for marker in SAVED_MARKERS):
                 loaded = datasets.load_from_disk(str(path))
             else:
                 loaded = datasets.load_dataset(str(path))
-            return _split(loaded, split, key, str(path)), f"{path} ({split})" if hasattr(loaded, "keys") else str(path)
+            return _split(loaded, split, key, str(path)), f"{path} ({split})" if hasattr(
+                loaded, "keys"
+            ) else str(path)
         if path.suffix in FILE_BUILDERS or source.startswith(("/", "./", "../", "~")):
             raise ConfigError(
                 f"{key}: {path} does not exist; give the path of a {', '.join(FILE_BUILDERS)} file, a save_to_disk "
@@ -98,8 +110,11 @@ def load(source: str, key: str, split: str):
             return datasets.load_dataset(name, subset or None, split=split), where
         except Exception as e:  # unknown dataset or split, no network, ...
             offline = _offline()
-            why = (f"{offline} is set and it is not in the local cache" if offline
-                   else "is the name right, and the network reachable?")
+            why = (
+                f"{offline} is set and it is not in the local cache"
+                if offline
+                else "is the name right, and the network reachable?"
+            )
             raise ConfigError(
                 f"{key}: cannot load the hub dataset {where}: {why} ({type(e).__name__}: {str(e)[:200]}); give a "
                 "local file or save_to_disk directory instead, or run once online to cache it"
@@ -107,7 +122,9 @@ def load(source: str, key: str, split: str):
     except ConfigError:
         raise
     except Exception as e:  # a malformed file or directory
-        raise ConfigError(f"{key}: cannot read {source!r} ({type(e).__name__}: {str(e)[:300]})") from None
+        raise ConfigError(
+            f"{key}: cannot read {source!r} ({type(e).__name__}: {str(e)[:300]})"
+        ) from None
     finally:
         if progress_was_on:
             datasets.utils.enable_progress_bars()
@@ -119,7 +136,9 @@ def _split(loaded, split: str, key: str, where: str):
         return loaded
     if split not in loaded:
         which = "train_split" if key.endswith("train_file") else "eval_split"
-        raise ConfigError(f"{key}: {where} has no split {split!r} (splits: {sorted(loaded)}); set data.{which}")
+        raise ConfigError(
+            f"{key}: {where} has no split {split!r} (splits: {sorted(loaded)}); set data.{which}"
+        )
     return loaded[split]
 
 

@@ -62,4 +62,10 @@ def read_humaneval(path: str | Path | None = None) -> list[Row]:
 
 
 def humaneval_task(cfg: Config) -> Task:
-    return Task("humaneval", [], read_humaneval(), CodeScorer(cfg.rollout.stop_strings, cfg.rewards.sandbox), not_for_training=NOT_FOR_TRAINING)
+    return Task(
+        "humaneval",
+        [],
+        read_humaneval(),
+        CodeScorer(cfg.rollout.stop_strings, cfg.rewards.sandbox),
+        not_for_training=NOT_FOR_TRAINING,
+    )

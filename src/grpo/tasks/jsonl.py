@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from grpo.config.schema import Config
-from grpo.tasks.data import read_jsonl
 from grpo.tasks import Task
+from grpo.tasks.data import read_jsonl
 from grpo.tasks.scorers import AnswerScorer, RewardScorer, has_integer_answers
 
 

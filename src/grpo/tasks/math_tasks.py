@@ -58,11 +58,17 @@ def load_rows(source: str, key: str, default_split: str) -> tuple[list[Row], str
     try:
         if path.suffix in FILE_BUILDERS:
             if not path.is_file():
-                raise ConfigError(f"{key}: {path} does not exist; give the path of a .jsonl or .parquet file")
+                raise ConfigError(
+                    f"{key}: {path} does not exist; give the path of a .jsonl or .parquet file"
+                )
             where = str(path)
-            dataset = datasets.load_dataset(FILE_BUILDERS[path.suffix], data_files=str(path), split="train")
+            dataset = datasets.load_dataset(
+                FILE_BUILDERS[path.suffix], data_files=str(path), split="train"
+            )
         elif path.exists():
-            raise ConfigError(f"{key}: {path} is not a .jsonl, .json or .parquet file; convert it or rename it")
+            raise ConfigError(
+                f"{key}: {path} is not a .jsonl, .json or .parquet file; convert it or rename it"
+            )
         else:
             name, _, rest = source.partition(":")
             subset, _, split = rest.partition(":")
@@ -96,11 +102,21 @@ class Style:
     """What a row without a gold answer needs."""
 
 
-GSM8K = Style("gsm8k", "question", "answer", gsm8k_gold, "end the answer with a line '#### <number>'")
-MATH = Style("math", "problem", "solution", math_gold, "write the final answer as \\boxed{...} in the solution")
+GSM8K = Style(
+    "gsm8k", "question", "answer", gsm8k_gold, "end the answer with a line '#### <number>'"
+)
+MATH = Style(
+    "math",
+    "problem",
+    "solution",
+    math_gold,
+    "write the final answer as \\boxed{...} in the solution",
+)
 
 
-def read_rows(source: str | None, key: str, default_split: str, style: Style, instruction: str) -> list[Row]:
+def read_rows(
+    source: str | None, key: str, default_split: str, style: Style, instruction: str
+) -> list[Row]:
     """The rows of `source` with their prompt and gold `answer`; a ConfigError for a row without one."""
     if not source:
         return []
@@ -121,8 +137,12 @@ def read_rows(source: str | None, key: str, default_split: str, style: Style, in
                 f"(it ends {str(solution)[-60:]!r}); {style.fix}, or drop the row"
             )
         prompt = [{"role": "user", "content": instruction.replace("{question}", question)}]
-        kept = {"solution": solution} if style.solution == "answer" and "solution" not in row else {}
-        out.append({**row, **kept, "prompt": prompt, "answer": answer})  # GSM8K's worked answer stays as `solution`
+        kept = (
+            {"solution": solution} if style.solution == "answer" and "solution" not in row else {}
+        )
+        out.append(
+            {**row, **kept, "prompt": prompt, "answer": answer}
+        )  # GSM8K's worked answer stays as `solution`
     return out
 
 
@@ -130,7 +150,9 @@ def _task(cfg: Config, style: Style) -> Task:
     d = cfg.data
     train = read_rows(d.train_file, "data.train_file", "train", style, d.instruction)
     held_out = read_rows(d.eval_file, "data.eval_file", "test", style, d.instruction)
-    return Task(style.task, train, held_out, MathScorer(cfg.rewards.math_forms, cfg.rewards.math_timeout))
+    return Task(
+        style.task, train, held_out, MathScorer(cfg.rewards.math_forms, cfg.rewards.math_timeout)
+    )
 
 
 def gsm8k_task(cfg: Config) -> Task:

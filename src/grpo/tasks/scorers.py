@@ -71,9 +71,15 @@ class AnswerScorer:
         counts = {
             "correct": (sum(correct), n),
             "formatted": (formatted, n),
-            "correct among formatted": (sum(correct), formatted),  # an unformatted completion is never correct
+            "correct among formatted": (
+                sum(correct),
+                formatted,
+            ),  # an unformatted completion is never correct
         }
-        details = [{"answer": a, "predicted": p, "correct": c} for a, p, c in zip(answers, predicted, correct)]
+        details = [
+            {"answer": a, "predicted": p, "correct": c}
+            for a, p, c in zip(answers, predicted, correct)
+        ]
         return Scores(counts, details)
 
 
@@ -82,7 +88,9 @@ class RewardScorer:
     configured reward functions only (the evaluation's mean reward and each
     function's mean), with no counts."""
 
-    description = "Scored by the configured reward functions: their weighted mean and each function's mean."
+    description = (
+        "Scored by the configured reward functions: their weighted mean and each function's mean."
+    )
 
     def check(self, rows: list[Row]) -> None:
         pass
@@ -128,8 +136,14 @@ class MathScorer:
         # the reward's own score, so the count and the reward can never disagree
         correct = [self.reward.score(t, a) == 1.0 for t, a in zip(texts, answers)]
         n = len(texts)
-        counts = {"correct": (sum(correct), n), "answered": (sum(p is not None for p in predicted), n)}
-        details = [{"answer": a, "predicted": p, "correct": c} for a, p, c in zip(answers, predicted, correct)]
+        counts = {
+            "correct": (sum(correct), n),
+            "answered": (sum(p is not None for p in predicted), n),
+        }
+        details = [
+            {"answer": a, "predicted": p, "correct": c}
+            for a, p, c in zip(answers, predicted, correct)
+        ]
         return Scores(counts, details)
 
     def close(self) -> None:

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from grpo.tasks.data import Row
 from grpo.rollout.types import Rollout
+from grpo.tasks.data import Row
 
 
 @dataclass
@@ -34,7 +34,9 @@ class GenerationBatch:
     loss_mask: torch.Tensor  # [N, T] completion tokens that count in the loss
     sampling_rounds: int = 1
     zero_std_groups_kept: int = 0
-    advantages: torch.Tensor | None = None  # [N], or [N, T] for gae: the step's advantages phase sets them
+    advantages: torch.Tensor | None = (
+        None  # [N], or [N, T] for gae: the step's advantages phase sets them
+    )
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -67,7 +69,9 @@ class GenerationBatch:
             rollout,
             torch.cat([p.rewards_per_func for p in parts]),
             torch.cat([p.rewards for p in parts]),
-            torch.cat([torch.nn.functional.pad(p.loss_mask, (0, T - p.loss_mask.shape[1])) for p in parts]),
+            torch.cat(
+                [torch.nn.functional.pad(p.loss_mask, (0, T - p.loss_mask.shape[1])) for p in parts]
+            ),
         )
 
 
@@ -102,7 +106,9 @@ def microbatches(rollout: Rollout, rows: torch.Tensor, budget: int) -> list[torc
     lengths = rollout.completion_mask.sum(-1).tolist()
     pieces, current, prompts, width = [], [], set(), 0
     for r in rows.tolist():
-        key = tuple(rollout.prompt_ids[r, -prompt_lengths[r]:].tolist()) if prompt_lengths[r] else ()
+        key = (
+            tuple(rollout.prompt_ids[r, -prompt_lengths[r] :].tolist()) if prompt_lengths[r] else ()
+        )
         new_prompts = prompts | {key}
         new_width = max(width, lengths[r])
         cost = sum(len(p) for p in new_prompts) + (len(current) + 1) * new_width
@@ -138,8 +144,12 @@ def choose_groups(spread: list[list[bool]], num_groups: int) -> tuple[list[tuple
 
 
 def keep_groups_with_spread(
-    batches: list[GenerationBatch], num_groups: int, group_size: int, pad_token_id: int,
-    spread: list[list[bool]] | None = None, first_group: int = 0,
+    batches: list[GenerationBatch],
+    num_groups: int,
+    group_size: int,
+    pad_token_id: int,
+    spread: list[list[bool]] | None = None,
+    first_group: int = 0,
 ) -> GenerationBatch:
     """The groups `choose_groups` keeps out of the rounds in `batches` (before their advantages,
     which the step computes once, over the final batch).
@@ -153,11 +163,15 @@ def keep_groups_with_spread(
     chosen, missing = choose_groups(spread, num_groups)
     mine = [
         batches[r].select(torch.arange((g - first_group) * G, (g - first_group + 1) * G))
-        for r, g in chosen if first_group <= g < first_group + len(batches[r]) // G
+        for r, g in chosen
+        if first_group <= g < first_group + len(batches[r]) // G
     ]
     merged = (
-        GenerationBatch.concat(mine, pad_token_id) if mine
-        else batches[0].select(torch.zeros(0, dtype=torch.long))  # this rank keeps no group: an empty batch
+        GenerationBatch.concat(mine, pad_token_id)
+        if mine
+        else batches[0].select(
+            torch.zeros(0, dtype=torch.long)
+        )  # this rank keeps no group: an empty batch
     )
     merged.sampling_rounds, merged.zero_std_groups_kept = len(batches), missing
     return merged

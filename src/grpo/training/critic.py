@@ -26,7 +26,9 @@ from grpo.models.logprobs import _decoder, completion_hidden_states
 class ValueModel(torch.nn.Module):
     """trunk (a copy of the policy's decoder body) -> a linear head -> one value per position."""
 
-    base_model_prefix = "body"  # what grpo.models.logprobs' completion_hidden_states looks the trunk up by
+    base_model_prefix = (
+        "body"  # what grpo.models.logprobs' completion_hidden_states looks the trunk up by
+    )
 
     def __init__(self, policy: torch.nn.Module):
         super().__init__()
@@ -51,11 +53,19 @@ class ValueModel(torch.nn.Module):
         """The trunk's (a copy of the policy's, training.gradient_checkpointing included): read by
         completion_hidden_states, which takes the plain path for checkpointed layers."""
         body = self.body
-        return bool(getattr(body, "is_activation_checkpointing", getattr(body, "is_gradient_checkpointing", False)))
+        return bool(
+            getattr(
+                body,
+                "is_activation_checkpointing",
+                getattr(body, "is_gradient_checkpointing", False),
+            )
+        )
 
     def values(self, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
         """V [N, T] (float32) at the positions that predict each completion token, 0 at padding."""
-        hidden = completion_hidden_states(self, prompt_ids, prompt_mask, completion_ids, completion_mask)
+        hidden = completion_hidden_states(
+            self, prompt_ids, prompt_mask, completion_ids, completion_mask
+        )
         values = self.head(hidden).squeeze(-1).float()
         return values * completion_mask
 
@@ -64,13 +74,23 @@ class Critic:
     """The value model and its optimizer (AdamW, `algorithm.critic_learning_rate`, the policy's
     betas, epsilon and weight decay), saved with the run's state and restored through set-up."""
 
-    def __init__(self, policy: torch.nn.Module, learning_rate: float, training_cfg, state: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        policy: torch.nn.Module,
+        learning_rate: float,
+        training_cfg,
+        state: dict[str, Any] | None = None,
+    ):
         self.model = ValueModel(policy)
         t = training_cfg
         device_type = next(self.model.parameters()).device.type
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon,
-            weight_decay=t.weight_decay, fused=device_type in ("cpu", "cuda"),
+            self.model.parameters(),
+            lr=learning_rate,
+            betas=(t.adam_beta1, t.adam_beta2),
+            eps=t.adam_epsilon,
+            weight_decay=t.weight_decay,
+            fused=device_type in ("cpu", "cuda"),
         )
         if state is not None:
             self.model.load_state_dict(state["model"])

@@ -28,12 +28,12 @@ from typing import Any
 import torch
 
 from grpo.config.schema import Config, ConfigError
-from grpo.tasks.data import Row, encode_prompts, is_conversational, reworded
-from grpo.training.metrics import nanmean
-from grpo.run.eval_results import ACCURACY_COUNTS, NUM_SAMPLES, EvalResult
 from grpo.rewards.arithmetic import completion_text
 from grpo.rollout import SamplingParams
 from grpo.rollout.types import prompt_seeds
+from grpo.run.eval_results import ACCURACY_COUNTS, NUM_SAMPLES, EvalResult
+from grpo.tasks.data import Row, encode_prompts, is_conversational, reworded
+from grpo.training.metrics import nanmean
 
 # --------------------------------------------------------------------------
 # Generation and scoring
@@ -74,7 +74,9 @@ def evaluate(
     scores them all and returns the results, the other ranks return [].
     """
     if not rows:
-        raise ConfigError("no held-out rows to evaluate; set data.arithmetic.num_eval > 0 or data.eval_file")
+        raise ConfigError(
+            "no held-out rows to evaluate; set data.arithmetic.num_eval > 0 or data.eval_file"
+        )
     if batch_size < 1:
         raise ConfigError(f"eval.batch_size: must be > 0, got {batch_size}")
     scorer.check(rows)  # fail before any generation
@@ -90,9 +92,12 @@ def evaluate(
         ids: list[list[int]] = []
         truncated: list[bool] = []
         for start in range(0, len(local_ids), batch_size):
-            rollout = engine.generate(local_ids[start : start + batch_size], 1, params, seeds[start : start + batch_size])
+            rollout = engine.generate(
+                local_ids[start : start + batch_size], 1, params, seeds[start : start + batch_size]
+            )
             batch_ids = [
-                c[m.bool()].tolist() for c, m in zip(rollout.completion_ids.cpu(), rollout.completion_mask.cpu())
+                c[m.bool()].tolist()
+                for c, m in zip(rollout.completion_ids.cpu(), rollout.completion_mask.cpu())
             ]
             ids += batch_ids
             texts += tokenizer.batch_decode(batch_ids, skip_special_tokens=True)
@@ -104,7 +109,11 @@ def evaluate(
             texts, ids, truncated = ([x for part in parts for x in part[k]] for k in range(3))
             if rank != 0:
                 continue
-        results.append(_result(label, step, float(temperature), rows, texts, ids, truncated, scorer, reward_set))
+        results.append(
+            _result(
+                label, step, float(temperature), rows, texts, ids, truncated, scorer, reward_set
+            )
+        )
     return results
 
 
@@ -114,14 +123,17 @@ def shard(num_rows: int, world_size: int, rank: int) -> slice:
     return slice(rank * num_rows // world_size, (rank + 1) * num_rows // world_size)
 
 
-def _result(label, step, temperature, rows, texts, ids, truncated, scorer, reward_set) -> EvalResult:
+def _result(
+    label, step, temperature, rows, texts, ids, truncated, scorer, reward_set
+) -> EvalResult:
     scores = scorer.score(rows, texts)
     mean_reward, per_function = math.nan, {}
     if reward_set is not None and len(reward_set.funcs):
         from grpo.algorithm import combine_rewards
 
         completions = [
-            [{"role": "assistant", "content": t}] if is_conversational(r) else t for r, t in zip(rows, texts)
+            [{"role": "assistant", "content": t}] if is_conversational(r) else t
+            for r, t in zip(rows, texts)
         ]
         per_func = reward_set.score([r["prompt"] for r in rows], completions, ids, rows)
         mean_reward = nanmean(combine_rewards(per_func, reward_set.weights))
@@ -151,14 +163,16 @@ def _result(label, step, temperature, rows, texts, ids, truncated, scorer, rewar
 class Evaluator:
     """Evaluation as configured by `cfg.eval`, with the run's engine and the task's scorer.
 
-        evaluator = Evaluator(cfg, engine, tokenizer, task.eval_rows, task.scorer, reward_set)
-        before = evaluator("before", 0)
-        ...
-        after = evaluator("after", trainer.state.step)
-        print(format_table(before, after))
+    evaluator = Evaluator(cfg, engine, tokenizer, task.eval_rows, task.scorer, reward_set)
+    before = evaluator("before", 0)
+    ...
+    after = evaluator("after", trainer.state.step)
+    print(format_table(before, after))
     """
 
-    def __init__(self, cfg: Config, engine, tokenizer, rows: list[Row], scorer, reward_set=None, backend=None):
+    def __init__(
+        self, cfg: Config, engine, tokenizer, rows: list[Row], scorer, reward_set=None, backend=None
+    ):
         e = cfg.eval
         if e.num_problems is not None:
             rows = rows[: e.num_problems]
@@ -178,8 +192,16 @@ class Evaluator:
     def num_batches(self) -> int:
         """Generation batches of one evaluation (every wording and temperature), on this rank."""
         e, b = self.cfg.eval, self.backend
-        rows = shard(len(self.rows), b.world_size, b.rank) if b is not None else slice(0, len(self.rows))
-        return len(self.wordings) * len(e.temperatures) * math.ceil((rows.stop - rows.start) / e.batch_size)
+        rows = (
+            shard(len(self.rows), b.world_size, b.rank)
+            if b is not None
+            else slice(0, len(self.rows))
+        )
+        return (
+            len(self.wordings)
+            * len(e.temperatures)
+            * math.ceil((rows.stop - rows.start) / e.batch_size)
+        )
 
     def __call__(self, label: str, step: int, progress=None) -> list[EvalResult]:
         results = []

@@ -59,7 +59,12 @@ class Outcome:
     def of(cls, batch: GenerationBatch, backend=None) -> "Outcome":
         """The batch's outcome; with a backend, every rank's completions (whole groups each) in
         rank order, so that the metrics are the global batch's."""
-        columns = (batch.rewards, batch.rewards_per_func, batch.rollout.lengths, batch.rollout.truncated)
+        columns = (
+            batch.rewards,
+            batch.rewards_per_func,
+            batch.rollout.lengths,
+            batch.rollout.truncated,
+        )
         if backend is not None:
             columns = tuple(backend.gather_rows(c)[0] for c in columns)
         return cls(*columns, batch.sampling_rounds, batch.zero_std_groups_kept)
@@ -70,13 +75,23 @@ def sum_counts(parts: list[dict]) -> dict:
     total: dict = {}
     for part in parts:
         for key, value in part.items():
-            total[key] = sum_counts([total.get(key, {}), value]) if isinstance(value, dict) else total.get(key, 0) + value
+            total[key] = (
+                sum_counts([total.get(key, {}), value])
+                if isinstance(value, dict)
+                else total.get(key, 0) + value
+            )
     return total
 
 
-def batch_metrics(batch: Outcome, group_size: int, reward_names: list[str], failures: dict[str, int],
-                  dynamic_sampling: bool, step_failures: dict[str, dict[str, int]] | None = None,
-                  sandbox: dict[str, int] | None = None) -> dict[str, float]:
+def batch_metrics(
+    batch: Outcome,
+    group_size: int,
+    reward_names: list[str],
+    failures: dict[str, int],
+    dynamic_sampling: bool,
+    step_failures: dict[str, dict[str, int]] | None = None,
+    sandbox: dict[str, int] | None = None,
+) -> dict[str, float]:
     """Rewards, their spread within groups, completion lengths, and dynamic sampling's rounds;
     the step's failed reward calls (`step_failures`: name -> errors, timeouts) beside the run's
     `failures`, and the step's sandbox outcomes (`sandbox`: status -> count)."""
@@ -91,7 +106,9 @@ def batch_metrics(batch: Outcome, group_size: int, reward_names: list[str], fail
         "completions/min_length": float(lengths.min()),
         "completions/max_length": float(lengths.max()),
         "completions/clipped_ratio": float(truncated.float().mean()),
-        "completions/mean_terminated_length": float(lengths[~truncated].mean()) if (~truncated).any() else 0.0,
+        "completions/mean_terminated_length": float(lengths[~truncated].mean())
+        if (~truncated).any()
+        else 0.0,
     }
     for k, name in enumerate(reward_names):
         column = batch.rewards_per_func[:, k]

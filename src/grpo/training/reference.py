@@ -29,8 +29,8 @@ from typing import Any, Iterator, Protocol
 
 import torch
 
-from grpo.models import lora
 from grpo.config.schema import AlgorithmConfig
+from grpo.models import lora
 
 
 class Reference(Protocol):
@@ -102,7 +102,9 @@ class AdapterDisabled:
             yield self.policy
 
     def sync(self, policy: torch.nn.Module, alpha: float) -> None:
-        raise RuntimeError("the base model is never synced; with ref_sync_steps the reference is a FrozenAdapter")
+        raise RuntimeError(
+            "the base model is never synced; with ref_sync_steps the reference is a FrozenAdapter"
+        )
 
     def state_dict(self) -> None:
         return None  # the base model: rebuilt from the model the run starts from
@@ -148,7 +150,9 @@ class FrozenAdapter:
         return lora.adapter_state_dict(self.policy, self.NAME)
 
 
-def create_reference(cfg: AlgorithmConfig, policy: torch.nn.Module, restore: dict[str, torch.Tensor] | None = None) -> Reference:
+def create_reference(
+    cfg: AlgorithmConfig, policy: torch.nn.Module, restore: dict[str, torch.Tensor] | None = None
+) -> Reference:
     """None for beta = 0; for a LoRA policy the base model (adapter disabled), or with
     ref_sync_steps a frozen adapter; otherwise a frozen copy of the policy."""
     if cfg.beta <= 0:

@@ -41,7 +41,13 @@ def capture_rng() -> dict[str, Any]:
     numpy = _numpy()
     if numpy is not None:
         name, key, position, has_gauss, cached_gaussian = numpy.random.get_state(legacy=True)
-        state["numpy"] = [str(name), [int(k) for k in key], int(position), int(has_gauss), float(cached_gaussian)]
+        state["numpy"] = [
+            str(name),
+            [int(k) for k in key],
+            int(position),
+            int(has_gauss),
+            float(cached_gaussian),
+        ]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -53,7 +59,9 @@ def restore_rng(state: dict[str, Any]) -> None:
     numpy = _numpy()
     if numpy is not None and "numpy" in state:
         name, key, position, has_gauss, cached_gaussian = state["numpy"]
-        numpy.random.set_state((name, numpy.asarray(key, dtype=numpy.uint32), position, has_gauss, cached_gaussian))
+        numpy.random.set_state(
+            (name, numpy.asarray(key, dtype=numpy.uint32), position, has_gauss, cached_gaussian)
+        )
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -89,11 +97,15 @@ class TrainState:
         total_updates = t.max_steps * cfg.algorithm.num_iterations
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer,
-            lambda i: algorithm.lr_multiplier(t.lr_scheduler_type, i, total_updates, t.warmup_steps),
+            lambda i: algorithm.lr_multiplier(
+                t.lr_scheduler_type, i, total_updates, t.warmup_steps
+            ),
         )
         torch.manual_seed(t.seed)
         generator = torch.Generator(device=device).manual_seed(t.seed)
-        sampler = PromptSampler(num_rows, cfg.data.seed, state=restore["sampler"] if restore else None)
+        sampler = PromptSampler(
+            num_rows, cfg.data.seed, state=restore["sampler"] if restore else None
+        )
         state = cls(0, 0, optimizer, scheduler, sampler, generator, optimizer_state or optimizer)
         if restore is not None:
             state.optimizer_state.load_state_dict(restore["optimizer"])

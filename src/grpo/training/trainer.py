@@ -44,34 +44,38 @@ from typing import Any, Callable
 import torch
 
 from grpo import algorithm
-from grpo.run import checkpoint
-from grpo.run import faults
-from grpo.run import run_lock
 from grpo.backends import create_backend
-from grpo.training.batching import GenerationBatch, groups_with_spread, keep_groups_with_spread
 from grpo.config.schema import Config, ConfigError
-from grpo.training.critic import Critic
-from grpo.tasks.data import PromptEncoder, Row, check_columns, is_conversational
-from grpo.run.eval_results import EvalResult
-from grpo.training.evaluate import Evaluator
-from grpo.training.metrics import Outcome, PhaseTimer, batch_metrics, sum_counts
-from grpo.models.lora import apply_lora
 from grpo.models.loading import context_length, load_model_and_tokenizer
-from grpo.training.reference import create_reference
+from grpo.models.lora import apply_lora
 from grpo.registry import ADVANTAGE_ESTIMATORS
 from grpo.rewards.reward_set import RewardSet
 from grpo.rollout import SamplingParams, create_engine
-from grpo.rollout.types import prompt_seeds
 from grpo.rollout.hf import NonFiniteProbabilities
+from grpo.rollout.types import prompt_seeds
+from grpo.run import checkpoint, faults, run_lock
+from grpo.run.eval_results import EvalResult
 from grpo.run.run_lock import RunLock
 from grpo.run.runlog import RunLog
-from grpo.sandbox import take_counts
-from grpo.training.state import TrainState
 from grpo.run.stop_signals import StopSignals
+from grpo.sandbox import take_counts
 from grpo.tasks import Task, load_task
+from grpo.tasks.data import PromptEncoder, Row, check_columns, is_conversational
 from grpo.tasks.scorers import AnswerScorer, RewardScorer, has_integer_answers
+from grpo.training.batching import GenerationBatch, groups_with_spread, keep_groups_with_spread
+from grpo.training.critic import Critic
+from grpo.training.evaluate import Evaluator
+from grpo.training.metrics import Outcome, PhaseTimer, batch_metrics, sum_counts
+from grpo.training.reference import create_reference
+from grpo.training.state import TrainState
 from grpo.training.update import (
-    Skips, TrainingDiverged, batch_logprobs, batch_values, check_finite_weights, critic_update, gae_batch_advantages,
+    Skips,
+    TrainingDiverged,
+    batch_logprobs,
+    batch_values,
+    check_finite_weights,
+    critic_update,
+    gae_batch_advantages,
     policy_update,
 )
 
@@ -125,7 +129,9 @@ class Trainer:
                 self.run_lock = run_lock.claim(self.cfg.output_dir)
             except ConfigError as error:
                 refusal = error
-        said = self.backend.all_gather_object(None if refusal is None else str(refusal))[0]  # no rank waits on another
+        said = self.backend.all_gather_object(None if refusal is None else str(refusal))[
+            0
+        ]  # no rank waits on another
         if refusal is not None:
             raise refusal
         if said is not None:
@@ -137,7 +143,9 @@ class Trainer:
             self.run_lock.release()
         self.claimed = False
 
-    def _set_up(self, model, tokenizer, train_rows, eval_rows, reward_funcs, restore, resume) -> None:
+    def _set_up(
+        self, model, tokenizer, train_rows, eval_rows, reward_funcs, restore, resume
+    ) -> None:
         """`__init__`'s work once output_dir is claimed."""
         cfg = self.cfg
         self.resumed = checkpoint.load_checkpoint(Path(resume), cfg) if resume is not None else None
@@ -158,7 +166,10 @@ class Trainer:
         columns = check_columns(self.task.train_rows, "training rows") - {"prompt"}
         check_columns(self.task.eval_rows, "held-out rows")
         self.rewards = RewardSet.from_config(
-            cfg.rewards, cfg.rollout.max_completion_length, columns, reward_funcs,
+            cfg.rewards,
+            cfg.rollout.max_completion_length,
+            columns,
+            reward_funcs,
             # saved as the run's totals over every rank: rank 0 carries them on, the others count anew
             failures=restore["reward_failures"] if restore and self.backend.is_main else None,
         )
@@ -175,39 +186,74 @@ class Trainer:
         # the backend prepares the model as it will train: with its LoRA adapters (model.lora.r > 0)
         model = apply_lora(model, cfg.model.lora, cfg.training.seed)
         self.model, self.tokenizer = self.backend.prepare_model(model), tokenizer
-        self.reference = create_reference(cfg.algorithm, self.model, restore["reference"] if restore else None)
-        if self.resumed is not None:  # after the reference: unless saved, it is a copy of the starting model
+        self.reference = create_reference(
+            cfg.algorithm, self.model, restore["reference"] if restore else None
+        )
+        if (
+            self.resumed is not None
+        ):  # after the reference: unless saved, it is a copy of the starting model
             self.backend.load_weights(self.resumed, self.model)
         self.critic = self._critic(restore)
-        self.engine = create_engine(cfg.rollout.engine, self.model, tokenizer, cfg, self.backend.decoding)
+        self.engine = create_engine(
+            cfg.rollout.engine, self.model, tokenizer, cfg, self.backend.decoding
+        )
         d, r = cfg.data, cfg.rollout
-        self.prompts = PromptEncoder(tokenizer, d.chat_template == "auto", d.few_shot, r.max_prompt_length)
-        self.prompts.check_fits(self.task.train_rows, r.max_completion_length, context_length(self.model), "training rows")
+        self.prompts = PromptEncoder(
+            tokenizer, d.chat_template == "auto", d.few_shot, r.max_prompt_length
+        )
+        self.prompts.check_fits(
+            self.task.train_rows,
+            r.max_completion_length,
+            context_length(self.model),
+            "training rows",
+        )
         if wants_eval:
             eval_length = e.max_completion_length or r.max_completion_length
-            self.prompts.check_fits(self.task.eval_rows, eval_length, context_length(self.model), "held-out rows")
+            self.prompts.check_fits(
+                self.task.eval_rows, eval_length, context_length(self.model), "held-out rows"
+            )
         skips = restore.get("skips", {}) if restore else {}
-        self.skips = Skips(cfg.training.max_consecutive_skips, **skips)  # skipped non-finite updates, in a row and in all
+        self.skips = Skips(
+            cfg.training.max_consecutive_skips, **skips
+        )  # skipped non-finite updates, in a row and in all
         optimizer = self.backend.make_optimizer(self.model)
         if self.backend.is_main:  # before hours of training whose first save could not be written
-            checkpoint.warn_if_short_of_space(Path(cfg.output_dir), checkpoint.estimated_size(self.model))
+            checkpoint.warn_if_short_of_space(
+                Path(cfg.output_dir), checkpoint.estimated_size(self.model)
+            )
         self.state = TrainState.create(
-            cfg, optimizer, len(self.task.train_rows), self.backend.device,
+            cfg,
+            optimizer,
+            len(self.task.train_rows),
+            self.backend.device,
             restore=_this_ranks_state(restore["train"], self.backend) if restore else None,
             optimizer_state=self.backend.optimizer_state(self.model, optimizer),
         )
         self.evaluator = (
-            Evaluator(cfg, self.engine, tokenizer, self.task.eval_rows, self.task.scorer, self.rewards, self.backend)
-            if wants_eval else None
+            Evaluator(
+                cfg,
+                self.engine,
+                tokenizer,
+                self.task.eval_rows,
+                self.task.scorer,
+                self.rewards,
+                self.backend,
+            )
+            if wants_eval
+            else None
         )
         world, rank = self.backend.world_size, self.backend.rank
         self.num_prompts = cfg.generation_batch_size(world) // cfg.rollout.num_generations
         """Groups per step, over all ranks."""
-        share = self.num_prompts // world  # a whole number of groups each (config.TrainingConfig.check)
+        share = (
+            self.num_prompts // world
+        )  # a whole number of groups each (config.TrainingConfig.check)
         self.shard = slice(rank * share, (rank + 1) * share)
         """This rank's groups of each round: every rank draws the same prompts and seeds, and keeps these."""
         r = cfg.rollout
-        self.sampling = SamplingParams(r.max_completion_length, r.temperature, r.top_p, r.top_k, r.ignore_eos)
+        self.sampling = SamplingParams(
+            r.max_completion_length, r.temperature, r.top_p, r.top_k, r.ignore_eos
+        )
 
     # ------------------------------------------------------------------ one step
 
@@ -216,12 +262,18 @@ class Trainer:
         a, timer = self.cfg.algorithm, PhaseTimer()
         take_counts()  # the step's sandbox and reward-failure counts are its own, not those of
         self.rewards.step_failures()  # the set-up's checks or an evaluation between steps
-        batch = self.collect_batch(timer)  # generate -> rewards (-> filter: dynamic sampling's rounds)
+        batch = self.collect_batch(
+            timer
+        )  # generate -> rewards (-> filter: dynamic sampling's rounds)
         faults.reached("step")
         self.engine.sleep()  # the engine's memory (vLLM's weights and KV cache on CUDA) is the update's now
-        stats = self.update(batch, timer)  # reference -> (values) -> advantages -> update (-> critic)
+        stats = self.update(
+            batch, timer
+        )  # reference -> (values) -> advantages -> update (-> critic)
         with timer("sync"):
-            self.engine.sync_weights(self.model)  # the new weights, into an engine woken by it if asleep
+            self.engine.sync_weights(
+                self.model
+            )  # the new weights, into an engine woken by it if asleep
             self.state.step += 1
             if a.ref_sync_steps and self.state.step % a.ref_sync_steps == 0:
                 self.reference.sync(self.model, a.ref_sync_alpha)
@@ -234,7 +286,8 @@ class Trainer:
         rounds: list[GenerationBatch] = []
         while not rounds or (
             a.dynamic_sampling
-            and self.backend.sum(sum(int(groups_with_spread(b, G).sum()) for b in rounds)) < self.num_prompts
+            and self.backend.sum(sum(int(groups_with_spread(b, G).sum()) for b in rounds))
+            < self.num_prompts
             and len(rounds) < a.max_sampling_rounds
         ):
             rows = self.state.sampler.take(self.task.train_rows, self.num_prompts)[self.shard]
@@ -242,8 +295,12 @@ class Trainer:
             with timer("generate"), self.backend.generation(self.model):
                 try:
                     rollout = self.engine.generate(self.encode(rows), G, self.sampling, seeds)
-                except NonFiniteProbabilities as error:  # e.g. a learning rate so high the weights blew up
-                    raise TrainingDiverged(f"generation at step {self.state.step}: {error}") from error
+                except (
+                    NonFiniteProbabilities
+                ) as error:  # e.g. a learning rate so high the weights blew up
+                    raise TrainingDiverged(
+                        f"generation at step {self.state.step}: {error}"
+                    ) from error
             with timer("rewards"):
                 rounds.append(self.score(rows, rollout))
         if not a.dynamic_sampling:
@@ -251,10 +308,16 @@ class Trainer:
         with timer("filter"):
             # every rank's flags, so that the groups kept are those one process would keep
             spread = [
-                [flag for flags in self.backend.all_gather_object(groups_with_spread(b, G).tolist()) for flag in flags]
+                [
+                    flag
+                    for flags in self.backend.all_gather_object(groups_with_spread(b, G).tolist())
+                    for flag in flags
+                ]
                 for b in rounds
             ]
-            batch = keep_groups_with_spread(rounds, self.num_prompts, G, self.engine.pad_token_id, spread, self.shard.start)
+            batch = keep_groups_with_spread(
+                rounds, self.num_prompts, G, self.engine.pad_token_id, spread, self.shard.start
+            )
         return batch
 
     def update(self, batch: GenerationBatch, timer: PhaseTimer | None = None) -> dict[str, float]:
@@ -262,7 +325,11 @@ class Trainer:
         num_iterations optimizer passes over `batch` (with a critic: its own passes after)."""
         cfg, timer = self.cfg, timer or PhaseTimer()
         with timer("reference"):
-            old_logp = batch_logprobs(self.model, batch, cfg, self.backend) if cfg.algorithm.num_iterations > 1 else None
+            old_logp = (
+                batch_logprobs(self.model, batch, cfg, self.backend)
+                if cfg.algorithm.num_iterations > 1
+                else None
+            )
             ref_logp = None
             if self.reference.enabled:
                 with self.reference.module() as reference:
@@ -275,16 +342,30 @@ class Trainer:
             batch.advantages, returns = self.advantages(batch, old_values)
         with timer("update"):
             s = self.state
-            stats = policy_update(self.model, s.optimizer, s.scheduler, batch, old_logp, ref_logp, cfg, self.backend, self.skips)
+            stats = policy_update(
+                self.model,
+                s.optimizer,
+                s.scheduler,
+                batch,
+                old_logp,
+                ref_logp,
+                cfg,
+                self.backend,
+                self.skips,
+            )
         if self.critic is not None:
             with timer("critic"):
-                stats.update(critic_update(self.critic, batch, old_values, returns, cfg, self.backend))
+                stats.update(
+                    critic_update(self.critic, batch, old_values, returns, cfg, self.backend)
+                )
         return stats
 
     def encode(self, rows: list[Row]) -> list[list[int]]:
         return self.prompts(rows)
 
-    def advantages(self, batch: GenerationBatch, values: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def advantages(
+        self, batch: GenerationBatch, values: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step's advantages, computed once over its final batch, and the returns the critic
         learns from (gae only, else None). The registered estimator (algorithm.advantage_estimator)
         sees every rank's rewards (whole groups each), so that "batch" scaling and the batch-wide
@@ -294,19 +375,29 @@ class Trainer:
             return gae_batch_advantages(batch, values, self.cfg, self.backend)
         estimator = ADVANTAGE_ESTIMATORS.get(a.advantage_estimator)
         everyone, mine = self.backend.gather_rows(batch.rewards)
-        return estimator(everyone, self.cfg.rollout.num_generations, scale_rewards=a.scale_rewards)[mine], None
+        return estimator(everyone, self.cfg.rollout.num_generations, scale_rewards=a.scale_rewards)[
+            mine
+        ], None
 
     def _critic(self, restore: dict[str, Any] | None) -> Critic | None:
         """PPO's critic for the `gae` estimator (a copy of the policy's trunk, or the saved one)."""
         a = self.cfg.algorithm
         if a.advantage_estimator != "gae":
             return None
-        return Critic(self.model, a.critic_learning_rate, self.cfg.training, restore.get("critic") if restore else None)
+        return Critic(
+            self.model,
+            a.critic_learning_rate,
+            self.cfg.training,
+            restore.get("critic") if restore else None,
+        )
 
     def score(self, rows: list[Row], rollout) -> GenerationBatch:
         """The rewards of a rollout of `rows` (one group of G per row), and the tokens the loss counts."""
         G = self.cfg.rollout.num_generations
-        ids = [c[m.bool()].tolist() for c, m in zip(rollout.completion_ids.cpu(), rollout.completion_mask.cpu())]
+        ids = [
+            c[m.bool()].tolist()
+            for c, m in zip(rollout.completion_ids.cpu(), rollout.completion_mask.cpu())
+        ]
         texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
         group_rows = [row for row in rows for _ in range(G)]
         prompts = [row["prompt"] for row in group_rows]
@@ -314,24 +405,35 @@ class Trainer:
             [{"role": "assistant", "content": text}] if is_conversational(row) else text
             for row, text in zip(group_rows, texts)
         ]
-        rewards_per_func = self.rewards.score(prompts, completions, ids, group_rows, self.trainer_state())
+        rewards_per_func = self.rewards.score(
+            prompts, completions, ids, group_rows, self.trainer_state()
+        )
         rewards = algorithm.combine_rewards(rewards_per_func, self.rewards.weights)
         loss_mask = rollout.completion_mask.clone()
         if self.cfg.algorithm.mask_truncated_completions:
             loss_mask[rollout.truncated] = 0
-        if self.critic is not None:  # gae: a completion without a reward (every function failed) leaves the loss
+        if (
+            self.critic is not None
+        ):  # gae: a completion without a reward (every function failed) leaves the loss
             loss_mask[~torch.isfinite(rewards).to(loss_mask.device)] = 0
-        return GenerationBatch(group_rows, prompts, completions, texts, rollout, rewards_per_func, rewards, loss_mask)
+        return GenerationBatch(
+            group_rows, prompts, completions, texts, rollout, rewards_per_func, rewards, loss_mask
+        )
 
     def trainer_state(self) -> SimpleNamespace:
         """What TRL passes reward functions as `trainer_state`, under its attribute names: optimizer
         steps (a grpo step is num_iterations of them) and the fractional epoch. A SimpleNamespace,
         so it pickles to reward functions in worker processes."""
         mu, sampler = self.cfg.algorithm.num_iterations, self.state.sampler
-        return SimpleNamespace(global_step=self.state.step * mu, max_steps=self.cfg.training.max_steps * mu,
-                               epoch=sampler.epoch + sampler.position / sampler.num_rows)
+        return SimpleNamespace(
+            global_step=self.state.step * mu,
+            max_steps=self.cfg.training.max_steps * mu,
+            epoch=sampler.epoch + sampler.position / sampler.num_rows,
+        )
 
-    def step_metrics(self, batch: GenerationBatch, update_stats: dict, timer: PhaseTimer) -> dict[str, float]:
+    def step_metrics(
+        self, batch: GenerationBatch, update_stats: dict, timer: PhaseTimer
+    ) -> dict[str, float]:
         """The step's metrics over every rank (the update's come reduced already); the phases'
         times are this rank's."""
         ro, b = batch.rollout, self.backend
@@ -340,14 +442,29 @@ class Trainer:
         r = self.rewards
         # the counts of every rank: the run's reward failures, the step's, the sandbox's, truncated prompts
         failures, step_failures, sandbox, truncated = (
-            sum_counts(parts) for parts in zip(*b.all_gather_object(
-                (dict(r.failures), r.step_failures(), take_counts(), {"prompts": self.prompts.take_truncated()})
-            ))
+            sum_counts(parts)
+            for parts in zip(
+                *b.all_gather_object(
+                    (
+                        dict(r.failures),
+                        r.step_failures(),
+                        take_counts(),
+                        {"prompts": self.prompts.take_truncated()},
+                    )
+                )
+            )
         )
         return {
             "step": self.state.step,
-            **batch_metrics(Outcome.of(batch, b), self.cfg.rollout.num_generations, r.names, failures,
-                            self.cfg.algorithm.dynamic_sampling, step_failures, sandbox),
+            **batch_metrics(
+                Outcome.of(batch, b),
+                self.cfg.rollout.num_generations,
+                r.names,
+                failures,
+                self.cfg.algorithm.dynamic_sampling,
+                step_failures,
+                sandbox,
+            ),
             **update_stats,
             "prompts/truncated": truncated["prompts"],
             "learning_rate": self.state.scheduler.get_last_lr()[0],
@@ -376,11 +493,15 @@ class Trainer:
         try:
             with StopSignals() as stop:
                 # a resumed run's "before" evaluation was made by the run it continues (eval.jsonl keeps it)
-                before = self.evaluate("before") if cfg.eval.before and self.resumed is None else None
+                before = (
+                    self.evaluate("before") if cfg.eval.before and self.resumed is None else None
+                )
                 log.start_training(self.state.step)
                 signum = None
                 # asked again after each step's checkpoint: a signal during the save stops the loop there
-                while self.state.step < cfg.training.max_steps and not (signum := self._stop_signal(stop)):
+                while self.state.step < cfg.training.max_steps and not (
+                    signum := self._stop_signal(stop)
+                ):
                     try:
                         metrics, batch = self.train_step()
                     except TrainingDiverged as error:
@@ -390,12 +511,20 @@ class Trainer:
                     log.step(metrics)
                     history.append(metrics)
                     step = self.state.step
-                    if cfg.logging.sample_every and (step == 1 or step % cfg.logging.sample_every == 0):
+                    if cfg.logging.sample_every and (
+                        step == 1 or step % cfg.logging.sample_every == 0
+                    ):
                         self._log_samples(step, batch)
-                    if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.training.max_steps:
+                    if (
+                        cfg.eval.every
+                        and step % cfg.eval.every == 0
+                        and step < cfg.training.max_steps
+                    ):
                         self.evaluate(f"step {step}")
                     faults.reached("logged")
-                    signum = self._stop_signal(stop)  # under torchrun a collective: asked where it decides
+                    signum = self._stop_signal(
+                        stop
+                    )  # under torchrun a collective: asked where it decides
                     # last, so that a checkpoint's step has all its logs: resuming cuts them back to it
                     if (cfg.training.save_steps and step % cfg.training.save_steps == 0) or signum:
                         self.save(log.dir / f"checkpoint-{step}")
@@ -423,11 +552,18 @@ class Trainer:
         """A few of the step's completions (from every rank's groups, in rank order) to samples.jsonl."""
         names = self.rewards.names
         parts = self.backend.all_gather_object(
-            (batch.prompts, batch.completion_texts, batch.rewards.tolist(), batch.rewards_per_func.T.tolist())
+            (
+                batch.prompts,
+                batch.completion_texts,
+                batch.rewards.tolist(),
+                batch.rewards_per_func.T.tolist(),
+            )
         )
         prompts, texts, rewards = ([x for part in parts for x in part[k]] for k in range(3))
         columns = {name: [x for part in parts for x in part[3][k]] for k, name in enumerate(names)}
-        self.log.samples(step, prompts, texts, rewards, self.cfg.rollout.num_generations, reward_columns=columns)
+        self.log.samples(
+            step, prompts, texts, rewards, self.cfg.rollout.num_generations, reward_columns=columns
+        )
 
     def _stop_signal(self, stop: StopSignals) -> int | None:
         """The signal that stops the run, if any rank has had one: every rank stops after the same step."""
@@ -436,20 +572,32 @@ class Trainer:
     def evaluate(self, label: str) -> list[EvalResult]:
         """Held-out evaluation (greedy and sampled, as configured); results go to eval.jsonl."""
         if self.evaluator is None:
-            raise ConfigError("evaluation needs held-out rows (data.arithmetic.num_eval > 0 or data.eval_file)")
+            raise ConfigError(
+                "evaluation needs held-out rows (data.arithmetic.num_eval > 0 or data.eval_file)"
+            )
         ev, step = self.evaluator, self.state.step
         with self.backend.generation(self.model):
-            return self.log.evaluation(label, step, len(ev.rows), ev.num_batches, lambda progress: ev(label, step, progress))
+            return self.log.evaluation(
+                label,
+                step,
+                len(ev.rows),
+                ev.num_batches,
+                lambda progress: ev(label, step, progress),
+            )
 
     def state_dict(self) -> dict[str, Any]:
         """Everything besides the policy's weights that continues this run exactly (`restore=`)."""
         train = self.state.state_dict()
-        if self.backend.world_size > 1:  # each rank's own random streams (dropout, reward functions' draws)
+        if (
+            self.backend.world_size > 1
+        ):  # each rank's own random streams (dropout, reward functions' draws)
             train["rng"] = {"per_rank": self.backend.all_gather_object(train["rng"])}
         return {
             "world_size": self.backend.world_size,
             "train": train,
-            "reward_failures": sum_counts(self.backend.all_gather_object(dict(self.rewards.failures))),
+            "reward_failures": sum_counts(
+                self.backend.all_gather_object(dict(self.rewards.failures))
+            ),
             "skips": {"consecutive": self.skips.consecutive, "total": self.skips.total},
             "reference": self.reference.state_dict(),
             "critic": self.critic.state_dict() if self.critic is not None else None,
@@ -468,17 +616,25 @@ class Trainer:
     def save(self, directory: Path) -> Path:
         """A checkpoint (grpo.run.checkpoint) of this step, to resume from or load with from_pretrained
         (with LoRA: the adapter only, for PeftModel.from_pretrained or `grpo export --merge`)."""
-        check_finite_weights(self.model, f"write {directory}")  # a checkpoint with NaN weights is never written
+        check_finite_weights(
+            self.model, f"write {directory}"
+        )  # a checkpoint with NaN weights is never written
         state = self.state_dict()  # on every rank: it gathers what each rank holds
         a = self.cfg.algorithm
         if not (a.ref_sync_steps and self.state.step >= a.ref_sync_steps):
-            state["reference"] = None  # still a copy of the starting model, which a resumed run copies again
+            state["reference"] = (
+                None  # still a copy of the starting model, which a resumed run copies again
+            )
         model = self.backend.savable_model(self.model)  # FSDP: gathered whole on rank 0
         failed = None
         if self.backend.is_main:  # the ranks' weights are the same: rank 0 writes them
             try:
-                checkpoint.save_checkpoint(directory, model, self.tokenizer, state, self.cfg, step=self.state.step)
-            except checkpoint.SaveFailed as error:  # a full disk: the run ends, its earlier checkpoints intact
+                checkpoint.save_checkpoint(
+                    directory, model, self.tokenizer, state, self.cfg, step=self.state.step
+                )
+            except (
+                checkpoint.SaveFailed
+            ) as error:  # a full disk: the run ends, its earlier checkpoints intact
                 failed = error
         # also the barrier: no rank goes on (or resumes) before the checkpoint is whole, and every
         # rank ends with rank 0's failure
@@ -495,8 +651,11 @@ def _check_same_world_size(saved: int, now: int) -> None:
     """A run continues on as many processes as it ran on: the global batch is per_device_train_batch_size
     x gradient_accumulation_steps x world size, and a resumed run's config cannot change."""
     if saved != now:
-        how = ("as one process (`grpo train CONFIG --resume`)" if saved == 1
-               else f"on {saved} processes in all (e.g. `torchrun --nproc_per_node {saved} -m grpo train CONFIG --resume`)")
+        how = (
+            "as one process (`grpo train CONFIG --resume`)"
+            if saved == 1
+            else f"on {saved} processes in all (e.g. `torchrun --nproc_per_node {saved} -m grpo train CONFIG --resume`)"
+        )
         raise ConfigError(
             f"the run being resumed ran on {saved} process(es), this one has {now}: its global batch "
             f"(training.per_device_train_batch_size x gradient_accumulation_steps x world size) would change; resume it {how}"
@@ -513,7 +672,9 @@ def _task(cfg: Config, train_rows: list[Row] | None, eval_rows: list[Row] | None
     """The configured task, or rows given directly (scored by answer when every held-out row has one)."""
     if train_rows is None:
         task = load_task(cfg)
-        return task if eval_rows is None else Task(task.name, task.train_rows, eval_rows, task.scorer)
+        return (
+            task if eval_rows is None else Task(task.name, task.train_rows, eval_rows, task.scorer)
+        )
     eval_rows = eval_rows or []
     scorer = AnswerScorer() if has_integer_answers(eval_rows) else RewardScorer()
     return Task("rows", train_rows, eval_rows, scorer)

@@ -27,10 +27,9 @@ from dataclasses import dataclass
 import torch
 
 from grpo import algorithm
-from grpo.training.batching import GenerationBatch, microbatches, minibatches
 from grpo.config.schema import Config, ConfigError
 from grpo.models.logprobs import completion_logprobs
-
+from grpo.training.batching import GenerationBatch, microbatches, minibatches
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +53,12 @@ class Skips:
             return
         self.consecutive += 1
         self.total += 1
-        log.warning("update skipped (%s): weights and optimizer state left as they were; %d in a row, %d in the run",
-                    why, self.consecutive, self.total)
+        log.warning(
+            "update skipped (%s): weights and optimizer state left as they were; %d in a row, %d in the run",
+            why,
+            self.consecutive,
+            self.total,
+        )
         if self.consecutive >= self.limit:
             raise TrainingDiverged(
                 f"{self.consecutive} optimizer passes in a row had a non-finite loss or gradient (last: {why}), "
@@ -69,7 +72,9 @@ def check_finite_weights(model, what: str) -> None:
     """Raises TrainingDiverged naming the first parameter that holds NaN or inf (before `what`, a save)."""
     for name, p in model.named_parameters():
         finite = torch.isfinite(p).all()
-        if hasattr(finite, "full_tensor"):  # a parameter sharded by FSDP: every rank's shard (a collective)
+        if hasattr(
+            finite, "full_tensor"
+        ):  # a parameter sharded by FSDP: every rank's shard (a collective)
             finite = finite.full_tensor()
         if not bool(finite):
             raise TrainingDiverged(
@@ -105,7 +110,9 @@ def evened(pieces: list[list[torch.Tensor]], backend) -> list[list[torch.Tensor]
     return pieces + [[NO_ROWS] * missing] if missing else pieces
 
 
-def rows_logprobs(model, batch: GenerationBatch, rows: torch.Tensor, cfg: Config, backend, grad: bool):
+def rows_logprobs(
+    model, batch: GenerationBatch, rows: torch.Tensor, cfg: Config, backend, grad: bool
+):
     """(logp, entropy) [len(rows), width] of the completions `rows`, width = their longest."""
     ro = batch.rollout
     prompt_ids, prompt_mask = trim_left(ro.prompt_ids[rows], ro.prompt_mask[rows])
@@ -150,14 +157,19 @@ def loss_settings(cfg: Config) -> algorithm.LossSettings:
     correction = None
     if a.rollout_correction != "none":
         level, mode = a.rollout_correction.split("_")
-        correction = algorithm.RolloutCorrection(level=level, mode=mode, cap=a.rollout_correction_cap)
+        correction = algorithm.RolloutCorrection(
+            level=level, mode=mode, cap=a.rollout_correction_cap
+        )
     return algorithm.LossSettings(
         objective=a.policy_loss,
         loss_type=a.loss_type,
         params=algorithm.PolicyLossParams(
-            epsilon_low=a.epsilon, epsilon_high=cfg.epsilon_high, delta=a.delta,
+            epsilon_low=a.epsilon,
+            epsilon_high=cfg.epsilon_high,
+            delta=a.delta,
             importance_sampling_level=a.importance_sampling_level,
-            sapo_temperature_pos=a.sapo_temperature_pos, sapo_temperature_neg=a.sapo_temperature_neg,
+            sapo_temperature_pos=a.sapo_temperature_pos,
+            sapo_temperature_neg=a.sapo_temperature_neg,
         ),
         beta=a.beta,
         kl_estimator=a.kl_estimator,
@@ -180,7 +192,15 @@ def _accumulate(sums: dict[str, float], stats: dict[str, torch.Tensor]) -> None:
 
 
 def policy_update(
-    model, optimizer, scheduler, batch: GenerationBatch, old_logp, ref_logp, cfg: Config, backend, skips: Skips | None = None
+    model,
+    optimizer,
+    scheduler,
+    batch: GenerationBatch,
+    old_logp,
+    ref_logp,
+    cfg: Config,
+    backend,
+    skips: Skips | None = None,
 ) -> dict[str, float]:
     """num_iterations optimizer steps over the generation batch; the update's metrics. A pass with a
     non-finite loss or gradient norm is skipped and recorded in `skips` (which may raise TrainingDiverged)."""
@@ -191,7 +211,14 @@ def policy_update(
     num_tokens = backend.sum(batch.loss_mask.sum().item())
     num_sequences = int(backend.sum(len(batch)))
     num_minibatches = int(backend.sum(len(pieces)))  # bnpo averages over every rank's minibatches
-    sums = {"kl": 0.0, "clip_low": 0.0, "clip_high": 0.0, "clip_region": 0.0, "entropy": 0.0, "loss": 0.0}
+    sums = {
+        "kl": 0.0,
+        "clip_low": 0.0,
+        "clip_high": 0.0,
+        "clip_region": 0.0,
+        "entropy": 0.0,
+        "loss": 0.0,
+    }
     sampling_logp = batch.rollout.sampling_logprobs
     settings = loss_settings(cfg)
     if settings.correction is not None and sampling_logp is None:
@@ -203,7 +230,9 @@ def policy_update(
     pieces = evened(pieces, backend)  # after counting the minibatches: padding is not one
     norms = [  # the same for every pass: counted once
         algorithm.LossNormalisers(
-            num_sequences=num_sequences, num_tokens=num_tokens, num_minibatches=num_minibatches,
+            num_sequences=num_sequences,
+            num_tokens=num_tokens,
+            num_minibatches=num_minibatches,
             minibatch_tokens=batch.loss_mask[torch.cat(minibatch)].sum().item(),
             max_completion_length=cfg.rollout.max_completion_length,
         )
@@ -222,8 +251,11 @@ def policy_update(
                 width = logp.shape[1]
                 mask = batch.loss_mask[rows, :width]
                 high_entropy = (
-                    algorithm.entropy_mask(entropy.detach(), mask, a.top_entropy_quantile, a.entropy_mask_scope)
-                    if a.top_entropy_quantile < 1.0 else None
+                    algorithm.entropy_mask(
+                        entropy.detach(), mask, a.top_entropy_quantile, a.entropy_mask_scope
+                    )
+                    if a.top_entropy_quantile < 1.0
+                    else None
                 )
                 loss, stats = algorithm.policy_loss(
                     logp,
@@ -236,18 +268,29 @@ def policy_update(
                     entropy_mask=high_entropy,
                     # the engine's logprobs, against the policy the update starts from (old_logp,
                     # or logp itself on a single pass: the weights have not moved yet)
-                    sampling_logp=sampling_logp[rows, :width].to(backend.device) if sampling_logp is not None else None,
+                    sampling_logp=sampling_logp[rows, :width].to(backend.device)
+                    if sampling_logp is not None
+                    else None,
                 )
                 sums["entropy"] += algorithm.masked_sum(entropy, mask).item()
                 if high_entropy is not None:
-                    sums["entropy_kept"] = sums.get("entropy_kept", 0.0) + algorithm.masked_sum(high_entropy.float(), mask).item()
+                    sums["entropy_kept"] = (
+                        sums.get("entropy_kept", 0.0)
+                        + algorithm.masked_sum(high_entropy.float(), mask).item()
+                    )
                 loss.backward()
                 pass_loss += loss.item()
                 _accumulate(sums, stats)
-        pass_loss = backend.sum(pass_loss)  # every rank's share: the loss, and the same verdict everywhere
+        pass_loss = backend.sum(
+            pass_loss
+        )  # every rank's share: the loss, and the same verdict everywhere
         sums["loss"] += pass_loss
-        backend.reduce_gradients(model)  # summed over the ranks: each rank's shares were normalised globally
-        grad_norm = backend.clip_grad_norm(model, cfg.training.max_grad_norm)  # the norm before clipping
+        backend.reduce_gradients(
+            model
+        )  # summed over the ranks: each rank's shares were normalised globally
+        grad_norm = backend.clip_grad_norm(
+            model, cfg.training.max_grad_norm
+        )  # the norm before clipping
         grad_norms.append(grad_norm)
         if math.isfinite(pass_loss) and math.isfinite(grad_norm):
             optimizer.step()
@@ -292,14 +335,21 @@ def policy_update(
 # --------------------------------------------------------------------------
 
 
-def rows_values(value_model, batch: GenerationBatch, rows: torch.Tensor, cfg: Config, backend, grad: bool) -> torch.Tensor:
+def rows_values(
+    value_model, batch: GenerationBatch, rows: torch.Tensor, cfg: Config, backend, grad: bool
+) -> torch.Tensor:
     """V [len(rows), width] of the completions `rows` under the critic, width = their longest."""
     ro = batch.rollout
     prompt_ids, prompt_mask = trim_left(ro.prompt_ids[rows], ro.prompt_mask[rows])
     width = max(1, int(ro.completion_mask[rows].sum(-1).max()))
     context = contextlib.nullcontext() if grad else torch.no_grad()
     with context, backend.autocast():
-        return value_model.values(prompt_ids, prompt_mask, ro.completion_ids[rows, :width], ro.completion_mask[rows, :width])
+        return value_model.values(
+            prompt_ids,
+            prompt_mask,
+            ro.completion_ids[rows, :width],
+            ro.completion_mask[rows, :width],
+        )
 
 
 def batch_values(value_model, batch: GenerationBatch, cfg: Config, backend) -> torch.Tensor:
@@ -316,7 +366,9 @@ def batch_values(value_model, batch: GenerationBatch, cfg: Config, backend) -> t
     return out
 
 
-def gae_batch_advantages(batch: GenerationBatch, values: torch.Tensor, cfg: Config, backend=None) -> tuple[torch.Tensor, torch.Tensor]:
+def gae_batch_advantages(
+    batch: GenerationBatch, values: torch.Tensor, cfg: Config, backend=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's per-token advantages and returns [N, T] of a batch from the critic's values: the
     outcome reward on each completion's last token, GAE, then (by default) whitened over the
     tokens that count (a completion without a reward is not among them: Trainer.score)."""
@@ -328,12 +380,21 @@ def gae_batch_advantages(batch: GenerationBatch, values: torch.Tensor, cfg: Conf
     if a.whiten_advantages:
         counted = batch.loss_mask.to(values.device)
         # the mean and std of every rank's counted tokens (data parallel), as one process would whiten
-        population = backend.gather_rows(advantages[counted.bool()])[0] if backend is not None else None
+        population = (
+            backend.gather_rows(advantages[counted.bool()])[0] if backend is not None else None
+        )
         advantages = algorithm.masked_whiten(advantages, counted, population=population)
     return advantages, returns
 
 
-def critic_update(critic, batch: GenerationBatch, old_values: torch.Tensor, returns: torch.Tensor, cfg: Config, backend) -> dict[str, float]:
+def critic_update(
+    critic,
+    batch: GenerationBatch,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    cfg: Config,
+    backend,
+) -> dict[str, float]:
     """num_iterations passes of the critic's own optimizer over the batch: the clipped value loss,
     a mean over every counted token of the batch (so the split does not change it)."""
     a, model = cfg.algorithm, critic.model
@@ -357,7 +418,9 @@ def critic_update(critic, batch: GenerationBatch, old_values: torch.Tensor, retu
                 pass_loss += loss.item()
         pass_loss = backend.sum(pass_loss)
         backend.reduce_gradients(model)
-        grad_norm = backend.clip_grad_norm(model, cfg.training.max_grad_norm)  # the norm before clipping
+        grad_norm = backend.clip_grad_norm(
+            model, cfg.training.max_grad_norm
+        )  # the norm before clipping
         if math.isfinite(pass_loss) and math.isfinite(grad_norm):
             critic.optimizer.step()
         else:
@@ -365,8 +428,15 @@ def critic_update(critic, batch: GenerationBatch, old_values: torch.Tensor, retu
         losses.append(pass_loss)
         grad_norms.append(grad_norm)
     mask = batch.loss_mask.to(old_values.device).bool()
-    v, r = backend.gather_rows(old_values[mask])[0], backend.gather_rows(returns[mask])[0]  # every rank's tokens
-    explained = 1.0 - float((r - v).var() / r.var()) if r.numel() > 1 and float(r.var()) > 0 else float("nan")
+    v, r = (
+        backend.gather_rows(old_values[mask])[0],
+        backend.gather_rows(returns[mask])[0],
+    )  # every rank's tokens
+    explained = (
+        1.0 - float((r - v).var() / r.var())
+        if r.numel() > 1 and float(r.var()) > 0
+        else float("nan")
+    )
     return {
         "critic/value_loss": sum(losses) / len(losses),
         "critic/grad_norm": sum(grad_norms) / len(grad_norms),
