@@ -12,6 +12,7 @@ included (tests/models/test_logprobs.py).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -369,21 +370,9 @@ def completion_logprobs(
     FSDP gathers the parameters it reads outside the decoder layers' forward passes
     (embedding, final norm, output weight) and reduces their gradients.
     """
-    sharded = getattr(model, FSDP_METHOD, None)
-    if sharded is not None:
-        return sharded(
-            prompt_ids,
-            prompt_mask,
-            completion_ids,
-            completion_mask,
-            temperature=temperature,
-            chunk_size=chunk_size,
-            vocab_block=vocab_block,
-            share_prompts=share_prompts,
-            kernels=kernels,
-        )
-    return _completion_logprobs(
-        model,
+    # FSDP: the model's registered method; else the computation itself, with the model
+    compute = getattr(model, FSDP_METHOD, None) or functools.partial(_completion_logprobs, model)
+    return compute(
         prompt_ids,
         prompt_mask,
         completion_ids,
