@@ -45,6 +45,8 @@ def onednn_product(a: torch.Tensor, b: torch.Tensor, out) -> torch.Tensor:
 
 
 class CPULayer:
+    """The CPU speed layer of one run, as the cpu: section configures it (see the module's docstring)."""
+
     def __init__(self, cfg: CPUConfig):
         self.cfg = cfg
         self.compiled = False
@@ -92,9 +94,8 @@ class CPULayer:
         if self.uses_fused_decoding(model, compute_dtype):
             yield FusedDecoder(model, rows, max_length, pack=bf16 and kernels.packing_available())
             return
-        with kernels.packed_for_decoding(
-            model, rows=rows
-        ):  # under bf16 autocast: oneDNN-reordered bf16 weights
+        # transformers' modules, under bf16 autocast from oneDNN-reordered bf16 weights
+        with kernels.packed_for_decoding(model, rows=rows):
             yield TransformersSteps(model)
 
     def after_update(self) -> None:
