@@ -73,9 +73,8 @@ def _train(args: argparse.Namespace) -> int:
     from grpo.config import schema as config
 
     if args.resume is not None and "=" in args.resume and not Path(args.resume).exists():
-        args.overrides.append(
-            args.resume
-        )  # `--resume key=value`: an override, not the path to resume from
+        # `--resume key=value`: an override, not the path to resume from
+        args.overrides.append(args.resume)
         args.resume = LATEST
     cfg = config.load(args.config, args.overrides)
     _before_torch(cfg)
@@ -106,6 +105,9 @@ def _train(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # Ctrl-C during set-up, before training began
         print("grpo: interrupted before training began", file=sys.stderr)
         return 128 + signal.SIGINT
+    from grpo.backends import leave_process_group
+
+    leave_process_group()  # under torchrun: the run is over on every rank
     if trainer.stopped_by is not None and not trainer.backend.is_main:
         return 128 + trainer.stopped_by  # rank 0 says what happened
     if trainer.stopped_by is not None:

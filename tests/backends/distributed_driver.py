@@ -3,9 +3,11 @@
 
 import sys
 
+from grpo.backends import leave_process_group
 from grpo.config import schema as config
 from grpo.training.trainer import Trainer
 
 if __name__ == "__main__":
     for path in sys.argv[1:]:
         Trainer(config.load(path)).train()
+    leave_process_group()

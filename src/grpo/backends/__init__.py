@@ -123,3 +123,15 @@ def create_backend(cfg: Config) -> Backend:
     from grpo.backends.single import SingleProcess
 
     return SingleProcess(cfg)
+
+
+def leave_process_group() -> None:
+    """After a run under torchrun: every rank waits for the others, then leaves the process group,
+    so that gloo's or NCCL's threads are stopped before the interpreter exits (left running, they
+    can abort a finished process at exit: "terminate called without an active exception"). Nothing
+    without torchrun."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
