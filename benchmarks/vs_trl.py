@@ -745,9 +745,8 @@ def run_grpo(spec: dict, out_dir: Path, engine: str = "hf") -> dict:
         rec.generate_s = time.perf_counter() - t0
         probe.phase = "update"
         trainer.engine.sleep()  # as Trainer.train_step: nothing to do for the hf engine and on the CPU
-        trainer.update(
-            batch
-        )  # logprobs, loss, backward, clipping, optimizer.step(), scheduler.step()
+        # logprobs, loss, backward, clipping, optimizer.step(), scheduler.step()
+        trainer.update(batch)
         trainer.engine.sync_weights(trainer.model)  # vllm: the new weights pushed into vLLM's copy
         trainer.state.step += 1
         ro = batch.rollout

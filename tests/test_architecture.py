@@ -85,10 +85,11 @@ def test_folders_import_each_other_without_a_circle():
 
 def test_only_the_backends_and_the_program_reach_the_cpu_layer():
     modules = _modules()
+    # the backend builds CPULayer; the CLI asks for huge pages
     allowed = {
         "grpo.backends.single",
         "grpo.cli",
-    }  # the backend builds CPULayer; the CLI asks for huge pages
+    }
     reaching = sorted(
         name
         for name, path in modules.items()

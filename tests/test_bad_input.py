@@ -48,10 +48,11 @@ def test_rows_with_different_columns_are_refused_naming_column_and_row(tokenizer
         match=r"training rows: row 2 .* no 'answer' column, which row 0 has; give every row",
     ):
         make(tokenizer, tmp_path, rows)
+    # the first row lacks what a later one has
     rows = [
         {"prompt": "1+1="},
         {"prompt": "2+2=", "answer": 4},
-    ]  # the first row lacks what a later one has
+    ]
     with pytest.raises(ConfigError, match=r"row 0 .* no 'answer' column, which row 1 has"):
         make(tokenizer, tmp_path, rows)
 
@@ -78,9 +79,8 @@ def test_long_prompts_are_counted_and_warned_about_once(tokenizer, tmp_path, cap
     assert caplog.text.count("longer than rollout.max_prompt_length=8") == 1
     trainer = make(tokenizer, tmp_path, rows, ["rollout.max_prompt_length=8"])
     metrics, batch = trainer.train_step()
-    assert metrics["prompts/truncated"] == sum(
-        len(p) > 8 for p in batch.prompts[::4]
-    )  # one prompt per group of 4
+    # one prompt per group of 4
+    assert metrics["prompts/truncated"] == sum(len(p) > 8 for p in batch.prompts[::4])
 
 
 def test_prompt_plus_completion_beyond_the_context_is_refused(tokenizer, tmp_path):

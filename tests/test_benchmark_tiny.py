@@ -58,9 +58,8 @@ def test_vs_trl_tiny(tmp_path):
             expected = "bfloat16" if precision == "bf16" else "float32"
             assert s["compute_dtypes"]["generate"] == [expected]
             assert s["compute_dtypes"]["update"] == [expected]
-            roof = s[
-                "roofline"
-            ]  # the times at the machine's limits, and the measured times as multiples
+            # the times at the machine's limits, and the measured times as multiples
+            roof = s["roofline"]
             assert roof["generation_dtype"] == expected
             for key in (
                 "generate_s",

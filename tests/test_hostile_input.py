@@ -401,9 +401,8 @@ def test_task_hf_json_files_are_checked_as_one_value_or_as_lines(tmp_path):
 
     (tmp_path / "array.json").write_text(json.dumps(GOOD_ROWS))
     (tmp_path / "lines.json").write_text("".join(json.dumps(r) + "\n" for r in GOOD_ROWS))
-    check_text_file(
-        tmp_path / "array.json"
-    )  # a list of rows, and JSON lines under a .json name, both pass
+    # a list of rows, and JSON lines under a .json name, both pass
+    check_text_file(tmp_path / "array.json")
     check_text_file(tmp_path / "lines.json")
     (tmp_path / "deep.json").write_text(
         json.dumps(GOOD_ROWS[0]) + "\n" + '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}\n"

@@ -123,9 +123,8 @@ def test_inf_reward_counts_as_an_error_of_its_function(tokenizer, tmp_path):
     history = trainer.train()
     assert [h["rewards/broken/errors"] for h in history] == [1, 1]
     assert history[-1]["rewards/broken/failures"] == 2
-    assert all(
-        math.isnan(h["rewards/broken/mean"]) for h in history
-    )  # every reward of its calls missing
+    # every reward of its calls missing
+    assert all(math.isnan(h["rewards/broken/mean"]) for h in history)
     assert all(math.isfinite(h["loss"]) and h["train/skipped_updates"] == 0 for h in history)
     assert saved_weights_are_finite(tmp_path / "run") >= 1
 

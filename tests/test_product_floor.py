@@ -33,9 +33,8 @@ def test_recorder_finds_each_kind_of_product_and_its_flops():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             F.linear(a, w)  # a bf16 mm under autocast
         a.relu()  # not a product: not recorded
-        return torch.mm(
-            a, b.t().contiguous().t()
-        )  # the same product with a transposed operand: its own entry
+        # the same product with a transposed operand: its own entry
+        return torch.mm(a, b.t().contiguous().t())
 
     expected = 2 * 8 * 16 * 4 * (1 + 1 + 1 + 3 + 1 + 1)
     found = product_floor.record_products(work)

@@ -185,9 +185,8 @@ def test_third_seed_config_and_reward(tmp_path):
         1.0,
         10,
     )
-    assert (
-        cfg.training.max_steps == 3
-    )  # one epoch of 3 prompts, 4 x 2 = 8 completions = 1 prompt a step
+    # one epoch of 3 prompts, 4 x 2 = 8 completions = 1 prompt a step
+    assert cfg.training.max_steps == 3
     out = trainer.train()
     assert calls == [8, 8, 8] and out.global_step == 3
     assert "kl" in trainer.state.log_history[-1]
@@ -279,9 +278,8 @@ def test_every_field_is_mapped_and_every_mapped_field_is_tested():
     assert {key for key, _ in MAPPING.values()} <= keys
 
 
-@pytest.mark.filterwarnings(
-    "ignore:`gradient_checkpointing` is deprecated:FutureWarning"
-)  # TRL's own default
+# TRL's own default
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning")
 def test_defaults_are_trls():
     trl = pytest.importorskip("trl")
     theirs = {f.name: f for f in dataclasses.fields(trl.GRPOConfig)}
@@ -304,9 +302,8 @@ def test_defaults_are_trls():
         resolved.save_steps,
     )
     assert cfg.logging.report_to == resolved.report_to == []
-    assert cfg.training.max_steps == 3 * 100 // (
-        8 // 8
-    )  # three epochs of 100 prompts, one prompt a step
+    # three epochs of 100 prompts, one prompt a step
+    assert cfg.training.max_steps == 3 * 100 // (8 // 8)
 
 
 @pytest.mark.parametrize("name", sorted(CHANGES))
@@ -345,16 +342,14 @@ def test_refused_and_ignored_fields():
         GRPOConfig(not_a_field=1)
     with pytest.warns(UserWarning, match="vllm_server_port"):
         args = GRPOConfig(use_vllm=True, vllm_server_port=9000)
-    assert (
-        args.ignored == {"vllm_server_port": 9000} and args.use_vllm
-    )  # use_vllm is grpo's vllm engine
+    # use_vllm is grpo's vllm engine
+    assert args.ignored == {"vllm_server_port": 9000} and args.use_vllm
     with pytest.raises(ConfigError, match="generation_batch_size"):
         GRPOConfig(generation_batch_size=32).to_config(10)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        GRPOConfig(
-            push_to_hub=False, hub_always_push=False
-        )  # switches left off: nothing to warn about
+        # switches left off: nothing to warn about
+        GRPOConfig(push_to_hub=False, hub_always_push=False)
     for field_name, value in [
         ("shuffle_dataset", False),
         ("disable_dropout", True),
@@ -454,9 +449,8 @@ eval: {{batch_size: 8}}
     ]  # noqa: E731
     # exact: one config (above), so one Trainer computing the same operations on the same shapes
     assert untimed(trainer.state.log_history) == untimed(yaml_history)
-    assert len(yaml_history) == 3 and any(
-        h["reward_std"] > 0 for h in yaml_history
-    )  # the runs had a learning signal
+    # the runs had a learning signal
+    assert len(yaml_history) == 3 and any(h["reward_std"] > 0 for h in yaml_history)
 
 
 def test_resume_from_checkpoint(tmp_path):
@@ -559,9 +553,8 @@ def test_no_args_is_trls_default_directory(tmp_path, monkeypatch):
         lambda completions, **kw: [0.0] * len(completions),
         train_dataset=[{"prompt": "1+1="}] * 3,
     )
-    assert (
-        trainer.config.output_dir == "tiny-GRPO" and trainer.config.training.max_steps == 9
-    )  # 3 epochs of 3 prompts, 1 a step
+    # 3 epochs of 3 prompts, 1 a step
+    assert trainer.config.output_dir == "tiny-GRPO" and trainer.config.training.max_steps == 9
 
 
 # ---------------------------------------------------------------- log_completions, IterableDataset, trainer_state, peft_config
@@ -632,9 +625,8 @@ def test_iterable_dataset_is_read_as_far_as_the_run_goes(tmp_path):
             eval_dataset=_stream(),
         )
     short = GRPOTrainer("tiny", index_reward, args=args, train_dataset=_stream(4))
-    assert (
-        len(short.trainer.task.train_rows) == 4
-    )  # a shorter stream: gone through again, as epochs
+    # a shorter stream: gone through again, as epochs
+    assert len(short.trainer.task.train_rows) == 4
 
 
 def step_reward(completions, trainer_state, **kwargs):
@@ -744,9 +736,8 @@ def test_peft_config_trains_only_the_adapter(tmp_path):
     trainer.train()
     adapter = {n: p for n, p in trainer.model.named_parameters() if "lora_" in n}
     assert adapter and all(p.requires_grad for p in adapter.values())
-    assert any(
-        p.abs().max() > 0 for n, p in adapter.items() if "lora_B" in n
-    )  # B starts at 0: it learned
+    # B starts at 0: it learned
+    assert any(p.abs().max() > 0 for n, p in adapter.items() if "lora_B" in n)
     for name, p in trainer.model.named_parameters():
         if "lora_" not in name:
             assert not p.requires_grad and torch.equal(
@@ -790,9 +781,8 @@ def test_log_completions_sends_a_table_to_wandb(tmp_path, monkeypatch):
     tables = [(m["completions"], step) for m, step in logged if "completions" in m]
     assert [step for _, step in tables] == [1, 2]  # the first step, then every logging_steps
     table = tables[-1][0]
-    assert (
-        table.columns[:4] == ["step", "prompt", "completion", "reward"] and len(table.data) == 2
-    )  # one per group
+    # one per group
+    assert table.columns[:4] == ["step", "prompt", "completion", "reward"] and len(table.data) == 2
     assert all(row[0] == 2 and row[3] == 1.0 for row in table.data)
 
 
@@ -806,9 +796,8 @@ def test_log_completions_sends_a_table_to_wandb(tmp_path, monkeypatch):
     ],
 )
 def test_trl_loss_type_splits_into_policy_loss_and_aggregation(loss_type, policy_loss, aggregation):
-    extra = (
-        {"epsilon_high": 5.0} if loss_type == "cispo" else {}
-    )  # CISPO's cap, as TRL's docs advise
+    # CISPO's cap, as TRL's docs advise
+    extra = {"epsilon_high": 5.0} if loss_type == "cispo" else {}
     cfg = GRPOConfig(loss_type=loss_type, **extra).to_config(num_rows=100)
     assert (cfg.algorithm.policy_loss, cfg.algorithm.loss_type) == (policy_loss, aggregation)
 

@@ -87,9 +87,8 @@ def test_unguarded_seed_script_with_math_checking_runs_once(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     (trainer_pid,) = runs.read_text().split()  # the top level ran once
-    assert (
-        json.loads(results.read_text()) == [1.0] * 8
-    )  # 2 steps x 4 completions, every comparison equal
+    # 2 steps x 4 completions, every comparison equal
+    assert json.loads(results.read_text()) == [1.0] * 8
     assert set(where.read_text().split()) == {trainer_pid}
 
 

@@ -170,9 +170,8 @@ def _eval(args: argparse.Namespace) -> int:
             f"--checkpoint {checkpoint}: not a checkpoint directory (no config.json); pass a directory written "
             f"by the trainer, e.g. {Path(cfg.output_dir) / 'final'}"
         )
-    task = load_task(
-        cfg, training=False
-    )  # a benchmark task (humaneval) is evaluated, never trained on
+    # a benchmark task (humaneval) is evaluated, never trained on
+    task = load_task(cfg, training=False)
     rows = task.eval_rows
     reward_set = (
         RewardSet.from_config(
@@ -195,9 +194,8 @@ def _eval(args: argparse.Namespace) -> int:
             cfg.rollout.max_prompt_length,
         )
         length = cfg.eval.max_completion_length or cfg.rollout.max_completion_length
-        prompts.check_fits(
-            rows, length, context_length(model), "held-out rows"
-        )  # before any generation
+        # before any generation
+        prompts.check_fits(rows, length, context_length(model), "held-out rows")
         engine = create_engine(
             cfg.rollout.engine, backend.prepare_model(model), tokenizer, cfg, backend.decoding
         )

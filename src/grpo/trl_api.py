@@ -663,9 +663,8 @@ class GRPOTrainer:
         if processing_class is not None:
             from grpo.models.loading import _prepare_tokenizer
 
-            _prepare_tokenizer(
-                processing_class
-            )  # left padding and a pad token, as grpo's loader gives
+            # left padding and a pad token, as grpo's loader gives
+            _prepare_tokenizer(processing_class)
         self.reward_funcs = _reward_funcs(reward_funcs, reward_processing_classes, self.config)
         _script_rewards_in_threads(self.reward_funcs, self.config, self.args.grpo_overrides)
         self._inputs = dict(

@@ -289,9 +289,8 @@ def test_reinforce_pp_uses_the_batch_baseline_and_scale():
     adv = reinforce_pp_advantages(t([1, 0, 0, 0, 1, 1, 1, 1]), 4, scale_rewards="group")
     hi, lo = 0.375 / std, -0.625 / std
     assert_close(adv, t([hi, lo, lo, lo, hi, hi, hi, hi]))
-    assert (
-        adv[4:].gt(0.72).all()
-    )  # an all-correct group still gets a positive advantage (no group baseline)
+    # an all-correct group still gets a positive advantage (no group baseline)
+    assert adv[4:].gt(0.72).all()
     assert round(hi, 4) == 0.7244 and round(lo, 4) == -1.2074
 
 

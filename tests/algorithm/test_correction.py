@@ -43,12 +43,13 @@ CM = torch.tensor([[1, 1, 1], [1, 1, 0]])
 
 def test_rollout_correction_defaults_and_checks():
     c = RolloutCorrection()
+    # TRL 1.16's clip_max 3.0
     assert (c.level, c.mode, c.cap, c.floor) == (
         "token",
         "truncate",
         3.0,
         None,
-    )  # TRL 1.16's clip_max 3.0
+    )
     for bad in (dict(level="seq"), dict(mode="clip"), dict(cap=0.0), dict(floor=3.0)):
         with pytest.raises(ValueError, match="rollout correction"):
             RolloutCorrection(**bad)
@@ -99,9 +100,8 @@ def test_mismatch_stats():
     seq = mismatch_stats(
         OLD, SAMPLING, CM, RolloutCorrection(level="sequence", mode="mask", cap=3.0)
     )
-    assert seq["is_weight_sum"].item() == pytest.approx(
-        1.5
-    )  # row 0 masked (3 tokens x 0), row 1 2 x 0.75
+    # row 0 masked (3 tokens x 0), row 1 2 x 0.75
+    assert seq["is_weight_sum"].item() == pytest.approx(1.5)
     assert seq["is_capped"].item() == 3.0  # the tokens of row 0
 
 
@@ -115,9 +115,8 @@ def test_policy_loss_applies_the_correction_to_the_policy_term():
     )
     assert loss.item() == pytest.approx(-1.5)
     (grad,) = torch.autograd.grad(loss, logp)
-    assert_close(
-        grad, -t([[0.5, 2.0, 3.0], [1.5, 0.5, 0.0]]) / 5
-    )  # weights are constants of the gradient
+    # weights are constants of the gradient
+    assert_close(grad, -t([[0.5, 2.0, 3.0], [1.5, 0.5, 0.0]]) / 5)
     assert {
         "logprob_diff_sum",
         "logprob_diff_max",

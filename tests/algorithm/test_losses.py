@@ -550,9 +550,8 @@ def test_cispo_stats_split_the_capped_tokens_by_sign():
     _, stats = cispo_policy_loss(
         logp, old, t([1.0, -1.0]), mask, PolicyLossParams(epsilon_high=2.0)
     )
-    assert (
-        stats["clip_high"].item() == 1.0
-    )  # token (0, 0): capped with A > 0 (TRL's cispo_clip_ratio)
+    # token (0, 0): capped with A > 0 (TRL's cispo_clip_ratio)
+    assert stats["clip_high"].item() == 1.0
     assert stats["clip_low"].item() == 1.0  # token (1, 0): capped with A < 0; (1, 1) is padding
     assert stats["clip_region"].item() == 2.0
 

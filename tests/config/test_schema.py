@@ -111,9 +111,8 @@ def test_a_moved_key_is_refused_naming_its_new_key(old, value, new, tmp_path):
         config.from_dict({}, [f"{old}={value}"])
     message = str(err.value)
     assert f"{old} is now {new}" in message
-    assert (
-        message.split(f"write {new}: ")[1].strip("'").lower() == value
-    )  # and the value to write there
+    # and the value to write there
+    assert message.split(f"write {new}: ")[1].strip("'").lower() == value
     section, key = old.split(".")
     path = tmp_path / "old.yaml"
     path.write_text(f"{section}:\n  {key}: {value}\n")

@@ -86,9 +86,8 @@ def test_decoding_attention_equals_sdpa(tokenizer, gemma3_tiny, arch, padded, mo
 @torch.no_grad()
 def test_greedy_generation_unchanged(tokenizer, gemma3_tiny, assert_same_greedy):
     plain, ours = _models(tokenizer, gemma3_tiny, "gemma3")
-    prompts = [
-        tokenizer(t)["input_ids"] for t in ["abcd", "1+2=", "wxyz"]
-    ]  # equal lengths: no mask
+    # equal lengths: no mask
+    prompts = [tokenizer(t)["input_ids"] for t in ["abcd", "1+2=", "wxyz"]]
     params = SamplingParams(max_new_tokens=12, temperature=0)
     a, b = (
         generate(
@@ -142,9 +141,8 @@ def test_loss_pass_equals_sdpa_values_and_gradients(tokenizer, gemma3_tiny, arch
         ours.config.num_key_value_heads,
         ours.config.num_attention_heads // ours.config.num_key_value_heads,
     )
-    assert any(s[1] == kv_heads and s[2] == groups * 8 for s in query_shapes), (
-        query_shapes
-    )  # 8 = completion width - 1
+    # 8 = completion width - 1
+    assert any(s[1] == kv_heads and s[2] == groups * 8 for s in query_shapes), query_shapes
 
 
 def test_saved_checkpoint_does_not_name_the_attention(tokenizer, tmp_path):

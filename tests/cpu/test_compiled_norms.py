@@ -64,9 +64,8 @@ def test_small_inputs_run_eagerly_and_large_ones_compiled(monkeypatch):
 def test_every_rms_norm_of_a_model_is_switched_once(gemma3_tiny):
     model = gemma3_tiny()
     norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
-    assert (
-        len(norms) == 2 * 6 + 1
-    )  # per layer: four around attention and MLP, the query and key norms; the final one
+    # per layer: four around attention and MLP, the query and key norms; the final one
+    assert len(norms) == 2 * 6 + 1
     assert compiled_norms.use_compiled_norms(model) == len(norms)
     assert all(isinstance(m, compiled_norms.CompiledNorm) for m in norms)
     assert compiled_norms.use_compiled_norms(model) == 0  # idempotent
@@ -78,9 +77,8 @@ def test_every_rms_norm_of_a_model_is_switched_once(gemma3_tiny):
 def test_the_trainer_switches_norms_only_with_compiled_kernels(
     tokenizer, tmp_path, monkeypatch, make_trainer
 ):
-    monkeypatch.setattr(
-        compiling, "compile_works", lambda device_type: None
-    )  # no compile happens below
+    # no compile happens below
+    monkeypatch.setattr(compiling, "compile_works", lambda device_type: None)
     for kernels, switched in (("eager", False), ("compiled", True)):
         trainer = make_trainer(
             tokenizer, tmp_path / kernels, [f"cpu.compile={kernels}", "training.max_steps=1"]

@@ -278,9 +278,8 @@ def test_engine_decodes_fused_in_float32_on_the_cpu(tokenizer, gemma3_tiny, asse
 
 
 def test_float32_decodes_fused_only_with_grpo_kernels(model, tokenizer):
-    assert not fused_decoding_applies(
-        model, torch.float32
-    )  # plain nn.Linear layers: transformers' modules
+    # plain nn.Linear layers: transformers' modules
+    assert not fused_decoding_applies(model, torch.float32)
     _install(model)
     assert fused_decoding_applies(model, torch.float32) == kernels.onednn_available()
     assert fused_decoding_applies(model, torch.bfloat16) == kernels.packing_available()

@@ -48,9 +48,8 @@ def test_products_take_onednn_for_few_rows_and_by_cpu_make_otherwise(mkl_fast, m
 def test_tall_product_matches_float64_in_pieces(shape, monkeypatch):
     """The transposed output-layer product (pieces of the weight, a last one shorter) gives the
     float64 answer to float32 rounding, for any number of rows (more than FEW_ROWS: linear_nt)."""
-    monkeypatch.setattr(
-        kernels, "TALL_PIECE_OUTPUT", 160
-    )  # 160 // rows rows a piece: several pieces
+    # 160 // rows rows a piece: several pieces
+    monkeypatch.setattr(kernels, "TALL_PIECE_OUTPUT", 160)
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(*shape, generator=g), torch.randn(1003, 40, generator=g)
     out = kernels.tall_linear_nt(x, w)
@@ -183,9 +182,8 @@ def test_packed_weights_are_not_used_with_gradients_or_without_autocast():
         torch.autocast("cpu", dtype=torch.bfloat16),
         kernels.packed_for_decoding(already_bf16, rows=2),
     ):
-        assert (
-            already_bf16.packed is None
-        )  # autocast makes no copy of it: a packed one would be extra
+        # autocast makes no copy of it: a packed one would be extra
+        assert already_bf16.packed is None
     with torch.autocast("cpu", dtype=torch.bfloat16), kernels.packed_for_decoding(layer, rows=2):
         assert layer.packed is not None
         out = layer(x)  # gradients enabled: the live weight, through autocast
@@ -229,9 +227,8 @@ def test_generation_with_packed_weights_matches_autocast(
         packed_rows.append(rows)
         return real(m, rows)
 
-    monkeypatch.setattr(
-        kernels, "packed_for_decoding", spy
-    )  # the module grpo.cpu.layer calls it from
+    # the module grpo.cpu.layer calls it from
+    monkeypatch.setattr(kernels, "packed_for_decoding", spy)
     packed = run()
     assert packed_rows == [6]
     monkeypatch.setattr(kernels, "packed_for_decoding", lambda m, rows: contextlib.nullcontext())

@@ -20,9 +20,8 @@ def _tile(dtype=torch.float32, seed=0):
     rows, cols = 6, 37
     product = (3 * torch.randn(rows, cols, generator=g)).to(dtype)
     bias = torch.randn(cols, generator=g)
-    column = torch.tensor(
-        [0, -1, 36, 5, -1, 17]
-    )  # targets at both edges, and two rows whose target is elsewhere
+    # targets at both edges, and two rows whose target is elsewhere
+    column = torch.tensor([0, -1, 36, 5, -1, 17])
     return product, bias, column
 
 
@@ -34,12 +33,13 @@ def _dense(product, bias, softcap, temperature):
     return z / temperature
 
 
+# softcap, temperature, bias
 SETTINGS = [
     (None, 1.0, False),
     (None, 0.7, True),
     (30.0, 1.0, True),
     (3.0, 1.3, False),
-]  # softcap, temperature, bias
+]
 COMPILED_SETTINGS = [(None, 1.0, False), (30.0, 0.7, True)]
 """Each (dtype, softcap or not, bias or not) is a kernel of its own to compile (seconds each on a
 machine's first run): the compiled tests take the plain one and the one with every option."""
@@ -177,9 +177,8 @@ def test_compiled_kernels_equal_eager(dtype, softcap, temperature, with_bias):
     # the cast and the accumulation
     out = torch.empty(product.shape, dtype=torch.bfloat16)
     tile_math.COMPILED.cast_into(out, product.float())
-    assert torch.equal(
-        out, product.float().bfloat16()
-    )  # exact: a cast rounds correctly in any implementation
+    # exact: a cast rounds correctly in any implementation
+    assert torch.equal(out, product.float().bfloat16())
     acc = torch.ones(product.shape)
     tile_math.COMPILED.accumulate(acc, product)
     assert torch.equal(acc, 1 + product.float())  # exact: so does a single addition

@@ -52,9 +52,8 @@ def test_tiled_equals_full_logits_values_and_gradients(model, chunk_size, vocab_
     ref = reference_logprobs(model, pi, pm, ci, cm, temperature=temperature)
     (ref * weights).sum().backward()
 
-    torch.testing.assert_close(
-        logp.double(), ref, atol=1e-5, rtol=1e-5
-    )  # logp is float32 by design
+    # logp is float32 by design
+    torch.testing.assert_close(logp.double(), ref, atol=1e-5, rtol=1e-5)
     assert (logp[cm == 0] == 0).all() and (entropy[cm == 0] == 0).all()
     for name, p in model.named_parameters():
         torch.testing.assert_close(chunked_grads[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)

@@ -52,9 +52,8 @@ TOY = {
 def _no_plots(monkeypatch):
     from grpo.run import runlog
 
-    monkeypatch.setattr(
-        runlog.RunLog, "report", lambda self: None
-    )  # plots: seconds, not what is tested here
+    # plots: seconds, not what is tested here
+    monkeypatch.setattr(runlog.RunLog, "report", lambda self: None)
 
 
 def third(completions, **kwargs):
@@ -123,9 +122,10 @@ def test_only_the_adapter_trains_and_the_base_is_bitwise_unchanged(tokenizer, tm
     q = model.model.layers[0].self_attn.q_proj
     assert isinstance(q.base_layer, kernels.CPULinear)
     adapter_before = {k: v.clone() for k, v in lora.adapter_parameters(model).items()}
+    # starts as the base
     assert all(
         float(v.detach().abs().sum()) == 0 for k, v in adapter_before.items() if "lora_B" in k
-    )  # starts as the base
+    )
     trainer.train()
     after = _base_weights(model)
     assert after.keys() == before.keys()
@@ -152,9 +152,8 @@ def test_a_tied_model_with_a_frozen_base(tokenizer, tmp_path, gemma3_tiny):
     assert not output.requires_grad and output.grad is None
     frozen = [p for p in trainer.model.parameters() if not p.requires_grad]
     assert frozen and all(p.grad is None for p in frozen)
-    assert all(
-        p.grad is not None for p in trainer.model.parameters() if p.requires_grad
-    )  # preallocated
+    # preallocated
+    assert all(p.grad is not None for p in trainer.model.parameters() if p.requires_grad)
     before = {k: v.detach().clone() for k, v in lora.adapter_parameters(trainer.model).items()}
     trainer.train()
     assert torch.equal(trainer.model.get_input_embeddings().weight, embedding)
@@ -460,9 +459,8 @@ def test_fused_decoding_packs_the_merged_weights(arch, tokenizer, gemma3_tiny):
     for t, (a, b) in enumerate(zip(fused, plain)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"step {t}")
     assert not torch.allclose(base[0], plain[0], atol=1e-3)  # the adapter counts
-    assert torch.equal(
-        model.model.layers[0].self_attn.q_proj.base_layer.weight, weight
-    )  # packing leaves it alone
+    # packing leaves it alone
+    assert torch.equal(model.model.layers[0].self_attn.q_proj.base_layer.weight, weight)
 
 
 def test_fused_decoding_with_an_adapter_in_bf16(tokenizer, gemma3_tiny):

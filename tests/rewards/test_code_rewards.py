@@ -35,9 +35,8 @@ def test_extract_program_takes_the_last_python_block():
     )
     assert extract_program(text) == "print(2)\n"
     assert extract_program("```\nprint(3)\n```") == "print(3)\n"
-    assert (
-        extract_program("Here:\n```python\nprint(4)\n") == "print(4)\n"
-    )  # cut off by the length limit
+    # cut off by the length limit
+    assert extract_program("Here:\n```python\nprint(4)\n") == "print(4)\n"
     assert extract_program("print(5)") is None
     assert extract_program("```bash\nrm -rf /\n```") is None
 

@@ -104,9 +104,8 @@ def test_each_failure_is_contained_and_reported(fns):
     assert by_name["awaited"].status == "ok" and by_name["awaited"].values == [2.0] * 4
     raised = by_name["raises_on_x"]
     assert raised.status == "error" and raised.values is None
-    assert (
-        "Traceback" in raised.message and "raises_on_x" in raised.message
-    )  # the worker's traceback
+    # the worker's traceback
+    assert "Traceback" in raised.message and "raises_on_x" in raised.message
     assert "ValueError: a completion with an x" in raised.message
     assert by_name["hangs"].status == "timeout" and "1 s" in by_name["hangs"].message
     assert (
@@ -166,9 +165,8 @@ def test_a_worker_is_persistent_and_replaced_after_a_timeout(fns):
     try:
         ((first,),) = executor(_inputs(["a"]), 1)
         ((again,),) = executor(_inputs(["b"]), 1)
-        assert (
-            first.status == again.status == "ok" and first.values == again.values
-        )  # the same worker
+        # the same worker
+        assert first.status == again.status == "ok" and first.values == again.values
         ((hung,),) = executor(_inputs(["hang"]), 1)
         assert hung.status == "timeout" and "killed and replaced" in hung.message
         ((after,),) = executor(_inputs(["c"]), 1)
@@ -256,9 +254,8 @@ def test_failures_are_counted_and_logged_in_full_once(caplog):
     assert "Traceback" not in messages[1] and "2 times" in messages[1]
     assert rewards.failures == {"broken": 3}
     assert rewards.step_failures() == {"broken": {"errors": 3, "timeouts": 0}}
-    assert rewards.step_failures() == {
-        "broken": {"errors": 0, "timeouts": 0}
-    }  # taken: since the last step
+    # taken: since the last step
+    assert rewards.step_failures() == {"broken": {"errors": 0, "timeouts": 0}}
 
 
 def test_a_function_its_workers_cannot_load_fails_at_start_up(tmp_path):
@@ -389,18 +386,18 @@ def test_training_goes_on_whatever_the_rewards_do(tokenizer, tmp_path, reward_fi
             "rollout.max_completion_length=2",
         ],
     )
+    # 2 prompts a step, 16 each
     rows = [
         {"prompt": "1+1=", "poison": True},
         {"prompt": "2+2=", "poison": False},
-    ]  # 2 prompts a step, 16 each
+    ]
     model = tiny_model(tokenizer, hidden_size=32, num_layers=1, seed=0)
     trainer = Trainer(cfg, model=model, tokenizer=tokenizer, train_rows=rows)
     batches, step = [], trainer.train_step
     trainer.train_step = lambda: (result := step(), batches.append(result[1]))[0]
     trainer.log.report = lambda: None  # its plots are not the subject here, and take seconds
-    collect = (
-        trainer.collect_batch
-    )  # each step's batch has 2 sandbox outcomes, as a code reward records them
+    # each step's batch has 2 sandbox outcomes, as a code reward records them
+    collect = trainer.collect_batch
     trainer.collect_batch = lambda timer=None: (record("killed"), record("killed"), collect(timer))[
         -1
     ]
@@ -412,9 +409,8 @@ def test_training_goes_on_whatever_the_rewards_do(tokenizer, tmp_path, reward_fi
     for batch in batches:
         r = batch.rewards_per_func  # columns: raises_on_poison, hangs, hard_exits, length
         poisoned = torch.tensor([row["poison"] for row in batch.rows])
-        assert (
-            torch.isnan(r[poisoned, 0]).all() and (r[~poisoned, 0] == 0.5).all()
-        )  # only the poisoned chunk
+        # only the poisoned chunk
+        assert torch.isnan(r[poisoned, 0]).all() and (r[~poisoned, 0] == 0.5).all()
         assert torch.isnan(r[:, 1]).all() and torch.isnan(r[:, 2]).all()
         assert r[:, 3].tolist() == [float(len(t)) for t in batch.completion_texts]
         assert not torch.isnan(batch.rewards).any()  # every completion keeps the rewards it has

@@ -105,10 +105,11 @@ def test_math_answer_rewards(math_answer, completion, gold, reward):
 def test_chat_completions_and_missing_gold(math_answer):
     chat = [[{"role": "assistant", "content": "\\boxed{4}"}]]
     assert math_answer(chat, answer=["4"]) == [1.0]
+    # missing, not 0
     assert math_answer(["\\boxed{4}", "\\boxed{4}"], answer=[None, ""]) == [
         None,
         None,
-    ]  # missing, not 0
+    ]
     assert math_answer(["\\boxed{4}"]) == [None]  # no answer column at all
 
 
@@ -119,9 +120,8 @@ def test_adversarial_input_returns_promptly(math_answer):
     start = time.perf_counter()
     assert math_answer([huge, deep, unclosed], answer=["7", "1", "1"]) == [1.0, 0.0, 0.0]
     assert time.perf_counter() - start < 5.0
-    assert math_answer(["\\boxed{" + "1+" * 5000 + "1}"], answer=["2"]) == [
-        0.0
-    ]  # too long to compare
+    # too long to compare
+    assert math_answer(["\\boxed{" + "1+" * 5000 + "1}"], answer=["2"]) == [0.0]
 
 
 def test_a_comparison_that_does_not_finish_is_bounded():

@@ -46,9 +46,8 @@ def test_scores_equal_a_hand_forward_batched_or_not(tmp_path, pad, save_reward_m
         )
         assert all(isinstance(s, float) for s in scores)
         assert scores == pytest.approx(expected, abs=1e-5)
-    assert len(set(round(s, 4) for s in expected)) == len(
-        expected
-    )  # a random model tells the texts apart
+    # a random model tells the texts apart
+    assert len(set(round(s, 4) for s in expected)) == len(expected)
     # padding next to a much longer text changes nothing
     alone = rm(["x"], [" y"], [[0]])
     padded = rm(["x", "a" * 100], [" y", "b" * 100], [[0], [0]])
@@ -69,10 +68,11 @@ def test_conversational_prompts_use_the_reward_models_chat_template(tmp_path, sa
 
     save_reward_model(tmp_path / "plain")
     plain = RewardModel(tmp_path / "plain", device="cpu")
+    # no template: the contents joined
     assert plain.text(prompt, completion) == (
         "Be brief.\n2+2?\n4",
         False,
-    )  # no template: the contents joined
+    )
 
 
 def test_no_gradients_and_truncation(tmp_path, save_reward_model):

@@ -222,9 +222,8 @@ def test_a_prompts_completions_depend_on_its_seed_not_its_batch(model, tokenizer
             alone.sampling_logprobs, whole.sampling_logprobs[rows, :width], rtol=0, atol=1e-5
         )
     other = _gen(model, tokenizer, prompts, 3, params, seeds=[seeds[0] + 1, *seeds[1:]])
-    assert not torch.equal(
-        other.completion_ids[:3], whole.completion_ids[:3]
-    )  # the seed does decide
+    # the seed does decide
+    assert not torch.equal(other.completion_ids[:3], whole.completion_ids[:3])
 
 
 def test_top_k_and_top_p_restrict_support():
@@ -284,12 +283,13 @@ def test_two_level_sampling_frequencies_across_blocks():
     zero-weight entries (including whole blocks) are never drawn, unnormalised weights are fine."""
     V = 3 * CDF_BLOCK + 37
     weights = torch.zeros(V)
+    # block 1 is all zeros
     picks = {
         5: 1.0,
         CDF_BLOCK - 1: 2.0,
         2 * CDF_BLOCK + 500: 3.0,
         V - 1: 4.0,
-    }  # block 1 is all zeros
+    }
     for i, w in picks.items():
         weights[i] = w
     draws = sample_from(weights.repeat(40000, 1), torch.Generator().manual_seed(3))

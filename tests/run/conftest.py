@@ -72,12 +72,10 @@ def third(completions, **kwargs):
 def quick(monkeypatch):
     """For the files that run `grpo train` (pytestmark = pytest.mark.usefixtures("quick")): no
     plots, and no tqdm monitor thread."""
-    monkeypatch.setattr(
-        runlog.RunLog, "report", lambda self: None
-    )  # plots: seconds, and not what is tested here
-    monkeypatch.setattr(
-        tqdm.tqdm, "monitor_interval", 0
-    )  # no monitor thread whose lock a fork could copy held
+    # plots: seconds, and not what is tested here
+    monkeypatch.setattr(runlog.RunLog, "report", lambda self: None)
+    # no monitor thread whose lock a fork could copy held
+    monkeypatch.setattr(tqdm.tqdm, "monitor_interval", 0)
 
 
 def _write_config(tmp_path, name, overrides=()):

@@ -232,9 +232,8 @@ def test_reward_in_tens_is_the_seeds_ten_step_means():
     from grpo.run.report import reward_in_tens
 
     metrics = [{"step": s, "reward": 0.5 if s <= 10 else 1.0} for s in range(1, 26)]
-    metrics[3]["reward"] = float(
-        "nan"
-    )  # step 4 has no reward: blocks are of ten steps that have one
+    # step 4 has no reward: blocks are of ten steps that have one
+    metrics[3]["reward"] = float("nan")
     assert reward_in_tens(metrics) == [
         (1, 11, pytest.approx((9 * 0.5 + 1.0) / 10)),
         (12, 21, 1.0),

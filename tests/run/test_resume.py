@@ -49,9 +49,8 @@ def test_killed_at_random_moments_and_resumed_is_the_uninterrupted_run(
         (rng.choice(["step", "logged", "save", "manifest"]), rng.randint(1, 3)) for _ in range(4)
     ]
     kills.insert(rng.randint(0, 4), ("save", 1))  # at least once mid-save
-    kills.append(
-        (None, rng.uniform(0.2, 1.0))
-    )  # last: a run fast enough to finish first changes no other kill
+    # last: a run fast enough to finish first changes no other kill
+    kills.append((None, rng.uniform(0.2, 1.0)))
     outcomes, starts = [], []
     for point, when in kills:
         latest = checkpoint.latest_checkpoint(tmp_path / "killed")
@@ -215,16 +214,13 @@ def test_a_run_stopped_before_its_first_checkpoint_is_simply_rerun(
     run = tmp_path / "run"
     assert run_grpo(["train", str(path)], kill_at="step:2") == -signal.SIGKILL
     assert read_rows(run / "metrics.jsonl") and not checkpoint.checkpoints(run)
-    assert (
-        run_grpo(["train", str(path)], kill_at="save:1") == -signal.SIGKILL
-    )  # rerun; killed mid-way through its first save
-    assert not checkpoint.checkpoints(
-        run
-    )  # the half-written one is hidden, never taken for a checkpoint
+    # rerun; killed mid-way through its first save
+    assert run_grpo(["train", str(path)], kill_at="save:1") == -signal.SIGKILL
+    # the half-written one is hidden, never taken for a checkpoint
+    assert not checkpoint.checkpoints(run)
     assert [p.name for p in run.iterdir() if p.name.startswith(".checkpoint-3.tmp-")]
-    assert (
-        run_grpo(["train", str(path), "training.max_steps=2"]) == 0
-    )  # no overwrite_output_dir needed
+    # no overwrite_output_dir needed
+    assert run_grpo(["train", str(path), "training.max_steps=2"]) == 0
     assert [p.name for p in run.iterdir() if p.name.startswith(".")] == [run_lock.LOCK]
     assert [r["step"] for r in read_rows(run / "metrics.jsonl")] == [1, 2]
 
@@ -236,9 +232,8 @@ def test_a_run_with_checkpoints_is_kept_unless_overwritten(tmp_path, capsys, tra
     assert "already holds a run (checkpoint-1/, checkpoint-2/, final/)" in err
     assert "--resume" in err and "overwrite_output_dir=true" in err
     assert main(["train", str(path), "overwrite_output_dir=true", "training.save_steps=0"]) == 0
-    assert [p.name for p in checkpoint.checkpoints(run)] == [
-        "final"
-    ]  # the old run's checkpoints are gone
+    # the old run's checkpoints are gone
+    assert [p.name for p in checkpoint.checkpoints(run)] == ["final"]
 
 
 def test_a_failed_start_writes_nothing(tmp_path, write_config):

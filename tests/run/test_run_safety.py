@@ -265,9 +265,8 @@ def test_a_second_run_resume_or_overwrite_during_a_run_is_refused_naming_its_pid
 def test_a_sigkilled_run_leaves_no_stale_lock(tmp_path, write_config, run_grpo, read_rows):
     path = write_config(tmp_path, "run", SHORT)
     run = tmp_path / "run"
-    assert (
-        run_grpo(["train", str(path)], kill_at="logged:2") == -signal.SIGKILL
-    )  # step 2 logged, checkpoint-1 saved
+    # step 2 logged, checkpoint-1 saved
+    assert run_grpo(["train", str(path)], kill_at="logged:2") == -signal.SIGKILL
     assert (run / run_lock.LOCK).is_file()  # the file stays; its lock died with the process
     assert [p.name for p in checkpoint.checkpoints(run)] == ["checkpoint-1"]
     assert run_grpo(["train", str(path), "--resume"]) == 0  # no manual unlock
@@ -276,9 +275,8 @@ def test_a_sigkilled_run_leaves_no_stale_lock(tmp_path, write_config, run_grpo, 
 
 def test_trainers_in_one_process_share_its_claim_and_a_failed_start_leaves_nothing(tmp_path):
     first = run_lock.claim(tmp_path / "a" / "b")
-    again = run_lock.claim(
-        tmp_path / "a" / "b"
-    )  # e.g. GRPOTrainer's trainer replaced by one that resumes
+    # e.g. GRPOTrainer's trainer replaced by one that resumes
+    again = run_lock.claim(tmp_path / "a" / "b")
     first.release()
     assert again.held
     again.abandon()  # the last: created here and holding only the lock file, the directories go
@@ -379,9 +377,8 @@ def test_a_full_disk_at_a_save_keeps_the_previous_checkpoint_and_says_so(
         "output_dir elsewhere, then resume with --resume" in err
     )
     assert err.count("\n") == 1  # one line, no traceback
-    assert not [
-        p.name for p in run.iterdir() if p.name.startswith(".") and p.name != run_lock.LOCK
-    ]  # no half-written one
+    # no half-written one
+    assert not [p.name for p in run.iterdir() if p.name.startswith(".") and p.name != run_lock.LOCK]
     assert [p.name for p in checkpoint.checkpoints(run)] == ["checkpoint-1"] and checkpoint.problem(
         run / "checkpoint-1"
     ) == ""

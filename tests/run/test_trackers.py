@@ -172,9 +172,8 @@ def test_completions_go_to_wandb_and_trackio_as_a_table(tmp_path, monkeypatch, n
     assert table.data[0] == [4, "2+2?", "4", 1.0, 1.0]  # a chat prompt as its last message's text
     missing = table.data[1][3]
     assert table.data[1][:3] == [4, "a|b", "x\ny"]
-    assert missing is None or (
-        name == "trackio" and missing != missing
-    )  # no reward (a DataFrame holds it as NaN)
+    # no reward (a DataFrame holds it as NaN)
+    assert missing is None or (name == "trackio" and missing != missing)
 
 
 def test_a_tracker_without_a_table_type_is_said_once(tmp_path, monkeypatch, caplog):
@@ -247,10 +246,11 @@ def test_run_log_samples_reach_the_tracker_every_sample_step(tmp_path, monkeypat
     run.close()
     (table,) = [c[1]["completions"] for c in fake.calls if c[0] == "log"]
     assert table.columns == ["step", "prompt", "completion", "reward", "correct", "reward (reward)"]
+    # one per group
     assert table.data == [
         [2, "p0", "a", 0.5, 0.0, 0.5],
         [2, "p1", "c", 1.0, 1.0, 0.0],
-    ]  # one per group
+    ]
     import json
 
     lines = [

@@ -307,10 +307,11 @@ def test_killing_its_parent_leaves_the_test_process_alive():
         "    except OSError as e:\n        print('could not', pid, type(e).__name__)\n"
     )
     assert "started" in r.stdout
+    # kill(-1) may take the program itself down with its siblings
     assert r.status in (
         "ok",
         "crashed",
-    )  # kill(-1) may take the program itself down with its siblings
+    )
     assert run("print(1)").stdout == "1\n"  # this process, and the sandbox, carry on
 
 
@@ -659,9 +660,8 @@ def test_seccomp_filter_encodes_the_policy(arch):
         assert run_filter(program, 0x40000000 | numbers["io_uring_setup"], AUDIT[arch]) == KILL
         assert run_filter(program, -1, AUDIT[arch]) == ALLOW  # no call: the kernel answers ENOSYS
     if ARCH is not None:
-        assert (
-            seccomp.program() == seccomp.build(ARCH) and seccomp.program() is seccomp.program()
-        )  # built once
+        # built once
+        assert seccomp.program() == seccomp.build(ARCH) and seccomp.program() is seccomp.program()
 
 
 def test_seccomp_syscall_numbers_match_the_c_headers():
@@ -669,9 +669,8 @@ def test_seccomp_syscall_numbers_match_the_c_headers():
         "x86_64": ["/usr/include/x86_64-linux-gnu/asm/unistd_64.h", "/usr/include/asm/unistd_64.h"],
         "aarch64": ["/usr/include/asm-generic/unistd.h"],
     }
-    assert set(seccomp.DENIED) <= set(
-        seccomp.SYSCALLS["x86_64"]
-    )  # every name spelt as the kernel does
+    # every name spelt as the kernel does
+    assert set(seccomp.DENIED) <= set(seccomp.SYSCALLS["x86_64"])
     checked = 0
     for arch, paths in headers.items():
         path = next((p for p in paths if os.path.exists(p)), None)
@@ -684,9 +683,8 @@ def test_seccomp_syscall_numbers_match_the_c_headers():
         table = seccomp.SYSCALLS[arch]
         common = set(table) & set(defined)
         assert {name: table[name] for name in common} == {name: defined[name] for name in common}
-        assert len(common) >= len(table) - 3, sorted(
-            set(table) - common
-        )  # only calls newer than the headers
+        # only calls newer than the headers
+        assert len(common) >= len(table) - 3, sorted(set(table) - common)
         checked += 1
     if not checked:
         pytest.skip("no kernel headers here (apt-get install -y linux-libc-dev)")

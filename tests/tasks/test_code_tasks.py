@@ -118,13 +118,11 @@ def test_split_is_fixed_and_disjoint(tmp_path):
     train = {r["task_id"] for r in task.train_rows}
     held_out = {r["task_id"] for r in task.eval_rows}
     assert (len(train), len(held_out)) == (32, 8) and held_out == HELD_OUT and not train & held_out
-    assert all(
-        isinstance(r["prompt"], str) for r in task.train_rows + task.eval_rows
-    )  # completion prompts, no chat
+    # completion prompts, no chat
+    assert all(isinstance(r["prompt"], str) for r in task.train_rows + task.eval_rows)
     task.train_rows[0]["prompt"] = "changed"
-    assert (
-        load_task(_cfg(tmp_path, "code")).train_rows[0]["prompt"] != "changed"
-    )  # fresh rows each load
+    # fresh rows each load
+    assert load_task(_cfg(tmp_path, "code")).train_rows[0]["prompt"] != "changed"
 
 
 @needs_sandbox
@@ -185,9 +183,8 @@ def test_code_scorer_counts_what_the_sandbox_says(monkeypatch):
         {"status": "failed", "passed": False},
         {"status": "failed", "passed": False},
     ]
-    assert (
-        seen["completions"][1] == "x * 2"
-    )  # the stop string that ended it is not part of the program
+    # the stop string that ended it is not part of the program
+    assert seen["completions"][1] == "x * 2"
     assert seen["entry_points"] == ["double", "double", "double", "add_one"]
     assert (
         cut_at_stop("a\nb\n#c\ndef d", ["\ndef ", "\n#"]) == "a\nb"

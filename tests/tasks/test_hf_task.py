@@ -42,9 +42,8 @@ def test_each_file_format_gives_the_rows_with_every_column(tmp_path, fmt):
     assert task.train_rows == [
         {"prompt": f"{a}+{a}=", "answer": 2 * a, "topic": "add"} for a in range(5)
     ]
-    assert isinstance(
-        task.scorer, AnswerScorer
-    )  # every held-out row has an integer answer, as jsonl
+    # every held-out row has an integer answer, as jsonl
+    assert isinstance(task.scorer, AnswerScorer)
 
 
 def test_save_to_disk_directory_and_its_splits(tmp_path):
@@ -194,9 +193,10 @@ def test_a_run_trains_on_hf_rows_with_their_columns(tmp_path, tokenizer):
         reward_funcs={"target": target_reward},
     ).train()
     assert [row["step"] for row in history] == [1, 2]
+    # the dataset's column, per completion
     assert len(seen) == 8 and set(seen) <= {
         "0",
         "2",
         "4",
         "6",
-    }  # the dataset's column, per completion
+    }

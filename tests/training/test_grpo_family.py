@@ -116,9 +116,8 @@ def test_gae_resume_restores_the_critic(
     )
     resumed.train()
     for a, b in zip(full.critic.model.parameters(), resumed.critic.model.parameters()):
-        torch.testing.assert_close(
-            a, b, rtol=0, atol=0
-        )  # exact: the resumed steps compute as the uninterrupted ones
+        # exact: the resumed steps compute as the uninterrupted ones
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("decoding", ["plain", "auto"])
@@ -144,9 +143,8 @@ def test_sampling_logprobs_are_the_updates(
         FusedDecoder, "__init__", lambda self, *a, **kw: built.append(1) or original(self, *a, **kw)
     )
     history = trainer.train()
-    assert len(built) == (
-        1 if fused else 0
-    )  # the step's rollout decoded fused, or through transformers
+    # the step's rollout decoded fused, or through transformers
+    assert len(built) == (1 if fused else 0)
     m = history[-1]
     assert m["rollout/logprob_diff_mean"] < 1e-5 and m["rollout/logprob_diff_max"] < 1e-4
     assert math.isclose(m["rollout/is_ratio"], 1.0, abs_tol=1e-4)
@@ -176,9 +174,8 @@ def test_rollout_correction_metrics_under_bf16(tokenizer, tmp_path, make_trainer
 def test_each_policy_loss_learns(tokenizer, tmp_path, loss, make_trainer):
     overrides = [f"algorithm.policy_loss={loss}"]
     if loss == "cispo":
-        overrides.append(
-            "algorithm.epsilon_high=5.0"
-        )  # CISPO's cap on the importance weight (TRL's advice)
+        # CISPO's cap on the importance weight (TRL's advice)
+        overrides.append("algorithm.epsilon_high=5.0")
     _, history = learns(make_trainer, tokenizer, tmp_path, overrides)
     assert mean(history, "reward", "last") > mean(history, "reward", "first") + 0.3
 

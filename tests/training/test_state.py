@@ -66,9 +66,8 @@ def test_restored_trainer_takes_the_same_next_steps(tokenizer, tmp_path, overrid
     saved = copy.deepcopy(original.state_dict())
     weights = copy.deepcopy(original.model.state_dict())
 
-    model = tiny_model(
-        tokenizer, hidden_size=32, num_layers=1, seed=1
-    )  # other weights, replaced below
+    # other weights, replaced below
+    model = tiny_model(tokenizer, hidden_size=32, num_layers=1, seed=1)
     model.load_state_dict(weights)
     restored = state_trainer(tokenizer, tmp_path / "b", overrides, model=model, restore=saved)
     assert restored.state.step == 3

@@ -409,9 +409,8 @@ def test_tied_embedding_sparse_gradient_equals_dense(
 
 def test_refuses_to_overwrite_a_run(tokenizer, tmp_path, make_trainer):
     run = tmp_path / "run"
-    (run / "checkpoint-1").mkdir(
-        parents=True
-    )  # metrics.jsonl alone (no checkpoint yet) is simply run again
+    # metrics.jsonl alone (no checkpoint yet) is simply run again
+    (run / "checkpoint-1").mkdir(parents=True)
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
     with pytest.raises(config.ConfigError, match="already holds a run"):
         make_trainer(tokenizer, tmp_path, ["training.max_steps=1"])
@@ -590,9 +589,8 @@ def test_console_eta_counts_training_steps_only(
     )
     trainer.train()
     out = capsys.readouterr().out
-    assert (
-        "eval before" in out and "1/1" in out
-    )  # the evaluation's bar: one batch of the 4 held-out problems
+    # the evaluation's bar: one batch of the 4 held-out problems
+    assert "eval before" in out and "1/1" in out
     first = re.search(r"1/3 \|.*\| ([\d.]+)s/step \| ETA (\d+):(\d+)", out)
     assert first, out
     step_s, eta_s = float(first.group(1)), int(first.group(2)) * 60 + int(first.group(3))

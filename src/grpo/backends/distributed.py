@@ -85,9 +85,8 @@ class DataParallel(SingleProcess):
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        validate(
-            cfg, self.world_size
-        )  # the batch's split over the ranks, before any process waits on another
+        # the batch's split over the ranks, before any process waits on another
+        validate(cfg, self.world_size)
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if resolve_device(cfg.training.device).type == "cuda":
             if self.local_rank >= torch.cuda.device_count():
@@ -127,9 +126,8 @@ class DataParallel(SingleProcess):
     def make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         if not self.fsdp:
             return super().make_optimizer(model)
-        return adamw(
-            model, self.cfg.training, self.device
-        )  # over the shards; FSDP allocates their gradients
+        # over the shards; FSDP allocates their gradients
+        return adamw(model, self.cfg.training, self.device)
 
     def output_layer_kernels(self):
         kernels = super().output_layer_kernels()
@@ -155,9 +153,8 @@ class DataParallel(SingleProcess):
         units = [m for m in model.modules() if isinstance(m, FSDPModule)]
         for unit in units:
             unit.unshard()
-        model.set_reshard_after_forward(
-            False
-        )  # whole until the rollout ends: no collective per decoding step
+        # whole until the rollout ends: no collective per decoding step
+        model.set_reshard_after_forward(False)
         try:
             yield
         finally:

@@ -49,9 +49,8 @@ def grouped_sdpa_attention(
     if (
         groups == 1
         or query.device.type != "cpu"
-        or (
-            q_length > 1 and attention_mask is None
-        )  # causal without a mask: torch's is_causal path
+        # causal without a mask: torch's is_causal path
+        or (q_length > 1 and attention_mask is None)
         or dropout
         or kwargs.get("position_bias") is not None
         or kwargs.get("softcap") is not None

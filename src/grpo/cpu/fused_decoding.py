@@ -41,9 +41,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers.models.llama.modeling_llama import (
-    apply_rotary_pos_emb,
-)  # the same in the four architectures
+
+# the same in the four architectures
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from grpo.cpu import kernels
 from grpo.cpu.attention import grouped_attention
@@ -181,9 +181,8 @@ class _Norm:
             return F.rms_norm(x.float(), shape, self.weight, self.eps).to(x.dtype)
         if x.dtype == torch.float32:  # w * norm(x)
             return F.rms_norm(x, shape, self.weight, self.eps)
-        return self.weight * F.rms_norm(x.float(), shape, None, self.eps).to(
-            x.dtype
-        )  # w * round(norm(x))
+        # w * round(norm(x))
+        return self.weight * F.rms_norm(x.float(), shape, None, self.eps).to(x.dtype)
 
 
 @dataclass

@@ -473,9 +473,8 @@ def _code_files(directory: Path) -> list[str]:
 def context_length(model) -> int | None:
     """The most positions the model was made for (max_position_embeddings), None when it does not say."""
     config = getattr(model, "config", None)
-    config = (
-        getattr(config, "text_config", None) or config
-    )  # multimodal configs keep it in the text part
+    # multimodal configs keep it in the text part
+    config = getattr(config, "text_config", None) or config
     value = getattr(config, "max_position_embeddings", None)
     return value if isinstance(value, int) and value > 0 else None
 

@@ -102,9 +102,8 @@ def backward_tile(
 
 
 def _logits_in_place(product, bias, softcap, temperature, buffers):
-    z = buffers.cast(
-        "z", product, torch.float32
-    )  # product itself when it is float32 (then modified)
+    # product itself when it is float32 (then modified)
+    z = buffers.cast("z", product, torch.float32)
     if bias is not None:
         z += bias
     tanh = None

@@ -194,9 +194,8 @@ class CodeRunner:
                 if result.ok and _same_output(result.stdout, str(case.get("output", ""))):
                     passed += 1
                 elif status == "ok":
-                    status = (
-                        result.status if not result.ok else "failed"
-                    )  # ran, but printed the wrong output
+                    # ran, but printed the wrong output
+                    status = result.status if not result.ok else "failed"
             if asserts:
                 token = secrets.token_hex(16)
                 result = self._run(harness(program, asserts), stdin=token + "\n")

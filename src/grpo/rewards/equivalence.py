@@ -11,9 +11,8 @@ import logging
 
 from math_verify import parse, verify
 
-logging.getLogger("math_verify").setLevel(
-    logging.ERROR
-)  # it warns on every call that its timeout is off
+# it warns on every call that its timeout is off
+logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 
 def equivalent(gold: str, predicted: str) -> bool:

@@ -320,10 +320,8 @@ class RewardExecutor:
                 self._lost(w, calls, "crashed", "the worker process died")
                 return
             if status == "ready":
-                w.ready, w.load_failures = (
-                    True,
-                    value,
-                )  # a function that failed to load fails each call
+                # a function that failed to load fails each call
+                w.ready, w.load_failures = True, value
                 return
             k, a, b = w.task
             calls[k].append(

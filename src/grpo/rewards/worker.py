@@ -167,9 +167,8 @@ def _real(v: Any) -> float:
 
 def _brief(v: Any) -> str:
     shape = getattr(v, "shape", None)
-    text = (
-        repr(v) if not shape else f"{type(v).__name__} of shape {tuple(shape)}"
-    )  # an array's items: not shown
+    # an array's items: not shown
+    text = repr(v) if not shape else f"{type(v).__name__} of shape {tuple(shape)}"
     return text if len(text) <= 200 else text[:200] + "..."
 
 
@@ -179,9 +178,8 @@ def _brief(v: Any) -> str:
 def main(fd: int) -> None:
     """A worker's program (BOOT): the start message, then the serving function it names."""
     conn = Connection(fd)
-    os.set_inheritable(
-        fd, False
-    )  # what a function starts with exec never holds the trainer's connection
+    # what a function starts with exec never holds the trainer's connection
+    os.set_inheritable(fd, False)
     start = conn.recv()
     sys.path[:] = start["sys_path"]
     sys.argv[:] = start["argv"]
@@ -195,9 +193,8 @@ def main(fd: int) -> None:
         limit = start["memory_mb"] << 20
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
     if start["capture"]:
-        sys.stdout.reconfigure(
-            line_buffering=True
-        )  # a call's prints reach the pipe before the call ends
+        # a call's prints reach the pipe before the call ends
+        sys.stdout.reconfigure(line_buffering=True)
     module, name = start["target"].split(":")
     getattr(importlib.import_module(module), name)(conn, **start["kwargs"])
     _flush_output()
@@ -322,9 +319,8 @@ def _keep(fd: int) -> None:
         if os.getppid() != keeper:  # the keeper died before the line above
             os._exit(1)
         return
-    signal.signal(
-        signal.SIGINT, signal.SIG_IGN
-    )  # a signal to the group is for the worker, not its keeper
+    # a signal to the group is for the worker, not its keeper
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     def trainer_gone():
@@ -498,9 +494,8 @@ class Worker:
                 "no Python interpreter to start a worker with (sys.executable is empty)"
             )
         ours, theirs = socket.socketpair()
-        flags = (
-            subprocess._args_from_interpreter_flags()
-        )  # -X, -W, -O as the trainer's, as multiprocessing does
+        # -X, -W, -O as the trainer's, as multiprocessing does
+        flags = subprocess._args_from_interpreter_flags()
         grpo_parent = os.path.dirname(os.path.dirname(os.path.abspath(grpo.__file__)))
         try:
             self.process = subprocess.Popen(
@@ -573,9 +568,8 @@ class Worker:
                     pass
                 self.process.kill()
                 self._ended(10.0)
-            kill_tree(
-                self.pid, session=self.pid
-            )  # those a killed keeper left behind keep its session
+            # those a killed keeper left behind keep its session
+            kill_tree(self.pid, session=self.pid)
         self.process.wait()
         self.conn.close()
         return self.process.returncode

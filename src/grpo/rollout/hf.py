@@ -87,9 +87,8 @@ def sample_with_logprobs(
         # the probabilities at hand are the unfiltered ones: no second pass over the vocabulary
         return tokens, torch.log(probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1))
     log_total = torch.logsumexp(scores, dim=-1)
-    tokens = _sample_filtered(
-        scores, params, generator, uniforms
-    )  # filters copies: `scores` stays whole
+    # filters copies: `scores` stays whole
+    tokens = _sample_filtered(scores, params, generator, uniforms)
     return tokens, scores.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - log_total
 
 
@@ -146,9 +145,8 @@ def sample_from(
         else torch.rand(B, 2, generator=generator, device=weights.device)
     )
     b = first_exceeding(block_cdf, u[:, :1])
-    index = b * block + torch.arange(
-        block, device=weights.device
-    )  # [B, block]: the chosen block's entries
+    # [B, block]: the chosen block's entries
+    index = b * block + torch.arange(block, device=weights.device)
     inside = index < V
     local_cdf = (weights.gather(1, index.clamp(max=V - 1)) * inside).cumsum(-1)
     return (b * block + first_exceeding(local_cdf, u[:, 1:])).squeeze(-1)
@@ -295,9 +293,8 @@ def _generate(
     N, Lp = full_ids.shape
     eos = torch.tensor(sorted(set(eos_token_ids)), device=device, dtype=torch.long)
 
-    positions = logprobs.position_ids_from_mask(
-        prompt_mask
-    )  # skip left padding, as in the loss pass
+    # skip left padding, as in the loss pass
+    positions = logprobs.position_ids_from_mask(prompt_mask)
     if share_prefix:
         logits = steps(prompt_ids, prompt_mask, positions)
         steps.repeat_interleave(G)

@@ -57,9 +57,8 @@ CPU_STEP_TOKENS = 4096
 
 def import_vllm():
     """The vllm module, or a ConfigError naming rollout.engine and the fix."""
-    os.environ.setdefault(
-        "VLLM_LOGGING_LEVEL", "WARNING"
-    )  # its start-up report would flood the console
+    # its start-up report would flood the console
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
         import vllm
     except ImportError as error:
@@ -387,9 +386,8 @@ class VLLMEngine:
         check_lora(policy)
         self.model = policy
         if self.asleep:
-            self.llm.wake_up(
-                tags=["weights"]
-            )  # the memory back first; its contents are replaced now
+            # the memory back first; its contents are replaced now
+            self.llm.wake_up(tags=["weights"])
         report = _UnloadedWeightsReport()
         reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.inplace")
         level = reload_log.level

@@ -180,9 +180,8 @@ def atomic_directory_write(target: Path, write, step: int | None = None) -> Path
         _fsync(manifest)
         _fsync(tmp)
     except Exception as error:
-        shutil.rmtree(
-            tmp, ignore_errors=True
-        )  # a half-written checkpoint holds space and nothing else
+        # a half-written checkpoint holds space and nothing else
+        shutil.rmtree(tmp, ignore_errors=True)
         if is_write_failure(error):
             earlier = [p.name for p in checkpoints(target.parent)]
             kept = (
@@ -339,9 +338,8 @@ def read_state(path: Path) -> dict[str, Any]:
         raise Unusable(f"{name} is unreadable (not a file written by torch.save)", damaged=False)
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter(
-                "ignore"
-            )  # torch's advice to retry with weights_only=False is not taken
+            # torch's advice to retry with weights_only=False is not taken
+            warnings.simplefilter("ignore")
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001 - any failure to read it is the reason to pass it over
         try:
@@ -550,9 +548,8 @@ def load_checkpoint(path: Path, cfg) -> Checkpoint:
         raise ConfigError(
             f"--resume {path}: no {CONFIG}; resume from a checkpoint written by grpo train"
         )
-    differing = config_differences(
-        saved, yaml.safe_load(yaml.safe_dump(cfg.to_dict()))
-    )  # compared as saved
+    # compared as saved
+    differing = config_differences(saved, yaml.safe_load(yaml.safe_dump(cfg.to_dict())))
     if differing:
         raise ConfigError(
             f"--resume {path}: the checkpoint was made with another config; these keys differ: "

@@ -100,13 +100,13 @@ def _merged_writer(checkpoint: Path):
             "config cannot grant; load the base model yourself (after reading its code) and merge with "
             "PeftModel.from_pretrained(base, checkpoint).merge_and_unload()"
         )
-    model_section.pop(
-        "cpu_kernels", None
-    )  # an earlier version's key (now cpu.kernels): loading needs none of it
+    # an earlier version's key (now cpu.kernels): loading needs none of it
+    model_section.pop("cpu_kernels", None)
+    # merge into full-precision weights
     model_section["lora"] = {
         **model_section.get("lora", {}),
         "quantize": "none",
-    }  # merge into full-precision weights
+    }
     model_cfg = config_module.from_dict({"model": model_section}).model
     base, _ = load_model_and_tokenizer(model_cfg)
     merged = PeftModel.from_pretrained(base, str(checkpoint)).merge_and_unload()

@@ -76,9 +76,8 @@ class RunCgroup:
         else:
             memory_dir, pids_dir = self.dirs
             (memory_dir / "memory.limit_in_bytes").write_text(str(memory))
-            _try_write(
-                memory_dir / "memory.memsw.limit_in_bytes", str(memory)
-            )  # no escape into swap
+            # no escape into swap
+            _try_write(memory_dir / "memory.memsw.limit_in_bytes", str(memory))
             (pids_dir / "pids.max").write_text(str(processes))
 
     @property

@@ -31,9 +31,8 @@ import sys
 INSTRUCTION = struct.Struct("<HBBI")
 
 # classic BPF opcodes (linux/bpf_common.h)
-LD_W_ABS = (
-    0x00 | 0x00 | 0x20
-)  # BPF_LD | BPF_W | BPF_ABS: A = 32-bit word at offset k of seccomp_data
+# BPF_LD | BPF_W | BPF_ABS: A = 32-bit word at offset k of seccomp_data
+LD_W_ABS = 0x00 | 0x00 | 0x20
 JEQ = 0x05 | 0x10 | 0x00  # BPF_JMP | BPF_JEQ | BPF_K
 JGE = 0x05 | 0x30 | 0x00  # BPF_JMP | BPF_JGE | BPF_K (unsigned)
 JSET = 0x05 | 0x40 | 0x00  # BPF_JMP | BPF_JSET | BPF_K: jump if A & k
@@ -58,8 +57,8 @@ CLONE_NEW_NAMESPACES = (
     | 0x08000000  # CLONE_NEWIPC
     | 0x10000000  # CLONE_NEWUSER
     | 0x20000000  # CLONE_NEWPID
-    | 0x40000000
-)  # CLONE_NEWNET
+    | 0x40000000  # CLONE_NEWNET
+)
 
 DENIED = (
     # asynchronous I/O that bypasses the per-call checks, and a long line of kernel bugs

@@ -74,9 +74,10 @@ class CodeScorer:
         if len(texts) != len(rows):
             raise ValueError(f"score: {len(texts)} completions for {len(rows)} rows")
         self.check(rows)
+        # the sandbox: imported only when code is scored
         from grpo.rewards.code import (
             HumanEvalTests,
-        )  # the sandbox: imported only when code is scored
+        )
 
         completions = [cut_at_stop(t, self.stop_strings) for t in texts]
         outcomes = HumanEvalTests(self.sandbox).outcomes(

@@ -140,9 +140,8 @@ def read_rows(
         kept = (
             {"solution": solution} if style.solution == "answer" and "solution" not in row else {}
         )
-        out.append(
-            {**row, **kept, "prompt": prompt, "answer": answer}
-        )  # GSM8K's worked answer stays as `solution`
+        # GSM8K's worked answer stays as `solution`
+        out.append({**row, **kept, "prompt": prompt, "answer": answer})
     return out
 
 

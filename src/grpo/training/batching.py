@@ -169,9 +169,8 @@ def keep_groups_with_spread(
     merged = (
         GenerationBatch.concat(mine, pad_token_id)
         if mine
-        else batches[0].select(
-            torch.zeros(0, dtype=torch.long)
-        )  # this rank keeps no group: an empty batch
+        # this rank keeps no group: an empty batch
+        else batches[0].select(torch.zeros(0, dtype=torch.long))
     )
     merged.sampling_rounds, merged.zero_std_groups_kept = len(batches), missing
     return merged

@@ -129,9 +129,8 @@ class Trainer:
                 self.run_lock = run_lock.claim(self.cfg.output_dir)
             except ConfigError as error:
                 refusal = error
-        said = self.backend.all_gather_object(None if refusal is None else str(refusal))[
-            0
-        ]  # no rank waits on another
+        # no rank waits on another
+        said = self.backend.all_gather_object(None if refusal is None else str(refusal))[0]
         if refusal is not None:
             raise refusal
         if said is not None:
@@ -213,9 +212,8 @@ class Trainer:
                 self.task.eval_rows, eval_length, context_length(self.model), "held-out rows"
             )
         skips = restore.get("skips", {}) if restore else {}
-        self.skips = Skips(
-            cfg.training.max_consecutive_skips, **skips
-        )  # skipped non-finite updates, in a row and in all
+        # skipped non-finite updates, in a row and in all
+        self.skips = Skips(cfg.training.max_consecutive_skips, **skips)
         optimizer = self.backend.make_optimizer(self.model)
         if self.backend.is_main:  # before hours of training whose first save could not be written
             checkpoint.warn_if_short_of_space(
@@ -245,9 +243,8 @@ class Trainer:
         world, rank = self.backend.world_size, self.backend.rank
         self.num_prompts = cfg.generation_batch_size(world) // cfg.rollout.num_generations
         """Groups per step, over all ranks."""
-        share = (
-            self.num_prompts // world
-        )  # a whole number of groups each (config.TrainingConfig.check)
+        # a whole number of groups each (config.TrainingConfig.check)
+        share = self.num_prompts // world
         self.shard = slice(rank * share, (rank + 1) * share)
         """This rank's groups of each round: every rank draws the same prompts and seeds, and keeps these."""
         r = cfg.rollout
@@ -262,18 +259,15 @@ class Trainer:
         a, timer = self.cfg.algorithm, PhaseTimer()
         take_counts()  # the step's sandbox and reward-failure counts are its own, not those of
         self.rewards.step_failures()  # the set-up's checks or an evaluation between steps
-        batch = self.collect_batch(
-            timer
-        )  # generate -> rewards (-> filter: dynamic sampling's rounds)
+        # generate -> rewards (-> filter: dynamic sampling's rounds)
+        batch = self.collect_batch(timer)
         faults.reached("step")
         self.engine.sleep()  # the engine's memory (vLLM's weights and KV cache on CUDA) is the update's now
-        stats = self.update(
-            batch, timer
-        )  # reference -> (values) -> advantages -> update (-> critic)
+        # reference -> (values) -> advantages -> update (-> critic)
+        stats = self.update(batch, timer)
         with timer("sync"):
-            self.engine.sync_weights(
-                self.model
-            )  # the new weights, into an engine woken by it if asleep
+            # the new weights, into an engine woken by it if asleep
+            self.engine.sync_weights(self.model)
             self.state.step += 1
             if a.ref_sync_steps and self.state.step % a.ref_sync_steps == 0:
                 self.reference.sync(self.model, a.ref_sync_alpha)
@@ -522,9 +516,8 @@ class Trainer:
                     ):
                         self.evaluate(f"step {step}")
                     faults.reached("logged")
-                    signum = self._stop_signal(
-                        stop
-                    )  # under torchrun a collective: asked where it decides
+                    # under torchrun a collective: asked where it decides
+                    signum = self._stop_signal(stop)
                     # last, so that a checkpoint's step has all its logs: resuming cuts them back to it
                     if (cfg.training.save_steps and step % cfg.training.save_steps == 0) or signum:
                         self.save(log.dir / f"checkpoint-{step}")
@@ -616,9 +609,8 @@ class Trainer:
     def save(self, directory: Path) -> Path:
         """A checkpoint (grpo.run.checkpoint) of this step, to resume from or load with from_pretrained
         (with LoRA: the adapter only, for PeftModel.from_pretrained or `grpo export --merge`)."""
-        check_finite_weights(
-            self.model, f"write {directory}"
-        )  # a checkpoint with NaN weights is never written
+        # a checkpoint with NaN weights is never written
+        check_finite_weights(self.model, f"write {directory}")
         state = self.state_dict()  # on every rank: it gathers what each rank holds
         a = self.cfg.algorithm
         if not (a.ref_sync_steps and self.state.step >= a.ref_sync_steps):

@@ -281,16 +281,13 @@ def policy_update(
                 loss.backward()
                 pass_loss += loss.item()
                 _accumulate(sums, stats)
-        pass_loss = backend.sum(
-            pass_loss
-        )  # every rank's share: the loss, and the same verdict everywhere
+        # every rank's share: the loss, and the same verdict everywhere
+        pass_loss = backend.sum(pass_loss)
         sums["loss"] += pass_loss
-        backend.reduce_gradients(
-            model
-        )  # summed over the ranks: each rank's shares were normalised globally
-        grad_norm = backend.clip_grad_norm(
-            model, cfg.training.max_grad_norm
-        )  # the norm before clipping
+        # summed over the ranks: each rank's shares were normalised globally
+        backend.reduce_gradients(model)
+        # the norm before clipping
+        grad_norm = backend.clip_grad_norm(model, cfg.training.max_grad_norm)
         grad_norms.append(grad_norm)
         if math.isfinite(pass_loss) and math.isfinite(grad_norm):
             optimizer.step()
@@ -418,9 +415,8 @@ def critic_update(
                 pass_loss += loss.item()
         pass_loss = backend.sum(pass_loss)
         backend.reduce_gradients(model)
-        grad_norm = backend.clip_grad_norm(
-            model, cfg.training.max_grad_norm
-        )  # the norm before clipping
+        # the norm before clipping
+        grad_norm = backend.clip_grad_norm(model, cfg.training.max_grad_norm)
         if math.isfinite(pass_loss) and math.isfinite(grad_norm):
             critic.optimizer.step()
         else:
@@ -428,10 +424,11 @@ def critic_update(
         losses.append(pass_loss)
         grad_norms.append(grad_norm)
     mask = batch.loss_mask.to(old_values.device).bool()
+    # every rank's tokens
     v, r = (
         backend.gather_rows(old_values[mask])[0],
         backend.gather_rows(returns[mask])[0],
-    )  # every rank's tokens
+    )
     explained = (
         1.0 - float((r - v).var() / r.var())
         if r.numel() > 1 and float(r.var()) > 0
