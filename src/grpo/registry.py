@@ -94,10 +94,12 @@ POLICY_LOSSES = Registry(
         "clipped": "grpo.algorithm.losses:clipped_policy_loss",
         "cispo": "grpo.algorithm.losses:cispo_policy_loss",
         "sapo": "grpo.algorithm.losses:sapo_policy_loss",
+        "vespo": "grpo.algorithm.losses:vespo_policy_loss",
     },
 )
 """fn(logp, old_logp, advantages [N] or [N, T], mask, params: PolicyLossParams) -> (per-token loss, stats);
-see grpo.algorithm.losses."""
+see grpo.algorithm.losses. A loss with the attribute `folds_correction = True` (vespo) also takes
+`correction_weights=` (the rollout correction's weights, or None) and applies them itself."""
 
 LOSS_AGGREGATIONS = Registry(
     "algorithm.loss_type",
@@ -106,6 +108,7 @@ LOSS_AGGREGATIONS = Registry(
         "bnpo": "grpo.algorithm.losses:minibatch_token_mean",
         "dr_grpo": "grpo.algorithm.losses:fixed_length_mean",
         "dapo": "grpo.algorithm.losses:batch_token_mean",
+        "luspo": "grpo.algorithm.losses:sequence_sum_mean",
     },
 )
 """fn(per_token_loss, mask, norm: LossNormalisers) -> scalar; see grpo.algorithm.losses."""
@@ -136,3 +139,4 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 IMPORTANCE_LEVELS = ("token", "sequence")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 DECODING = ("auto", "fused", "plain")
+MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")

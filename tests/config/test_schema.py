@@ -63,7 +63,7 @@ def test_overrides_do_not_mutate_input():
         (
             {},
             ["algorithm.loss_type=grpoo"],
-            "algorithm.loss_type: 'grpoo' is not one of grpo, bnpo, dr_grpo, dapo (did you mean 'grpo'?)",
+            "algorithm.loss_type: 'grpoo' is not one of grpo, bnpo, dr_grpo, dapo, luspo (did you mean 'grpo'?)",
         ),
         ({}, ["algorithm.delta=1.1"], "algorithm.delta: must be > 1 + epsilon_high"),
         ({}, ["training.microbatch_tokens=-1"], "training.microbatch_tokens: must be >= 0"),
@@ -83,7 +83,7 @@ def test_overrides_do_not_mutate_input():
         (
             {},
             ["algorithm.policy_loss=clip"],
-            "algorithm.policy_loss: 'clip' is not one of clipped, cispo, sapo (did you mean 'clipped'?)",
+            "algorithm.policy_loss: 'clip' is not one of clipped, cispo, sapo, vespo (did you mean 'clipped'?)",
         ),
         ({}, ["data.task=json"], "data.task: 'json' is not one of arithmetic, jsonl, gsm8k, math"),
         ({}, ["eval.num_problems=0"], "eval.num_problems: must be > 0"),

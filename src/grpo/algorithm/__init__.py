@@ -5,10 +5,13 @@ takes tensors and plain numbers and returns tensors, so each formula can be
 checked by hand (tests/algorithm/, a file for each module here) and against
 TRL (tests/test_trl_equivalence.py).
 
-    advantages.py  rewards -> advantages (registered advantage estimators: grpo, dr_grpo, rloo, reinforce_pp)
+    advantages.py  rewards -> advantages (registered advantage estimators: grpo, dr_grpo, rloo, reinforce_pp),
+                   GDPO's normalize-then-sum of several reward functions
     values.py      PPO's critic math: outcome token rewards, GAE (the `gae` estimator), whitening, value loss
-    losses.py      ratios, clipping, KL, policy losses (clipped, cispo, sapo) and loss aggregations
-                   (registered), the entropy mask, policy_loss
+    losses.py      ratios, clipping, KL (optionally importance-weighted), policy losses (clipped, cispo,
+                   sapo, vespo) and loss aggregations (grpo, bnpo, dr_grpo, dapo, luspo; registered),
+                   the entropy mask, the off-policy sequence mask, policy_loss
+    entropy.py     the entropy bonus and its adaptive coefficient
     correction.py  rollout correction: truncated importance sampling between the sampler and the trainer
     schedules.py   learning-rate schedules
 
@@ -24,6 +27,7 @@ from grpo.algorithm.advantages import (
     group_reward_std,
     grpo_advantages,
     nan_std,
+    normalize_then_sum_advantages,
     overlong_penalty,
     reinforce_pp_advantages,
     rloo_advantages,
@@ -35,8 +39,10 @@ from grpo.algorithm.correction import (
     correction_weights,
     mismatch_stats,
 )
+from grpo.algorithm.entropy import applied_entropy_coef, entropy_bonus, next_entropy_coef
 from grpo.algorithm.losses import (
     ENTROPY_MASK_SCOPES,
+    GAMMA_LOG_FLOOR,
     LossNormalisers,
     LossSettings,
     PolicyLossParams,
@@ -48,15 +54,19 @@ from grpo.algorithm.losses import (
     entropy_from_logits,
     entropy_mask,
     fixed_length_mean,
+    gamma_weights,
     kl_estimate,
     log_importance_weights,
     masked_mean,
     masked_sum,
     minibatch_token_mean,
+    off_policy_mask,
     per_sequence_mean,
     policy_loss,
     sapo_policy_loss,
+    sequence_sum_mean,
     token_advantages,
+    vespo_policy_loss,
 )
 from grpo.algorithm.schedules import lr_multiplier
 from grpo.algorithm.values import (
@@ -67,21 +77,29 @@ from grpo.algorithm.values import (
     masked_whiten,
     outcome_token_rewards,
 )
-from grpo.registry import IMPORTANCE_LEVELS, KL_ESTIMATORS, SCALE_REWARDS
+from grpo.registry import (
+    IMPORTANCE_LEVELS,
+    KL_ESTIMATORS,
+    MULTI_OBJECTIVE_AGGREGATIONS,
+    SCALE_REWARDS,
+)
 
 __all__ = [
     "ADVANTAGE_EPS",
     "CORRECTION_LEVELS",
     "CORRECTION_MODES",
     "ENTROPY_MASK_SCOPES",
+    "GAMMA_LOG_FLOOR",
     "IMPORTANCE_LEVELS",
     "KL_ESTIMATORS",
+    "MULTI_OBJECTIVE_AGGREGATIONS",
     "SCALE_REWARDS",
     "LossNormalisers",
     "LossSettings",
     "PolicyLossParams",
     "RolloutCorrection",
     "aggregate_loss",
+    "applied_entropy_coef",
     "batch_token_mean",
     "cispo_policy_loss",
     "clipped_policy_loss",
@@ -90,12 +108,14 @@ __all__ = [
     "combine_rewards",
     "correction_weights",
     "dr_grpo_advantages",
+    "entropy_bonus",
     "entropy_from_logits",
     "entropy_mask",
     "explained_variance",
     "fixed_length_mean",
     "gae_advantages",
     "gae_estimator",
+    "gamma_weights",
     "group_advantages",
     "group_reward_std",
     "grpo_advantages",
@@ -108,6 +128,9 @@ __all__ = [
     "minibatch_token_mean",
     "mismatch_stats",
     "nan_std",
+    "next_entropy_coef",
+    "normalize_then_sum_advantages",
+    "off_policy_mask",
     "outcome_token_rewards",
     "overlong_penalty",
     "per_sequence_mean",
@@ -115,5 +138,7 @@ __all__ = [
     "reinforce_pp_advantages",
     "rloo_advantages",
     "sapo_policy_loss",
+    "sequence_sum_mean",
     "token_advantages",
+    "vespo_policy_loss",
 ]

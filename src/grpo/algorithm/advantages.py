@@ -15,6 +15,10 @@ with scale_rewards="none"), `dr_grpo`, `rloo`, `reinforce_pp`. `scale_rewards`
 applies to `grpo` only; the others accept it and ignore it. `gae` (PPO with a
 critic) is registered too but needs the critic's values, so the trainer
 computes it with grpo.algorithm.values.gae_advantages instead.
+
+Several reward functions are combined before the estimator (`combine_rewards`,
+TRL's "sum_then_normalize"), or, with algorithm.multi_objective_aggregation
+"normalize_then_sum", normalised one by one first (`normalize_then_sum_advantages`, GDPO).
 """
 
 from __future__ import annotations
@@ -198,6 +202,66 @@ def reinforce_pp_advantages(
     mean = torch.nansum(flat) / present.sum().clamp(min=1)
     advantages = (flat - mean) / (nan_std(flat, dim=0) + eps)
     return torch.where(present, advantages, torch.zeros_like(advantages)).to(dtype)
+
+
+def normalize_then_sum_advantages(
+    rewards_per_func: torch.Tensor,
+    weights: torch.Tensor,
+    group_size: int,
+    eps: float = ADVANTAGE_EPS,
+) -> torch.Tensor:
+    """GDPO's multi-objective advantage (TRL's multi_objective_aggregation="normalize_then_sum").
+
+    Each reward function is normalised within each group first, then the weighted
+    sum is normalised over the whole batch:
+
+        z_{i,k} = (r_{i,k} - mean_g r_k) / (std_g r_k + eps)         per function k, group g of i
+        s_i     = sum_k w_k z_{i,k}        over the k where r_{i,k} is present
+        A_i     = (s_i - mean_batch s) / (std_batch s + eps)
+
+    so a function with a small spread weighs as much as one with a large spread
+    (the weighted sum of raw rewards lets the largest dominate). The stds are
+    Bessel's (n - 1); `scale_rewards` plays no part (as in TRL). Missing rewards
+    (NaN, and inf) are left out of their function's group mean and std and of the
+    sum; a function with fewer than two present values in a group contributes 0
+    there (TRL: a NaN std, skipped by its nansum); a completion with no present
+    reward at all is left out of the batch mean and std and gets advantage 0.
+    Computed in float64, returned in the rewards' dtype.
+
+    rewards_per_func [N, K], weights [K] -> advantages [N].
+
+    Example, group_size 2, K = 2, weights [1, 1], rewards [[1, 0], [0, 0], [1, 10], [0, 0]]:
+    function 0: groups [1, 0], [1, 0] -> z = +-0.5 / (0.70711 + 1e-4) = +-0.70701;
+    function 1: group [0, 0] -> 0, group [10, 0] -> +-5 / (7.07107 + 1e-4) = +-0.70710;
+    s = [0.70701, -0.70701, 1.41411, -1.41411] -> mean 0, std 1.29094 ->
+    A = [0.54765, -0.54765, 1.09537, -1.09537].
+    """
+    if rewards_per_func.dim() != 2 or rewards_per_func.shape[0] % group_size != 0:
+        raise ValueError(
+            f"rewards_per_func must be [N, K] with N a multiple of group_size={group_size}, "
+            f"got {tuple(rewards_per_func.shape)}"
+        )
+    if weights.shape != (rewards_per_func.shape[1],):
+        raise ValueError(
+            f"weights must have one entry per reward function ({rewards_per_func.shape[1]}), got {tuple(weights.shape)}"
+        )
+    dtype = rewards_per_func.dtype
+    rewards = _finite_or_nan(rewards_per_func)
+    K = rewards.shape[1]
+    grouped = rewards.view(-1, group_size, K)
+    present = ~torch.isnan(grouped)
+    n = present.sum(dim=1, keepdim=True)
+    mean = torch.nansum(grouped, dim=1, keepdim=True) / n.clamp(min=1)
+    std = nan_std(grouped, dim=1, keepdim=True)
+    z = (grouped - mean) / (std + eps)
+    counted = present & (n > 1)
+    z = torch.where(counted, z, torch.zeros_like(z)).view(-1, K)
+    summed = (z * weights.to(z.device, torch.float64)).sum(dim=1)
+    scorable = present.view(-1, K).any(dim=1)
+    summed = torch.where(scorable, summed, torch.full_like(summed, float("nan")))
+    batch_mean = torch.nansum(summed) / scorable.sum().clamp(min=1)
+    advantages = (summed - batch_mean) / (nan_std(summed, dim=0) + eps)
+    return torch.where(scorable, advantages, torch.zeros_like(advantages)).to(dtype)
 
 
 def group_reward_std(rewards: torch.Tensor, group_size: int) -> torch.Tensor:

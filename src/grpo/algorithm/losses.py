@@ -24,18 +24,26 @@ correction (grpo.algorithm.correction).
 Registered policy losses and the TRL `loss_type` each reproduces (in grpo,
 TRL's loss_type is split into the policy loss and the aggregation):
     clipped + grpo / bnpo / dr_grpo / dapo   TRL grpo / bnpo / dr_grpo / dapo
+    clipped + luspo                          TRL luspo (a per-sequence sum, averaged over sequences)
     cispo   + dapo                           TRL cispo (its tokens-of-the-batch normaliser)
     sapo    + grpo                           TRL sapo (its per-sequence mean)
+    vespo   + dapo                           TRL vespo (gamma-weighted log-likelihood)
+
+`policy_loss` also applies, when set: the off-policy sequence mask
+(`off_policy_mask`, DeepSeek-V3.2), the importance-weighted ("bias-corrected")
+KL, and the entropy bonus (grpo.algorithm.entropy).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
 
 from grpo.algorithm.correction import RolloutCorrection, correction_weights, mismatch_stats
+from grpo.algorithm.entropy import entropy_bonus
 from grpo.registry import IMPORTANCE_LEVELS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
 
 ENTROPY_MASK_SCOPES = ("completion", "batch")
@@ -210,6 +218,27 @@ def batch_token_mean(
     return masked.sum() / _count(norm.num_tokens, masked)
 
 
+def sequence_sum_mean(
+    per_token_loss: torch.Tensor, mask: torch.Tensor, norm: LossNormalisers
+) -> torch.Tensor:
+    """`luspo`: (1/num_sequences) sum_i sum_t L M, the per-sequence SUM averaged over sequences.
+
+    LUSPO (length-unbiased sequence policy optimisation) scales each sequence's
+    loss by its length: with the sequence-level ratio (importance_sampling_level
+    "sequence", the setup of the paper) every token of row i carries the same
+    loss l_i, so the sum is |o_i| * l_i. TRL 1.16 computes
+    `(L * M).sum(-1).mean()` per micro-batch of B sequences and divides it by
+    the gradient accumulation steps; over the GA micro-batches of a window (and
+    averaged over ranks) that is sum_i sum_t L M / (B * GA * ranks), i.e. this
+    with num_sequences counted over the generation batch, whatever the split.
+
+    Example: L = [[1, 3], [2, x]], M = [[1, 1], [1, 0]], one piece:
+    (4 + 2) / 2 = 3.
+    """
+    masked, _ = _masked(per_token_loss, mask)
+    return masked.sum() / norm.num_sequences
+
+
 def aggregate_loss(
     per_token_loss: torch.Tensor,
     mask: torch.Tensor,
@@ -224,8 +253,9 @@ def aggregate_loss(
     bnpo:    (sum L M / minibatch_tokens) / num_minibatches
     dr_grpo: sum L M / (num_sequences * max_completion_length)
     dapo:    sum L M / num_tokens
+    luspo:   (1/num_sequences) sum_i sum_t L M            per-sequence sum
 
-    For grpo, dr_grpo and dapo the sum over minibatches does not depend on how
+    For grpo, dr_grpo, dapo and luspo the sum over minibatches does not depend on how
     the batch is split; bnpo normalises per minibatch, as TRL does. A minibatch
     may itself be computed in micro-batches (to bound activation memory): each
     passes its minibatch's `minibatch_tokens`, and the micro-batches' results
@@ -233,7 +263,7 @@ def aggregate_loss(
     tensors given, i.e. a single-piece batch.
 
     Example: L = [[1, 3], [2, x]], M = [[1, 1], [1, 0]], one piece, T_max=4:
-    grpo (2 + 2)/2 = 2;  bnpo 6/3 = 2;  dr_grpo 6/(2*4) = 0.75;  dapo 6/3 = 2.
+    grpo (2 + 2)/2 = 2;  bnpo 6/3 = 2;  dr_grpo 6/(2*4) = 0.75;  dapo 6/3 = 2;  luspo 6/2 = 3.
     """
     aggregate = LOSS_AGGREGATIONS.get(loss_type)  # a ConfigError (a ValueError) for an unknown name
     return aggregate(per_token_loss, mask, norms.filled(mask, per_token_loss.dtype))
@@ -256,7 +286,10 @@ class PolicyLossParams:
                1 + epsilon_high; TRL's meaning, recommended 5.0), importance_sampling_level
       sapo:    sapo_temperature_pos (A > 0), sapo_temperature_neg (A <= 0), importance_sampling_level;
                epsilon_low / epsilon_high only for its clip statistics
-    The SAPO temperatures' defaults are TRL 1.16's (1.0 and 1.05).
+      vespo:   vespo_k_pos, vespo_lambda_pos (A >= 0), vespo_k_neg, vespo_lambda_neg (A < 0); its
+               ratio is always the sequence's product of token ratios (importance_sampling_level
+               is not read); epsilon_low / epsilon_high only for its clip statistics
+    The SAPO temperatures' and the VESPO parameters' defaults are TRL 1.16's.
     """
 
     epsilon_low: float = 0.2
@@ -265,6 +298,10 @@ class PolicyLossParams:
     importance_sampling_level: str = "token"
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
 
 
 def clipped_policy_loss(
@@ -393,6 +430,159 @@ def sapo_policy_loss(
     return per_token, _trust_region_stats(ratio, advantages, mask, params)
 
 
+GAMMA_LOG_FLOOR = math.log(1e-8)
+"""The lowest log importance weight VESPO's gamma weights use (w >= 1e-8), as TRL 1.16."""
+
+
+@torch.no_grad()
+def gamma_weights(
+    advantages: torch.Tensor,
+    log_ratio: torch.Tensor,
+    mask: torch.Tensor,
+    is_weights: torch.Tensor | None = None,
+    k_pos: float = 2.0,
+    lambda_pos: float = 3.0,
+    k_neg: float = 3.0,
+    lambda_neg: float = 2.0,
+) -> torch.Tensor:
+    """VESPO's gamma weight phi(w) of each sequence's importance weight w, detached.
+
+        log w = clamp(sum_t m clamp(logp - old, -20, 20)  (+ sum_t log is_weight), log 1e-8, 20)
+        phi(w) = exp(lambda + k log w - lambda w) = e^lambda w^k e^(-lambda w)
+
+    so phi(1) = 1, phi rises as w^k below 1 and decays as e^(-lambda w) above.
+    w is the product of the token ratios (a sum of log-ratios, not GSPO's mean).
+    (k, lambda) = (k_pos, lambda_pos) where A >= 0, (k_neg, lambda_neg) where A < 0;
+    lambda is floored at 1e-4; a NaN or inf phi becomes 0. `is_weights`: the
+    rollout correction's weights between the sampling engine and pi_old
+    (token level, [N, T], 1 at padding), folded into w in log space (each log
+    clamped to [log 1e-8, 20]: a weight masked to 0 counts as 1e-8): w is then
+    pi_theta / pi_sampler, as TRL 1.16 does with its vLLM importance-sampling
+    ratio. Defaults are TRL 1.16's.
+
+    advantages [N] or [N, T]; log_ratio, mask [N, T] -> phi [N, 1] ([N, T] for per-token A).
+
+    Example (k_pos 2, lambda_pos 3; k_neg 3, lambda_neg 2):
+    A = +1, log-ratios [0.1, -0.1] -> w = 1 -> phi = 1;
+    A = +1, w = e^0.2 = 1.2214 -> phi = exp(3 + 0.4 - 3.66421) = 0.76781;
+    A = -1, w = e^-0.2 = 0.81873 -> phi = exp(2 - 0.6 - 1.63746) = 0.78863.
+    """
+    adv = token_advantages(advantages)
+    clamped = torch.clamp(log_ratio, -20.0, 20.0)
+    keep = mask.bool()
+    log_w = torch.where(keep, clamped, torch.zeros_like(clamped)).sum(-1, keepdim=True)
+    if is_weights is not None:
+        log_is = torch.clamp(torch.log(is_weights.to(log_w.dtype)), GAMMA_LOG_FLOOR, 20.0)
+        if log_is.shape[-1] != 1:  # token weights: the row's counted tokens (1, log 0, elsewhere)
+            log_is = torch.where(keep, log_is, torch.zeros_like(log_is))
+        log_w = log_w + log_is.sum(-1, keepdim=True)
+    log_w = torch.clamp(log_w, GAMMA_LOG_FLOOR, 20.0)
+    w = torch.exp(log_w)
+    nonneg = adv >= 0
+    k = torch.where(nonneg, _scalar(k_pos, log_w), _scalar(k_neg, log_w))
+    lam = torch.where(nonneg, _scalar(lambda_pos, log_w), _scalar(lambda_neg, log_w)).clamp(
+        min=1e-4
+    )
+    phi = torch.exp(lam + k * log_w - lam * w)
+    return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _scalar(value: float, like: torch.Tensor) -> torch.Tensor:
+    return torch.as_tensor(value, dtype=like.dtype, device=like.device)
+
+
+def vespo_policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    params: PolicyLossParams,
+    *,
+    correction_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`vespo`: variational sequence-level soft policy optimisation (VESPO), per token.
+
+        l = -phi(w) * A * logp,   phi = gamma_weights(A, logp - old, mask, correction_weights, ...)
+
+    phi is detached: the gradient is -phi A per unit of logp, a REINFORCE step
+    weighted by a smooth, asymmetric function of the sequence's importance weight
+    instead of PPO's hard clip. `importance_sampling_level` is not read (w is
+    always the sequence's product of ratios; TRL warns unless it is "token").
+    The rollout correction's weights, when a correction is configured, go into w
+    (`correction_weights`) instead of multiplying the loss (`folds_correction`);
+    TRL accepts only its token-level modes for this. TRL's loss_type "vespo" =
+    this with the `dapo` aggregation.
+
+    Statistics: phi_seq_sum, the sum over rows of phi (of each row's masked mean
+    of phi for per-token advantages; TRL's vespo/phi_seq_mean once divided by the
+    rows), and, for comparison with `clipped`, clip_low / clip_high / clip_region
+    of the token ratio against epsilon_low / epsilon_high (nothing is clipped).
+
+    Example: logp = log 0.5 on both tokens of a row, old = logp (w = 1), A = +1:
+    phi = 1, l = -log 0.5 = 0.6931 per token, dl/dlogp = -1; A = -1 with
+    logp - old = [-0.1, -0.1]: phi = 0.78863, dl/dlogp = +0.78863.
+    """
+    log_ratio = logp - old_logp
+    phi = gamma_weights(
+        advantages,
+        log_ratio,
+        mask,
+        correction_weights,
+        params.vespo_k_pos,
+        params.vespo_lambda_pos,
+        params.vespo_k_neg,
+        params.vespo_lambda_neg,
+    )
+    adv = token_advantages(advantages)
+    per_token = -phi * adv * logp
+    stats = _trust_region_stats(torch.exp(log_ratio.detach()), advantages, mask, params)
+    with torch.no_grad():
+        if phi.shape[-1] == 1:
+            stats["phi_seq_sum"] = phi.double().sum()
+        else:
+            m = mask.double()
+            stats["phi_seq_sum"] = ((phi.double() * m).sum(-1) / m.sum(-1).clamp(min=1.0)).sum()
+    return per_token, stats
+
+
+vespo_policy_loss.folds_correction = True
+"""policy_loss passes the rollout correction's weights in (`correction_weights=`) rather than
+multiplying the per-token loss by them."""
+
+
+def off_policy_mask(
+    advantages: torch.Tensor,
+    logp: torch.Tensor,
+    sampling_logp: torch.Tensor,
+    mask: torch.Tensor,
+    threshold: float,
+) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask: drop a sequence with a negative advantage whose
+    sampling policy has drifted too far from the current one.
+
+        d_i = sum_t m (sampling - sg(logp)) / max(1, sum_t m)    (a KL estimate, per sequence)
+        keep_i = A_i >= 0  or  d_i <= threshold
+
+    sampling: the log-probs the completions were sampled with (the engine's
+    when it reports them, else pi_old: TRL 1.16's choice), so both the drift
+    of the updates and the sampler / trainer mismatch count. A NaN difference
+    (a token the engine could not score) counts as 0, so it cannot drop a
+    sequence by itself (TRL's nan_to_num: an infinite one becomes the largest
+    finite float). No gradient.
+
+    advantages [N] or [N, T]; logp, sampling_logp, mask [N, T] -> float [N, 1] of 1 (keep)
+    and 0 (drop) in mask's float dtype (logp's for an integer mask); [N, T] for per-token A.
+
+    Example: threshold 0.5, sampling - logp = [[0.2, 0.4], [1.0, 0.6], [1.0, 0.6]],
+    mask all 1, A = [-1, -1, +1]: d = [0.3, 0.8, 0.8] -> keep [[1], [0], [1]].
+    """
+    diff = torch.nan_to_num(sampling_logp.detach() - logp.detach(), nan=0.0)
+    m = mask if mask.is_floating_point() else mask.to(diff.dtype)
+    drift = (diff * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
+    keep = (token_advantages(advantages) >= 0) | (drift <= threshold)
+    return keep.to(m.dtype)
+
+
 def entropy_mask(
     entropy: torch.Tensor, mask: torch.Tensor, quantile: float, scope: str
 ) -> torch.Tensor:
@@ -451,11 +641,16 @@ def entropy_mask(
 class LossSettings:
     """How a run's policy loss is computed (algorithm.*): the same for every micro-batch.
 
-    objective:  the registered policy loss (`clipped`, `cispo`, `sapo`), reading `params`
-    loss_type:  the registered aggregation (`grpo`, `bnpo`, `dr_grpo`, `dapo`)
+    objective:  the registered policy loss (`clipped`, `cispo`, `sapo`, `vespo`), reading `params`
+    loss_type:  the registered aggregation (`grpo`, `bnpo`, `dr_grpo`, `dapo`, `luspo`)
     beta:       the KL term's weight (0: none), with `kl_estimator` (k1, k2, k3)
+    kl_bias_correction: multiply the KL per token by the importance ratio pi_theta / pi_old
+                (token or sequence level, as the policy's ratio; not detached), DeepSeek-V3.2's
+                unbiased KL gradient (TRL's use_bias_correction_kl)
     correction: truncated importance sampling against the engine's sampling logprobs
                 (`correction_weights`), or None
+    off_policy_mask_threshold: drop negative-advantage sequences whose sampling policy drifted
+                further than this (`off_policy_mask`); None: keep all
     """
 
     objective: str = "clipped"
@@ -463,7 +658,9 @@ class LossSettings:
     params: PolicyLossParams = PolicyLossParams()
     beta: float = 0.0
     kl_estimator: str = "k3"
+    kl_bias_correction: bool = False
     correction: RolloutCorrection | None = None
+    off_policy_mask_threshold: float | None = None
 
 
 def policy_loss(
@@ -477,12 +674,16 @@ def policy_loss(
     ref_logp: torch.Tensor | None = None,
     entropy_mask: torch.Tensor | None = None,
     sampling_logp: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The GRPO objective for one minibatch: policy loss `settings.objective` (times the entropy
-    mask and the rollout correction's weights, when given) + beta * KL, aggregated by
-    `settings.loss_type` with the batch's `norms`.
+    """The GRPO objective for one minibatch: policy loss `settings.objective` (times the
+    off-policy mask, the entropy mask and the rollout correction's weights, when given)
+    + beta * KL (times the ratio with kl_bias_correction), aggregated by
+    `settings.loss_type` with the batch's `norms`, minus the entropy bonus.
 
-        l_{i,t} = keep_{i,t} * w_{i,t} * policy_{i,t} + beta * KL_{i,t}
+        l_{i,t} = opm_i * keep_{i,t} * w_{i,t} * policy_{i,t} + beta * KL_{i,t} (* rho_{i,t})
+        loss    = aggregate(l) - entropy_coef * entropy_bonus(H, M, keep)
 
     logp:      [N, T] log pi_theta of the sampled tokens (requires grad)
     old_logp:  [N, T] log pi_old (the policy the update starts from); None means
@@ -498,13 +699,23 @@ def policy_loss(
                given, the statistics gain the mismatch sums (`mismatch_stats`), and
                `settings.correction` multiplies the policy term by the detached
                weights of `correction_weights(old_logp, sampling_logp, mask, correction)`.
-               The policy loss's own ratio stays pi_theta / pi_old.
+               The policy loss's own ratio stays pi_theta / pi_old. A policy loss that
+               folds the correction into its own weights (`folds_correction`: vespo) gets
+               the weights as `correction_weights=` instead. The off-policy mask compares
+               sampling_logp (else old_logp) with logp.
+    entropy:   [N, T] the policy's entropy per token, with gradient; needed when
+               entropy_coef != 0: the loss then subtracts entropy_coef * `entropy_bonus`
+               (over mask * entropy_mask, scaled by the minibatch's share, see there).
 
     Returns the scalar loss and detached float64 statistics summed over masked
     tokens (the caller divides by token counts): clip_low, clip_high,
-    clip_region (as the policy loss defines them); kl when beta > 0;
-    logprob_diff_sum, logprob_diff_max (a max, not a sum), is_ratio_sum when
-    sampling_logp is given; is_weight_sum, is_capped when a correction is too.
+    clip_region (as the policy loss defines them, and whatever else it adds:
+    vespo's phi_seq_sum); kl when beta > 0 (times the ratio with
+    kl_bias_correction, as TRL logs it); logprob_diff_sum, logprob_diff_max (a
+    max, not a sum), is_ratio_sum when sampling_logp is given; is_weight_sum,
+    is_capped when a correction is too; off_policy_masked (sequences with
+    counted tokens that the off-policy mask dropped) with a threshold;
+    policy_loss (the loss before the bonus) when entropy_coef != 0.
     """
     if old_logp is None:
         old_logp = logp.detach()
@@ -513,9 +724,32 @@ def policy_loss(
         raise ValueError(
             "a rollout correction needs sampling_logp, the log-probs the engine sampled with"
         )
-    per_token, stats = POLICY_LOSSES.get(settings.objective)(
-        logp, old_logp, advantages, mask, settings.params
+    if sampling_logp is not None and sampling_logp.shape != mask.shape:
+        raise ValueError(
+            f"sampling_logp must have mask's shape {tuple(mask.shape)}, got {tuple(sampling_logp.shape)}"
+        )
+    objective = POLICY_LOSSES.get(settings.objective)
+    weights = (
+        correction_weights(old_logp, sampling_logp, mask, correction)
+        if correction is not None
+        else None
     )
+    if getattr(objective, "folds_correction", False):
+        per_token, stats = objective(
+            logp, old_logp, advantages, mask, settings.params, correction_weights=weights
+        )
+        weights = None  # already in the policy loss
+    else:
+        per_token, stats = objective(logp, old_logp, advantages, mask, settings.params)
+    if settings.off_policy_mask_threshold is not None:
+        drift_from = sampling_logp if sampling_logp is not None else old_logp
+        keep_seq = off_policy_mask(
+            advantages, logp, drift_from, mask, settings.off_policy_mask_threshold
+        )
+        per_token = per_token * keep_seq.to(per_token.dtype)
+        with torch.no_grad():
+            dropped = (keep_seq == 0) & mask.bool()
+            stats["off_policy_masked"] = dropped.any(-1).double().sum()
     if entropy_mask is not None:
         if entropy_mask.shape != mask.shape:
             raise ValueError(
@@ -523,22 +757,29 @@ def policy_loss(
             )
         per_token = per_token * entropy_mask.to(per_token.dtype)
     if sampling_logp is not None:
-        if sampling_logp.shape != mask.shape:
-            raise ValueError(
-                f"sampling_logp must have mask's shape {tuple(mask.shape)}, got {tuple(sampling_logp.shape)}"
-            )
         stats.update(mismatch_stats(old_logp, sampling_logp, mask, correction))
-        if correction is not None:
-            per_token = per_token * correction_weights(
-                old_logp, sampling_logp, mask, correction
-            ).to(per_token.dtype)
+    if weights is not None:
+        per_token = per_token * weights.to(per_token.dtype)
     if settings.beta != 0.0:
         if ref_logp is None:
             raise ValueError("beta > 0 needs ref_logp")
         kl = kl_estimate(logp, ref_logp, settings.kl_estimator)
+        if settings.kl_bias_correction:
+            level = settings.params.importance_sampling_level
+            kl = kl * torch.exp(log_importance_weights(logp, old_logp, mask, level))
         per_token = per_token + settings.beta * kl
-        stats["kl"] = masked_sum(kl.detach(), mask)
-    return aggregate_loss(per_token, mask, settings.loss_type, norms), stats
+        stats["kl"] = masked_sum(kl.detach().expand(mask.shape), mask)
+    loss = aggregate_loss(per_token, mask, settings.loss_type, norms)
+    if entropy_coef != 0.0:
+        if entropy is None:
+            raise ValueError("entropy_coef != 0 needs entropy, the policy's entropy per token")
+        counts = norms.filled(mask, entropy.dtype)
+        bonus = entropy_bonus(
+            entropy, mask, counts.minibatch_tokens, counts.num_minibatches, keep=entropy_mask
+        )
+        stats["policy_loss"] = loss.detach().double()
+        loss = loss - entropy_coef * bonus
+    return loss, stats
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
