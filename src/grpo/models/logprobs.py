@@ -106,7 +106,10 @@ class _TiledTokenLogprobs(torch.autograd.Function):
     log-sum-exp is accumulated across vocabulary blocks online (running max), and
     the backward recomputes each tile. Each vocabulary block's weight gradient
     is one product over all the chunk's tokens, written into its rows of the
-    gradient. Entropy is returned for logging and carries no gradient.
+    gradient. The entropy is differentiable too (the entropy bonus): when a
+    loss uses it, the backward adds its gradient (`tiles.backward_tile_with_entropy`);
+    when none does (logging, the entropy mask), autograd hands the backward no
+    gradient for it and the backward is the log-prob's alone.
     """
 
     @staticmethod
@@ -156,15 +159,18 @@ class _TiledTokenLogprobs(torch.autograd.Function):
         logp = target_z - lse
         # entropy = lse - sum p z = log S - U / S
         entropy = S.log() - U / S
-        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
         ctx.settings = (temperature, softcap, chunk_size, block, compute_dtype, kernels)
         ctx.weight_grad_sink = weight_grad_sink
-        ctx.mark_non_differentiable(entropy)
+        # an output no loss uses arrives in the backward as None (not as zeros to multiply)
+        ctx.set_materialize_grads(False)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
+        if grad_logp is None:
+            grad_logp = torch.zeros_like(lse)
         temperature, softcap, chunk_size, block, compute_dtype, kernels = ctx.settings
         need_h, need_w, need_b = (
             ctx.needs_input_grad[0],
@@ -194,18 +200,33 @@ class _TiledTokenLogprobs(torch.autograd.Function):
                 h = h_all[ts]
                 w = buffers.cast("w", weight[vs], compute_dtype)
                 product = buffers.product("low", h, w)
-                gz, column_sums = tile.backward(
-                    product,
-                    b[vs] if b is not None else None,
-                    _target_columns(targets[ts], vs),
-                    lse[ts],
-                    g_all[ts],
-                    softcap,
-                    temperature,
-                    compute_dtype,
-                    need_b,
-                    buffers,
-                )
+                if grad_entropy is None:
+                    gz, column_sums = tile.backward(
+                        product,
+                        b[vs] if b is not None else None,
+                        _target_columns(targets[ts], vs),
+                        lse[ts],
+                        g_all[ts],
+                        softcap,
+                        temperature,
+                        compute_dtype,
+                        need_b,
+                        buffers,
+                    )
+                else:
+                    gz, column_sums = tiles.backward_tile_with_entropy(
+                        product,
+                        b[vs] if b is not None else None,
+                        _target_columns(targets[ts], vs),
+                        lse[ts],
+                        entropy[ts],
+                        g_all[ts],
+                        grad_entropy[ts].float(),
+                        softcap,
+                        temperature,
+                        compute_dtype,
+                        need_b,
+                    )
                 if need_b:
                     grad_b[vs] += column_sums
                 if need_h:

@@ -94,6 +94,36 @@ def backward_tile(
     return (gz.t().contiguous().t() if column_major else gz), sums
 
 
+def backward_tile_with_entropy(
+    product,
+    bias,
+    column,
+    lse,
+    entropy,
+    grad,
+    grad_entropy,
+    softcap,
+    temperature,
+    out_dtype: torch.dtype,
+    with_bias: bool,
+):
+    """`backward_tile` when the entropy H = -sum p log p is differentiated too (the entropy
+    bonus): d H / d z_v = -p_v (log p_v + H), added to the log-prob's gradient, each times its
+    row's incoming gradient. Plain tensor math (a pass with the bonus is not the one the
+    in-place kernels are tuned for); returns (gradient in `out_dtype`, column sums or None)."""
+    z, tanh = _logits(product, bias, softcap, temperature)
+    log_p = z - lse[:, None]
+    p = torch.exp(log_p)
+    hit = torch.arange(z.shape[1], device=z.device)[None, :] == column[:, None]
+    gz = grad[:, None] * (hit.to(torch.float32) - p)
+    gz = gz - grad_entropy[:, None] * p * (log_p + entropy[:, None])
+    gz = gz / temperature
+    if softcap is not None:
+        gz = gz * (1.0 - tanh * tanh)
+    sums = gz.sum(0) if with_bias else None
+    return gz.to(out_dtype), sums
+
+
 # -- eager: the same math in place, into the pass's buffers ---------------------------------
 # Run op by op, the functions above would allocate a tile-sized temporary per operation (with
 # first-touch page faults on the CPU), which costs as much again as the work; these write into
