@@ -120,7 +120,9 @@ def test_first_seed_script_runs_by_changing_the_import(tmp_path, monkeypatch):
 
     (trainer,) = _Spy.made
     assert _Spy.calls == [("correctness_reward", 8)] * 2  # each step, num_generations x 2 prompts
-    assert [row["step"] for row in trainer.state.log_history] == [1, 2]
+    *steps, summary = trainer.state.log_history
+    assert [row["step"] for row in steps] == [1, 2]
+    assert summary["step"] == 2 and "train_runtime" in summary and "train_loss" in summary
     assert trainer.config.training.bf16 and trainer.config.rollout.num_generations == 4
     after = trainer.model.state_dict()
     assert any(not torch.equal(before[k], after[k].cpu()) for k in before)
@@ -260,6 +262,7 @@ CHANGES = {
     "eval_strategy": ("steps", {}),
     "eval_steps": (5, {"eval_strategy": "steps"}),
     "per_device_eval_batch_size": (4, {}),
+    "eval_on_start": (True, {}),
 }
 
 
@@ -448,7 +451,10 @@ eval: {{batch_size: 8}}
         for r in rows
     ]  # noqa: E731
     # exact: one config (above), so one Trainer computing the same operations on the same shapes
-    assert untimed(trainer.state.log_history) == untimed(yaml_history)
+    # log_history: those rows with TRL's `epoch`, then transformers' summary row
+    assert untimed(
+        [{k: v for k, v in r.items() if k != "epoch"} for r in trainer.state.log_history[:-1]]
+    ) == untimed(yaml_history)
     # the runs had a learning signal
     assert len(yaml_history) == 3 and any(h["reward_std"] > 0 for h in yaml_history)
 
@@ -485,13 +491,13 @@ def test_resume_from_checkpoint(tmp_path):
         make(3).train()
     resumed = make(3)
     out = resumed.train(resume_from_checkpoint=True)
-    assert out.global_step == 3 and [r["step"] for r in resumed.state.log_history] == [3]
+    assert out.global_step == 3 and [r["step"] for r in resumed.state.log_history] == [3, 3]
     untimed = lambda row: {
         k: v for k, v in row.items() if not k.startswith("time/") and k != "tokens_per_second"
     }  # noqa: E731
     # the same step as the uninterrupted run's (bf16, TRL's default, rounds differently after a reload)
     assert untimed(resumed.state.log_history[0]) == pytest.approx(
-        untimed(whole.state.log_history[-1]), rel=1e-3, abs=1e-6
+        untimed(whole.state.log_history[-2]), rel=1e-3, abs=1e-6
     )
 
 
@@ -525,7 +531,12 @@ def test_reward_model_by_path_and_evaluate(tmp_path, save_reward_model):
     trainer.train()
     assert "rewards/rm/mean" in trainer.state.log_history[0]
     metrics = trainer.evaluate()
-    assert set(metrics) == {"eval/greedy/accuracy", "eval/greedy/mean_reward"}
+    # grpo's measures (one decoding here), TRL's (sampled groups: loss and rewards), the timing
+    assert {"eval_greedy/accuracy", "eval_greedy/mean_reward"} <= set(metrics)
+    assert {"eval_loss", "eval_reward", "eval_rewards/rm/mean", "eval_runtime", "epoch"} <= set(
+        metrics
+    )
+    assert trainer.state.log_history[-1]["eval_reward"] == metrics["eval_reward"]
 
 
 def test_rewards_defined_in_a_script_run_in_threads():
@@ -654,7 +665,7 @@ def test_reward_functions_get_trainer_state_in_worker_processes(tmp_path):
     trainer = GRPOTrainer("tiny", step_reward, args=args, train_dataset=rows)
     assert trainer.trainer.rewards.executor.in_worker(0)  # pickled to a worker, not run in a thread
     trainer.train()
-    means = [row["rewards/step_reward/mean"] for row in trainer.state.log_history]
+    means = [row["rewards/step_reward/mean"] for row in trainer.state.log_history[:-1]]
     # optimizer steps before each grpo step (num_iterations 2 each), and the epoch reached by its prompts
     assert means == pytest.approx([0 + 0.005, 2 + 0.01, 4 + 0.015])
 

@@ -28,10 +28,13 @@ import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from grpo.config import schema as config_module
 from grpo.config.schema import Config, ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 # --------------------------------------------------------------------------
 # GRPOConfig
@@ -138,6 +141,11 @@ class _Fields:
     """no, steps or epoch: held-out evaluation of eval_dataset during training."""
     eval_steps: float | None = None
     """None: logging_steps."""
+    eval_on_start: bool = False
+    """Evaluate before the first step (grpo's eval.before); needs eval_dataset."""
+    num_generations_eval: int | None = None
+    """Completions per held-out prompt in the loss-and-rewards part of an evaluation (TRL's);
+    None: num_generations."""
     per_device_eval_batch_size: int = 8
     grpo_overrides: list[str] = field(default_factory=list)
     """grpo's own settings that TRL has no field for, as `section.key=value` (e.g.
@@ -446,6 +454,7 @@ MAPPING: dict[str, tuple[str, Callable[[GRPOConfig, int | None], Any] | None]] =
         lambda a, n: a._in_steps(a.eval_steps or a.logging_steps, n, a.eval_strategy, "eval_steps"),
     ),
     "per_device_eval_batch_size": ("eval.batch_size", None),
+    "eval_on_start": ("eval.before", None),
 }
 """Every GRPOConfig field, and the grpo key it sets, but CHECKED_ONLY's."""
 
@@ -458,6 +467,7 @@ CHECKED_ONLY = (
     "vllm_mode",
     "vllm_importance_sampling_clip_min",
     "grpo_overrides",
+    "num_generations_eval",
 )
 """Fields that set no key: grpo has one value for each (refused otherwise, in `_check`), and grpo_overrides."""
 
@@ -607,10 +617,6 @@ class GRPOTrainer:
             )
         if unknown:
             raise TypeError(f"GRPOTrainer: unknown argument(s) {', '.join(sorted(unknown))}")
-        if callbacks:
-            raise NotImplementedError(
-                "GRPOTrainer: callbacks are not supported; read trainer.state.log_history or metrics.jsonl after train()"
-            )
         if optimizers != (None, None):
             raise NotImplementedError(
                 "GRPOTrainer: optimizers= is not supported; grpo builds AdamW from learning_rate, weight_decay and adam_*"
@@ -633,7 +639,18 @@ class GRPOTrainer:
             )
             args = GRPOConfig(output_dir=f"{Path(str(name)).name}-GRPO")
         self.args = args
-        lora = lora_keys(peft_config, model) if peft_config is not None else None
+        self._peft_model = None
+        if _is_peft_model(model):
+            if peft_config is not None:
+                raise ConfigError(
+                    "GRPOTrainer: model is a PeftModel and peft_config is given; pass one: the PeftModel (its "
+                    "adapter is trained) or the base model with peft_config (merge_and_unload the PeftModel first)"
+                )
+            self._peft_model = model
+            model, lora = _adopt_peft_model(model)
+        else:
+            lora = lora_keys(peft_config, model) if peft_config is not None else None
+        lora = {**(lora or {}), "rewards.funcs": _reward_specs(reward_funcs)}
         if _is_iterable_dataset(train_dataset):
             if args.max_steps <= 0:
                 raise ValueError(
@@ -650,7 +667,18 @@ class GRPOTrainer:
         else:
             train_rows = _rows(train_dataset, "train_dataset")
             self.config = self.args.to_config(len(train_rows), lora)
-        eval_rows = _eval_rows(eval_dataset, self.config)
+        self.eval_dataset = eval_dataset
+        """The held-out data as passed: one dataset, or a dict (or DatasetDict) of named ones."""
+        if _is_dataset_dict(eval_dataset):
+            if self.config.eval.before or self.config.eval.every:
+                raise ConfigError(
+                    "GRPOTrainer: eval_dataset is a dict of datasets, and grpo evaluates one held-out set during "
+                    "training (eval_strategy, eval_on_start); pass one dataset, or evaluate each after training "
+                    "with trainer.evaluate()"
+                )
+            eval_rows = None
+        else:
+            eval_rows = _eval_rows(eval_dataset, self.config)
         if isinstance(model, (str, Path)):
             self.config.model.name = str(model)
             model = None
@@ -667,12 +695,24 @@ class GRPOTrainer:
             _prepare_tokenizer(processing_class)
         self.reward_funcs = _reward_funcs(reward_funcs, reward_processing_classes, self.config)
         _script_rewards_in_threads(self.reward_funcs, self.config, self.args.grpo_overrides)
+        _warn_length_weighted_sequences(self.args)
+        from transformers import TrainerControl
+
+        from grpo.training.callbacks import Callbacks
+
+        self.callback_handler = Callbacks(callbacks or (), args=self.args, control=TrainerControl())
+        """The callbacks (transformers.TrainerCallback objects), called with this GRPOConfig as
+        `args`, a RunState as `state` and a transformers.TrainerControl as `control`."""
+        self.state = self.callback_handler.state
+        """TrainerState's names: global_step, max_steps, epoch, log_history, ... (optimizer steps)."""
         self._inputs = dict(
             model=model,
             tokenizer=processing_class,
             train_rows=train_rows,
             eval_rows=eval_rows,
             reward_funcs=self.reward_funcs,
+            callbacks=self.callback_handler,
+            eval_generations=self.args.num_generations_eval or self.args.num_generations,
         )
         from grpo.run import checkpoint
         from grpo.training.trainer import Trainer
@@ -689,8 +729,40 @@ class GRPOTrainer:
             start = copy.deepcopy(self.config)
             start.overwrite_output_dir = True
         self.trainer = Trainer(start, **self._inputs)
-        self.model, self.processing_class = self.trainer.model, self.trainer.tokenizer
-        self.state = _State()
+        self.model, self.processing_class = self._policy(), self.trainer.tokenizer
+
+    def _policy(self):
+        """The model trained: the PeftModel passed, else grpo's policy module."""
+        return self._peft_model if self._peft_model is not None else self.trainer.model
+
+    # -------------------------------------------------------------- callbacks (transformers' names)
+
+    def add_callback(self, callback) -> None:
+        """Adds a callback (a TrainerCallback object, or its class)."""
+        self.callback_handler.add(callback)
+
+    def pop_callback(self, callback):
+        """Removes and returns the callback (or the first of that class); None when absent."""
+        return self.callback_handler.pop(callback)
+
+    def remove_callback(self, callback) -> None:
+        """Removes the callback (or the first of that class)."""
+        self.callback_handler.remove(callback)
+
+    @property
+    def control(self):
+        """The transformers.TrainerControl the callbacks act on."""
+        return self.callback_handler.control
+
+    @property
+    def ref_model(self):
+        """The KL reference (TRL's attribute): None when beta is 0 (no reference is used) or with
+        LoRA (the policy with its adapter switched off is the reference, as in TRL); otherwise
+        the frozen copy of the starting policy."""
+        reference = self.trainer.reference
+        if not reference.enabled:
+            return None
+        return getattr(reference, "model", None)
 
     def train(self, resume_from_checkpoint: str | bool | None = None):
         """Trains to max_steps; `resume_from_checkpoint`: a checkpoint directory, or True for the
@@ -707,19 +779,18 @@ class GRPOTrainer:
                     f"{error}. From GRPOTrainer: train(resume_from_checkpoint=True) continues it; "
                     "GRPOConfig(overwrite_output_dir=True) starts afresh"
                 ) from None
-        history = self.trainer.train()
-        self.state.log_history.extend(history)
-        self.state.global_step = self.trainer.state.step * self.config.algorithm.num_iterations
-        losses = [
-            row["loss"]
-            for row in history
-            if isinstance(row.get("loss"), float) and math.isfinite(row["loss"])
-        ]
-        return TrainOutput(
-            self.state.global_step,
-            sum(losses) / len(losses) if losses else 0.0,
-            history[-1] if history else {},
+        self.trainer.train()
+        last = self.state.log_history[-1] if self.state.log_history else {}
+        summary = (
+            {
+                k: v
+                for k, v in last.items()
+                if k.startswith("train_") or k in ("total_flos", "epoch")
+            }
+            if "train_runtime" in last
+            else {}
         )
+        return TrainOutput(self.state.global_step, summary.get("train_loss", 0.0), summary)
 
     def _resume(self, checkpoint_path: str | bool) -> None:
         from grpo.run import checkpoint
@@ -737,7 +808,7 @@ class GRPOTrainer:
         # the trainer built at construction holds no training yet: replace it by one that resumes
         self.trainer.rewards.close()
         self.trainer = Trainer(self.config, **self._inputs, resume=path)
-        self.model, self._holds_run = self.trainer.model, False
+        self.model, self._holds_run = self._policy(), False
 
     def save_model(self, output_dir: str | None = None) -> None:
         """The policy and tokenizer, loadable with from_pretrained (default: output_dir)."""
@@ -747,31 +818,111 @@ class GRPOTrainer:
         if self.processing_class is not None:
             self.processing_class.save_pretrained(directory)
 
-    def evaluate(self) -> dict[str, float]:
-        """Held-out evaluation of eval_dataset (greedy and temperature-1 decoding, grpo's `eval`
-        settings): each decoding's accuracy and mean reward."""
-        t = self.trainer
-        if t.evaluator is None:
-            if not t.task.eval_rows:
-                raise ValueError("GRPOTrainer.evaluate: needs eval_dataset")
-            from grpo.training.evaluate import Evaluator
+    def evaluate(
+        self,
+        eval_dataset=None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> dict[str, float]:
+        """Held-out evaluation of `eval_dataset` (default: the trainer's), its metrics keyed
+        `{metric_key_prefix}_...`; a dict of datasets (or a DatasetDict) is evaluated one by one,
+        each under `{metric_key_prefix}_{name}_...`, as transformers does.
 
-            t.evaluator = Evaluator(
-                self.config, t.engine, t.tokenizer, t.task.eval_rows, t.task.scorer, t.rewards
+        Two measures, both logged (log_history, on_evaluate; eval.jsonl for the second):
+        TRL's (grpo.training.evaluate.group_evaluation: num_generations_eval sampled
+        completions per prompt, their `loss`, `reward`, `reward_std`, `rewards/<name>/mean`,
+        `completions/...`), and grpo's (one greedy and one temperature-1 completion per
+        prompt, eval.temperatures: `{decoding}/accuracy` by the task's scorer and
+        `{decoding}/mean_reward`). Then `runtime`, `samples_per_second`, `steps_per_second`
+        and `epoch`. `ignore_keys` (model outputs to leave out, in transformers) has nothing
+        to act on here."""
+        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        if dataset is None:
+            raise ValueError("GRPOTrainer.evaluate: needs eval_dataset (here or at construction)")
+        if _is_dataset_dict(dataset):
+            metrics: dict[str, float] = {}
+            for name, split in dataset.items():
+                metrics.update(self.evaluate(split, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        import time
+
+        from grpo.tasks.scorers import AnswerScorer, RewardScorer, has_integer_answers
+        from grpo.training.evaluate import Evaluator, group_evaluation
+        from grpo.training.trainer import eval_metrics
+
+        t, started = self.trainer, time.monotonic()
+        rows = (
+            t.task.eval_rows
+            if eval_dataset is None and t.task.eval_rows
+            else _eval_rows(dataset, self.config)
+        )
+        scorer = AnswerScorer() if has_integer_answers(rows) else RewardScorer()
+        evaluator = Evaluator(
+            self.config, t.engine, t.tokenizer, rows, scorer, t.rewards, t.backend
+        )
+        step = t.state.step
+        with t.backend.generation(t.model):
+            results = t.log.evaluation(
+                "evaluate",
+                step,
+                len(evaluator.rows),
+                evaluator.num_batches,
+                lambda progress: evaluator("evaluate", step, progress),
             )
-        metrics = {}
-        for r in t.evaluate("evaluate"):
-            metrics[f"eval/{r.decoding}/accuracy"] = r.accuracy
-            metrics[f"eval/{r.decoding}/mean_reward"] = r.mean_reward
+        G = self.args.num_generations_eval or self.args.num_generations
+        metrics = {
+            f"{metric_key_prefix}_{k}": v for k, v in group_evaluation(t, evaluator.rows, G).items()
+        }
+        metrics.update(eval_metrics(results, metric_key_prefix))
+        runtime = max(time.monotonic() - started, 1e-9)
+        batches = math.ceil(len(evaluator.rows) * G / max(1, self.args.per_device_eval_batch_size))
+        metrics[f"{metric_key_prefix}_runtime"] = round(runtime, 4)
+        metrics[f"{metric_key_prefix}_samples_per_second"] = round(len(evaluator.rows) / runtime, 3)
+        metrics[f"{metric_key_prefix}_steps_per_second"] = round(batches / runtime, 3)
+        t._sync_run_state()
+        t._log_row(metrics)
+        metrics["epoch"] = self.state.epoch
+        self.callback_handler.fire("on_evaluate", metrics=metrics)
         return metrics
 
+    # -------------------------------------------------------------- TRL's helpers
 
-@dataclass
-class _State:
-    log_history: list[dict] = field(default_factory=list)
-    """One dict of metrics per step (metrics.jsonl's rows)."""
-    global_step: int = 0
-    """Optimizer steps taken (TRL's count: grpo steps x num_iterations)."""
+    def get_high_entropy_mask(
+        self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float
+    ) -> torch.Tensor:
+        """TRL's: the tokens (where `mask` is 1) whose entropy is at or above the `threshold`
+        quantile of the masked entropies, one threshold over the whole tensor (grpo's
+        algorithm.entropy_mask with quantile 1 - threshold, scope batch; one process's tokens)."""
+        from grpo.algorithm import entropy_mask
+
+        if not 0.0 <= threshold <= 1.0:
+            raise ValueError(
+                f"get_high_entropy_mask: threshold must be in [0, 1], got {threshold!r}"
+            )
+        return entropy_mask(entropies, mask, 1.0 - threshold, "batch")
+
+    @staticmethod
+    def get_off_policy_mask(
+        advantages: torch.Tensor,
+        per_token_logps: torch.Tensor,
+        sampling_per_token_logps: torch.Tensor,
+        mask: torch.Tensor,
+        off_policy_threshold: float,
+    ) -> torch.Tensor:
+        """TRL's off-policy sequence mask (DeepSeek-V3.2): [B, 1], 1.0 to keep a completion (its
+        advantage >= 0, or its mean per-token KL(pi_old || pi_theta) <= the threshold), 0.0 to
+        drop it; grpo's algorithm.off_policy_mask."""
+        from grpo import algorithm
+
+        off_policy_mask = getattr(algorithm, "off_policy_mask", None)
+        if off_policy_mask is None:
+            raise NotImplementedError(
+                "GRPOTrainer.get_off_policy_mask: grpo.algorithm has no off_policy_mask in this version; "
+                "upgrade grpo"
+            )
+        return off_policy_mask(
+            advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold
+        )
 
 
 @dataclass
@@ -779,6 +930,81 @@ class TrainOutput:
     global_step: int
     training_loss: float
     metrics: dict
+
+
+def _is_dataset_dict(dataset) -> bool:
+    """A dict of named datasets: a dict, a datasets.DatasetDict or IterableDatasetDict."""
+    return isinstance(dataset, dict)  # DatasetDict and IterableDatasetDict are dicts
+
+
+def _is_peft_model(model) -> bool:
+    peft = sys.modules.get("peft")  # not imported: then it cannot be one
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
+def _adopt_peft_model(model) -> tuple[Any, dict[str, Any]]:
+    """A peft.PeftModel holding one plain LoRA adapter, as grpo's LoRA holds its own: the
+    transformers model inside (adapted in place) with the wrapper kept beside it
+    (grpo.models.lora.peft_model), and the model.lora keys of that adapter. Its adapter is the
+    one trained, from the weights it has; anything grpo's LoRA cannot train is refused by name."""
+    import peft
+
+    from grpo.models import lora
+
+    configs = dict(model.peft_config)
+    if list(configs) != [lora.POLICY_ADAPTER]:
+        raise ConfigError(
+            f"GRPOTrainer: model is a PeftModel with adapters {sorted(configs)}; grpo trains one LoRA adapter "
+            f"named {lora.POLICY_ADAPTER!r}: pass a PeftModel made with get_peft_model(model, LoraConfig(...)), "
+            "or the base model with peft_config"
+        )
+    config = configs[lora.POLICY_ADAPTER]
+    if not isinstance(config, peft.LoraConfig):
+        raise ConfigError(
+            f"GRPOTrainer: model is a PeftModel with a {type(config).__name__} adapter; grpo trains LoRA adapters "
+            "only: use peft.LoraConfig"
+        )
+    if config.inference_mode:
+        raise ConfigError(
+            "GRPOTrainer: model is a PeftModel loaded for inference (its adapter is frozen); load it with "
+            "PeftModel.from_pretrained(base_model, path, is_trainable=True)"
+        )
+    inner = model.get_base_model()
+    keys = lora_keys(config, inner)
+    object.__setattr__(inner, lora._WRAPPER, model)
+    return inner, keys
+
+
+def _reward_specs(funcs) -> list[str]:
+    """What rewards.funcs records of the reward functions passed (one entry each, so that
+    reward_weights is checked against their number): a name or path as given, a callable's name."""
+    funcs = funcs if isinstance(funcs, list) else [funcs]
+    return [
+        str(fn)
+        if isinstance(fn, (str, Path))
+        else getattr(fn, "__name__", None)
+        or getattr(getattr(fn, "config", None), "name_or_path", None)
+        or type(fn).__name__
+        for fn in funcs
+    ]
+
+
+def _warn_length_weighted_sequences(args: GRPOConfig) -> None:
+    """TRL's warning: a sequence-level ratio (GSPO) with a loss that sums token contributions."""
+    if args.importance_sampling_level == "sequence" and args.loss_type in (
+        "bnpo",
+        "dr_grpo",
+        "dapo",
+        "cispo",
+    ):
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "importance_sampling_level='sequence' with loss_type=%r: that loss sums per-token contributions, which "
+            "weights each sequence by its completion length instead of optimising the per-sequence (GSPO) "
+            "objective; set loss_type='grpo' for the GSPO paper's setup",
+            args.loss_type,
+        )
 
 
 def _rows(dataset, what: str) -> list[dict]:
@@ -942,19 +1168,29 @@ def _reward_funcs(funcs, processing_classes, cfg: Config) -> dict[str, Callable]
     named: dict[str, Callable] = {}
     for fn, tokenizer in zip(funcs, classes):
         if isinstance(fn, (str, Path)):
-            if tokenizer is not None:
-                raise NotImplementedError(
-                    f"GRPOTrainer: reward_processing_classes for {fn}: grpo loads a reward model's own tokenizer "
-                    "from its path; pass None"
-                )
             spec = str(fn)
-            if (
-                spec not in rewards.BUILTIN
-                and spec not in rewards.CONFIGURED
-                and not spec.startswith("reward_model:")
-            ):
-                spec = f"reward_model:{spec}"
-            name, fn = rewards.resolve(spec, cfg.rewards)
+            is_model = spec not in rewards.BUILTIN and spec not in rewards.CONFIGURED
+            if tokenizer is not None and not is_model:
+                raise ValueError(
+                    f"GRPOTrainer: reward_processing_classes for {fn}: only a reward model takes a tokenizer; "
+                    "pass None for it"
+                )
+            if is_model:
+                from grpo.rewards.reward_model import from_spec
+
+                name, fn = from_spec(spec, cfg.rewards, tokenizer)
+            else:
+                name, fn = rewards.resolve(spec, cfg.rewards)
+        elif type(fn).__name__.endswith("ForSequenceClassification"):  # a reward model object
+            from grpo.rewards.reward_model import RewardModel
+
+            fn = RewardModel.from_model(
+                fn,
+                tokenizer,
+                device=cfg.rewards.reward_model_device,
+                batch_size=cfg.rewards.reward_model_batch_size,
+            )
+            name = fn.__name__
         elif callable(fn):
             name = getattr(fn, "__name__", type(fn).__name__)
         else:

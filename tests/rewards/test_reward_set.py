@@ -81,6 +81,8 @@ def test_columns_are_passed_per_completion():
     rs.add("spy", spy, 1.0)
     rows = [{"prompt": "p1", "answer": 1, "tag": "x"}, {"prompt": "p2", "answer": 2, "tag": "y"}]
     rs.score(["p1", "p2"], ["a", "b"], [[7], [8]], rows)
+    # and TRL's loggers, since it takes **kwargs
+    assert callable(seen["extra"].pop("log_metric")) and callable(seen["extra"].pop("log_extra"))
     assert (
         seen["answer"] == [1, 2]
         and seen["extra"] == {"tag": ["x", "y"]}

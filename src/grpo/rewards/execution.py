@@ -86,7 +86,7 @@ from typing import Callable
 
 from grpo.config.schema import ConfigError
 from grpo.rewards import worker as reward_worker
-from grpo.rewards.worker import call_reward
+from grpo.rewards.worker import call_reward_logged
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +107,8 @@ class Call:
     """ok, error, crashed or timeout."""
     values: list[float] | None = None
     message: str = ""
+    logs: dict | None = None
+    """What the call logged (grpo.rewards.worker.RewardLogs.as_dict), when it succeeded."""
 
 
 def default_workers() -> int:
@@ -231,7 +233,8 @@ class RewardExecutor:
 
         def run():
             try:
-                outcome.append(Call(0, n, "ok", call_reward(fn, inputs, n)))
+                values, logs = call_reward_logged(fn, inputs, n)
+                outcome.append(Call(0, n, "ok", values, logs=logs))
             except (
                 BaseException
             ):  # SystemExit too: sys.exit() in a thread is the function's failure
@@ -325,7 +328,9 @@ class RewardExecutor:
                 return
             k, a, b = w.task
             calls[k].append(
-                Call(a, b, "ok", value) if status == "ok" else Call(a, b, "error", message=value)
+                Call(a, b, "ok", value[0], logs=value[1])
+                if status == "ok"
+                else Call(a, b, "error", message=value)
             )
             w.task = None
         elif time.monotonic() >= w.deadline:

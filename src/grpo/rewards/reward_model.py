@@ -47,22 +47,32 @@ def _device(device: str) -> torch.device:
 
 
 class RewardModel:
-    """`RewardModel(path)(prompts, completions, completion_ids, **columns) -> list[float]`."""
+    """`RewardModel(path)(prompts, completions, completion_ids, **columns) -> list[float]`.
+
+    `tokenizer`: the reward model's tokenizer object (TRL's reward_processing_classes) instead
+    of the one saved with it (it is given a pad token and right padding if it lacks them).
+    `RewardModel.from_model(model, tokenizer)` scores with a sequence-classification model
+    object already loaded, kept in its own dtype."""
 
     runs_in_process = True
 
     def __init__(
         self,
-        path: str | Path,
+        path: str | Path | None = None,
         *,
         device: str = "auto",
         dtype: str = "float32",
         batch_size: int = 8,
         max_length: int | None = None,
         label: int = 0,
+        tokenizer=None,
+        model=None,
     ):
         from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
+        if model is not None:
+            self._set_up(model, tokenizer, device, batch_size, max_length, label)
+            return
         self.path = str(path)
         if dtype not in DTYPES:
             raise ConfigError(
@@ -103,18 +113,10 @@ class RewardModel:
         self.device, self.dtype = _device(device), DTYPES[dtype]
         self.batch_size, self.label = batch_size, label
 
-        self.tokenizer = AutoTokenizer.from_pretrained(self.path, trust_remote_code=False)
-        if self.tokenizer.pad_token is None:  # many decoder reward models ship without one
-            self.tokenizer.pad_token = self.tokenizer.eos_token
-        if self.tokenizer.pad_token is None:
-            raise ConfigError(
-                f"reward model {self.path!r}: its tokenizer has neither a pad nor an eos token"
-            )
-        # Right padding: the pads come after the last real token, which is where the
-        # classifier reads the sequence, so they change nothing it attends to.
-        self.tokenizer.padding_side = "right"
-        # Cut from the left when too long: the end of the completion is what is judged.
-        self.tokenizer.truncation_side = "left"
+        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(
+            self.path, trust_remote_code=False
+        )
+        self._prepare_tokenizer()
         self.max_length = max_length or getattr(config, "max_position_embeddings", None) or 2048
 
         model, info = AutoModelForSequenceClassification.from_pretrained(
@@ -129,6 +131,60 @@ class RewardModel:
         model.config.pad_token_id = self.tokenizer.pad_token_id
         self.model = model.to(self.device).eval().requires_grad_(False)
         self.__name__ = Path(self.path).name or self.path
+
+    @classmethod
+    def from_model(
+        cls, model, tokenizer=None, *, device: str = "auto", batch_size: int = 8
+    ) -> "RewardModel":
+        """A reward from a sequence-classification model object (its tokenizer: `tokenizer`, or
+        the one saved at its name_or_path)."""
+        return cls(model=model, tokenizer=tokenizer, device=device, batch_size=batch_size)
+
+    def _set_up(self, model, tokenizer, device, batch_size, max_length, label) -> None:
+        from transformers import AutoTokenizer
+
+        kind = type(model).__name__
+        if not kind.endswith("ForSequenceClassification"):
+            raise ConfigError(
+                f"reward model: expected a sequence-classification model (an architecture "
+                f"'...ForSequenceClassification'), got {kind}; a causal LM or base model has no trained score head"
+            )
+        self.path = getattr(model, "name_or_path", "") or kind
+        num_labels = model.config.num_labels
+        if not 0 <= label < num_labels:
+            raise ConfigError(
+                f"reward model {self.path!r}: label {label} is out of range; it has {num_labels} output(s)"
+            )
+        if tokenizer is None:
+            if not getattr(model, "name_or_path", ""):
+                raise ConfigError(
+                    f"reward model {kind}: built in memory, so its tokenizer cannot be loaded; pass it "
+                    "(GRPOTrainer's reward_processing_classes)"
+                )
+            tokenizer = AutoTokenizer.from_pretrained(model.name_or_path, trust_remote_code=False)
+        self.tokenizer, self.batch_size, self.label = tokenizer, batch_size, label
+        self._prepare_tokenizer()
+        self.max_length = (
+            max_length or getattr(model.config, "max_position_embeddings", None) or 2048
+        )
+        self.device = _device(device)
+        self.dtype = next(model.parameters()).dtype
+        model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.model = model.to(self.device).eval().requires_grad_(False)
+        self.__name__ = Path(self.path).name or self.path
+
+    def _prepare_tokenizer(self) -> None:
+        if self.tokenizer.pad_token is None:  # many decoder reward models ship without one
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        if self.tokenizer.pad_token is None:
+            raise ConfigError(
+                f"reward model {self.path!r}: its tokenizer has neither a pad nor an eos token"
+            )
+        # Right padding: the pads come after the last real token, which is where the
+        # classifier reads the sequence, so they change nothing it attends to.
+        self.tokenizer.padding_side = "right"
+        # Cut from the left when too long: the end of the completion is what is judged.
+        self.tokenizer.truncation_side = "left"
 
     def text(self, prompt, completion) -> tuple[str, bool]:
         """The text scored, and whether a chat template wrote it (it then has its own special tokens)."""
@@ -174,8 +230,9 @@ class RewardModel:
         return out
 
 
-def from_spec(spec: str, cfg: RewardsConfig) -> tuple[str, RewardModel]:
-    """`reward_model:path/to/model` -> (name, reward), the name being the model directory's name."""
+def from_spec(spec: str, cfg: RewardsConfig, tokenizer=None) -> tuple[str, RewardModel]:
+    """`reward_model:path/to/model` -> (name, reward), the name being the model directory's name;
+    `tokenizer`: its tokenizer object, instead of the one saved with it."""
     path = spec[len(PREFIX) :] if spec.startswith(PREFIX) else spec
     if not path:
         raise ConfigError(
@@ -186,5 +243,6 @@ def from_spec(spec: str, cfg: RewardsConfig) -> tuple[str, RewardModel]:
         device=cfg.reward_model_device,
         dtype=cfg.reward_model_dtype,
         batch_size=cfg.reward_model_batch_size,
+        tokenizer=tokenizer,
     )
     return fn.__name__, fn

@@ -14,6 +14,14 @@ its rewards for the completions of that call are missing (NaN), the failure
 is counted (`rewards/<name>/errors`, `rewards/<name>/timeouts` per step;
 `failures` over the run), and the first of each kind is logged with its
 traceback.
+
+As in TRL, a function that takes **kwargs (or names them) also gets `log_metric(name,
+value)` and `log_extra(column, values)` (grpo.rewards.worker.RewardLogs says what each
+accepts): `take_logged_metrics()` hands the trainer the metrics logged since it last asked
+(the mean of each name's values: a step's metric), and `last_extra` holds the extra columns
+of the last batch scored.
+When every function gives no reward for a completion, a warning shows that completion's
+arguments, as TRL's does.
 """
 
 from __future__ import annotations
@@ -81,7 +89,14 @@ CONFIGURED: dict[str, Callable[[RewardsConfig], RewardFn]] = {
 }
 """Built-in rewards made from the rewards section's settings (math_forms, math_timeout)."""
 
-CALL_ARGUMENTS = {"prompts", "completions", "completion_ids", "trainer_state"}
+CALL_ARGUMENTS = {
+    "prompts",
+    "completions",
+    "completion_ids",
+    "trainer_state",
+    "log_metric",
+    "log_extra",
+}
 
 
 def overlong_reward(max_length: int, buffer: int) -> RewardFn:
@@ -146,6 +161,39 @@ def resolve(spec: str, cfg: RewardsConfig | None = None) -> tuple[str, RewardFn]
     return name, fn
 
 
+MAX_LOGGED_NAMES = 64
+"""Metric names the reward functions may log (log_metric) in one step, all together."""
+MAX_EXTRA_NAMES = 16
+"""log_extra columns kept of one batch, all functions together."""
+
+UNSCORED_WARNING = "All reward functions returned None for the following kwargs:"
+"""TRL's words, which its users' tests look for."""
+
+
+def _warn_unscored(unscored: torch.Tensor, inputs: dict) -> None:
+    """TRL's warning when every function returned None for a completion: the first such
+    completion's arguments (each cut to 200 characters)."""
+    i = int(unscored.nonzero()[0, 0])
+    shown = {
+        key: _cut(values[i])
+        for key, values in inputs.items()
+        if isinstance(values, list) and key != "completion_ids"
+    }
+    log.warning(
+        "%s\n%s\nPlease ensure that at least one reward function returns a valid reward "
+        "(%d of %d completions of this batch have none).",
+        UNSCORED_WARNING,
+        shown,
+        int(unscored.sum()),
+        len(unscored),
+    )
+
+
+def _cut(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
 def check_signature(name: str, fn: RewardFn, columns: set[str]) -> None:
     """Fail at start-up when the function needs an argument that no row provides."""
     try:
@@ -189,6 +237,10 @@ class RewardSet:
     )
     _seen: Counter = field(default_factory=Counter, init=False, repr=False, compare=False)
     _trainer_state: object = field(default=None, init=False, repr=False, compare=False)
+    _logged: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    last_extra: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    """The log_extra columns of the last batch scored: one value per completion (None where no
+    function logged one)."""
 
     @classmethod
     def from_config(
@@ -286,14 +338,56 @@ class RewardSet:
         }
         if self._trainer_state is not None:
             inputs["trainer_state"] = self._trainer_state
-        out = torch.full((len(completions), len(self.funcs)), float("nan"))
-        for k, calls in enumerate(self.executor(inputs, len(completions))):
+        n = len(completions)
+        out = torch.full((n, len(self.funcs)), float("nan"))
+        extra: dict[str, list] = {}
+        failed = torch.zeros(n, dtype=torch.bool)
+        for k, calls in enumerate(self.executor(inputs, n)):
             for call in calls:
                 if call.status == "ok":
                     out[call.start : call.stop, k] = torch.tensor(call.values, dtype=torch.float32)
+                    self._keep_logs(call, extra, n)
                 else:
                     self._failed(self.names[k], call)
+                    failed[call.start : call.stop] = True
+        self.last_extra = extra
+        # every function said None (a failure is logged as such already)
+        unscored = torch.isnan(out).all(dim=1) & ~failed if len(self.funcs) else failed
+        if unscored.any():
+            self._seen["all", "none"] += 1
+            seen = self._seen["all", "none"]
+            if seen & (seen - 1) == 0:  # 1, 2, 4, 8, ...: a warning that fades
+                _warn_unscored(unscored, inputs)
         return out
+
+    def _keep_logs(self, call: Call, extra: dict[str, list], n: int) -> None:
+        """A call's log_metric values (at most MAX_LOGGED_NAMES names a step) and log_extra columns
+        (placed at its completions: a worker's chunk is a slice of the batch)."""
+        logs = call.logs or {}
+        for name, values in logs.get("metrics", {}).items():
+            if name not in self._logged and len(self._logged) >= MAX_LOGGED_NAMES:
+                if name not in self._seen_names_over:
+                    self._seen_names_over.add(name)
+                    log.warning(
+                        "log_metric(%r): more than %d metric names logged by reward functions in a step; "
+                        "the others are dropped",
+                        name,
+                        MAX_LOGGED_NAMES,
+                    )
+                continue
+            self._logged.setdefault(name, []).extend(values)
+        for column, values in logs.get("extra", {}).items():
+            if column not in extra and len(extra) >= MAX_EXTRA_NAMES:
+                continue
+            extra.setdefault(column, [None] * n)[call.start : call.start + len(values)] = values
+
+    def take_logged_metrics(self) -> dict[str, float]:
+        """The mean of each metric the reward functions logged (log_metric) since the last call."""
+        metrics = {name: sum(v) / len(v) for name, v in self._logged.items() if v}
+        self._logged = {}
+        return metrics
+
+    _seen_names_over: set = field(default_factory=set, init=False, repr=False, compare=False)
 
     def _failed(self, name: str, call: Call) -> None:
         """Counted; the first failure of each kind logged whole, later ones now and then in a line."""

@@ -82,6 +82,117 @@ _PR_SET_CHILD_SUBREAPER = 36
 # ---------------------------------------------------------------------- calling a reward
 
 
+MAX_LOGGED_METRICS = 32
+"""Metric names one reward call may log with `log_metric`."""
+MAX_EXTRA_COLUMNS = 8
+"""Columns one reward call may add to the completions table with `log_extra`."""
+MAX_EXTRA_TEXT = 1000
+"""Characters kept of a text value given to `log_extra`."""
+
+
+class RewardLogs:
+    """TRL's `log_metric(name, value)` and `log_extra(column, values)` for one call of a reward
+    function; what they were given, as plain lists (they pickle back from a worker).
+
+    log_metric: a scalar (a finite real number) under `name`; the step's metric is the mean of
+    every value logged under that name in the step. log_extra: one value per completion of the
+    call (None, a bool, a real number, or text cut to MAX_EXTRA_TEXT characters), a column of
+    the completions table (samples.jsonl). Anything else, or more than MAX_LOGGED_METRICS names
+    or MAX_EXTRA_COLUMNS columns, raises ValueError: a failure of the call, like a bad reward."""
+
+    def __init__(self, who: str, n: int):
+        self.who, self.n = who, n
+        self.metrics: dict[str, list[float]] = {}
+        self.extra: dict[str, list] = {}
+
+    def log_metric(self, name: str, value: float) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(
+                f"grpo: reward function {self.who!r}: log_metric's name must be a text, got {_brief(name)}"
+            )
+        try:
+            number = None if isinstance(value, bool) else _real(value)
+        except TypeError:
+            number = None
+        if number is None or not math.isfinite(number):
+            raise ValueError(
+                f"grpo: reward function {self.who!r}: log_metric({name!r}, {_brief(value)}): the value must be a "
+                "finite real number"
+            )
+        if name not in self.metrics and len(self.metrics) >= MAX_LOGGED_METRICS:
+            raise ValueError(
+                f"grpo: reward function {self.who!r}: log_metric({name!r}): at most {MAX_LOGGED_METRICS} metric "
+                "names per call; log fewer"
+            )
+        self.metrics.setdefault(name, []).append(number)
+
+    def log_extra(self, column: str, values: list) -> None:
+        if not isinstance(column, str) or not column:
+            raise ValueError(
+                f"grpo: reward function {self.who!r}: log_extra's column must be a text, got {_brief(column)}"
+            )
+        if column not in self.extra and len(self.extra) >= MAX_EXTRA_COLUMNS:
+            raise ValueError(
+                f"grpo: reward function {self.who!r}: log_extra({column!r}): at most {MAX_EXTRA_COLUMNS} columns "
+                "per call; log fewer"
+            )
+        if isinstance(values, (str, bytes, Mapping)):
+            raise ValueError(
+                f"grpo: reward function {self.who!r}: log_extra({column!r}, ...): expected a list of {self.n} "
+                f"values, one per completion, got {_brief(values)}"
+            )
+        got = []
+        for v in values:
+            got.append(_extra_value(v, self.who, column))
+            if len(got) > self.n:
+                break
+        if len(got) != self.n:
+            raise ValueError(
+                f"grpo: reward function {self.who!r}: log_extra({column!r}, ...): expected {self.n} values, one "
+                f"per completion of the call, got {'more' if len(got) > self.n else len(got)}"
+            )
+        self.extra[column] = got
+
+    def as_dict(self) -> dict:
+        return {"metrics": self.metrics, "extra": self.extra}
+
+
+def _extra_value(v: Any, who: str, column: str):
+    if v is None or isinstance(v, bool):
+        return v
+    if isinstance(v, str):
+        return v[:MAX_EXTRA_TEXT]
+    try:
+        number = _real(v)
+    except TypeError:
+        raise ValueError(
+            f"grpo: reward function {who!r}: log_extra({column!r}, ...): {_brief(v)} is not None, a bool, a "
+            "number or a text"
+        ) from None
+    return number if math.isfinite(number) else None
+
+
+def _takes_loggers(fn: Callable) -> bool:
+    """Whether `fn` takes log_metric and log_extra: it names them or takes **kwargs."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind is p.VAR_KEYWORD for p in params.values()) or {
+        "log_metric",
+        "log_extra",
+    } <= set(params)
+
+
+def call_reward_logged(fn: Callable, inputs: dict[str, list], n: int) -> tuple[list[float], dict]:
+    """`call_reward`, passing the function TRL's `log_metric` and `log_extra` when it takes them;
+    its rewards and what it logged (RewardLogs.as_dict)."""
+    logs = RewardLogs(getattr(fn, "__name__", type(fn).__name__), n)
+    if _takes_loggers(fn):
+        inputs = {**inputs, "log_metric": logs.log_metric, "log_extra": logs.log_extra}
+    return call_reward(fn, inputs, n), logs.as_dict()
+
+
 def call_reward(fn: Callable, inputs: dict[str, list], n: int) -> list[float]:
     """fn(**inputs) as n floats, NaN where the function said None; an `async def`
     function is awaited. Raises on a wrong shape, as a failure of the function."""
@@ -242,7 +353,7 @@ def serve(
             reply = ("error", failed[k])
         else:
             try:
-                reply = ("ok", call_reward(loaded[k], inputs, n))
+                reply = ("ok", call_reward_logged(loaded[k], inputs, n))
             except (
                 BaseException
             ) as e:  # SystemExit too: a sys.exit() is the function's failure, not the worker's end

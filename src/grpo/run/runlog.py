@@ -166,9 +166,12 @@ class RunLog:
         group_size: int,
         per_step: int = 4,
         reward_columns: dict[str, list[float]] | None = None,
+        extra_columns: dict[str, list] | None = None,
     ) -> None:
         """A few (prompt, completion, reward) examples, one per group, to samples.jsonl, the console and
-        the trackers (a completions table); `reward_columns`: each reward function's values, by name."""
+        the trackers (a completions table); `reward_columns`: each reward function's values, by name;
+        `extra_columns`: what reward functions logged with log_extra (None, bools, numbers, texts),
+        under "extra" in samples.jsonl and as columns of the table."""
         if not self.is_main:
             return
         table = []
@@ -188,17 +191,23 @@ class RunLog:
                         name: _json_float(values[i])
                         for name, values in (reward_columns or {}).items()
                     }
-                    f.write(json.dumps({**record, "rewards": each} if each else record) + "\n")
+                    extra = {column: values[i] for column, values in (extra_columns or {}).items()}
+                    written = {**record, "rewards": each} if each else dict(record)
+                    if extra:
+                        written["extra"] = extra
+                    f.write(json.dumps(written) + "\n")
                     # a function named like a fixed column keeps its own column
-                    table.append(
-                        {
-                            **record,
-                            **{
-                                (f"{name} (reward)" if name in record else name): v
-                                for name, v in each.items()
-                            },
-                        }
+                    row = {
+                        **record,
+                        **{
+                            (f"{name} (reward)" if name in record else name): v
+                            for name, v in each.items()
+                        },
+                    }
+                    row.update(
+                        {(c if c not in row else f"{c} (extra)"): v for c, v in extra.items()}
                     )
+                    table.append(row)
         except OSError as error:  # as for metrics.jsonl
             raise checkpoint.write_failed(
                 self.dir / "samples.jsonl", error, "the checkpoints so far are intact"

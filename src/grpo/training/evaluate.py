@@ -231,3 +231,104 @@ class Evaluator:
             progress=progress,
             backend=self.backend,
         )
+
+
+# --------------------------------------------------------------------------
+# TRL's evaluation: sampled groups, their rewards and loss
+# --------------------------------------------------------------------------
+
+
+def group_evaluation(trainer, rows: list[Row], num_generations: int) -> dict[str, float]:
+    """What TRL's GRPOTrainer.evaluate measures, without gradients: `num_generations` completions
+    of each held-out prompt, sampled as in training (rollout.temperature, top_p, top_k), scored
+    by the run's reward functions; each group's advantages (algorithm.advantage_estimator; 0 for
+    a group of one) and the loss of the run's objective on them at ratio 1 (the policy that
+    sampled is the one scored). `trainer` is a grpo.training.trainer.Trainer.
+
+    The prompts go `eval.batch_size // num_generations` at a time (at least one), each batch
+    seeded from eval.seed, so the same model on the same rows gives the same numbers. Returns
+    the batches' mean of `loss`, `reward`, `reward_std`, `frac_reward_zero_std`,
+    `rewards/<name>/mean` and `/std`, `completions/mean_length`, `/clipped_ratio` ..., and
+    `kl` when beta > 0 (unprefixed: the caller adds `eval_`). On one process: under torchrun
+    each rank evaluates every row."""
+    from grpo import algorithm
+    from grpo.registry import ADVANTAGE_ESTIMATORS
+    from grpo.training.metrics import Outcome, batch_metrics
+    from grpo.training.update import loss_settings, rows_logprobs
+
+    if not rows:
+        raise ConfigError("group evaluation: no held-out rows")
+    if num_generations < 1:
+        raise ConfigError(f"num_generations_eval: must be > 0, got {num_generations}")
+    cfg, t, G = trainer.cfg, trainer, num_generations
+    per_batch = max(1, cfg.eval.batch_size // G)
+    estimator = ADVANTAGE_ESTIMATORS.get(
+        "grpo" if cfg.algorithm.advantage_estimator == "gae" else cfg.algorithm.advantage_estimator
+    )
+    settings = loss_settings(cfg)
+    sums: dict[str, list[float]] = {}
+    generator = torch.Generator().manual_seed(cfg.eval.seed)
+    was_training = t.model.training
+    try:
+        for start in range(0, len(rows), per_batch):
+            chunk = rows[start : start + per_batch]
+            seeds = prompt_seeds(generator, len(chunk))
+            with t.backend.generation(t.model):
+                rollout = t.engine.generate(t.encode(chunk), G, t.sampling, seeds)
+            batch = t.score(chunk, rollout, num_generations=G)
+            logged = t.rewards.take_logged_metrics()  # what the reward functions logged
+            rewards = batch.rewards
+            advantages = (
+                estimator(rewards, G, scale_rewards=cfg.algorithm.scale_rewards)
+                if G > 1
+                else torch.zeros_like(rewards)
+            )
+            advantages = torch.nan_to_num(advantages.float(), nan=0.0)
+            everyone = torch.arange(len(batch))
+            t.model.eval()
+            logp, _ = rows_logprobs(t.model, batch, everyone, cfg, t.backend, grad=False)
+            width = logp.shape[1]
+            ref_logp = None
+            if t.reference.enabled:
+                with t.reference.module() as reference:
+                    ref_logp, _ = rows_logprobs(
+                        reference, batch, everyone, cfg, t.backend, grad=False
+                    )
+            mask = batch.loss_mask[:, :width].to(logp.device)
+            with torch.no_grad():
+                loss, stats = algorithm.policy_loss(
+                    logp.float(),
+                    None,
+                    advantages.to(logp.device),
+                    mask,
+                    settings,
+                    algorithm.LossNormalisers(
+                        max_completion_length=cfg.rollout.max_completion_length
+                    ),
+                    ref_logp=ref_logp.float() if ref_logp is not None else None,
+                )
+            metrics = batch_metrics(
+                Outcome.of(batch),
+                G,
+                t.rewards.names,
+                dict(t.rewards.failures),
+                dynamic_sampling=False,
+            )
+            metrics = {
+                k: v
+                for k, v in metrics.items()
+                if not k.endswith("/failures")  # the run's counts, not the evaluation's
+            }
+            metrics.update({k: v for k, v in logged.items() if k not in metrics})
+            metrics["loss"] = float(loss)
+            if cfg.algorithm.beta > 0 and "kl" in stats:
+                metrics["kl"] = float(stats["kl"]) / max(1.0, float(mask.sum()))
+            for key, value in metrics.items():
+                sums.setdefault(key, []).append(float(value))
+    finally:
+        t.model.train(was_training)
+    out = {}
+    for key, values in sums.items():
+        finite = [v for v in values if math.isfinite(v)]
+        out[key] = sum(finite) / len(finite) if finite else math.nan
+    return out

@@ -37,6 +37,7 @@ directory and console (grpo.run.runlog).
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable
@@ -63,6 +64,7 @@ from grpo.tasks import Task, load_task
 from grpo.tasks.data import PromptEncoder, Row, check_columns, is_conversational
 from grpo.tasks.scorers import AnswerScorer, RewardScorer, has_integer_answers
 from grpo.training.batching import GenerationBatch, groups_with_spread, keep_groups_with_spread
+from grpo.training.callbacks import Callbacks
 from grpo.training.critic import Critic
 from grpo.training.evaluate import Evaluator
 from grpo.training.metrics import Outcome, PhaseTimer, batch_metrics, sum_counts
@@ -92,6 +94,8 @@ class Trainer:
         reward_funcs: dict[str, Callable] | None = None,
         restore: dict[str, Any] | None = None,
         resume: str | Path | None = None,
+        callbacks: Callbacks | list | None = None,
+        eval_generations: int | None = None,
     ):
         """Everything that can fail on bad input fails here, before any generation.
 
@@ -106,8 +110,18 @@ class Trainer:
         The output directory is claimed first (grpo.run.run_lock): created, checked writable and
         locked against another run, before anything in it is read or changed; a start that
         fails gives it up again, removing it if it was created here and holds nothing.
+
+        `callbacks` (grpo.training.callbacks: a Callbacks, or a list of callback objects called
+        with this config as `args`) are called at the loop's events; `eval_generations`, when
+        set, adds TRL's group evaluation (grpo.training.evaluate.group_evaluation: that many
+        sampled completions per held-out prompt, their rewards and loss) to every evaluation's
+        `eval_...` row.
         """
         self.cfg = cfg
+        self.callbacks = (
+            callbacks if isinstance(callbacks, Callbacks) else Callbacks(callbacks or (), args=cfg)
+        )
+        self.eval_generations = eval_generations
         self.backend = create_backend(cfg)
         self.run_lock: RunLock | None = None
         """This process's claim on output_dir (rank 0's only): held from here to the end of `train`."""
@@ -251,6 +265,36 @@ class Trainer:
         self.sampling = SamplingParams(
             r.max_completion_length, r.temperature, r.top_p, r.top_k, r.ignore_eos
         )
+        self._set_up_callbacks()
+
+    def _set_up_callbacks(self) -> None:
+        """The callbacks' state in TRL's units, the objects they are given, then on_init_end."""
+        cfg, mu, s = self.cfg, self.cfg.algorithm.num_iterations, self.callbacks.state
+        s.max_steps = cfg.training.max_steps * mu
+        s.logging_steps = cfg.logging.log_every * mu
+        s.eval_steps = cfg.eval.every * mu
+        s.save_steps = cfg.training.save_steps * mu
+        s.train_batch_size = cfg.training.per_device_train_batch_size
+        s.num_train_epochs = math.ceil(
+            cfg.training.max_steps * self.num_prompts / len(self.task.train_rows)
+        )
+        s.is_world_process_zero = s.is_local_process_zero = self.backend.is_main
+        self._sync_run_state()
+        self.callbacks.objects.update(
+            model=self.model,
+            processing_class=self.tokenizer,
+            optimizer=self.state.optimizer,
+            lr_scheduler=self.state.scheduler,
+        )
+        if not self.callbacks.init_ended:
+            self.callbacks.init_ended = True
+            self.callbacks.fire("on_init_end")
+
+    def _sync_run_state(self) -> None:
+        """The callbacks' view of where training is (TRL's units)."""
+        s, state = self.callbacks.state, self.trainer_state()
+        s.global_step, s.epoch = state.global_step, state.epoch
+        s.num_input_tokens_seen = self.state.tokens_seen
 
     # ------------------------------------------------------------------ one step
 
@@ -259,6 +303,7 @@ class Trainer:
         a, timer = self.cfg.algorithm, PhaseTimer()
         take_counts()  # the step's sandbox and reward-failure counts are its own, not those of
         self.rewards.step_failures()  # the set-up's checks or an evaluation between steps
+        self.rewards.take_logged_metrics()  # and so is what its reward functions log
         # generate -> rewards (-> filter: dynamic sampling's rounds)
         batch = self.collect_batch(timer)
         faults.reached("step")
@@ -385,9 +430,12 @@ class Trainer:
             restore.get("critic") if restore else None,
         )
 
-    def score(self, rows: list[Row], rollout) -> GenerationBatch:
-        """The rewards of a rollout of `rows` (one group of G per row), and the tokens the loss counts."""
-        G = self.cfg.rollout.num_generations
+    def score(
+        self, rows: list[Row], rollout, num_generations: int | None = None
+    ) -> GenerationBatch:
+        """The rewards of a rollout of `rows` (one group of G per row, G = `num_generations` or
+        rollout.num_generations), and the tokens the loss counts."""
+        G = num_generations or self.cfg.rollout.num_generations
         ids = [
             c[m.bool()].tolist()
             for c, m in zip(rollout.completion_ids.cpu(), rollout.completion_mask.cpu())
@@ -410,9 +458,12 @@ class Trainer:
             self.critic is not None
         ):  # gae: a completion without a reward (every function failed) leaves the loss
             loss_mask[~torch.isfinite(rewards).to(loss_mask.device)] = 0
-        return GenerationBatch(
+        batch = GenerationBatch(
             group_rows, prompts, completions, texts, rollout, rewards_per_func, rewards, loss_mask
         )
+        # the columns its reward functions logged (log_extra), for the completions table
+        batch.extra_columns = self.rewards.last_extra
+        return batch
 
     def trainer_state(self) -> SimpleNamespace:
         """What TRL passes reward functions as `trainer_state`, under its attribute names: optimizer
@@ -434,6 +485,7 @@ class Trainer:
         tokens = int(b.sum(int(ro.completion_mask.sum() + ro.prompt_mask.sum())))
         self.state.tokens_seen += tokens
         r = self.rewards
+        logged = _mean_over_ranks(b.all_gather_object(r.take_logged_metrics()))
         # the counts of every rank: the run's reward failures, the step's, the sandbox's, truncated prompts
         failures, step_failures, sandbox, truncated = (
             sum_counts(parts)
@@ -448,7 +500,7 @@ class Trainer:
                 )
             )
         )
-        return {
+        metrics = {
             "step": self.state.step,
             **batch_metrics(
                 Outcome.of(batch, b),
@@ -465,6 +517,8 @@ class Trainer:
             "num_tokens": self.state.tokens_seen,
             **timer.metrics(tokens),
         }
+        # what the reward functions logged (log_metric); a name of grpo's own metrics keeps grpo's
+        return {**metrics, **{name: v for name, v in logged.items() if name not in metrics}}
 
     # ------------------------------------------------------------------ the loop
 
@@ -481,21 +535,32 @@ class Trainer:
             self._release_output_dir()  # the run is over (the report written): the directory is free
 
     def _train(self) -> list[dict[str, float]]:
-        cfg, log = self.cfg, self.log
+        cfg, log, callbacks = self.cfg, self.log, self.callbacks
         history: list[dict[str, float]] = []
+        started = time.monotonic()
+        first_step = self.state.step
         log.start()
         try:
             with StopSignals() as stop:
+                self._sync_run_state()
+                callbacks.fire("on_train_begin")
                 # a resumed run's "before" evaluation was made by the run it continues (eval.jsonl keeps it)
                 before = (
-                    self.evaluate("before") if cfg.eval.before and self.resumed is None else None
+                    self._evaluate_and_log("before")
+                    if cfg.eval.before and self.resumed is None
+                    else None
                 )
                 log.start_training(self.state.step)
+                epoch = self.state.sampler.epoch
+                callbacks.fire("on_epoch_begin")
                 signum = None
                 # asked again after each step's checkpoint: a signal during the save stops the loop there
-                while self.state.step < cfg.training.max_steps and not (
-                    signum := self._stop_signal(stop)
+                while (
+                    self.state.step < cfg.training.max_steps
+                    and not callbacks.control.should_training_stop
+                    and not (signum := self._stop_signal(stop))
                 ):
+                    callbacks.fire("on_step_begin")
                     try:
                         metrics, batch = self.train_step()
                     except TrainingDiverged as error:
@@ -505,6 +570,9 @@ class Trainer:
                     log.step(metrics)
                     history.append(metrics)
                     step = self.state.step
+                    self._sync_run_state()
+                    control = callbacks.fire("on_step_end")
+                    self._log_row(metrics)
                     if cfg.logging.sample_every and (
                         step == 1 or step % cfg.logging.sample_every == 0
                     ):
@@ -513,33 +581,110 @@ class Trainer:
                         cfg.eval.every
                         and step % cfg.eval.every == 0
                         and step < cfg.training.max_steps
-                    ):
-                        self.evaluate(f"step {step}")
+                    ) or control.should_evaluate:
+                        self._evaluate_and_log(f"step {step}")
                     faults.reached("logged")
                     # under torchrun a collective: asked where it decides
                     signum = self._stop_signal(stop)
                     # last, so that a checkpoint's step has all its logs: resuming cuts them back to it
-                    if (cfg.training.save_steps and step % cfg.training.save_steps == 0) or signum:
+                    if (
+                        (cfg.training.save_steps and step % cfg.training.save_steps == 0)
+                        or signum
+                        or callbacks.control.should_save
+                    ):
                         self.save(log.dir / f"checkpoint-{step}")
                         if self.backend.is_main:
                             checkpoint.prune(log.dir, cfg.training.save_total_limit)
+                        callbacks.fire("on_save")
+                    if self.state.sampler.epoch != epoch:  # the prompt order went round
+                        epoch = self.state.sampler.epoch
+                        callbacks.fire("on_epoch_end")
+                        if not signum and self.state.step < cfg.training.max_steps:
+                            callbacks.fire("on_epoch_begin")
                 if signum:
                     self.stopped_by = signum
                     return history
                 self.save(log.dir / checkpoint.FINAL)
+                callbacks.fire("on_save")
                 signum = self._stop_signal(stop)
                 if signum:  # came during the save: the evaluation after is left to a resumed run
                     self.stopped_by = signum
                     return history
                 if cfg.eval.after:
-                    after = self.evaluate("after")
+                    after = self._evaluate_and_log("after")
                     if before is not None:
                         log.before_after(before, after)
+                if self.state.sampler.epoch == epoch:  # the epoch under way ends with training
+                    callbacks.fire("on_epoch_end")
+                self._log_row(self._summary(history, time.monotonic() - started, first_step))
+                callbacks.fire("on_train_end")
         finally:
             self.rewards.close()  # no reward worker process outlives training
             log.close()
         log.report()
         return history
+
+    def _log_row(self, row: dict[str, Any]) -> None:
+        """A row of the callbacks' log_history (TRL's: its `step` in optimizer steps, and `epoch`),
+        then on_log."""
+        s = self.callbacks.state
+        logs = {**{k: v for k, v in row.items() if k != "step"}, "epoch": s.epoch}
+        s.log_history.append({**logs, "step": s.global_step})
+        self.callbacks.fire("on_log", logs=logs)
+
+    def _summary(self, history: list[dict], runtime: float, first_step: int) -> dict[str, Any]:
+        """transformers' closing row: train_loss (the mean of the steps' losses), the speeds over this
+        train() call's optimizer steps, total_flos (not counted by grpo: always 0); and, as TRL's
+        does, the mean of each metric over the steps since the last logging_steps boundary (none
+        when the last step is on one)."""
+        mu = self.cfg.algorithm.num_iterations
+        steps = (self.state.step - first_step) * mu
+        losses = [r["loss"] for r in history if math.isfinite(r.get("loss", math.nan))]
+        row: dict[str, Any] = {}
+        every = self.cfg.logging.log_every
+        if every and history and history[-1]["step"] % every:
+            since = [r for r in history if r["step"] > history[-1]["step"] // every * every]
+            for key in since[0]:
+                values = [
+                    r[key]
+                    for r in since
+                    if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])
+                ]
+                if key != "step":
+                    row[key] = sum(values) / len(values) if values else None
+        runtime = max(runtime, 1e-9)
+        return {
+            **row,
+            "train_runtime": round(runtime, 4),
+            "train_samples_per_second": round(
+                steps * self.cfg.generation_batch_size(self.backend.world_size) / runtime, 3
+            ),
+            "train_steps_per_second": round(steps / runtime, 3),
+            "total_flos": 0.0,
+            "train_loss": sum(losses) / len(losses) if losses else 0.0,
+        }
+
+    def _evaluate_and_log(self, label: str) -> list[EvalResult]:
+        """`evaluate(label)`, and its `eval_...` row for the callbacks (log_history, on_evaluate):
+        each decoding's accuracy and mean reward, with TRL's group evaluation when
+        `eval_generations` is set."""
+        results = self.evaluate(label)
+        metrics = eval_metrics(results)
+        if self.eval_generations:
+            from grpo.training.evaluate import group_evaluation
+
+            metrics.update(
+                {
+                    f"eval_{k}": v
+                    for k, v in group_evaluation(
+                        self, self.task.eval_rows, self.eval_generations
+                    ).items()
+                }
+            )
+        self._sync_run_state()
+        self._log_row(metrics)  # then on_evaluate, as transformers' evaluate does
+        self.callbacks.fire("on_evaluate", metrics=metrics)
+        return results
 
     def _log_samples(self, step: int, batch: GenerationBatch) -> None:
         """A few of the step's completions (from every rank's groups, in rank order) to samples.jsonl."""
@@ -550,12 +695,24 @@ class Trainer:
                 batch.completion_texts,
                 batch.rewards.tolist(),
                 batch.rewards_per_func.T.tolist(),
+                getattr(batch, "extra_columns", {}),
             )
         )
         prompts, texts, rewards = ([x for part in parts for x in part[k]] for k in range(3))
         columns = {name: [x for part in parts for x in part[3][k]] for k, name in enumerate(names)}
+        extra = {}  # log_extra's columns, None for the completions of a rank that logged none
+        for column in dict.fromkeys(c for part in parts for c in part[4]):
+            extra[column] = [
+                x for part in parts for x in part[4].get(column, [None] * len(part[0]))
+            ]
         self.log.samples(
-            step, prompts, texts, rewards, self.cfg.rollout.num_generations, reward_columns=columns
+            step,
+            prompts,
+            texts,
+            rewards,
+            self.cfg.rollout.num_generations,
+            reward_columns=columns,
+            extra_columns=extra,
         )
 
     def _stop_signal(self, stop: StopSignals) -> int | None:
@@ -564,6 +721,16 @@ class Trainer:
 
     def evaluate(self, label: str) -> list[EvalResult]:
         """Held-out evaluation (greedy and sampled, as configured); results go to eval.jsonl."""
+        if self.evaluator is None and self.task.eval_rows:  # asked for outside the schedule
+            self.evaluator = Evaluator(
+                self.cfg,
+                self.engine,
+                self.tokenizer,
+                self.task.eval_rows,
+                self.task.scorer,
+                self.rewards,
+                self.backend,
+            )
         if self.evaluator is None:
             raise ConfigError(
                 "evaluation needs held-out rows (data.arithmetic.num_eval > 0 or data.eval_file)"
@@ -637,6 +804,25 @@ class Trainer:
             raise checkpoint.SaveFailed(said)
         self.saved = directory
         return self.saved
+
+
+def _mean_over_ranks(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Each name's mean over the ranks that logged it."""
+    names = dict.fromkeys(name for part in parts for name in part)
+    return {
+        name: sum(p[name] for p in parts if name in p) / sum(name in p for p in parts)
+        for name in names
+    }
+
+
+def eval_metrics(results: list[EvalResult], prefix: str = "eval") -> dict[str, float]:
+    """An evaluation's results as flat metrics: `{prefix}_{decoding}/accuracy` and `/mean_reward`
+    for each decoding ("greedy", "temperature 1", ...)."""
+    metrics = {}
+    for r in results:
+        metrics[f"{prefix}_{r.decoding}/accuracy"] = r.accuracy
+        metrics[f"{prefix}_{r.decoding}/mean_reward"] = r.mean_reward
+    return metrics
 
 
 def _check_same_world_size(saved: int, now: int) -> None:
