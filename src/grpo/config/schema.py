@@ -584,15 +584,55 @@ class AlgorithmConfig:
     or `gae` (PPO: per-token advantages from a learned critic, see `gamma`, `lam`, `critic_*`)."""
     scale_rewards: str = "group"
     """For the `grpo` estimator: group (GRPO), batch, or none (Dr. GRPO)."""
+    multi_objective_aggregation: str = "sum_then_normalize"
+    """How several reward functions become one advantage: `sum_then_normalize` (the weighted sum,
+    then the estimator) or `normalize_then_sum` (GDPO: each function normalised within its group,
+    the weighted sum, then normalised over the batch; `grpo` estimator only, `scale_rewards` unused).
+    TRL's multi_objective_aggregation, with its default."""
     policy_loss: str = "clipped"
     """Per-token objective (grpo.registry.POLICY_LOSSES): `clipped`, the PPO-style clipped
     surrogate at `importance_sampling_level`, with `epsilon`, `epsilon_high` and `delta`;
     `cispo` (MiniMax-M1: the clipped importance weight, detached, times A log pi); `sapo`
-    (a soft, sigmoid-gated ratio instead of hard clipping; `sapo_temperature_*`)."""
+    (a soft, sigmoid-gated ratio instead of hard clipping; `sapo_temperature_*`); `vespo`
+    (a detached gamma weight of the sequence's importance weight times A log pi; `vespo_*`)."""
     sapo_temperature_pos: float = 1.0
     """SAPO's gate temperature for tokens with positive advantage (TRL's default)."""
     sapo_temperature_neg: float = 1.05
     """SAPO's gate temperature for tokens with negative advantage (TRL's default)."""
+    vespo_k_pos: float = 2.0
+    """VESPO's power k for A >= 0: how fast sequences with importance weight < 1 are down-weighted (TRL's default)."""
+    vespo_lambda_pos: float = 3.0
+    """VESPO's decay lambda for A >= 0: how fast sequences with importance weight > 1 are down-weighted (TRL's default)."""
+    vespo_k_neg: float = 3.0
+    """VESPO's power k for A < 0 (TRL's default)."""
+    vespo_lambda_neg: float = 2.0
+    """VESPO's decay lambda for A < 0 (TRL's default)."""
+    off_policy_mask_threshold: float | None = None
+    """DeepSeek-V3.2's off-policy sequence mask: a completion with a negative advantage whose mean
+    log-prob drift (sampling policy minus current) exceeds this is left out of the policy loss
+    (e.g. 0.5); None: off (TRL's default). The engine's sampling logprobs are used when it reports them."""
+    kl_bias_correction: bool = False
+    """Multiply the KL term per token by the importance ratio pi_theta / pi_old (DeepSeek-V3.2's
+    unbiased KL gradient; differentiable, so it changes the gradient even at ratio 1). TRL's
+    use_bias_correction_kl, whose default is True (and the TRL API sets it); grpo's own default keeps
+    the plain KL. Only acts with beta > 0."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: the loss minus entropy_coef x the mean entropy over the tokens the policy
+    loss acts on (TRL's entropy_coef; 0: off). With use_adaptive_entropy, the starting coefficient."""
+    use_adaptive_entropy: bool = False
+    """Skywork-OR1's adaptive entropy control: after each optimizer pass the coefficient moves by
+    entropy_coef_delta (up when the pass's entropy <= entropy_target, else down, within
+    [entropy_coef_min, entropy_coef_max]), and it is applied only while the last entropy was
+    <= entropy_target. The coefficient is saved in checkpoints."""
+    entropy_target: float = 0.2
+    """The adaptive controller's target mean entropy (nats per token; TRL's default 0.2 acts only near
+    collapse: set it near the `entropy` logged early in training)."""
+    entropy_coef_delta: float = 0.005
+    """The adaptive controller's step per optimizer pass (TRL's default)."""
+    entropy_coef_min: float = 0.0
+    """The adaptive coefficient's lower bound (TRL's default)."""
+    entropy_coef_max: float = 1.0
+    """The adaptive coefficient's upper bound (TRL's default)."""
     top_entropy_quantile: float = 1.0
     """Train only on the highest-entropy tokens: 0.2 keeps the top 20% by the policy's entropy
     (Wang et al. 2025, "Beyond the 80/20 rule"); 1.0 keeps every token."""
@@ -618,7 +658,8 @@ class AlgorithmConfig:
     """`gae`: normalise the batch's token advantages to mean 0 and std 1, as PPO does."""
     loss_type: str = "dapo"
     """How per-token losses are summed into the batch's loss (grpo.registry.LOSS_AGGREGATIONS):
-    grpo, bnpo, dr_grpo or dapo (TRL's default)."""
+    grpo, bnpo, dr_grpo, dapo (TRL's default) or luspo (each completion's sum, averaged over
+    completions; LUSPO, meant with importance_sampling_level=sequence)."""
     importance_sampling_level: str = "token"
     """token, or sequence (GSPO)."""
     num_iterations: int = 1
@@ -700,6 +741,46 @@ class AlgorithmConfig:
         _positive("algorithm.critic_learning_rate", self.critic_learning_rate)
         if self.value_clip is not None:
             _positive("algorithm.value_clip", self.value_clip)
+        self._check_trl_options()
+
+    def _check_trl_options(self) -> None:
+        """VESPO, the off-policy mask, the entropy bonus and GDPO's aggregation."""
+        for side in ("pos", "neg"):
+            _positive(
+                f"algorithm.vespo_k_{side}", getattr(self, f"vespo_k_{side}"), allow_zero=True
+            )
+            _positive(f"algorithm.vespo_lambda_{side}", getattr(self, f"vespo_lambda_{side}"))
+        if self.policy_loss == "vespo" and self.rollout_correction.startswith("sequence"):
+            raise ConfigError(
+                f"algorithm.rollout_correction={self.rollout_correction}: vespo folds the correction's weights "
+                "into its own token by token (as TRL); set algorithm.rollout_correction to token_truncate, "
+                "token_mask or none"
+            )
+        if self.off_policy_mask_threshold is not None:
+            _positive("algorithm.off_policy_mask_threshold", self.off_policy_mask_threshold)
+        _positive("algorithm.entropy_coef", self.entropy_coef, allow_zero=True)
+        _positive("algorithm.entropy_target", self.entropy_target, allow_zero=True)
+        _positive("algorithm.entropy_coef_delta", self.entropy_coef_delta, allow_zero=True)
+        _positive("algorithm.entropy_coef_min", self.entropy_coef_min, allow_zero=True)
+        if self.entropy_coef_max < self.entropy_coef_min:
+            raise ConfigError(
+                f"algorithm.entropy_coef_max: must be >= entropy_coef_min = {self.entropy_coef_min}, "
+                f"got {self.entropy_coef_max}; raise entropy_coef_max or lower entropy_coef_min"
+            )
+        _choice(
+            "algorithm.multi_objective_aggregation",
+            self.multi_objective_aggregation,
+            registry.MULTI_OBJECTIVE_AGGREGATIONS,
+        )
+        if (
+            self.multi_objective_aggregation == "normalize_then_sum"
+            and self.advantage_estimator != "grpo"
+        ):
+            raise ConfigError(
+                f"algorithm.multi_objective_aggregation=normalize_then_sum: is its own group-then-batch "
+                f"normalisation, for advantage_estimator grpo, not {self.advantage_estimator}; set "
+                "algorithm.advantage_estimator=grpo or multi_objective_aggregation=sum_then_normalize"
+            )
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """TrainState: everything that changes as a run trains, apart from the weights.
 
 The step and token counters, the optimizer and the learning-rate schedule,
-the prompt sampler's position, and every random stream a step draws from
+the prompt sampler's position, the entropy bonus's coefficient (which the
+adaptive controller moves), and every random stream a step draws from
 (Python's, NumPy's, torch's CPU and CUDA generators, and the generator that
 samples completions). `state_dict()` captures them all; building a TrainState
 with `restore=` that dict continues the run exactly: the same next prompts,
@@ -13,6 +14,7 @@ saved state as they are built, before anything uses them.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +69,23 @@ def restore_rng(state: dict[str, Any]) -> None:
 
 
 @dataclass
+class EntropyControl:
+    """The entropy bonus's coefficient as the run has moved it (algorithm.use_adaptive_entropy),
+    and the entropy of the last optimizer pass, which decides whether the next pass applies it
+    (grpo.algorithm.entropy). Plain floats, so a checkpoint still loads with weights_only=True."""
+
+    coef: float
+    last_entropy: float = math.inf
+    """inf before the first measured pass: the first pass applies no adaptive bonus (as TRL)."""
+
+    def state_dict(self) -> dict[str, float]:
+        return {"coef": float(self.coef), "last_entropy": float(self.last_entropy)}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.coef, self.last_entropy = float(state["coef"]), float(state["last_entropy"])
+
+
+@dataclass
 class TrainState:
     step: int
     """Generation batches trained on (each is num_iterations optimizer steps)."""
@@ -80,6 +99,8 @@ class TrainState:
     optimizer_state: Any = None
     """What saves and loads the optimizer's state (`state_dict`, `load_state_dict`): the optimizer
     itself, or the backend's stand-in for it (FSDP: the state of every shard, gathered)."""
+    entropy: EntropyControl | None = None
+    """The entropy bonus's coefficient (algorithm.entropy_coef at step 0)."""
 
     @classmethod
     def create(
@@ -107,7 +128,12 @@ class TrainState:
             num_rows, cfg.data.seed, state=restore["sampler"] if restore else None
         )
         state = cls(0, 0, optimizer, scheduler, sampler, generator, optimizer_state or optimizer)
+        state.entropy = EntropyControl(cfg.algorithm.entropy_coef)
         if restore is not None:
+            if restore.get(
+                "entropy"
+            ):  # (a checkpoint of an earlier version starts from the config)
+                state.entropy.load_state_dict(restore["entropy"])
             state.optimizer_state.load_state_dict(restore["optimizer"])
             scheduler.load_state_dict(restore["scheduler"])
             generator.set_state(restore["generator"])
@@ -124,4 +150,5 @@ class TrainState:
             "sampler": self.sampler.state_dict(),
             "generator": self.generator.get_state(),
             "rng": capture_rng(),
+            "entropy": self.entropy.state_dict() if self.entropy is not None else None,
         }

@@ -391,6 +391,7 @@ class Trainer:
                 cfg,
                 self.backend,
                 self.skips,
+                s.entropy,
             )
         if self.critic is not None:
             with timer("critic"):
@@ -412,6 +413,12 @@ class Trainer:
         a = self.cfg.algorithm
         if self.critic is not None:
             return gae_batch_advantages(batch, values, self.cfg, self.backend)
+        if (
+            a.multi_objective_aggregation == "normalize_then_sum"
+        ):  # GDPO: each function, then the sum
+            everyone, mine = self.backend.gather_rows(batch.rewards_per_func)
+            weights, G = self.rewards.weights, self.cfg.rollout.num_generations
+            return algorithm.normalize_then_sum_advantages(everyone, weights, G)[mine], None
         estimator = ADVANTAGE_ESTIMATORS.get(a.advantage_estimator)
         everyone, mine = self.backend.gather_rows(batch.rewards)
         return estimator(everyone, self.cfg.rollout.num_generations, scale_rewards=a.scale_rewards)[

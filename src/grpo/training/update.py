@@ -8,6 +8,18 @@
 The loss of a micro-batch is the registered policy loss and aggregation
 (grpo.algorithm) with normalisers counted over the whole generation batch, so
 the gradient does not depend on how the batch is split (tests/training/test_trainer.py).
+
+Against TRL's GRPOTrainer: one optimizer pass here is one TRL optimizer step;
+the pass's minibatches (per_device_train_batch_size completions each,
+training.gradient_accumulation_steps of them per rank) are the micro-batches of
+TRL's gradient-accumulation window, and the ranks' gradients are summed where
+TRL's DDP averages them (each share here is already divided by the global
+count). A minibatch may be computed in several micro-batches here
+(training.microbatch_tokens), which TRL does not do. The entropy bonus is a
+token mean per minibatch divided by the number of minibatches, as TRL's per
+micro-batch mean divided by its accumulation steps; its adaptive controller
+(algorithm.use_adaptive_entropy) moves the coefficient once per pass, from the
+pass's token-weighted entropy over every rank, as TRL's once per optimizer step.
 The backend says how the output layer computes and how gradients are
 clipped; nothing here knows the device.
 
@@ -20,6 +32,7 @@ TrainingDiverged). `check_finite_weights` refuses to let non-finite weights be s
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -30,6 +43,7 @@ from grpo import algorithm
 from grpo.config.schema import Config, ConfigError
 from grpo.models.logprobs import completion_logprobs
 from grpo.training.batching import GenerationBatch, microbatches, minibatches
+from grpo.training.state import EntropyControl
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +174,19 @@ def loss_settings(cfg: Config) -> algorithm.LossSettings:
         correction = algorithm.RolloutCorrection(
             level=level, mode=mode, cap=a.rollout_correction_cap
         )
+    if a.loss_type == "luspo" and a.importance_sampling_level != "sequence":
+        _warn_once(
+            "algorithm.loss_type=luspo with importance_sampling_level=%s: LUSPO is defined with the "
+            "sequence-level ratio (set algorithm.importance_sampling_level=sequence to follow the paper)",
+            a.importance_sampling_level,
+        )
+    if a.policy_loss == "vespo" and a.importance_sampling_level != "token":
+        _warn_once(
+            "algorithm.policy_loss=vespo computes its own sequence-level weight; "
+            "importance_sampling_level=%s only changes the clip statistics and the bias-corrected KL "
+            "(leave it at token, as TRL advises)",
+            a.importance_sampling_level,
+        )
     return algorithm.LossSettings(
         objective=a.policy_loss,
         loss_type=a.loss_type,
@@ -170,11 +197,53 @@ def loss_settings(cfg: Config) -> algorithm.LossSettings:
             importance_sampling_level=a.importance_sampling_level,
             sapo_temperature_pos=a.sapo_temperature_pos,
             sapo_temperature_neg=a.sapo_temperature_neg,
+            vespo_k_pos=a.vespo_k_pos,
+            vespo_lambda_pos=a.vespo_lambda_pos,
+            vespo_k_neg=a.vespo_k_neg,
+            vespo_lambda_neg=a.vespo_lambda_neg,
         ),
         beta=a.beta,
         kl_estimator=a.kl_estimator,
+        kl_bias_correction=a.kl_bias_correction,
         correction=correction,
+        off_policy_mask_threshold=a.off_policy_mask_threshold,
     )
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str, *args) -> None:
+    """A setting's caveat, logged once per process rather than every step."""
+    log.warning(message, *args)
+
+
+def entropy_bonus_enabled(cfg: Config) -> bool:
+    """Whether the update computes the entropy bonus: a coefficient is set, or the adaptive
+    controller may set one (as TRL: on even while the coefficient sits at 0)."""
+    a = cfg.algorithm
+    return a.entropy_coef != 0.0 or a.use_adaptive_entropy
+
+
+def _pass_entropy_coef(cfg: Config, control: EntropyControl) -> float:
+    """The coefficient every micro-batch of the next pass applies: the adaptive controller's only
+    when the last pass's entropy was at or below the target; the fixed one otherwise."""
+    a = cfg.algorithm
+    if a.use_adaptive_entropy:
+        return algorithm.applied_entropy_coef(control.coef, control.last_entropy, a.entropy_target)
+    return control.coef
+
+
+def _adapt_entropy_coef(cfg: Config, control: EntropyControl, entropy: float) -> None:
+    """After a pass: the controller's next coefficient, from the pass's entropy."""
+    a = cfg.algorithm
+    control.coef = algorithm.next_entropy_coef(
+        control.coef,
+        entropy,
+        a.entropy_target,
+        a.entropy_coef_delta,
+        a.entropy_coef_min,
+        a.entropy_coef_max,
+    )
+    control.last_entropy = entropy
 
 
 def _rows_advantages(advantages: torch.Tensor, rows: torch.Tensor, width: int) -> torch.Tensor:
@@ -201,11 +270,19 @@ def policy_update(
     cfg: Config,
     backend,
     skips: Skips | None = None,
+    entropy_control: EntropyControl | None = None,
 ) -> dict[str, float]:
     """num_iterations optimizer steps over the generation batch; the update's metrics. A pass with a
-    non-finite loss or gradient norm is skipped and recorded in `skips` (which may raise TrainingDiverged)."""
+    non-finite loss or gradient norm is skipped and recorded in `skips` (which may raise TrainingDiverged).
+
+    `entropy_control`: the entropy bonus's coefficient, which the adaptive controller moves after
+    every pass that stepped (a skipped pass leaves it as it was); the run's TrainState.entropy, so
+    that a checkpoint carries it. None: a fresh one from algorithm.entropy_coef."""
     a = cfg.algorithm
     skips = skips if skips is not None else Skips(cfg.training.max_consecutive_skips)
+    control = entropy_control if entropy_control is not None else EntropyControl(a.entropy_coef)
+    bonus_on = entropy_bonus_enabled(cfg)
+    coefs = []
     skipped = 0
     pieces = split(batch, cfg)
     num_tokens = backend.sum(batch.loss_mask.sum().item())
@@ -242,6 +319,8 @@ def policy_update(
     for _ in range(a.num_iterations):
         optimizer.zero_grad(set_to_none=False)  # in place: the gradient buffers stay allocated
         pass_loss = 0.0
+        coef = _pass_entropy_coef(cfg, control) if bonus_on else 0.0
+        window = [0.0, 0.0]  # the pass's sum H E and count E, for the adaptive controller
         for minibatch, norm in zip(pieces, norms):
             for rows in minibatch:
                 if not len(rows):
@@ -271,7 +350,16 @@ def policy_update(
                     sampling_logp=sampling_logp[rows, :width].to(backend.device)
                     if sampling_logp is not None
                     else None,
+                    # with gradient: the bonus's part of the backward (only when one is applied)
+                    entropy=entropy if coef != 0.0 else None,
+                    entropy_coef=coef,
                 )
+                if bonus_on:  # the loss without the bonus, also in a pass that applied none
+                    stats.setdefault("policy_loss", loss.detach().double())
+                if a.use_adaptive_entropy:
+                    acted_on = mask if high_entropy is None else mask * high_entropy
+                    window[0] += algorithm.masked_sum(entropy, acted_on).item()
+                    window[1] += float(acted_on.sum())
                 sums["entropy"] += algorithm.masked_sum(entropy, mask).item()
                 if high_entropy is not None:
                     sums["entropy_kept"] = (
@@ -289,15 +377,20 @@ def policy_update(
         # the norm before clipping
         grad_norm = backend.clip_grad_norm(model, cfg.training.max_grad_norm)
         grad_norms.append(grad_norm)
+        if a.use_adaptive_entropy:  # every rank's tokens (a collective: before the verdict)
+            pass_entropy = backend.sum(window[0]) / max(1.0, backend.sum(window[1]))
         if math.isfinite(pass_loss) and math.isfinite(grad_norm):
             optimizer.step()
             scheduler.step()
             skips.record(False)
+            if a.use_adaptive_entropy:
+                _adapt_entropy_coef(cfg, control, pass_entropy)
         else:
             # no step at all: AdamW would write NaN into the weights and its moments for good
             optimizer.zero_grad(set_to_none=False)
             skipped += 1
             skips.record(True, f"loss {pass_loss}, gradient norm {grad_norm}")
+        coefs.append(control.coef)
     backend.after_update()
     loss_total = sums.pop("loss")  # already summed over the ranks, pass by pass
     sums = backend.reduce_stats(sums)
@@ -324,6 +417,16 @@ def policy_update(
             out["rollout/is_capped_ratio"] = sums["is_capped"] / passes
     if a.top_entropy_quantile < 1.0:
         out["entropy/kept_ratio"] = sums["entropy_kept"] / passes
+    sequences = a.num_iterations * max(1, num_sequences)
+    if a.off_policy_mask_threshold is not None:
+        out["off_policy/masked_ratio"] = sums.get("off_policy_masked", 0.0) / sequences
+    if a.policy_loss == "vespo":
+        out["vespo/phi_seq_mean"] = sums.get("phi_seq_sum", 0.0) / sequences
+    if bonus_on:
+        # the coefficient after each pass (TRL logs it at each optimizer step), and the loss without
+        # the bonus (TRL's policy_loss; a pass that applied none has no bonus to take out)
+        out["entropy_coef"] = sum(coefs) / len(coefs)
+        out["policy_loss"] = sums.get("policy_loss", 0.0) / a.num_iterations
     return out
 
 
