@@ -192,6 +192,7 @@ def _eval(args: argparse.Namespace) -> int:
             cfg.data.chat_template == "auto",
             cfg.data.few_shot,
             cfg.rollout.max_prompt_length,
+            cfg.data.chat_template_kwargs,
         )
         length = cfg.eval.max_completion_length or cfg.rollout.max_completion_length
         # before any generation

@@ -87,6 +87,18 @@ def test_overrides_do_not_mutate_input():
         ),
         ({}, ["data.task=json"], "data.task: 'json' is not one of arithmetic, jsonl, gsm8k, math"),
         ({}, ["eval.num_problems=0"], "eval.num_problems: must be > 0"),
+        ({}, ["rollout.min_p=1.0"], "rollout.min_p: must be in [0, 1)"),
+        ({}, ["rollout.repetition_penalty=0"], "rollout.repetition_penalty: must be > 0"),
+        (
+            {},
+            ["data.chat_template_kwargs=[a]"],
+            "data.chat_template_kwargs: expected a mapping of names to values",
+        ),
+        (
+            {},
+            ["data.chat_template_kwargs={tools: [a]}"],
+            "data.chat_template_kwargs.tools: expected a string, number, true/false or null",
+        ),
     ],
 )
 def test_bad_config_names_the_key(data, overrides, expected):

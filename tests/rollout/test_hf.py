@@ -2,7 +2,14 @@ import pytest
 import torch
 
 from grpo.rollout import Rollout, SamplingParams, StopStrings, generate
-from grpo.rollout.hf import CDF_BLOCK, first_exceeding, sample_from, sample_next_token
+from grpo.rollout.hf import (
+    CDF_BLOCK,
+    first_exceeding,
+    penalise_repetitions,
+    sample_from,
+    sample_next_token,
+    sample_with_logprobs,
+)
 
 
 def _prompts(tokenizer):
@@ -238,6 +245,81 @@ def test_top_k_and_top_p_restrict_support():
     assert set(nucleus.tolist()) == {0, 1}
     counts = torch.bincount(nucleus, minlength=4).float() / len(nucleus)
     assert abs(counts[0].item() - 0.5 / 0.8) < 0.05
+
+
+def test_min_p_keeps_the_tokens_transformers_keeps():
+    from transformers.generation.logits_process import MinPLogitsWarper
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(4000, 1)
+    g = torch.Generator().manual_seed(0)
+    # min_p 0.2: the floor is 0.2 x 0.5 = 0.1, so token 3 (0.05) goes
+    tokens, logprobs = sample_with_logprobs(logits, SamplingParams(1, min_p=0.2), g)
+    kept = MinPLogitsWarper(0.2)(None, logits[:1].clone()).isfinite()[0]
+    assert set(tokens.tolist()) == set(kept.nonzero().squeeze(-1).tolist()) == {0, 1, 2}
+    counts = torch.bincount(tokens, minlength=4).float() / len(tokens)
+    assert abs(counts[0].item() - 0.5 / 0.95) < 0.03
+    # the reported logprob is the unfiltered one, as for top-k and top-p
+    torch.testing.assert_close(logprobs, logits[0, tokens])
+
+
+def test_repetition_penalty_is_transformers_processor():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    logits = torch.tensor([[2.0, -1.0, 0.5, -3.0, 1.0]])
+    ids = torch.tensor([[0, 1, 1]])
+    seen = torch.zeros_like(logits, dtype=torch.bool).scatter(1, ids, True)
+    ours = penalise_repetitions(logits, seen, 2.0)
+    theirs = RepetitionPenaltyLogitsProcessor(2.0)(ids, logits.clone())
+    assert torch.equal(ours, theirs)
+    assert ours.tolist() == [[1.0, -2.0, 0.5, -3.0, 1.0]]
+
+
+def test_generation_with_a_repetition_penalty_matches_transformers(
+    model, tokenizer, assert_same_greedy
+):
+    # prompts of one length: transformers would also penalise a left-padded prompt's padding
+    prompts = ["abab", "1+2="]
+    eos = [tokenizer.eos_token_id]
+    ours = generate(
+        model,
+        [tokenizer(p)["input_ids"] for p in prompts],
+        1,
+        SamplingParams(16, temperature=0, repetition_penalty=1.8),
+        eos_token_ids=eos,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    enc = tokenizer(prompts, return_tensors="pt")
+    ref = model.generate(
+        **enc,
+        max_new_tokens=16,
+        do_sample=False,
+        repetition_penalty=1.8,
+        eos_token_id=eos,
+        pad_token_id=tokenizer.pad_token_id,
+    )[:, enc["input_ids"].shape[1] :]
+    plain = generate(
+        model,
+        [tokenizer(p)["input_ids"] for p in prompts],
+        1,
+        SamplingParams(16, temperature=0),
+        eos_token_ids=eos,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    for i, n in enumerate(ours.completion_mask.sum(-1).tolist()):
+        a, b = ours.completion_ids[i, :n].tolist(), ref[i, :n].tolist()
+        t = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if t is None:
+            continue
+        # two code paths' logits differ in their last bits: a different token only at a tie
+        context = enc["input_ids"][i].tolist() + a[:t]
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([context])).logits[0, -1:].float()
+        seen = torch.zeros_like(logits, dtype=torch.bool)
+        seen[0, context] = True
+        penalised = penalise_repetitions(logits, seen, 1.8)[0]
+        assert (penalised.max() - penalised[[a[t], b[t]]]).max() <= 1e-5, (i, t, a, b)
+    # and the penalty changed what was generated (a random tiny model repeats itself)
+    assert not torch.equal(ours.completion_ids, plain.completion_ids)
 
 
 def test_stop_strings_end_completion(tokenizer):

@@ -134,6 +134,13 @@ def test_logprob_mode_follows_the_filters():
     assert sampling_logprob_mode(0.7, 1.0, 0) == ("processed_logprobs", True)
     assert sampling_logprob_mode(1.0, 0.9, 5) == ("raw_logprobs", True)
     assert sampling_logprob_mode(0.7, 0.9, 0) == ("processed_logprobs", False)
+    # min-p is a filter like top-k/top-p; a repetition penalty reshapes the logits as temperature does
+    assert sampling_logprob_mode(1.0, 1.0, 0, min_p=0.1) == ("raw_logprobs", True)
+    assert sampling_logprob_mode(1.3, 1.0, 0, repetition_penalty=1.2) == (
+        "processed_logprobs",
+        True,
+    )
+    assert sampling_logprob_mode(1.0, 1.0, 0, 0.1, 1.2) == ("processed_logprobs", False)
 
 
 # ------------------------------------------------------------------ with vllm

@@ -147,3 +147,27 @@ def test_chat_template_applied_when_present(tokenizer):
     assert (text, templated) == ("<user>hi<assistant>", True)
     text, templated = render_prompt([{"role": "user", "content": "hi"}], tokenizer, False, None)
     assert (text, templated) == ("hi\n", False)
+
+
+def test_chat_template_kwargs_reach_the_template(tokenizer):
+    tokenizer = tokenizer.__class__(
+        tokenizer_object=tokenizer.backend_tokenizer,
+        eos_token="<eos>",
+        bos_token="<bos>",
+        pad_token="<pad>",
+    )
+    # Qwen3's switch, in miniature: the template writes an empty thought when thinking is off
+    tokenizer.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>"
+        "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}{% endif %}"
+    )
+    messages = [{"role": "user", "content": "hi"}]
+    assert render_prompt(messages, tokenizer, True, None)[0] == "<user>hi<assistant>"
+    off = {"enable_thinking": False}
+    assert (
+        render_prompt(messages, tokenizer, True, None, off)[0]
+        == "<user>hi<assistant><think></think>"
+    )
+    _, ids = encode_prompts([{"prompt": messages}], tokenizer, True, None, None, off)
+    assert tokenizer.decode(ids[0]) == "<user>hi<assistant><think></think>"

@@ -216,6 +216,9 @@ class DataConfig:
     applied before `prompt_column` is looked up; reward functions get the new names."""
     chat_template: str = "auto"
     """`auto`: use the tokenizer's chat template when it has one; `never`: plain text."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra variables for the chat template, e.g. {enable_thinking: false} for Qwen3 (TRL's
+    chat_template_kwargs): names to plain values (string, number, bool, null)."""
     few_shot: str | None = None
     """Text put before every plain-text prompt (worked examples for base models)."""
     seed: int = 0
@@ -313,6 +316,12 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0
     """0 disables top-k."""
+    min_p: float = 0.0
+    """Drop tokens less likely than min_p x the most likely one (0: off; TRL's min_p)."""
+    repetition_penalty: float = 1.0
+    """Penalise every token already in the prompt or the completion: its logit is divided by this
+    when positive, multiplied when negative (1: off; >1 discourages repeats; TRL's
+    repetition_penalty). It shapes the distribution the sampling logprobs are taken from."""
     ignore_eos: bool = False
     """Always generate `max_completion_length` tokens (for benchmarks)."""
     stop_strings: list[str] = field(default_factory=list)
@@ -350,6 +359,11 @@ class RolloutConfig:
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"rollout.top_p: must be in (0, 1], got {self.top_p}")
         _positive("rollout.top_k", self.top_k, allow_zero=True)
+        if not 0 <= self.min_p < 1:
+            raise ConfigError(
+                f"rollout.min_p: must be in [0, 1) (0 turns it off), got {self.min_p}"
+            )
+        _positive("rollout.repetition_penalty", self.repetition_penalty)
 
 
 @dataclass
@@ -1050,6 +1064,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 f"{key}: expected a list, got {safe_yaml.shown(value)}; write it as [a, b, ...]"
             )
         return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        return _plain_mapping(value, key)
     if tp is float:
         if isinstance(value, str):
             # YAML 1.1 reads 1e-5 (no dot) as a string; accept what Python reads as a number
@@ -1079,6 +1095,38 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             )
         return value
     raise ConfigError(f"{key}: unsupported type {_type_name(tp)}")
+
+
+PLAIN_MAPPING_ENTRIES = 64
+PLAIN_VALUE_CHARS = 4096
+
+
+def _plain_mapping(value: Any, key: str) -> dict[str, Any]:
+    """A mapping of names to plain values (string, number, bool, null), bounded in size: what a
+    config may hand to code it does not own (a chat template's variables)."""
+    if not isinstance(value, dict):
+        raise ConfigError(
+            f"{key}: expected a mapping of names to values (e.g. {{enable_thinking: false}}), "
+            f"got {safe_yaml.shown(value)}"
+        )
+    if len(value) > PLAIN_MAPPING_ENTRIES:
+        raise ConfigError(
+            f"{key}: {len(value)} entries; at most {PLAIN_MAPPING_ENTRIES} are taken, keep those the template reads"
+        )
+    for name, item in value.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ConfigError(
+                f"{key}: {safe_yaml.shown(name)} is not a variable name; use letters, digits, _"
+            )
+        if item is not None and not isinstance(item, (str, int, float, bool)):
+            raise ConfigError(
+                f"{key}.{name}: expected a string, number, true/false or null, got {safe_yaml.shown(item)}"
+            )
+        if isinstance(item, str) and len(item) > PLAIN_VALUE_CHARS:
+            raise ConfigError(
+                f"{key}.{name}: a string of {len(item)} characters; at most {PLAIN_VALUE_CHARS}"
+            )
+    return dict(value)
 
 
 MOVED_KEYS = {

@@ -68,9 +68,10 @@ def sample_with_logprobs(
     """Pick one token per row from next-token logits [B, V]: (tokens [B], their logprobs [B]).
     The draw uses `uniforms` [B, 2] in [0, 1) when given (`sample_from`), else numbers from `generator`.
 
-    The logprob is the token's under softmax(logits / temperature), before top-k and top-p,
-    which is what the update computes (grpo.models.logprobs), so the two can be compared for the
-    rollout correction. None for greedy decoding (evaluation), which nothing compares.
+    The logprob is the token's under softmax(logits / temperature), before top-k, top-p and
+    min-p, which is what the update computes (grpo.models.logprobs), so the two can be compared
+    for the rollout correction. None for greedy decoding (evaluation), which nothing compares.
+    A repetition penalty is applied to `logits` by the caller (`penalise_repetitions`).
     """
     if params.temperature == 0:
         best, index = logits.max(dim=-1)
@@ -80,7 +81,11 @@ def sample_with_logprobs(
     scores = logits.float()
     if params.temperature != 1.0:
         scores = scores / params.temperature
-    filtered = bool(params.top_k and params.top_k < scores.shape[-1]) or params.top_p < 1.0
+    filtered = (
+        bool(params.top_k and params.top_k < scores.shape[-1])
+        or params.top_p < 1.0
+        or params.min_p > 0.0
+    )
     if not filtered:
         probs = torch.softmax(scores, dim=-1)
         tokens = sample_from(probs, generator, uniforms)
@@ -98,7 +103,8 @@ def _sample_filtered(
     generator: torch.Generator | None,
     uniforms: torch.Tensor | None,
 ) -> torch.Tensor:
-    """A token per row from temperature-scaled scores [B, V] under top-k and top-p."""
+    """A token per row from temperature-scaled scores [B, V] under top-k, top-p and min-p,
+    applied in that order (transformers' and vLLM's order)."""
     if params.top_k and params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k, dim=-1).values[:, -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -109,7 +115,21 @@ def _sample_filtered(
         drop = (probs.cumsum(-1) - probs) >= params.top_p
         sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
         scores = torch.full_like(scores, float("-inf")).scatter(-1, order, sorted_scores)
-    return sample_from(torch.softmax(scores, dim=-1), generator, uniforms)
+    probs = torch.softmax(scores, dim=-1)
+    if params.min_p > 0.0:
+        # the most likely token always stays: its probability is the row's maximum
+        floor = params.min_p * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < floor, 0.0)
+    return sample_from(probs, generator, uniforms)
+
+
+def penalise_repetitions(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """CTRL's repetition penalty (Keskar et al. 2019, transformers' and vLLM's form): the logit of
+    every token already present (`seen` [B, V] bool: in the prompt or generated) is divided by
+    `penalty` when positive and multiplied by it otherwise, so penalty > 1 makes a repeat less
+    likely. Example: penalty 2, seen logits [3, -1] -> [1.5, -2]; unseen ones are unchanged."""
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalised, logits)
 
 
 def sample_from(
@@ -313,17 +333,27 @@ def _generate(
     )
     done = torch.zeros(N, dtype=torch.bool, device=device)
     lengths = torch.zeros(N, dtype=torch.long, device=device)
+    # the tokens each row holds so far, prompt included (its padding excluded), for the penalty
+    seen = None
+    if params.repetition_penalty != 1.0:
+        seen = torch.zeros(N, logits.shape[-1], dtype=torch.bool, device=device)
+        row, column = full_mask.nonzero(as_tuple=True)
+        seen[row, full_ids[row, column]] = True
     active = torch.arange(N, device=device)  # batch row of each cache row
     alive = torch.ones(N, dtype=torch.bool, device=device)  # cache rows still generating
     attn = full_mask.clone()  # [cache rows, Lp + t]
     next_pos = full_mask.sum(-1)  # position id of each cache row's next token
 
     for t in range(params.max_new_tokens):
+        if seen is not None:
+            logits = penalise_repetitions(logits, seen[active], params.repetition_penalty)
         new, new_logprobs = sample_with_logprobs(
             logits, params, uniforms=noise[active, t] if noise is not None else None
         )
         rows = active[alive]
         tokens[rows, t] = new[alive]
+        if seen is not None:
+            seen[rows, new[alive]] = True
         if token_logprobs is not None:
             token_logprobs[rows, t] = new_logprobs[alive]
         lengths[rows] += 1

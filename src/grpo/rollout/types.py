@@ -40,6 +40,11 @@ class SamplingParams:
     """0 disables top-k."""
     ignore_eos: bool = False
     """Generate exactly max_new_tokens tokens (benchmarks)."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p x the most likely token's (0: off)."""
+    repetition_penalty: float = 1.0
+    """CTRL's penalty on every token already in the prompt or the completion: its logit is
+    divided by this when positive, multiplied when negative (1: off)."""
 
 
 @dataclass
@@ -59,8 +64,9 @@ class Rollout:
     """[N] bool: True when no EOS came within max_new_tokens."""
     sampling_logprobs: torch.Tensor | None = None
     """[N, T] float32: each completion token's logprob under the distribution the engine sampled
-    it from (softmax of logits / temperature, before top-k/top-p), 0 at padding; None when the
-    engine does not report them (greedy decoding). The update compares them with its own."""
+    it from (softmax of logits / temperature, after the repetition penalty and before the
+    top-k/top-p/min-p filters), 0 at padding; None when the engine does not report them
+    (greedy decoding). The update compares them with its own."""
 
     @property
     def lengths(self) -> torch.Tensor:

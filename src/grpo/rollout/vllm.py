@@ -8,7 +8,7 @@ is read back from disk). vLLM's engine core runs in this process
 tensors directly.
 
 - `generate` maps grpo's SamplingParams onto vLLM's one to one: temperature,
-  top_p, top_k (0 = off), max_tokens, ignore_eos, rollout.stop_strings, the
+  top_p, top_k (0 = off), min_p, repetition_penalty, max_tokens, ignore_eos, rollout.stop_strings, the
   policy's eos ids as stop tokens; one request per prompt with n = G and the
   prompt's seed (grpo.rollout.types.prompt_seeds; vLLM gives the i-th of the G
   completions seed + i), so a run is reproducible from training.seed. Greedy
@@ -74,22 +74,28 @@ def import_vllm():
     return vllm
 
 
-def sampling_logprob_mode(temperature: float, top_p: float, top_k: int) -> tuple[str, bool]:
+def sampling_logprob_mode(
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
+) -> tuple[str, bool]:
     """(vLLM's logprobs_mode, whether its logprobs are then exactly grpo's sampling logprobs)
     for training's sampling settings.
 
-    grpo's sampling logprob is log softmax(logits / temperature) of the sampled token, before
-    top-k/top-p. vLLM offers two: `raw_logprobs`, log softmax(logits) (temperature 1, no
-    filtering), and `processed_logprobs`, log softmax of the logits after temperature, top-k
-    and top-p (the filtered distribution, renormalised). Without filtering, the processed ones
-    are exactly grpo's at every temperature; with filtering at temperature 1, the raw ones are.
-    With filtering at another temperature neither is: the processed ones are used, and they
-    exceed grpo's by log(mass of the kept tokens) >= 0.
+    grpo's sampling logprob is log softmax(penalised logits / temperature) of the sampled token,
+    before top-k/top-p/min-p. vLLM offers two: `raw_logprobs`, log softmax(logits) (no penalty,
+    temperature 1, no filtering), and `processed_logprobs`, log softmax of the logits after the
+    penalty, temperature and the filters (the filtered distribution, renormalised). Without
+    filtering, the processed ones are exactly grpo's at every temperature and penalty; with
+    filtering at temperature 1 and no penalty, the raw ones are. Otherwise neither is: the
+    processed ones are used, and they exceed grpo's by log(mass of the kept tokens) >= 0.
     """
-    filtered = bool(top_k) or top_p < 1.0
+    filtered = bool(top_k) or top_p < 1.0 or min_p > 0.0
     if not filtered:
         return "processed_logprobs", True
-    if temperature == 1.0:
+    if temperature == 1.0 and repetition_penalty == 1.0:
         return "raw_logprobs", True
     return "processed_logprobs", False
 
@@ -247,14 +253,16 @@ class VLLMEngine:
         self.sleep_enabled = device.type == "cuda" and settings.sleep_mode
         self.asleep = False
         self.logprobs_mode, self.logprobs_exact = sampling_logprob_mode(
-            r.temperature, r.top_p, r.top_k
+            r.temperature, r.top_p, r.top_k, r.min_p, r.repetition_penalty
         )
         if not self.logprobs_exact:
             log.warning(
-                "rollout.engine: vllm reports each sampled token's logprob under the top-k/top-p filtered distribution "
-                "at rollout.temperature=%s (vLLM has no mode for the unfiltered one at a temperature other than 1), so "
-                "the rollout/logprob_diff metrics and algorithm.rollout_correction see a gap of log(kept probability mass)",
+                "rollout.engine: vllm reports each sampled token's logprob under the top-k/top-p/min-p filtered "
+                "distribution at rollout.temperature=%s, rollout.repetition_penalty=%s (vLLM has no mode for the "
+                "unfiltered one there), so the rollout/logprob_diff metrics and algorithm.rollout_correction see a "
+                "gap of log(kept probability mass)",
                 r.temperature,
+                r.repetition_penalty,
             )
         # vLLM reads the config and the tokenizer from a directory; its weights start as
         # placeholders (load_format dummy) and are replaced by the policy's below
@@ -311,6 +319,8 @@ class VLLMEngine:
             temperature=params.temperature,
             top_p=params.top_p,
             top_k=params.top_k,
+            min_p=params.min_p,
+            repetition_penalty=params.repetition_penalty,
             max_tokens=params.max_new_tokens,
             ignore_eos=params.ignore_eos,
             stop_token_ids=list(self.eos_token_ids) if ends else None,

@@ -303,29 +303,39 @@ def is_conversational(row: Row) -> bool:
 
 
 def render_prompt(
-    prompt: str | list[dict[str, str]], tokenizer, use_chat_template: bool, few_shot: str | None
+    prompt: str | list[dict[str, str]],
+    tokenizer,
+    use_chat_template: bool,
+    few_shot: str | None,
+    template_kwargs: dict | None = None,
 ) -> tuple[str, bool]:
     """The exact text the model continues, and whether a chat template wrote it.
 
     Chat messages go through the tokenizer's chat template when it has one and
-    `use_chat_template` is on; otherwise their contents are joined as plain
+    `use_chat_template` is on, with `template_kwargs` as the template's extra variables
+    (data.chat_template_kwargs); otherwise their contents are joined as plain
     text. `few_shot` is put before plain-text prompts (for base models).
     """
     if isinstance(prompt, list):
         if use_chat_template and getattr(tokenizer, "chat_template", None):
             return tokenizer.apply_chat_template(
-                prompt, tokenize=False, add_generation_prompt=True
+                prompt, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
             ), True
         prompt = "\n".join(m["content"] for m in prompt) + "\n"
     return (few_shot or "") + prompt, False
 
 
 def tokenize_prompts(
-    rows: list[Row], tokenizer, use_chat_template: bool, few_shot: str | None
+    rows: list[Row],
+    tokenizer,
+    use_chat_template: bool,
+    few_shot: str | None,
+    template_kwargs: dict | None = None,
 ) -> tuple[list[str], list[list[int]]]:
     """Prompt texts and their whole token ids."""
     rendered = [
-        render_prompt(row["prompt"], tokenizer, use_chat_template, few_shot) for row in rows
+        render_prompt(row["prompt"], tokenizer, use_chat_template, few_shot, template_kwargs)
+        for row in rows
     ]
     texts = [text for text, _ in rendered]
     ids: list[list[int]] = [[] for _ in rows]
@@ -362,9 +372,10 @@ def encode_prompts(
     use_chat_template: bool,
     few_shot: str | None,
     max_prompt_length: int | None,
+    template_kwargs: dict | None = None,
 ) -> tuple[list[str], list[list[int]]]:
     """Prompt texts and their token ids, each truncated to max_prompt_length (`truncate_prompt`)."""
-    texts, ids = tokenize_prompts(rows, tokenizer, use_chat_template, few_shot)
+    texts, ids = tokenize_prompts(rows, tokenizer, use_chat_template, few_shot, template_kwargs)
     bos = getattr(tokenizer, "bos_token_id", None)
     return texts, [truncate_prompt(tokens, max_prompt_length, bos) for tokens in ids]
 
@@ -457,7 +468,8 @@ def _tokens_up_to(tokenizer, text: str, templated: bool, limit: int) -> int:
 
 class PromptEncoder:
     """Rows -> the prompt token ids generation starts from, as configured (data.chat_template,
-    data.few_shot, rollout.max_prompt_length), counting the prompts it truncates."""
+    data.chat_template_kwargs, data.few_shot, rollout.max_prompt_length), counting the prompts
+    it truncates."""
 
     def __init__(
         self,
@@ -465,6 +477,7 @@ class PromptEncoder:
         use_chat_template: bool,
         few_shot: str | None,
         max_prompt_length: int | None,
+        template_kwargs: dict | None = None,
     ):
         self.tokenizer, self.use_chat_template, self.few_shot = (
             tokenizer,
@@ -472,12 +485,15 @@ class PromptEncoder:
             few_shot,
         )
         self.max_prompt_length = max_prompt_length
+        self.template_kwargs = template_kwargs
         self.truncated = 0
         """Prompts truncated since `take_truncated` last asked."""
         self._warned = False
 
     def __call__(self, rows: list[Row]) -> list[list[int]]:
-        _, ids = tokenize_prompts(rows, self.tokenizer, self.use_chat_template, self.few_shot)
+        _, ids = tokenize_prompts(
+            rows, self.tokenizer, self.use_chat_template, self.few_shot, self.template_kwargs
+        )
         long = (
             sum(len(tokens) > self.max_prompt_length for tokens in ids)
             if self.max_prompt_length
@@ -510,7 +526,13 @@ class PromptEncoder:
         if self.max_prompt_length is not None and self.max_prompt_length <= budget:
             return
         rendered = [
-            render_prompt(row["prompt"], self.tokenizer, self.use_chat_template, self.few_shot)
+            render_prompt(
+                row["prompt"],
+                self.tokenizer,
+                self.use_chat_template,
+                self.few_shot,
+                self.template_kwargs,
+            )
             for row in rows
         ]
         suspects = [i for i, (text, _) in enumerate(rendered) if len(text.encode()) + 8 > budget]

@@ -57,6 +57,7 @@ def evaluate(
     use_chat_template: bool,
     few_shot: str | None,
     max_prompt_length: int | None,
+    template_kwargs: dict | None = None,
     reward_set=None,
     label: str = "eval",
     step: int = 0,
@@ -80,7 +81,9 @@ def evaluate(
     if batch_size < 1:
         raise ConfigError(f"eval.batch_size: must be > 0, got {batch_size}")
     scorer.check(rows)  # fail before any generation
-    _, prompt_ids = encode_prompts(rows, tokenizer, use_chat_template, few_shot, max_prompt_length)
+    _, prompt_ids = encode_prompts(
+        rows, tokenizer, use_chat_template, few_shot, max_prompt_length, template_kwargs
+    )
     world, rank = (backend.world_size, backend.rank) if backend is not None else (1, 0)
     mine = shard(len(rows), world, rank)
     results = []
@@ -225,6 +228,7 @@ class Evaluator:
             use_chat_template=cfg.data.chat_template == "auto",
             few_shot=cfg.data.few_shot,
             max_prompt_length=cfg.rollout.max_prompt_length,
+            template_kwargs=cfg.data.chat_template_kwargs,
             reward_set=self.reward_set,
             label=label,
             step=step,

@@ -212,7 +212,11 @@ class Trainer:
         )
         d, r = cfg.data, cfg.rollout
         self.prompts = PromptEncoder(
-            tokenizer, d.chat_template == "auto", d.few_shot, r.max_prompt_length
+            tokenizer,
+            d.chat_template == "auto",
+            d.few_shot,
+            r.max_prompt_length,
+            d.chat_template_kwargs,
         )
         self.prompts.check_fits(
             self.task.train_rows,
@@ -263,7 +267,13 @@ class Trainer:
         """This rank's groups of each round: every rank draws the same prompts and seeds, and keeps these."""
         r = cfg.rollout
         self.sampling = SamplingParams(
-            r.max_completion_length, r.temperature, r.top_p, r.top_k, r.ignore_eos
+            r.max_completion_length,
+            r.temperature,
+            r.top_p,
+            r.top_k,
+            r.ignore_eos,
+            min_p=r.min_p,
+            repetition_penalty=r.repetition_penalty,
         )
         self._set_up_callbacks()
 
@@ -413,9 +423,8 @@ class Trainer:
         a = self.cfg.algorithm
         if self.critic is not None:
             return gae_batch_advantages(batch, values, self.cfg, self.backend)
-        if (
-            a.multi_objective_aggregation == "normalize_then_sum"
-        ):  # GDPO: each function, then the sum
+        # GDPO: each reward function normalised in its group, then the weighted sum
+        if a.multi_objective_aggregation == "normalize_then_sum":
             everyone, mine = self.backend.gather_rows(batch.rewards_per_func)
             weights, G = self.rewards.weights, self.cfg.rollout.num_generations
             return algorithm.normalize_then_sum_advantages(everyone, weights, G)[mine], None
