@@ -211,7 +211,23 @@ CHANGES = {
     "temperature": (0.7, {}),
     "top_p": (0.9, {}),
     "top_k": (50, {}),
+    "min_p": (0.05, {}),
+    "repetition_penalty": (1.1, {}),
+    "chat_template_kwargs": ({"enable_thinking": False}, {}),
     "beta": (0.04, {}),
+    "vespo_k_pos": (1.5, {"loss_type": "vespo"}),
+    "vespo_lambda_pos": (2.5, {"loss_type": "vespo"}),
+    "vespo_k_neg": (2.5, {"loss_type": "vespo"}),
+    "vespo_lambda_neg": (1.5, {"loss_type": "vespo"}),
+    "off_policy_mask_threshold": (0.5, {}),
+    "use_bias_correction_kl": (False, {"beta": 0.04}),
+    "multi_objective_aggregation": ("normalize_then_sum", {}),
+    "entropy_coef": (0.01, {}),
+    "use_adaptive_entropy": (True, {}),
+    "entropy_target": (0.5, {"use_adaptive_entropy": True}),
+    "entropy_coef_delta": (0.01, {"use_adaptive_entropy": True}),
+    "entropy_coef_min": (0.001, {"use_adaptive_entropy": True}),
+    "entropy_coef_max": (0.5, {"use_adaptive_entropy": True}),
     "epsilon": (0.1, {}),
     "epsilon_high": (0.28, {}),
     "delta": (2.0, {}),
@@ -272,10 +288,11 @@ def test_every_field_is_mapped_and_every_mapped_field_is_tested():
     assert set(CHANGES) == set(MAPPING)
 
     def dotted(node, prefix=""):
+        # a section's name too: a key may itself hold a mapping (data.chat_template_kwargs)
         for key, value in node.items():
-            yield from (
-                dotted(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"]
-            )
+            yield f"{prefix}{key}"
+            if isinstance(value, dict):
+                yield from dotted(value, f"{prefix}{key}.")
 
     keys = set(dotted(config_module.Config().to_dict()))  # every key of every (nested) section
     assert {key for key, _ in MAPPING.values()} <= keys
@@ -319,6 +336,41 @@ def test_each_field_changes_the_config(name):
     assert get(changed) != get(base), (name, key)
 
 
+def test_generation_kwargs_override_the_sampling_fields_and_refuse_the_rest():
+    cfg = GRPOConfig(
+        temperature=0.9,
+        min_p=0.1,
+        generation_kwargs='{"temperature": 0.7, "top_k": 5, "do_sample": true}',
+        chat_template_kwargs='{"enable_thinking": false}',
+    ).to_config(num_rows=100)
+    assert (cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.min_p) == (0.7, 5, 0.1)
+    assert cfg.data.chat_template_kwargs == {"enable_thinking": False}
+    with pytest.raises(ConfigError, match=r"generation_kwargs\['num_beams'\]: not implemented"):
+        GRPOConfig(generation_kwargs={"num_beams": 4}).to_config(num_rows=100)
+    with pytest.raises(ConfigError, match=r"\['do_sample'\]: grpo always samples"):
+        GRPOConfig(generation_kwargs={"do_sample": False}).to_config(num_rows=100)
+    with pytest.raises(ConfigError, match="chat_template_kwargs: not JSON"):
+        GRPOConfig(chat_template_kwargs="{enable").to_config(num_rows=100)
+
+
+def test_reward_sources_and_their_processing_classes_are_checked_as_trl_does(tmp_path):
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), max_steps=1)
+    rows = [{"prompt": "1+1="}] * 4
+    with pytest.raises(ValueError, match="No reward source provided"):
+        GRPOTrainer("tiny", args=args, train_dataset=rows)
+    with pytest.raises(ValueError, match="`train_dataset` is required"):
+        GRPOTrainer("tiny", "length_reward", args=args)
+    # one tokenizer for two reward models: TRL reads it as a list of one, which must match
+    with pytest.raises(ValueError, match=r"reward_processing_classes \(1\) must match .* \(2\)"):
+        GRPOTrainer(
+            "tiny",
+            ["reward_model:a", "reward_model:b"],
+            args=args,
+            train_dataset=rows,
+            reward_processing_classes=char_tokenizer(),
+        )
+
+
 def test_units():
     # TRL counts optimizer steps; a grpo step is num_iterations of them
     cfg = GRPOConfig(max_steps=10, num_iterations=2, save_steps=4, logging_steps=3).to_config()
@@ -339,8 +391,8 @@ def test_units():
 def test_refused_and_ignored_fields():
     with pytest.raises(TypeError, match="`fp16`.*bf16"):
         GRPOConfig(fp16=True)
-    with pytest.raises(TypeError, match="`entropy_coef`"):
-        GRPOConfig(entropy_coef=0.1)
+    with pytest.raises(TypeError, match="`cast_lm_head_to_fp32`"):
+        GRPOConfig(cast_lm_head_to_fp32=True)
     with pytest.raises(TypeError, match="`not_a_field`"):
         GRPOConfig(not_a_field=1)
     with pytest.warns(UserWarning, match="vllm_server_port"):
@@ -406,7 +458,7 @@ model: {{name: tiny, tiny_hidden_size: 32, tiny_num_layers: 1}}
 data: {{task: jsonl, train_file: {tmp_path / "train.jsonl"}, seed: 42}}
 rollout: {{num_generations: 4, max_completion_length: 6, temperature: 0.9}}
 rewards: {{funcs: ["{spec}"], isolation: thread}}
-algorithm: {{beta: 0.04, epsilon_high: 0.28, loss_type: dr_grpo}}
+algorithm: {{beta: 0.04, kl_bias_correction: true, epsilon_high: 0.28, loss_type: dr_grpo}}
 training: {{max_steps: 3, per_device_train_batch_size: 4, gradient_accumulation_steps: 2, learning_rate: 1.0e-3,
            warmup_steps: 1, bf16: true, gradient_checkpointing: true, save_steps: 500}}
 logging: {{log_every: 10, sample_every: 0}}
@@ -719,7 +771,7 @@ def test_peft_config_maps_onto_model_lora():
 
 
 def test_peft_config_trains_only_the_adapter(tmp_path):
-    from peft import LoraConfig
+    from peft import LoraConfig, PeftModel
 
     tokenizer = char_tokenizer()
     model = tiny_model(tokenizer, hidden_size=32, num_layers=1, seed=4)
@@ -744,12 +796,14 @@ def test_peft_config_trains_only_the_adapter(tmp_path):
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
     )
     assert trainer.config.model.lora.r == 4
+    # as in TRL, trainer.model is the PeftModel, around the module grpo trains in place
+    assert isinstance(trainer.model, PeftModel) and trainer.model.get_base_model() is model
     trainer.train()
     adapter = {n: p for n, p in trainer.model.named_parameters() if "lora_" in n}
     assert adapter and all(p.requires_grad for p in adapter.values())
     # B starts at 0: it learned
     assert any(p.abs().max() > 0 for n, p in adapter.items() if "lora_B" in n)
-    for name, p in trainer.model.named_parameters():
+    for name, p in model.named_parameters():
         if "lora_" not in name:
             assert not p.requires_grad and torch.equal(
                 p.detach(), before[name.replace(".base_layer", "")]

@@ -57,6 +57,15 @@ class _Fields:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float | None = None
+    """None: off (rollout.min_p 0)."""
+    repetition_penalty: float = 1.0
+    generation_kwargs: dict | str | None = None
+    """Sampling settings by the names transformers' GenerationConfig and vLLM's SamplingParams
+    give them (a dict, or its JSON text); each overrides the field of the same meaning.
+    Only those grpo's engines implement are taken (GENERATION_KWARGS), any other is refused."""
+    chat_template_kwargs: dict | str | None = None
+    """Extra variables for the chat template (e.g. {"enable_thinking": False}): data.chat_template_kwargs."""
     generation_batch_size: int | None = None
     """Only per_device_train_batch_size x gradient_accumulation_steps (grpo's one batch)."""
     steps_per_generation: int | None = None
@@ -71,6 +80,21 @@ class _Fields:
     aggregation TRL uses with each, dapo and grpo); the others are aggregations of `clipped`."""
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    off_policy_mask_threshold: float | None = None
+    use_bias_correction_kl: bool = True
+    """TRL 1.16's default, True: the KL term weighted by the importance ratio
+    (algorithm.kl_bias_correction, whose own default in grpo's YAML is false)."""
+    multi_objective_aggregation: str = "sum_then_normalize"
+    entropy_coef: float = 0.0
+    use_adaptive_entropy: bool = False
+    entropy_target: float = 0.2
+    entropy_coef_delta: float = 0.005
+    entropy_coef_min: float = 0.0
+    entropy_coef_max: float = 1.0
     top_entropy_quantile: float = 1.0
     # generation with vLLM (grpo's `vllm` engine, colocated in the training process)
     use_vllm: bool = False
@@ -231,6 +255,10 @@ class GRPOConfig(_Fields):
             value = derive(self)
             if value is not _UNSET:
                 _set_dotted(data, key, value)
+        for name, value in _json_dict(self.generation_kwargs, "generation_kwargs").items():
+            key = _generation_key(name, value)
+            if key is not None:
+                _set_dotted(data, key, value)
         for key, value in (extra or {}).items():
             _set_dotted(data, key, value)
         try:
@@ -322,7 +350,7 @@ def _warmup(a: GRPOConfig, n) -> int:
     return int(a.warmup_steps)
 
 
-LOSS_TYPE_AGGREGATION = {"cispo": "dapo", "sapo": "grpo"}
+LOSS_TYPE_AGGREGATION = {"cispo": "dapo", "sapo": "grpo", "vespo": "dapo"}
 """TRL loss types that are a policy loss in grpo, and the aggregation TRL uses with each."""
 
 DERIVED: dict[str, Callable[[GRPOConfig], Any]] = {
@@ -344,6 +372,12 @@ MAPPING: dict[str, tuple[str, Callable[[GRPOConfig, int | None], Any] | None]] =
     "temperature": ("rollout.temperature", None),
     "top_p": ("rollout.top_p", None),
     "top_k": ("rollout.top_k", None),
+    "min_p": ("rollout.min_p", lambda a, n: 0.0 if a.min_p is None else a.min_p),
+    "repetition_penalty": ("rollout.repetition_penalty", None),
+    "chat_template_kwargs": (
+        "data.chat_template_kwargs",
+        lambda a, n: _json_dict(a.chat_template_kwargs, "chat_template_kwargs"),
+    ),
     "beta": ("algorithm.beta", None),
     "epsilon": ("algorithm.epsilon", None),
     "epsilon_high": ("algorithm.epsilon_high", None),
@@ -354,6 +388,19 @@ MAPPING: dict[str, tuple[str, Callable[[GRPOConfig, int | None], Any] | None]] =
     ),
     "sapo_temperature_pos": ("algorithm.sapo_temperature_pos", None),
     "sapo_temperature_neg": ("algorithm.sapo_temperature_neg", None),
+    "vespo_k_pos": ("algorithm.vespo_k_pos", None),
+    "vespo_lambda_pos": ("algorithm.vespo_lambda_pos", None),
+    "vespo_k_neg": ("algorithm.vespo_k_neg", None),
+    "vespo_lambda_neg": ("algorithm.vespo_lambda_neg", None),
+    "off_policy_mask_threshold": ("algorithm.off_policy_mask_threshold", None),
+    "use_bias_correction_kl": ("algorithm.kl_bias_correction", None),
+    "multi_objective_aggregation": ("algorithm.multi_objective_aggregation", None),
+    "entropy_coef": ("algorithm.entropy_coef", None),
+    "use_adaptive_entropy": ("algorithm.use_adaptive_entropy", None),
+    "entropy_target": ("algorithm.entropy_target", None),
+    "entropy_coef_delta": ("algorithm.entropy_coef_delta", None),
+    "entropy_coef_min": ("algorithm.entropy_coef_min", None),
+    "entropy_coef_max": ("algorithm.entropy_coef_max", None),
     "top_entropy_quantile": ("algorithm.top_entropy_quantile", None),
     "use_vllm": ("rollout.engine", lambda a, n: "vllm" if a.use_vllm else "hf"),
     # the vllm engine's settings, set only when it is used (the engine's own defaults otherwise)
@@ -459,6 +506,7 @@ MAPPING: dict[str, tuple[str, Callable[[GRPOConfig, int | None], Any] | None]] =
 """Every GRPOConfig field, and the grpo key it sets, but CHECKED_ONLY's."""
 
 CHECKED_ONLY = (
+    "generation_kwargs",
     "generation_batch_size",
     "steps_per_generation",
     "shuffle_dataset",
@@ -469,7 +517,58 @@ CHECKED_ONLY = (
     "grpo_overrides",
     "num_generations_eval",
 )
-"""Fields that set no key: grpo has one value for each (refused otherwise, in `_check`), and grpo_overrides."""
+"""Fields that set no key: grpo has one value for each (refused otherwise, in `_check`),
+generation_kwargs (its entries set the keys of GENERATION_KWARGS) and grpo_overrides."""
+
+GENERATION_KWARGS = {
+    "temperature": "rollout.temperature",
+    "top_p": "rollout.top_p",
+    "top_k": "rollout.top_k",
+    "min_p": "rollout.min_p",
+    "repetition_penalty": "rollout.repetition_penalty",
+    "max_new_tokens": "rollout.max_completion_length",
+    "max_tokens": "rollout.max_completion_length",
+    "stop": "rollout.stop_strings",
+    "stop_strings": "rollout.stop_strings",
+    "ignore_eos": "rollout.ignore_eos",
+}
+"""generation_kwargs entries grpo implements (transformers' and vLLM's names) -> grpo keys."""
+
+
+def _json_dict(value, field_name: str) -> dict:
+    """A dict field that may be given as JSON text (as transformers' argument parser leaves it)."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        import json
+
+        try:
+            value = json.loads(value)
+        except ValueError as error:
+            raise ConfigError(
+                f"GRPOConfig.{field_name}: not JSON ({error}); pass a dict or its JSON text"
+            ) from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"GRPOConfig.{field_name}: expected a dict, got {type(value).__name__}")
+    return value
+
+
+def _generation_key(name: str, value) -> str | None:
+    """The grpo key a generation_kwargs entry sets (None: do_sample=True, what grpo does anyway)."""
+    if name == "do_sample":
+        if value is True:
+            return None
+        raise ConfigError(
+            "GRPOConfig.generation_kwargs['do_sample']: grpo always samples in training "
+            "(evaluation decodes greedily and at temperature 1 by itself); remove it"
+        )
+    if name not in GENERATION_KWARGS:
+        raise ConfigError(
+            f"GRPOConfig.generation_kwargs[{name!r}]: not implemented by grpo's engines; "
+            f"those taken are {', '.join(sorted(GENERATION_KWARGS))}"
+        )
+    return GENERATION_KWARGS[name]
+
 
 NO_EFFECT = {
     # generation servers and kernels grpo does not have; its own engine generates
@@ -541,11 +640,8 @@ _HINTS = {
     "warmup_ratio": "use warmup_steps (a float below 1 is a fraction of the run)",
     "model_init_kwargs": "load the model yourself and pass it, or set grpo_overrides=['model.dtype=bfloat16']",
     "resume_from_checkpoint": "pass it to train(resume_from_checkpoint=...)",
-    "generation_kwargs": "use temperature, top_p, top_k, max_completion_length, or grpo_overrides=['rollout.stop_strings=[...]']",
-    "min_p": "use top_p or top_k",
-    "repetition_penalty": "use temperature, top_p or top_k",
-    "multi_objective_aggregation": "rewards are summed with reward_weights, then normalised (TRL's default)",
-    "entropy_coef": "not implemented",
+    "cast_lm_head_to_fp32": "grpo's output layer runs in the training precision and takes its softmax, logprobs "
+    "and entropy in float32; for a float32 product too, train in float32 (bf16=False)",
     "deepspeed": "grpo shards with FSDP2 itself: run `grpo train` under torchrun with training.sharding=fsdp",
     "fsdp": "run `grpo train` under torchrun with training.sharding=fsdp (grpo's own FSDP2)",
     "auto_find_batch_size": "set per_device_train_batch_size yourself",
@@ -599,7 +695,7 @@ class GRPOTrainer:
     def __init__(
         self,
         model,
-        reward_funcs,
+        reward_funcs=None,
         args: GRPOConfig | None = None,
         train_dataset=None,
         eval_dataset=None,
@@ -629,7 +725,13 @@ class GRPOTrainer:
             )
         if train_dataset is None:
             raise ValueError(
-                "GRPOTrainer: train_dataset is required (a datasets.Dataset, a list of dicts or a .jsonl path)"
+                "GRPOTrainer: `train_dataset` is required (a datasets.Dataset, a list of dicts or a .jsonl "
+                "path): grpo has no environment that supplies rows"
+            )
+        if reward_funcs is None or reward_funcs == []:
+            raise ValueError(
+                "GRPOTrainer: No reward source provided; pass reward_funcs (a callable, a grpo reward name, "
+                "a reward model's id or path, or a list of them)"
             )
         if args is None:  # TRL's default: a directory named after the model
             name = (
@@ -694,6 +796,11 @@ class GRPOTrainer:
             # left padding and a pad token, as grpo's loader gives
             _prepare_tokenizer(processing_class)
         self.reward_funcs = _reward_funcs(reward_funcs, reward_processing_classes, self.config)
+        self.reward_processing_classes = _processing_classes(
+            reward_processing_classes, len(self.reward_funcs)
+        )
+        """One per reward function, as TRL keeps them (None where the function needs none or a
+        reward model uses its own tokenizer)."""
         _script_rewards_in_threads(self.reward_funcs, self.config, self.args.grpo_overrides)
         _warn_length_weighted_sequences(self.args)
         from transformers import TrainerControl
@@ -732,8 +839,14 @@ class GRPOTrainer:
         self.model, self.processing_class = self._policy(), self.trainer.tokenizer
 
     def _policy(self):
-        """The model trained: the PeftModel passed, else grpo's policy module."""
-        return self._peft_model if self._peft_model is not None else self.trainer.model
+        """The model trained, as TRL hands it back: the PeftModel passed, or the PeftModel grpo
+        made from peft_config (its base model is grpo's policy module, adapted in place), else
+        grpo's policy module."""
+        if self._peft_model is not None:
+            return self._peft_model
+        from grpo.models.lora import peft_model
+
+        return peft_model(self.trainer.model) or self.trainer.model
 
     # -------------------------------------------------------------- callbacks (transformers' names)
 
@@ -753,6 +866,19 @@ class GRPOTrainer:
     def control(self):
         """The transformers.TrainerControl the callbacks act on."""
         return self.callback_handler.control
+
+    @property
+    def entropy_coef(self) -> float:
+        """The entropy bonus's coefficient now (TRL's attribute): entropy_coef, as the adaptive
+        controller has moved it (use_adaptive_entropy)."""
+        control = self.trainer.state.entropy
+        return control.coef if control is not None else self.args.entropy_coef
+
+    @property
+    def aux_loss_enabled(self) -> bool:
+        """TRL adds a mixture-of-experts model's router load-balancing loss when its config has
+        output_router_logits; grpo does not (warned at start for such a model): always False."""
+        return False
 
     @property
     def ref_model(self):
@@ -1155,16 +1281,25 @@ def _tokenizer_of(model):
     return AutoTokenizer.from_pretrained(name)
 
 
+def _processing_classes(classes, count: int) -> list:
+    """TRL's reading: None is None for each reward function; one tokenizer is a list of one."""
+    if classes is None:
+        return [None] * count
+    return list(classes) if isinstance(classes, list) else [classes]
+
+
 def _reward_funcs(funcs, processing_classes, cfg: Config) -> dict[str, Callable]:
     """Named reward functions, as TRL names them (the function's __name__, a model by its path)."""
     from grpo.rewards import reward_set as rewards
 
     funcs = funcs if isinstance(funcs, list) else [funcs]
-    classes = (
-        processing_classes
-        if isinstance(processing_classes, list)
-        else [processing_classes] * len(funcs)
-    )
+    classes = _processing_classes(processing_classes, len(funcs))
+    if len(classes) != len(funcs):
+        raise ValueError(
+            f"GRPOTrainer: the number of reward_processing_classes ({len(classes)}) must match the number "
+            f"of reward_funcs ({len(funcs)}); give a list with one per reward function (None for a "
+            "function, or for a reward model's own tokenizer)"
+        )
     named: dict[str, Callable] = {}
     for fn, tokenizer in zip(funcs, classes):
         if isinstance(fn, (str, Path)):

@@ -127,10 +127,6 @@ def test_describe_preset_is_none_without_one():
             ["algorithm.advantage_estimator=ppo"],
             r"algorithm.advantage_estimator: 'ppo' is not one of grpo, .*gae",
         ),
-        (
-            ["algorithm.policy_loss=cispo"],
-            r"algorithm.epsilon_high: is CISPO's cap .* set algorithm.epsilon_high=5.0",
-        ),
         (["algorithm.policy_loss=sapoo"], r"algorithm.policy_loss: 'sapoo' is not one of .*sapo"),
         (
             ["algorithm.top_entropy_quantile=0"],

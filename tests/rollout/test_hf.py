@@ -402,3 +402,50 @@ def test_each_draw_lands_on_a_positive_weight():
         for u in (0.0, 0.5, 0.75, 1.0 - 2.0**-24)
     }
     assert draws == {0.0: 1, 0.5: 2, 0.75: 4, 1.0 - 2.0**-24: 4}
+
+
+def test_a_hybrid_models_recurrent_cache_is_prefilled_per_row(tokenizer, assert_same_greedy):
+    # NemotronH's linear-attention (Mamba) layers keep a recurrent state that transformers' cache
+    # cannot repeat or select rows of: no prefix sharing or compaction there, the same tokens
+    transformers = pytest.importorskip("transformers")
+    defaults = transformers.NemotronHConfig().to_dict()
+    small = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "moe_intermediate_size": 32,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+    }
+    config = transformers.NemotronHConfig(
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **{k: v for k, v in small.items() if k in defaults},
+    )
+    torch.manual_seed(0)
+    model = transformers.NemotronHForCausalLM(config).eval()
+    prompts = ["abab", "1+2="]
+    ours = generate(
+        model,
+        [tokenizer(p)["input_ids"] for p in prompts],
+        2,
+        SamplingParams(6, temperature=0),
+        eos_token_ids=[tokenizer.eos_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    enc = tokenizer(prompts, return_tensors="pt")
+    with torch.no_grad():
+        ref = model.generate(
+            **enc,
+            max_new_tokens=6,
+            do_sample=False,
+            eos_token_id=[tokenizer.eos_token_id],
+            pad_token_id=tokenizer.pad_token_id,
+        )[:, enc["input_ids"].shape[1] :]
+    lengths = ours.completion_mask.sum(-1).tolist()
+    # other batch shapes: logits equal to float32 rounding, the same tokens but at a tie
+    assert_same_greedy(model, ours, [ref[i // 2, :n].tolist() for i, n in enumerate(lengths)], 1e-5)

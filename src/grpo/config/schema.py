@@ -725,12 +725,6 @@ class AlgorithmConfig:
                 f"algorithm.ref_sync_alpha: must be in (0, 1], got {self.ref_sync_alpha}"
             )
         _positive("algorithm.max_sampling_rounds", self.max_sampling_rounds)
-        if self.policy_loss == "cispo" and cfg.epsilon_high <= 1:
-            raise ConfigError(
-                f"algorithm.epsilon_high: is CISPO's cap on the importance weight itself (as in TRL), so "
-                f"{cfg.epsilon_high} would scale every token's weight down to it; set algorithm.epsilon_high=5.0 "
-                "(MiniMax-M1's and TRL's recommendation) or another cap > 1"
-            )
         if self.advantage_estimator == "gae" and getattr(getattr(cfg.model, "lora", None), "r", 0):
             raise ConfigError(
                 "algorithm.advantage_estimator: gae's critic is a full copy of the policy's trunk, which is not built "

@@ -216,6 +216,20 @@ class TransformersSteps:
         self.cache = out.cache if hasattr(out, "cache") else out.past_key_values
         return out.logits[:, -1, :]
 
+    @property
+    def can_edit_batch(self) -> bool:
+        """Whether the cache can repeat and drop rows: every layer of transformers' caches can,
+        but the recurrent state of hybrid models' linear-attention layers (NemotronH,
+        Qwen3-Next, ...) has neither operation."""
+        layers = getattr(self.cache, "layers", [])
+        return all(
+            hasattr(layer, "batch_repeat_interleave") and hasattr(layer, "batch_select_indices")
+            for layer in layers
+        )
+
+    def reset(self) -> None:
+        self.cache = None
+
     def repeat_interleave(self, repeats: int) -> None:
         self.cache.batch_repeat_interleave(repeats)
 
@@ -315,11 +329,18 @@ def _generate(
 
     # skip left padding, as in the loss pass
     positions = logprobs.position_ids_from_mask(prompt_mask)
+    logits = None
     if share_prefix:
         logits = steps(prompt_ids, prompt_mask, positions)
-        steps.repeat_interleave(G)
-        logits = logits.repeat_interleave(G, 0)
-    else:
+        editable = getattr(steps, "can_edit_batch", True)
+        if editable:
+            steps.repeat_interleave(G)
+            logits = logits.repeat_interleave(G, 0)
+        else:
+            # a cache whose rows cannot be repeated: prefill every row, and never compact
+            steps.reset()
+            logits, compact = None, False
+    if logits is None:
         logits = steps(full_ids, full_mask, positions.repeat_interleave(G, 0))
 
     noise = (
@@ -366,7 +387,7 @@ def _generate(
             alive = alive & ~finished
         if t == params.max_new_tokens - 1 or not bool(alive.any()):
             break
-        if compact and not bool(alive.all()):
+        if compact and not bool(alive.all()) and getattr(steps, "can_edit_batch", True):
             keep = alive.nonzero().squeeze(-1)
             steps.select(keep)
             active, new, attn, next_pos, alive = (

@@ -17,11 +17,17 @@ The algorithmic choices (algorithm.*, with TRL's names and defaults where TRL ha
 
     advantage_estimator   grpo (reward minus its group's mean, over `scale_rewards`' std), dr_grpo
                           (no std), rloo (leave-one-out), reinforce_pp (batch-normalised), gae (critic)
+    multi_objective_aggregation  sum_then_normalize (the weighted sum of the reward functions goes to
+                          the estimator) or normalize_then_sum (GDPO: each function in its group first)
     policy_loss           clipped (the PPO/GRPO surrogate; `importance_sampling_level` sequence: GSPO),
-                          cispo (the clipped ratio as a detached weight), sapo (a soft gate)
-    loss_type             grpo, bnpo, dr_grpo, dapo: how per-token losses become one scalar, with
-                          normalisers counted over the whole generation batch
-    beta, kl_estimator    the KL penalty against the reference (beta 0: no reference model)
+                          cispo (the clipped ratio as a detached weight), sapo (a soft gate), vespo
+                          (a gamma weight of the sequence ratio)
+    loss_type             grpo, bnpo, dr_grpo, dapo, luspo: how per-token losses become one scalar,
+                          with normalisers counted over the whole generation batch
+    beta, kl_estimator    the KL penalty against the reference (beta 0: no reference model), optionally
+                          weighted by the importance ratio (kl_bias_correction)
+    entropy_coef          an entropy bonus, optionally with an adaptive coefficient
+    off_policy_mask_threshold  drop negative-advantage sequences that drifted too far from the sampler
     num_iterations        optimizer passes per generation batch (1: pi_old is pi_theta, no extra pass)
     dynamic_sampling, mask_truncated_completions, top_entropy_quantile, rollout_correction,
     ref_sync_steps        DAPO's filter and truncation mask, the entropy mask, the correction for an
@@ -36,6 +42,7 @@ directory and console (grpo.run.runlog).
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from pathlib import Path
@@ -80,6 +87,8 @@ from grpo.training.update import (
     gae_batch_advantages,
     policy_update,
 )
+
+log = logging.getLogger(__name__)
 
 
 class Trainer:
@@ -196,6 +205,11 @@ class Trainer:
         self.rewards.start()  # a reward function that its worker processes cannot load fails here
         if model is None:
             model, tokenizer = load_model_and_tokenizer(cfg.model, self.backend.device)
+        if getattr(getattr(model, "config", None), "output_router_logits", False):
+            log.warning(
+                "the model's config sets output_router_logits (a mixture of experts): grpo does not add the "
+                "routers' load-balancing loss to the objective (TRL does), so expert use is not balanced here"
+            )
         # the backend prepares the model as it will train: with its LoRA adapters (model.lora.r > 0)
         model = apply_lora(model, cfg.model.lora, cfg.training.seed)
         self.model, self.tokenizer = self.backend.prepare_model(model), tokenizer

@@ -180,6 +180,13 @@ def loss_settings(cfg: Config) -> algorithm.LossSettings:
             "sequence-level ratio (set algorithm.importance_sampling_level=sequence to follow the paper)",
             a.importance_sampling_level,
         )
+    if a.policy_loss == "cispo" and cfg.epsilon_high <= 1:
+        _warn_once(
+            "algorithm.epsilon_high=%s is CISPO's cap on the importance weight itself (as in TRL), so every "
+            "token's weight is at most that: the update is scaled down by it. Set algorithm.epsilon_high=5.0 "
+            "(MiniMax-M1's and TRL's recommendation) or another cap > 1",
+            cfg.epsilon_high,
+        )
     if a.policy_loss == "vespo" and a.importance_sampling_level != "token":
         _warn_once(
             "algorithm.policy_loss=vespo computes its own sequence-level weight; "
