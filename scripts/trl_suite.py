@@ -1,14 +1,17 @@
 """TRL's own GRPO test suite, run through grpo.
 
-Obtains tests/test_grpo_trainer.py and the helpers it imports from the
-trl==1.16.0 source distribution on PyPI (or from a TRL checkout given with
---tests-from), adapts it to run offline (the hub models it names are rebuilt as
-tiny random-weight models from their architectures' configs, with grpo's
-character tokenizer; TRL's "zen" test dataset is rebuilt locally and
-`datasets.load_dataset` is redirected to it), then runs it twice with pytest:
-as is (the control, on TRL) and with its one import changed to
-`from grpo import GRPOConfig, GRPOTrainer`. Prints both sides' counts and
-grpo's failures grouped by cause, and writes the same as a markdown report.
+Obtains tests/test_grpo_trainer.py and the helpers it imports: from the
+trl==1.16.0 source distribution on PyPI, which has none (TRL prunes its tests
+from it), so then from TRL's GitHub repository at the v1.16.0 tag, or from a
+TRL checkout given with --tests-from. Adapts them to run offline (the hub
+models they name are rebuilt as tiny random-weight models from their
+architectures' configs, with grpo's character tokenizer; TRL's "zen" test
+dataset is rebuilt locally and `datasets.load_dataset` is redirected to it),
+then runs them twice with pytest: as they are (the control, on the installed
+TRL) and with their one import changed to `from grpo import GRPOConfig,
+GRPOTrainer`. Prints both sides' counts, the share of the control's passes
+that grpo keeps, and grpo's failures grouped by cause, and writes the same as
+a markdown report.
 
     python scripts/trl_suite.py [--select EXPR] [--report PATH] [--side both|trl|grpo]
 
@@ -35,6 +38,7 @@ from pathlib import Path
 TRL_VERSION = "1.16.0"
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "grpo" / "trl-suite"
 TEST_FILE = "test_grpo_trainer.py"
+TRL_REPO = "https://github.com/huggingface/trl"
 TRL_IMPORT = "from trl import GRPOConfig, GRPOTrainer"
 GRPO_IMPORT = "from grpo import GRPOConfig, GRPOTrainer"
 # owners whose "owner/name" string literals in the test file are hub ids
@@ -115,14 +119,27 @@ def obtain_tests(tests_from: Path | None) -> Path:
         with tarfile.open(sdist) as tar:
             tar.extractall(CACHE, filter="data")
     tests = unpacked / "tests"
-    if not (tests / TEST_FILE).is_file():
-        print(
-            f"trl_suite: the trl=={TRL_VERSION} sdist ({sdist}) has no tests/{TEST_FILE} "
-            "(its MANIFEST.in prunes tests); give a TRL checkout with --tests-from",
-            file=sys.stderr,
+    if (tests / TEST_FILE).is_file():
+        return tests
+    # the sdist has none (TRL's MANIFEST.in prunes tests): the release tag's tests from GitHub
+    checkout = CACHE / f"trl-v{TRL_VERSION}-git"
+    if not (checkout / "tests" / TEST_FILE).is_file():
+        shutil.rmtree(checkout, ignore_errors=True)
+        clone = subprocess.run(
+            ["git", "clone", "--quiet", "--depth", "1", "--branch", f"v{TRL_VERSION}", TRL_REPO]
+            + [str(checkout)],
+            capture_output=True,
+            text=True,
         )
-        sys.exit(2)
-    return tests
+        if clone.returncode != 0:
+            print(
+                f"trl_suite: the trl=={TRL_VERSION} sdist has no tests/{TEST_FILE} (its MANIFEST.in prunes "
+                f"tests), and cloning {TRL_REPO} at v{TRL_VERSION} failed ({first_line(clone.stderr)}); "
+                "give a TRL checkout with --tests-from",
+                file=sys.stderr,
+            )
+            sys.exit(2)
+    return checkout / "tests"
 
 
 # --- local stand-ins for the hub -----------------------------------------------------------
@@ -267,6 +284,21 @@ def _local_load_dataset(path, name=None, *args, split=None, streaming=False, **k
 
 datasets.load_dataset = _local_load_dataset
 
+# A test checkout newer or older than the installed trl may import availability checks this
+# trl lacks: each missing `is_<module>_available` answers whether that module is installed.
+import importlib
+import importlib.util
+
+_trl_imports = importlib.import_module("trl.import_utils")
+for _name in {availability_checks!r}:
+    if not hasattr(_trl_imports, _name):
+        _module = _name[len("is_") : -len("_available")]
+        setattr(
+            _trl_imports,
+            _name,
+            lambda module=_module: importlib.util.find_spec(module) is not None,
+        )
+
 # TRL's configs default to bf16, which transformers refuses without a GPU unless use_cpu is set
 if not torch.cuda.is_available():
     _original_post_init = transformers.TrainingArguments.__post_init__
@@ -305,6 +337,14 @@ def pytest_collection_modifyitems(config, items):
 """
 
 
+def availability_checks(tests: Path) -> list[str]:
+    """The `is_<module>_available` names TRL's test helpers use."""
+    names = set()
+    for helper in tests.glob("*.py"):
+        names.update(re.findall(r"\bis_\w+_available\b", helper.read_text()))
+    return sorted(names)
+
+
 def prepare(tests: Path, work: Path) -> dict:
     """Builds the stand-ins under `work` and the two sides' test directories."""
     source = (tests / TEST_FILE).read_text()
@@ -337,7 +377,9 @@ def prepare(tests: Path, work: Path) -> dict:
         if (tests / "data").is_dir():
             shutil.copytree(tests / "data", side_dir / "tests" / "data")
         (side_dir / "tests" / TEST_FILE).write_text(text)
-        (side_dir / "conftest.py").write_text(CONFTEST.format(work=str(work)))
+        (side_dir / "conftest.py").write_text(
+            CONFTEST.format(work=str(work), availability_checks=availability_checks(tests))
+        )
         (side_dir / "pytest.ini").write_text("[pytest]\n")
     return hub_map
 
@@ -391,33 +433,40 @@ def normalise(message: str) -> str:
     return line[:160]
 
 
-def results(junit: Path) -> tuple[dict, dict]:
-    counts = {"passed": 0, "failed": 0, "skipped": 0}
-    groups: dict[str, list[str]] = defaultdict(list)
+def outcomes(junit: Path) -> dict[str, tuple[str, str]]:
+    """Each test's (outcome, cause): passed, skipped or failed, and for a failure its message's
+    first line with paths and numbers generalised, so that failures of one cause group."""
+    found: dict[str, tuple[str, str]] = {}
     if not junit.is_file():
-        return counts, groups
+        return found
     for case in ET.parse(junit).getroot().iter("testcase"):
         name = case.get("name")
         bad = case.find("failure")
         if bad is None:
             bad = case.find("error")
         if case.find("skipped") is not None:
-            counts["skipped"] += 1
+            found[name] = ("skipped", "")
         elif bad is not None:
-            counts["failed"] += 1
             message = bad.get("message") or ""
             kind = message.split(":", 1)[0] if re.match(r"^[\w.]+(:|$)", message) else ""
             kind = kind or bad.get("type") or ("error" if bad.tag == "error" else "failure")
             rest = (
                 message.split(":", 1)[1] if ":" in message and message.startswith(kind) else message
             )
-            groups[f"{kind}: {normalise(rest)}".rstrip(": ")].append(name)
+            found[name] = ("failed", f"{kind}: {normalise(rest)}".rstrip(": "))
         else:
-            counts["passed"] += 1
-    return counts, groups
+            found[name] = ("passed", "")
+    return found
 
 
-def report_text(sides: dict, groups: dict, args, hub_map: dict) -> str:
+def counts(found: dict[str, tuple[str, str]]) -> dict[str, int]:
+    tally = {"passed": 0, "failed": 0, "skipped": 0}
+    for outcome, _ in found.values():
+        tally[outcome] += 1
+    return tally
+
+
+def report_text(sides: dict, args, hub_map: dict) -> str:
     lines = [
         "# TRL's GRPO test suite through grpo",
         "",
@@ -428,12 +477,28 @@ def report_text(sides: dict, groups: dict, args, hub_map: dict) -> str:
         "| side | passed | failed | skipped |",
         "|---|---|---|---|",
     ]
-    for side, counts in sides.items():
-        lines.append(f"| {side} | {counts['passed']} | {counts['failed']} | {counts['skipped']} |")
+    for side, found in sides.items():
+        tally = counts(found)
+        lines.append(f"| {side} | {tally['passed']} | {tally['failed']} | {tally['skipped']} |")
     if hub_map["missing"]:
         lines += ["", "Hub models not rebuilt (their tests are skipped):", ""]
         lines += [f"- {hub_id}: {why}" for hub_id, why in sorted(hub_map["missing"].items())]
+    if "trl" in sides and "grpo" in sides:
+        control = {name for name, (outcome, _) in sides["trl"].items() if outcome == "passed"}
+        kept = {name for name in control if sides["grpo"].get(name, ("",))[0] == "passed"}
+        share = 100 * len(kept) / len(control) if control else 0.0
+        lines += [
+            "",
+            f"grpo passes {len(kept)} of the {len(control)} tests the control passes ({share:.0f}%).",
+        ]
     if "grpo" in sides:
+        groups: dict[str, list[str]] = defaultdict(list)
+        for name, (outcome, cause) in sides["grpo"].items():
+            if outcome == "failed":
+                control_outcome = sides.get("trl", {}).get(name, ("not run",))[0]
+                groups[cause].append(
+                    name if control_outcome == "passed" else f"{name} (trl: {control_outcome})"
+                )
         lines += ["", "## grpo's failures by cause", ""]
         for cause, names in sorted(groups.items(), key=lambda item: (-len(item[1]), item[0])):
             lines.append(f"- `{cause}` ({len(names)}): " + ", ".join(sorted(names)))
@@ -459,13 +524,12 @@ def main(argv=None) -> int:
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
     hub_map = prepare(tests, work)
-    sides, groups = {}, {}
+    sides = {}
     for side in ("trl", "grpo") if args.side == "both" else (args.side,):
-        junit = run_side(side, work, args.select, args.per_test_timeout, args.timeout)
-        sides[side], side_groups = results(junit)
-        if side == "grpo":
-            groups = side_groups
-    text = report_text(sides, groups, args, hub_map)
+        sides[side] = outcomes(
+            run_side(side, work, args.select, args.per_test_timeout, args.timeout)
+        )
+    text = report_text(sides, args, hub_map)
     print("\n" + text)
     report = args.report or work / "report.md"
     report.parent.mkdir(parents=True, exist_ok=True)
