@@ -1,0 +1,438 @@
+"""Tools a model may call during a rollout: their schemas, the parsing of calls out of the
+model's text, and running them with bounded time and output.
+
+A tool is a plain Python function (sync or async) with type hints and a Google-style
+docstring; its schema is transformers' (`transformers.utils.get_json_schema`), which is what
+chat templates render in the prompt (`apply_chat_template(..., tools=[...])`).
+
+Calls are parsed from the text of the model's turn. The tokenizer's own response parser is
+used when it has one (`tokenizer.response_template`, transformers' `parse_response`);
+otherwise the default format, which Qwen, Hermes and many other chat templates use:
+
+    <tool_call>{"name": "calculator", "arguments": {"expression": "2 + 3"}}</tool_call>
+
+one JSON object per call, several calls per turn allowed. A call that is not valid JSON,
+names no known tool or has arguments the tool does not take is answered with an error
+message (and counted as a failure), so a model can learn the format from its mistakes.
+
+Running a call (`ToolRunner`): the result is `str(return value)`, cut to
+`rollout.tool_output_chars` characters; an exception becomes its text ("error: ...");
+a call that does not return within `rollout.tool_timeout` seconds is abandoned and answered
+with a timeout message. With `rollout.tool_isolation: process` (the default) each call runs
+in a forked child process, killed at the timeout, whose stdout and stderr are discarded, so a
+tool that hangs, prints megabytes, crashes the interpreter or calls os._exit costs the run
+only that call. With `thread`, calls run in daemon threads of the training process: cheaper,
+and a hung call is abandoned (its thread is left running), but a tool that calls os._exit
+or crashes the interpreter ends the run, and what it prints goes to the run's output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import json
+import os
+import re
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from grpo.registry import ConfigError
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+"""The default call format's tags (a JSON object with `name` and `arguments` between them)."""
+
+MAX_CALL_CHARS = 16_384
+"""The longest call (its JSON text) that is parsed; a longer one is answered with an error."""
+
+MAX_CALLS_PER_TURN = 8
+"""Calls run per turn; the rest of a turn's calls are answered with an error."""
+
+MAX_PARALLEL = 8
+"""Calls running at once (one turn of a whole batch may hold many)."""
+
+_CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    function: Callable
+    schema: dict
+    """transformers' JSON schema of the function, as chat templates take it."""
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict | None
+    """None when the call could not be parsed (`error` says why)."""
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    name: str
+    content: str
+    failed: bool = False
+    timed_out: bool = False
+    seconds: float = 0.0
+
+
+def as_tool(obj: Callable | str) -> Tool:
+    """A tool from a callable or its `module:function` name; a ConfigError naming the fix otherwise."""
+    function = load_function(obj) if isinstance(obj, str) else obj
+    if not callable(function):
+        raise ConfigError(
+            f"rollout.tools: {obj!r} is not callable; give a function or its 'module:function' name"
+        )
+    from transformers.utils import get_json_schema
+
+    name = getattr(function, "__name__", type(function).__name__)
+    try:
+        schema = get_json_schema(function)
+    except Exception as error:  # transformers raises its own types for each docstring problem
+        raise ConfigError(
+            f"rollout.tools: {name}: no JSON schema can be made of it ({error}); give it type hints and a "
+            "docstring with an Args: section describing each argument"
+        ) from None
+    return Tool(name, function, schema)
+
+
+def load_function(spec: str) -> Callable:
+    """`module:function` -> the function (imported as the reward functions' are)."""
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise ConfigError(
+            f"rollout.tools: {spec!r}: expected 'module:function' (e.g. mytools:calculator)"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ConfigError(
+            f"rollout.tools: {spec!r}: cannot import {module_name} ({error}); put it on PYTHONPATH"
+        ) from None
+    function = getattr(module, attribute, None)
+    if function is None:
+        raise ConfigError(f"rollout.tools: {spec!r}: {module_name} has no {attribute}")
+    return function
+
+
+def build_tools(items: list) -> dict[str, Tool]:
+    """Tools by name, from callables or `module:function` names; two with one name are refused."""
+    tools: dict[str, Tool] = {}
+    for item in items:
+        tool = as_tool(item)
+        if tool.name in tools:
+            raise ConfigError(
+                f"rollout.tools: two tools are named {tool.name!r}; a model calls them by name, so rename one"
+            )
+        tools[tool.name] = tool
+    return tools
+
+
+# ---------------------------------------------------------------- parsing
+
+
+def parse_default(text: str) -> list[ToolCall]:
+    """The calls in `text` in the default format (module docstring), in order.
+
+    Example: 'ok <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
+    -> [ToolCall("f", {"x": 1})].
+    """
+    calls = []
+    for match in _CALL.finditer(text):
+        body = match.group(1).strip()
+        calls.append(_call_from_json(body))
+    return calls
+
+
+def _call_from_json(body: str) -> ToolCall:
+    if len(body) > MAX_CALL_CHARS:
+        return ToolCall("", None, f"the call is longer than {MAX_CALL_CHARS} characters")
+    try:
+        data = json.loads(body)
+    except ValueError as error:
+        return ToolCall("", None, f"the call is not valid JSON ({error})")
+    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+        return ToolCall("", None, 'a call is a JSON object {"name": ..., "arguments": {...}}')
+    arguments = data.get("arguments", {})
+    if isinstance(arguments, str):  # some formats give the arguments as JSON text
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            pass
+    if not isinstance(arguments, dict):
+        return ToolCall(data["name"], None, "the call's arguments are not a JSON object")
+    return ToolCall(data["name"], arguments)
+
+
+def parse_calls(tokenizer, ids: list[int], prefix: list[int], text: str, schemas: list[dict]):
+    """The calls of one turn: by the tokenizer's response parser when it has one
+    (`response_template`), else by the default format on the turn's `text`."""
+    if getattr(tokenizer, "response_template", None) is None:
+        return parse_default(text)
+    try:
+        message = tokenizer.parse_response(ids, prefix=prefix, tools=schemas)
+    except Exception as error:  # the parser refuses malformed output: answered like bad JSON
+        if CALL_OPEN in text:
+            return parse_default(text)
+        return [ToolCall("", None, f"the response could not be parsed ({error})")]
+    calls = []
+    for call in (message or {}).get("tool_calls") or []:
+        function = call.get("function", call) if isinstance(call, dict) else {}
+        name, arguments = function.get("name"), function.get("arguments", {})
+        if isinstance(arguments, str):
+            calls.append(_call_from_json(json.dumps({"name": name, "arguments": arguments})))
+        elif isinstance(name, str) and isinstance(arguments, dict):
+            calls.append(ToolCall(name, arguments))
+        else:
+            calls.append(
+                ToolCall(
+                    str(name or ""),
+                    None,
+                    "the call names no tool or its arguments are not an object",
+                )
+            )
+    return calls
+
+
+# ---------------------------------------------------------------- running
+
+
+@dataclass
+class ToolCounts:
+    """What the tools did since `take` last asked (summed over a step's rollouts)."""
+
+    completions: int = 0
+    turns: int = 0
+    """Model turns, summed over completions (1 for a completion without a call)."""
+    calls: int = 0
+    failures: int = 0
+    """Calls answered with an error: unparsable, unknown tool, bad arguments, raised, timed out, died."""
+    timeouts: int = 0
+    seconds: float = 0.0
+    by_tool: dict[str, int] = field(default_factory=dict)
+
+    def add(self, result: ToolResult) -> None:
+        self.calls += 1
+        self.failures += int(result.failed)
+        self.timeouts += int(result.timed_out)
+        self.seconds += result.seconds
+        self.by_tool[result.name] = self.by_tool.get(result.name, 0) + 1
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "completions": self.completions,
+            "turns": self.turns,
+            "calls": self.calls,
+            "failures": self.failures,
+            "timeouts": self.timeouts,
+            "seconds": self.seconds,
+        }
+
+
+def tool_metrics(counts: dict[str, float]) -> dict[str, float]:
+    """A step's tool metrics from its counts (summed over ranks): TRL's tools/call_frequency (calls
+    per completion) and tools/failure_frequency (failed calls per call), turns per completion,
+    timeouts and the seconds spent in tools."""
+    completions, calls = max(1, counts["completions"]), counts["calls"]
+    return {
+        "tools/call_frequency": calls / completions,
+        "tools/failure_frequency": counts["failures"] / calls if calls else 0.0,
+        "tools/turns_mean": counts["turns"] / completions,
+        "tools/timeouts": counts["timeouts"],
+        "tools/seconds": counts["seconds"],
+    }
+
+
+def _invoke(function: Callable, arguments: dict) -> Any:
+    result = function(**arguments)
+    if inspect.isawaitable(result):
+        result = asyncio.run(_awaited(result))
+    return result
+
+
+async def _awaited(awaitable):
+    return await awaitable
+
+
+def _as_text(result: Any, limit: int) -> str:
+    text = result if isinstance(result, str) else str(result)
+    if len(text) > limit:
+        return text[:limit] + f"... [cut at {limit} characters]"
+    return text
+
+
+def _error(exc: BaseException, limit: int) -> str:
+    return _as_text(f"error: {type(exc).__name__}: {exc}", limit)
+
+
+class ToolRunner:
+    """Runs calls against `tools` with `timeout` seconds each and results cut to `max_chars`
+    characters, in forked processes (`isolation` "process") or daemon threads ("thread")."""
+
+    def __init__(
+        self, tools: dict[str, Tool], timeout: float, max_chars: int, isolation: str = "process"
+    ):
+        if isolation not in ("process", "thread"):
+            raise ConfigError(f"rollout.tool_isolation: process or thread, got {isolation!r}")
+        self.tools, self.timeout, self.max_chars, self.isolation = (
+            tools,
+            timeout,
+            max_chars,
+            isolation,
+        )
+
+    def check(self, call: ToolCall) -> ToolResult | None:
+        """The answer to a call that cannot run (unparsed, unknown tool, wrong arguments); None if it can."""
+        if call.arguments is None:
+            return ToolResult(call.name or "invalid", f"error: {call.error}", failed=True)
+        tool = self.tools.get(call.name)
+        if tool is None:
+            known = ", ".join(sorted(self.tools)) or "none"
+            return ToolResult(
+                call.name, f"error: no tool named {call.name!r} (tools: {known})", failed=True
+            )
+        try:
+            inspect.signature(tool.function).bind(**call.arguments)
+        except TypeError as error:
+            return ToolResult(call.name, f"error: {error}", failed=True)
+        return None
+
+    def run(self, calls: list[ToolCall]) -> list[ToolResult]:
+        """One result per call, in order, at most MAX_PARALLEL running at once."""
+        results: list[ToolResult | None] = [self.check(call) for call in calls]
+        pending = [i for i, r in enumerate(results) if r is None]
+        for start in range(0, len(pending), MAX_PARALLEL):
+            chunk = pending[start : start + MAX_PARALLEL]
+            launch = self._fork if self.isolation == "process" else self._thread
+            waits = [launch(self.tools[calls[i].name].function, calls[i].arguments) for i in chunk]
+            for i, wait in zip(chunk, waits):
+                results[i] = wait(calls[i].name)
+        return results  # type: ignore[return-value]
+
+    # each launcher starts a call and returns `wait(name) -> ToolResult`, which waits at most until
+    # the call's own deadline (start + timeout)
+
+    def _thread(self, function, arguments):
+        box: dict[str, Any] = {}
+        started = time.monotonic()
+
+        def target():
+            try:
+                box["result"] = _as_text(_invoke(function, arguments), self.max_chars)
+            except BaseException as error:  # SystemExit too: a tool must not end the run
+                box["error"] = _error(error, self.max_chars)
+
+        thread = threading.Thread(target=target, daemon=True, name="grpo-tool")
+        thread.start()
+
+        def wait(name: str) -> ToolResult:
+            thread.join(max(0.0, started + self.timeout - time.monotonic()))
+            seconds = time.monotonic() - started
+            if thread.is_alive():
+                return ToolResult(name, self._timeout_text(), True, True, seconds)
+            if "error" in box:
+                return ToolResult(name, box["error"], True, False, seconds)
+            return ToolResult(name, box.get("result", ""), False, False, seconds)
+
+        return wait
+
+    def _fork(self, function, arguments):
+        read, write = os.pipe()
+        started = time.monotonic()
+        pid = os.fork()
+        if pid == 0:  # the child: run, write one JSON line, exit without running any cleanup
+            code = 0
+            try:
+                os.close(read)
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, 1)
+                os.dup2(devnull, 2)
+                # Python-level streams may not write to those descriptors (a captured console)
+                sys.stdout = sys.stderr = open(os.devnull, "w")
+                try:
+                    payload = {"result": _as_text(_invoke(function, arguments), self.max_chars)}
+                except BaseException as error:
+                    payload = {"error": _error(error, self.max_chars)}
+                data = json.dumps(payload).encode()
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(write, view) :]
+            except BaseException:
+                code = 1
+            finally:
+                os._exit(code)
+        os.close(write)
+
+        def wait(name: str) -> ToolResult:
+            chunks, deadline = [], started + self.timeout
+            timed_out = False
+            try:
+                while True:
+                    # past the deadline, output that is already flowing is still read
+                    left = max(deadline - time.monotonic(), 0.5 if chunks else 0.0)
+                    if not _readable(read, left):
+                        timed_out = True
+                        break
+                    chunk = os.read(read, 1 << 16)
+                    if not chunk:
+                        break
+                    chunks.append(chunk)
+            finally:
+                os.close(read)
+            if timed_out:
+                _kill(pid)
+            status = _reap(pid)
+            seconds = time.monotonic() - started
+            if timed_out:
+                return ToolResult(name, self._timeout_text(), True, True, seconds)
+            try:
+                payload = json.loads(b"".join(chunks))
+            except ValueError:
+                return ToolResult(
+                    name,
+                    f"error: the tool's process ended ({status}) without a result",
+                    True,
+                    False,
+                    seconds,
+                )
+            if "error" in payload:
+                return ToolResult(name, payload["error"], True, False, seconds)
+            return ToolResult(name, payload["result"], False, False, seconds)
+
+        return wait
+
+    def _timeout_text(self) -> str:
+        return f"error: the tool did not return within {self.timeout:g} seconds"
+
+
+def _readable(fd: int, timeout: float) -> bool:
+    import select
+
+    ready, _, _ = select.select([fd], [], [], timeout)
+    return bool(ready)
+
+
+def _kill(pid: int) -> None:
+    import signal
+
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _reap(pid: int) -> str:
+    """Waits for the child (killed or exiting) and says how it ended."""
+    try:
+        _, status = os.waitpid(pid, 0)
+    except ChildProcessError:
+        return "already reaped"
+    if os.WIFSIGNALED(status):
+        return f"signal {os.WTERMSIG(status)}"
+    return f"exit code {os.WEXITSTATUS(status)}"
