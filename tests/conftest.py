@@ -230,3 +230,79 @@ def save_reward_model():
         return model.eval(), tok
 
     return save
+
+
+# ---------------------------------------------------------------- tools (multi-turn rollouts)
+
+TOOL_TEMPLATE = (
+    "{%- if tools -%}T:{%- for t in tools -%}{{ t.function.name }};{%- endfor -%}\n{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'tool' -%}<tool>{{ m.content }}</tool>"
+    "{%- elif m.role == 'assistant' -%}A:{{ m.content }}"
+    "{%- for c in m.tool_calls or [] -%}"
+    '<tool_call>{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}</tool_call>'
+    "{%- endfor -%}<eos>"
+    "{%- else -%}U:{{ m.content }}<eos>"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}A:{%- endif -%}"
+)
+"""A small chat template that offers tools, writes assistant calls in the default format and
+renders tool messages as <tool>...</tool>, ending turns with <eos>."""
+
+
+@pytest.fixture
+def tool_tokenizer():
+    """The character tokenizer with TOOL_TEMPLATE as its chat template."""
+    tok = char_tokenizer()
+    tok.chat_template = TOOL_TEMPLATE
+    return tok
+
+
+class ForcedCalls:
+    """A rollout engine for tests: a completion's first turn (a call for G > 1 completions) is
+    `text`'s tokens instead of a sample, in every row, with logprob -1 each (`every_turn`: later
+    turns too); the other turns are sampled by `inner`, the real engine. The prompts of each
+    call are kept in `asked`, and each real turn's rollout in `sampled`."""
+
+    def __init__(self, inner, tokenizer, text: str, every_turn: bool = False):
+        self.inner, self.every_turn = inner, every_turn
+        self.ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        self.eos_token_ids, self.pad_token_id = inner.eos_token_ids, inner.pad_token_id
+        self.asked, self.sampled = [], []
+
+    @property
+    def device(self):
+        return self.inner.device
+
+    def generate(self, prompts, num_generations, params, seeds=None):
+        from grpo.rollout.types import Rollout
+
+        self.asked.append([list(p) for p in prompts])
+        rollout = self.inner.generate(prompts, num_generations, params, seeds)
+        if num_generations == 1 and not self.every_turn:
+            self.sampled.append(rollout)
+            return rollout
+        N, n = len(rollout), len(self.ids)
+        return Rollout(
+            rollout.prompt_ids,
+            rollout.prompt_mask,
+            torch.tensor([self.ids] * N),
+            torch.ones(N, n, dtype=torch.long),
+            torch.zeros(N, dtype=torch.bool),
+            torch.full((N, n), -1.0),
+        )
+
+    def sync_weights(self, policy):
+        self.inner.sync_weights(policy)
+
+    def sleep(self):
+        self.inner.sleep()
+
+    def wake(self):
+        self.inner.wake()
+
+
+@pytest.fixture(name="ForcedCalls")
+def forced_calls_fixture():
+    """The ForcedCalls class (a test engine that writes given calls in chosen turns)."""
+    return ForcedCalls

@@ -235,6 +235,7 @@ CHANGES = {
     "sapo_temperature_pos": (2.0, {}),
     "sapo_temperature_neg": (2.0, {}),
     "top_entropy_quantile": (0.2, {}),
+    "max_tool_calling_iterations": (2, {}),
     "use_vllm": (True, {}),
     "vllm_enable_sleep_mode": (True, {"use_vllm": True}),
     "vllm_gpu_memory_utilization": (0.5, {"use_vllm": True}),

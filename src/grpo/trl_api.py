@@ -96,6 +96,9 @@ class _Fields:
     entropy_coef_min: float = 0.0
     entropy_coef_max: float = 1.0
     top_entropy_quantile: float = 1.0
+    max_tool_calling_iterations: int | None = None
+    """Most turns with tool calls per completion (rollout.max_tool_calls). None (TRL's "no limit"):
+    rollout.max_tool_calls' default, 5; rollout.max_completion_length bounds a completion either way."""
     # generation with vLLM (grpo's `vllm` engine, colocated in the training process)
     use_vllm: bool = False
     vllm_mode: str = "colocate"
@@ -402,6 +405,12 @@ MAPPING: dict[str, tuple[str, Callable[[GRPOConfig, int | None], Any] | None]] =
     "entropy_coef_min": ("algorithm.entropy_coef_min", None),
     "entropy_coef_max": ("algorithm.entropy_coef_max", None),
     "top_entropy_quantile": ("algorithm.top_entropy_quantile", None),
+    "max_tool_calling_iterations": (
+        "rollout.max_tool_calls",
+        lambda a, n: (
+            _UNSET if a.max_tool_calling_iterations is None else a.max_tool_calling_iterations
+        ),
+    ),
     "use_vllm": ("rollout.engine", lambda a, n: "vllm" if a.use_vllm else "hf"),
     # the vllm engine's settings, set only when it is used (the engine's own defaults otherwise)
     "vllm_enable_sleep_mode": (
@@ -648,6 +657,21 @@ _HINTS = {
 }
 
 
+def _tools(tools) -> list:
+    """GRPOTrainer's tools=: functions (sync or async) with type hints and a docstring."""
+    if tools is None:
+        return []
+    if callable(tools) or isinstance(tools, str):
+        tools = [tools]
+    tools = list(tools)
+    for tool in tools:
+        if not callable(tool):
+            raise TypeError(
+                f"GRPOTrainer: tools= takes functions (with type hints and a docstring), got {type(tool).__name__}"
+            )
+    return tools
+
+
 def _refusal(name: str) -> str:
     hint = _HINTS.get(
         name, "remove it (grpo's own settings go in grpo_overrides=['section.key=value'])"
@@ -704,6 +728,9 @@ class GRPOTrainer:
         callbacks=None,
         optimizers=(None, None),
         peft_config=None,
+        tools=None,
+        environment_factory=None,
+        rollout_func=None,
         **unknown,
     ):
         if "reward_processing_class" in unknown:
@@ -713,6 +740,15 @@ class GRPOTrainer:
             )
         if unknown:
             raise TypeError(f"GRPOTrainer: unknown argument(s) {', '.join(sorted(unknown))}")
+        for name, value in (
+            ("environment_factory", environment_factory),
+            ("rollout_func", rollout_func),
+        ):
+            if value is not None:
+                raise NotImplementedError(
+                    f"GRPOTrainer: {name}= is not implemented yet in grpo (docs/agents.md); tools= (functions the "
+                    "model calls, their results masked out of the loss) is"
+                )
         if optimizers != (None, None):
             raise NotImplementedError(
                 "GRPOTrainer: optimizers= is not supported; grpo builds AdamW from learning_rate, weight_decay and adam_*"
@@ -820,6 +856,7 @@ class GRPOTrainer:
             reward_funcs=self.reward_funcs,
             callbacks=self.callback_handler,
             eval_generations=self.args.num_generations_eval or self.args.num_generations,
+            tools=_tools(tools),
         )
         from grpo.run import checkpoint
         from grpo.training.trainer import Trainer

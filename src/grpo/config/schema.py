@@ -333,10 +333,29 @@ class RolloutConfig:
     (needs the vllm package; settings under rollout.vllm)."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """The `vllm` engine's settings (read only when rollout.engine is vllm)."""
+    tools: list[str] = field(default_factory=list)
+    """Functions the model may call during a completion, as 'module:function' names (type hints
+    and a docstring give each its schema); their results are appended to the completion and
+    left out of the loss (grpo.rollout.multiturn, docs/agents.md). Empty: one turn, no tools."""
+    max_tool_calls: int = 5
+    """Most turns with tool calls per completion (TRL's max_tool_calling_iterations); the turn
+    after the last of them is the model's last."""
+    tool_timeout: float = 10.0
+    """Seconds a tool call may take; one that takes longer is abandoned and answered with a
+    timeout message (counted in tools/timeouts)."""
+    tool_output_chars: int = 4096
+    """A tool's result (and error text) is cut to this many characters."""
+    tool_isolation: str = "process"
+    """process: each call in a forked process, killed at the timeout (a tool that crashes or calls
+    os._exit costs only its call); thread: in a thread of the training process (cheaper; a hung
+    call's thread is left running, a tool that ends the process ends the run)."""
+    environment: str | None = None
+    """TRL's environment_factory ('module:Factory'): not implemented yet (refused when set)."""
 
     def check(self, cfg: "Config", world_size: int = 1) -> None:
         registry.ROLLOUT_ENGINES.check(self.engine)
         self.vllm.check()
+        self._check_tools()
         if self.engine == "vllm" and cfg.model.lora.quantize != "none":
             raise ConfigError(
                 f"rollout.engine: vllm pushes the policy's merged weights into vLLM, which cannot be done for "
@@ -364,6 +383,53 @@ class RolloutConfig:
                 f"rollout.min_p: must be in [0, 1) (0 turns it off), got {self.min_p}"
             )
         _positive("rollout.repetition_penalty", self.repetition_penalty)
+
+    def _check_tools(self) -> None:
+        if self.environment is not None:
+            raise ConfigError(
+                "rollout.environment: environments (TRL's environment_factory) are not implemented yet; "
+                "remove it, and give the environment's methods as rollout.tools functions"
+            )
+        if len(self.tools) > MAX_TOOLS:
+            raise ConfigError(f"rollout.tools: at most {MAX_TOOLS} tools, got {len(self.tools)}")
+        for spec in self.tools:
+            if spec == "python":
+                raise ConfigError(
+                    "rollout.tools: the built-in python tool (code run in grpo.sandbox) is not implemented yet; "
+                    "remove it, or give your own function as 'module:function'"
+                )
+            module, _, name = spec.partition(":")
+            if not module or not name or len(spec) > 500:
+                raise ConfigError(
+                    f"rollout.tools: {safe_yaml.shown(spec)} is not a 'module:function' name; write e.g. "
+                    "mytools:calculator (a function with type hints and a docstring, importable from PYTHONPATH)"
+                )
+        if self.tools and self.engine != "hf":
+            raise ConfigError(
+                f"rollout.tools: tools with rollout.engine={self.engine} are not implemented yet; "
+                "use rollout.engine: hf"
+            )
+        if not 1 <= self.max_tool_calls <= MAX_TOOL_CALLS:
+            raise ConfigError(
+                f"rollout.max_tool_calls: must be in [1, {MAX_TOOL_CALLS}], got {self.max_tool_calls}"
+            )
+        if not 0 < self.tool_timeout <= 3600:
+            raise ConfigError(
+                f"rollout.tool_timeout: seconds in (0, 3600], got {self.tool_timeout}"
+            )
+        if not 1 <= self.tool_output_chars <= MAX_TOOL_OUTPUT_CHARS:
+            raise ConfigError(
+                f"rollout.tool_output_chars: must be in [1, {MAX_TOOL_OUTPUT_CHARS:,}], got {self.tool_output_chars}"
+            )
+        if self.tool_isolation not in ("process", "thread"):
+            raise ConfigError(
+                f"rollout.tool_isolation: process or thread, got {safe_yaml.shown(self.tool_isolation)}"
+            )
+
+
+MAX_TOOLS = 64
+MAX_TOOL_CALLS = 64
+MAX_TOOL_OUTPUT_CHARS = 1_000_000
 
 
 @dataclass

@@ -67,6 +67,9 @@ class Rollout:
     it from (softmax of logits / temperature, after the repetition penalty and before the
     top-k/top-p/min-p filters), 0 at padding; None when the engine does not report them
     (greedy decoding). The update compares them with its own."""
+    tool_mask: torch.Tensor | None = None
+    """[N, T] 1 for tokens the engine appended rather than sampled (tool results in a multi-turn
+    completion, grpo.rollout.multiturn), which the loss leaves out; None: every token was sampled."""
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -83,6 +86,7 @@ class Rollout:
             self.completion_mask[rows],
             self.truncated[rows],
             None if self.sampling_logprobs is None else self.sampling_logprobs[rows],
+            None if self.tool_mask is None else self.tool_mask[rows],
         )
 
     @staticmethod
@@ -106,5 +110,20 @@ class Rollout:
             # kept only when every part has them (an engine reports them for all its rollouts or none)
             torch.cat([right(p.sampling_logprobs, lc, 0) for p in parts])
             if all(p.sampling_logprobs is not None for p in parts)
+            else None,
+            # kept when any part has one (a part without one sampled every token)
+            torch.cat(
+                [
+                    right(
+                        p.tool_mask
+                        if p.tool_mask is not None
+                        else torch.zeros_like(p.completion_mask),
+                        lc,
+                        0,
+                    )
+                    for p in parts
+                ]
+            )
+            if any(p.tool_mask is not None for p in parts)
             else None,
         )

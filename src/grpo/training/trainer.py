@@ -105,6 +105,7 @@ class Trainer:
         resume: str | Path | None = None,
         callbacks: Callbacks | list | None = None,
         eval_generations: int | None = None,
+        tools: list | None = None,
     ):
         """Everything that can fail on bad input fails here, before any generation.
 
@@ -124,9 +125,11 @@ class Trainer:
         with this config as `args`) are called at the loop's events; `eval_generations`, when
         set, adds TRL's group evaluation (grpo.training.evaluate.group_evaluation: that many
         sampled completions per held-out prompt, their rewards and loss) to every evaluation's
-        `eval_...` row.
+        `eval_...` row. `tools`: functions the model may call (with rollout.tools': multi-turn
+        rollouts, grpo.rollout.multiturn).
         """
         self.cfg = cfg
+        self.tool_functions = list(tools or [])
         self.callbacks = (
             callbacks if isinstance(callbacks, Callbacks) else Callbacks(callbacks or (), args=cfg)
         )
@@ -221,16 +224,23 @@ class Trainer:
         ):  # after the reference: unless saved, it is a copy of the starting model
             self.backend.load_weights(self.resumed, self.model)
         self.critic = self._critic(restore)
-        self.engine = create_engine(
-            cfg.rollout.engine, self.model, tokenizer, cfg, self.backend.decoding
-        )
         d, r = cfg.data, cfg.rollout
+        template_kwargs = d.chat_template_kwargs
+        tools = self._tools()
+        if tools:
+            self.engine = _tool_engine(cfg, tools, self.model, tokenizer, self.backend.decoding)
+            # the prompt offers the tools, as the chat template writes them
+            template_kwargs = {**(template_kwargs or {}), "tools": self.engine.schemas}
+        else:
+            self.engine = create_engine(
+                cfg.rollout.engine, self.model, tokenizer, cfg, self.backend.decoding
+            )
         self.prompts = PromptEncoder(
             tokenizer,
             d.chat_template == "auto",
             d.few_shot,
             r.max_prompt_length,
-            d.chat_template_kwargs,
+            template_kwargs,
         )
         self.prompts.check_fits(
             self.task.train_rows,
@@ -427,6 +437,19 @@ class Trainer:
     def encode(self, rows: list[Row]) -> list[list[int]]:
         return self.prompts(rows)
 
+    def _tools(self) -> dict:
+        """The tools of rollout.tools and those passed in, by name (grpo.rollout.tools)."""
+        specs = self.cfg.rollout.tools + self.tool_functions
+        if not specs:
+            return {}
+        if self.cfg.rollout.engine != "hf":
+            raise ConfigError(
+                f"tools with rollout.engine={self.cfg.rollout.engine} are not implemented yet; use rollout.engine: hf"
+            )
+        from grpo.rollout.tools import build_tools
+
+        return build_tools(specs)
+
     def advantages(
         self, batch: GenerationBatch, values: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -482,6 +505,8 @@ class Trainer:
         )
         rewards = algorithm.combine_rewards(rewards_per_func, self.rewards.weights)
         loss_mask = rollout.completion_mask.clone()
+        if rollout.tool_mask is not None:  # tool results were not sampled: no loss on them
+            loss_mask = loss_mask * (1 - rollout.tool_mask.to(loss_mask.device))
         if self.cfg.algorithm.mask_truncated_completions:
             loss_mask[rollout.truncated] = 0
         if (
@@ -494,6 +519,16 @@ class Trainer:
         # the columns its reward functions logged (log_extra), for the completions table
         batch.extra_columns = self.rewards.last_extra
         return batch
+
+    def _tool_metrics(self) -> dict[str, float]:
+        """The tools' metrics since the last step (grpo.rollout.tools.tool_metrics), over every rank;
+        none without tools."""
+        take = getattr(self.engine, "take_counts", None)
+        if take is None:
+            return {}
+        from grpo.rollout.tools import tool_metrics
+
+        return tool_metrics(sum_counts(self.backend.all_gather_object(take())))
 
     def trainer_state(self) -> SimpleNamespace:
         """What TRL passes reward functions as `trainer_state`, under its attribute names: optimizer
@@ -516,6 +551,7 @@ class Trainer:
         self.state.tokens_seen += tokens
         r = self.rewards
         logged = _mean_over_ranks(b.all_gather_object(r.take_logged_metrics()))
+        tools = self._tool_metrics()
         # the counts of every rank: the run's reward failures, the step's, the sandbox's, truncated prompts
         failures, step_failures, sandbox, truncated = (
             sum_counts(parts)
@@ -543,6 +579,7 @@ class Trainer:
             ),
             **update_stats,
             "prompts/truncated": truncated["prompts"],
+            **tools,
             "learning_rate": self.state.scheduler.get_last_lr()[0],
             "num_tokens": self.state.tokens_seen,
             **timer.metrics(tokens),
@@ -886,3 +923,16 @@ def _task(cfg: Config, train_rows: list[Row] | None, eval_rows: list[Row] | None
     eval_rows = eval_rows or []
     scorer = AnswerScorer() if has_integer_answers(eval_rows) else RewardScorer()
     return Task("rows", train_rows, eval_rows, scorer)
+
+
+def _tool_engine(cfg: Config, tools: dict, model, tokenizer, decoding):
+    """The multi-turn engine (grpo.rollout.multiturn.ToolEngine) around the configured one."""
+    from grpo.rollout.multiturn import ToolEngine
+    from grpo.rollout.tools import ToolRunner
+
+    r = cfg.rollout
+    inner = create_engine(
+        r.engine, model, tokenizer, ToolEngine.inner_config(cfg, tokenizer), decoding
+    )
+    runner = ToolRunner(tools, r.tool_timeout, r.tool_output_chars, r.tool_isolation)
+    return ToolEngine(inner, tokenizer, runner, r.max_tool_calls, cfg.data.chat_template_kwargs)

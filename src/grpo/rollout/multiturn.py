@@ -1,0 +1,306 @@
+"""Multi-turn rollouts with tools, token-in and token-out, around any engine's one-turn generation.
+
+`ToolEngine` wraps a rollout engine (grpo.rollout.base.RolloutEngine). A completion is
+generated turn by turn:
+
+1. the engine samples a turn from the prompt plus everything of the completion so far (token
+   ids, never text); the turn ends at EOS, at the default call format's closing tag
+   (`</tool_call>`, a stop string when the tokenizer has no response parser of its own), or at
+   the length budget;
+2. the turn's calls are parsed (grpo.rollout.tools.parse_calls) and run (ToolRunner);
+3. the tool results are appended as the chat template renders tool messages: the template is
+   rendered for a short conversation ending in an assistant call, with and without the tool
+   messages (and the next assistant header), and the tokens the tool messages add are
+   appended (`ToolRendering.suffix`). A tokenizer whose template does not render tool messages
+   (or that has none) gets the default rendering, the text
+   "<tool_response>\\n{result}\\n</tool_response>\\n" per result, tokenized on its own;
+4. back to 1, until a turn makes no call, or `rollout.max_tool_calls` turns have made calls.
+
+The completion trained on is the concatenation of the sampled turns and the appended tool
+results, exactly as those tokens were fed to the model: the sampled ids are never decoded and
+encoded again (they are decoded only to find the calls). `Rollout.tool_mask` marks the
+appended tokens: they get loss mask 0 (grpo.training.trainer.Trainer.score), so they count in
+no normaliser of the loss, and their sampling logprobs are 0 and never compared.
+
+The length budget: `rollout.max_completion_length` bounds the whole completion, turns and tool
+results together. A turn that reaches it is cut there and the completion is truncated; a tool
+result that would not fit ends the completion before it (also truncated). Truncated
+completions are masked out of the loss when algorithm.mask_truncated_completions is set.
+
+Sampling: a completion's first turn is drawn exactly as without tools (its prompt's seed);
+a later turn is drawn from a seed derived from that seed, the completion's index and the turn,
+so completions still depend on their prompt's seed alone.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, replace
+
+import torch
+
+from grpo.rollout.tools import (
+    CALL_CLOSE,
+    MAX_CALLS_PER_TURN,
+    ToolCall,
+    ToolCounts,
+    ToolResult,
+    ToolRunner,
+    parse_calls,
+)
+from grpo.rollout.types import SEED_BOUND, Rollout, SamplingParams, Seeds, prompt_seeds
+
+_PROBE = "grpo-tool-probe-8d1c"
+
+
+def turn_seed(seed: int, index: int, turn: int) -> int:
+    """The seed of turn `turn` (1, 2, ...) of completion `index` of a prompt sampled with `seed`."""
+    generator = torch.Generator().manual_seed(
+        (seed * 1_000_003 + index * 7_919 + turn) % SEED_BOUND
+    )
+    return int(torch.randint(0, SEED_BOUND, (1,), generator=generator))
+
+
+class ToolRendering:
+    """The tokens that follow an assistant turn holding calls: the tool results, as the chat
+    template renders tool messages, up to the next assistant header."""
+
+    def __init__(self, tokenizer, eos_token_ids, template_kwargs: dict | None = None):
+        self.tokenizer, self.eos = tokenizer, set(eos_token_ids)
+        self.template_kwargs = dict(template_kwargs or {})
+        self.uses_template = self._template_renders_tools()
+
+    def _render(self, messages, add_generation_prompt: bool) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(
+            messages,
+            tokenize=True,
+            add_generation_prompt=add_generation_prompt,
+            return_dict=False,
+            **self.template_kwargs,
+        )
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def _template_renders_tools(self) -> bool:
+        if not getattr(self.tokenizer, "chat_template", None):
+            return False
+        try:
+            ids = self._render(self._conversation([ToolResult("probe", _PROBE)]), True)
+        except Exception:  # a template that refuses tool messages: the default rendering
+            return False
+        return _PROBE in self.tokenizer.decode(ids)
+
+    @staticmethod
+    def _conversation(results: list[ToolResult]) -> list[dict]:
+        calls = [{"type": "function", "function": {"name": results[0].name, "arguments": {}}}]
+        return [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "", "tool_calls": calls},
+        ] + [{"role": "tool", "name": r.name, "content": r.content} for r in results]
+
+    def suffix(self, results: list[ToolResult], turn_ended_with_eos: bool) -> list[int]:
+        """The token ids to append after a turn whose calls gave `results`."""
+        if not self.uses_template:
+            text = "".join(f"\n<tool_response>\n{r.content}\n</tool_response>\n" for r in results)
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        conversation = self._conversation(results)
+        before = self._render(conversation[:2], False)
+        after = self._render(conversation, True)
+        # the assistant's turn ends at its last end-of-turn token; what the template writes after
+        # that token (a newline, say) belongs to the suffix. A turn that stopped at the closing tag
+        # has no end-of-turn token yet: the suffix starts with it.
+        ends = [i for i, token in enumerate(before) if token in self.eos]
+        if ends:
+            before = before[: ends[-1] + 1] if turn_ended_with_eos else before[: ends[-1]]
+        if after[: len(before)] != before:
+            raise ValueError(
+                "the chat template renders an assistant turn differently when tool messages follow it, so the tool "
+                "results' tokens cannot be told apart; use a template that appends tool messages after the turn"
+            )
+        return after[len(before) :]
+
+
+@dataclass
+class _Row:
+    prompt: list[int]
+    ids: list[int]
+    logprobs: list[float]
+    tool: list[int]
+    truncated: bool
+    turns: int = 1
+    last_turn: list[int] | None = None
+    last_ended_with_eos: bool = False
+
+
+class ToolEngine:
+    """A rollout engine whose completions may call tools (module docstring); every other call goes
+    to `inner`, the engine that samples each turn."""
+
+    def __init__(
+        self,
+        inner,
+        tokenizer,
+        runner: ToolRunner,
+        max_tool_calls: int,
+        template_kwargs: dict | None = None,
+    ):
+        self.inner, self.tokenizer, self.runner = inner, tokenizer, runner
+        self.max_tool_calls = max_tool_calls
+        self.eos_token_ids, self.pad_token_id = inner.eos_token_ids, inner.pad_token_id
+        self.rendering = ToolRendering(tokenizer, inner.eos_token_ids, template_kwargs)
+        self.schemas = [tool.schema for tool in runner.tools.values()]
+        self.counts = ToolCounts()
+
+    @staticmethod
+    def stop_strings(tokenizer) -> list[str]:
+        """The stop strings the inner engine needs: the default format's closing tag, unless the
+        tokenizer parses its own format (then a turn ends at EOS, as the template writes it)."""
+        return [] if getattr(tokenizer, "response_template", None) is not None else [CALL_CLOSE]
+
+    @staticmethod
+    def inner_config(cfg, tokenizer):
+        """`cfg` with the stop strings the inner engine needs added (a copy)."""
+        cfg = copy.deepcopy(cfg)
+        for stop in ToolEngine.stop_strings(tokenizer):
+            if stop not in cfg.rollout.stop_strings:
+                cfg.rollout.stop_strings.append(stop)
+        return cfg
+
+    @property
+    def device(self):
+        return self.inner.device
+
+    def sync_weights(self, policy) -> None:
+        self.inner.sync_weights(policy)
+
+    def sleep(self) -> None:
+        self.inner.sleep()
+
+    def wake(self) -> None:
+        self.inner.wake()
+
+    def take_counts(self) -> dict[str, float]:
+        counts, self.counts = self.counts, ToolCounts()
+        return counts.as_dict()
+
+    # ------------------------------------------------------------ generation
+
+    def generate(
+        self, prompts, num_generations, params: SamplingParams, seeds: Seeds = None
+    ) -> Rollout:
+        G, budget = num_generations, params.max_new_tokens
+        seeds = prompt_seeds(seeds, len(prompts))
+        first = self.inner.generate(prompts, G, params, seeds)
+        rows = [self._row(prompts[i // G], first, i) for i in range(len(first))]
+        waiting = [i for i, row in enumerate(rows) if not row.truncated]
+        calls = {i: self._calls(rows[i]) for i in waiting}
+        waiting = [i for i in waiting if calls[i]]
+        turn = 1
+        while waiting and turn <= self.max_tool_calls:
+            flat = [(i, call) for i in waiting for call in calls[i]]
+            results = self.runner.run([call for _, call in flat])
+            for result in results:
+                self.counts.add(result)
+            by_row: dict[int, list[ToolResult]] = {}
+            for (i, _), result in zip(flat, results):
+                by_row.setdefault(i, []).append(result)
+            going = []
+            for i in waiting:
+                row = rows[i]
+                suffix = self.rendering.suffix(by_row[i], row.last_ended_with_eos)
+                if len(row.ids) + len(suffix) >= budget:  # no room for the results and a reply
+                    row.truncated = True
+                    continue
+                row.ids += suffix
+                row.logprobs += [0.0] * len(suffix)
+                row.tool += [1] * len(suffix)
+                going.append(i)
+            if not going:
+                break
+            left = [budget - len(rows[i].ids) for i in going]
+            turn_params = replace(params, max_new_tokens=max(left))
+            turn_seeds = [turn_seed(seeds[i // G], i % G, turn) for i in going]
+            sampled = self.inner.generate(
+                [rows[i].prompt + rows[i].ids for i in going], 1, turn_params, turn_seeds
+            )
+            for k, i in enumerate(going):
+                row = rows[i]
+                ids, logprobs = _turn(sampled, k)
+                cut = len(ids) > left[k]
+                ids, logprobs = ids[: left[k]], logprobs[: left[k]]
+                row.ids += ids
+                row.logprobs += logprobs
+                row.tool += [0] * len(ids)
+                row.turns += 1
+                row.truncated = cut or bool(sampled.truncated[k])
+                row.last_turn = ids
+                row.last_ended_with_eos = not cut and self._ends_turn(ids)
+            turn += 1
+            waiting = [i for i in going if not rows[i].truncated]
+            calls = {i: self._calls(rows[i]) for i in waiting}
+            waiting = [i for i in waiting if calls[i]]
+        self.counts.completions += len(rows)
+        self.counts.turns += sum(row.turns for row in rows)
+        return self._rollout(first, rows)
+
+    def _row(self, prompt: list[int], rollout: Rollout, i: int) -> _Row:
+        ids, logprobs = _turn(rollout, i)
+        return _Row(
+            prompt=list(prompt),
+            ids=ids,
+            logprobs=logprobs,
+            tool=[0] * len(ids),
+            truncated=bool(rollout.truncated[i]),
+            last_turn=ids,
+            last_ended_with_eos=self._ends_turn(ids),
+        )
+
+    def _ends_turn(self, ids: list[int]) -> bool:
+        """Whether a turn ended on an end-of-turn token (one that stopped at the closing tag did not)."""
+        return bool(ids) and ids[-1] in self.rendering.eos
+
+    def _calls(self, row: _Row) -> list[ToolCall]:
+        turn = row.last_turn or []
+        text = self.tokenizer.decode(turn, skip_special_tokens=False)
+        prefix = row.prompt + row.ids[: len(row.ids) - len(turn)]
+        calls = parse_calls(self.tokenizer, turn, prefix, text, self.schemas)
+        if len(calls) > MAX_CALLS_PER_TURN:
+            extra = ToolCall("", None, f"at most {MAX_CALLS_PER_TURN} calls per turn are run")
+            calls = calls[:MAX_CALLS_PER_TURN] + [extra]
+        return calls
+
+    def _rollout(self, first: Rollout, rows: list[_Row]) -> Rollout:
+        N, width = len(rows), max((len(r.ids) for r in rows), default=0)
+        device = first.completion_ids.device
+        ids = torch.full((N, width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((N, width), dtype=torch.long)
+        tool = torch.zeros((N, width), dtype=torch.long)
+        logprobs = torch.zeros((N, width), dtype=torch.float32)
+        for i, row in enumerate(rows):
+            n = len(row.ids)
+            ids[i, :n] = torch.tensor(row.ids, dtype=torch.long)
+            mask[i, :n] = 1
+            tool[i, :n] = torch.tensor(row.tool, dtype=torch.long)
+            logprobs[i, :n] = torch.tensor(row.logprobs, dtype=torch.float32)
+        return Rollout(
+            prompt_ids=first.prompt_ids,
+            prompt_mask=first.prompt_mask,
+            completion_ids=ids.to(device),
+            completion_mask=mask.to(device),
+            truncated=torch.tensor([r.truncated for r in rows], device=first.truncated.device),
+            sampling_logprobs=logprobs.to(device) if first.sampling_logprobs is not None else None,
+            tool_mask=tool.to(device),
+        )
+
+
+def _turn(rollout: Rollout, i: int) -> tuple[list[int], list[float]]:
+    """Row i's sampled ids and logprobs."""
+    n = int(rollout.completion_mask[i].sum())
+    ids = rollout.completion_ids[i, :n].tolist()
+    logprobs = (
+        rollout.sampling_logprobs[i, :n].tolist()
+        if rollout.sampling_logprobs is not None
+        else [0.0] * n
+    )
+    return ids, logprobs

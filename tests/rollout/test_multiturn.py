@@ -1,0 +1,157 @@
+"""Multi-turn rollouts: the completion trained on is exactly the sampled ids plus the tool
+results as the chat template renders them (never re-tokenized), with the results masked."""
+
+import pytest
+import torch
+
+from grpo.config import schema
+from grpo.models.tiny import char_tokenizer, tiny_model
+from grpo.rollout.hf import TransformersEngine
+from grpo.rollout.multiturn import ToolEngine, ToolRendering, turn_seed
+from grpo.rollout.tools import ToolResult, ToolRunner, build_tools
+from grpo.rollout.types import SamplingParams
+
+
+def add(a: int, b: int) -> int:
+    """Adds two numbers.
+
+    Args:
+        a: The first number.
+        b: The second number.
+    """
+    return a + b
+
+
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+
+
+def _engine(tokenizer, ForcedCalls, max_length=160, max_tool_calls=3, every_turn=False):
+    cfg = schema.from_dict({"rollout": {"num_generations": 2, "max_completion_length": max_length}})
+    model = tiny_model(tokenizer, hidden_size=32, num_layers=2, seed=3)
+    inner = TransformersEngine(model, tokenizer, ToolEngine.inner_config(cfg, tokenizer))
+    forced = ForcedCalls(inner, tokenizer, CALL, every_turn=every_turn)
+    runner = ToolRunner(build_tools([add]), timeout=5.0, max_chars=100, isolation="thread")
+    return ToolEngine(forced, tokenizer, runner, max_tool_calls), forced
+
+
+def _prompt(tokenizer, engine):
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": "1+2?"}],
+        tools=engine.schemas,
+        add_generation_prompt=True,
+        return_dict=False,
+    )
+
+
+def test_training_tokens_are_the_sampled_ids_plus_the_templates_tool_tokens(
+    tool_tokenizer, ForcedCalls
+):
+    tok = tool_tokenizer
+    engine, forced = _engine(tok, ForcedCalls)
+    prompt = _prompt(tok, engine)
+    rollout = engine.generate([prompt], 2, SamplingParams(max_new_tokens=160), [11])
+
+    call = tok(CALL, add_special_tokens=False)["input_ids"]
+    # the template's tool message, computed here independently: the conversation with the tool
+    # message and the next assistant header, minus the one ending in the assistant's call turn
+    # (whose end-of-turn token the model has not written: the turn stopped at </tool_call>)
+    calls = [{"type": "function", "function": {"name": "add", "arguments": {}}}]
+    before = tok.apply_chat_template(
+        [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": "", "tool_calls": calls},
+        ],
+        return_dict=False,
+    )
+    after = tok.apply_chat_template(
+        [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": "", "tool_calls": calls},
+            {"role": "tool", "name": "add", "content": "3"},
+        ],
+        add_generation_prompt=True,
+        return_dict=False,
+    )
+    suffix = after[len(before) - 1 :]
+    assert tok.decode(suffix) == "<eos><tool>3</tool>A:"
+
+    # the second turn was asked for with exactly the ids so far: nothing decoded and re-encoded
+    assert forced.asked[1] == [prompt + call + suffix] * 2
+    (second,) = forced.sampled
+    for i in range(2):
+        n = int(rollout.completion_mask[i].sum())
+        sampled = second.completion_ids[i][second.completion_mask[i].bool()].tolist()
+        assert rollout.completion_ids[i, :n].tolist() == call + suffix + sampled
+        tool = [0] * len(call) + [1] * len(suffix) + [0] * len(sampled)
+        assert rollout.tool_mask[i, :n].tolist() == tool
+        # the sampling logprobs: the forced turn's, 0 on the tool tokens, the engine's after
+        expected = [-1.0] * len(call) + [0.0] * len(suffix)
+        expected += second.sampling_logprobs[i, : len(sampled)].tolist()
+        assert rollout.sampling_logprobs[i, :n].tolist() == pytest.approx(expected)
+        assert not rollout.completion_mask[i, n:].any()
+    counts = engine.take_counts()
+    assert counts["calls"] == 2 and counts["failures"] == 0 and counts["turns"] == 4
+
+
+def test_later_turns_are_seeded_by_the_prompt_seed_alone(tool_tokenizer, ForcedCalls):
+    tok = tool_tokenizer
+    engine, _ = _engine(tok, ForcedCalls)
+    prompt = _prompt(tok, engine)
+    params = SamplingParams(max_new_tokens=160)
+    alone = engine.generate([prompt], 2, params, [5])
+    again = engine.generate([prompt, prompt[:-1]], 2, params, [5, 6])
+    n = alone.completion_ids.shape[1]
+    assert torch.equal(again.completion_ids[:2, :n], alone.completion_ids)
+    assert turn_seed(5, 0, 1) != turn_seed(5, 1, 1) != turn_seed(5, 0, 2)
+
+
+def test_the_budget_bounds_the_whole_completion(tool_tokenizer, ForcedCalls):
+    tok = tool_tokenizer
+    call = len(tok(CALL, add_special_tokens=False)["input_ids"])
+    # room for the call, not for its result and a reply: ended before the result, truncated
+    engine, forced = _engine(tok, ForcedCalls, max_length=call + 5)
+    rollout = engine.generate(
+        [_prompt(tok, engine)], 2, SamplingParams(max_new_tokens=call + 5), [1]
+    )
+    assert rollout.truncated.all() and len(forced.asked) == 1
+    assert rollout.completion_mask.sum(-1).tolist() == [call, call]
+    assert not rollout.tool_mask.any()
+    # room for the result and a few tokens: the reply is cut at the budget
+    engine, forced = _engine(tok, ForcedCalls, max_length=call + 30)
+    rollout = engine.generate(
+        [_prompt(tok, engine)], 2, SamplingParams(max_new_tokens=call + 30), [1]
+    )
+    assert (rollout.completion_mask.sum(-1) <= call + 30).all()
+    suffix = len(tok("<eos><tool>3</tool>A:", add_special_tokens=False)["input_ids"])
+    assert rollout.tool_mask.sum(-1).tolist() == [suffix, suffix]
+
+
+def test_turns_with_calls_stop_at_max_tool_calls(tool_tokenizer, ForcedCalls):
+    tok = tool_tokenizer
+    engine, forced = _engine(tok, ForcedCalls, max_length=400, max_tool_calls=2, every_turn=True)
+    rollout = engine.generate([_prompt(tok, engine)], 2, SamplingParams(max_new_tokens=400), [1])
+    # turn 1 calls, turn 2 calls, turn 3 calls but no more calls are run
+    assert len(forced.asked) == 3
+    counts = engine.take_counts()
+    assert counts["calls"] == 4 and counts["turns"] == 6
+    assert not rollout.truncated.any()
+    text = tok.decode(rollout.completion_ids[0][rollout.completion_mask[0].bool()])
+    assert text.count("<tool>3</tool>") == 2 and text.endswith(CALL)
+
+
+def test_a_template_without_tool_messages_gets_the_default_rendering():
+    tok = char_tokenizer()  # no chat template at all
+    rendering = ToolRendering(tok, [tok.eos_token_id])
+    assert not rendering.uses_template
+    ids = rendering.suffix([ToolResult("add", "3"), ToolResult("add", "error: x")], False)
+    assert tok.decode(ids) == (
+        "\n<tool_response>\n3\n</tool_response>\n\n<tool_response>\nerror: x\n</tool_response>\n"
+    )
+
+
+def test_without_tools_the_engine_is_the_one_turn_engine(tokenizer, make_trainer, tmp_path):
+    trainer = make_trainer(
+        tokenizer, tmp_path, ["rollout.num_generations=2", "training.per_device_train_batch_size=4"]
+    )
+    assert type(trainer.engine) is TransformersEngine
+    assert trainer.engine.stop is None

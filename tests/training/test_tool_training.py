@@ -1,0 +1,201 @@
+"""Training on multi-turn completions with tools: tool-result tokens leave the loss (its value,
+gradient and normalisers), the tools' metrics reach the step's, and a TRL script with
+`tools=[calculator]` trains through grpo.GRPOTrainer."""
+
+import copy
+
+import pytest
+import torch
+
+from grpo.models import logprobs
+from grpo.models.tiny import tiny_model
+from grpo.training.update import batch_logprobs, policy_update
+
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "1 + 2"}}</tool_call>'
+
+
+def calculator(expression: str) -> str:
+    """Evaluates an arithmetic expression of integers with + - * and parentheses.
+
+    Args:
+        expression: The expression, e.g. "3 * (4 + 5)".
+    """
+    if not set(expression) <= set("0123456789+-*() "):
+        raise ValueError(f"unsupported characters in {expression!r}")
+    return str(eval(expression, {"__builtins__": {}}))  # digits and operators only
+
+
+OVERRIDES = [
+    "data.chat_template=auto",
+    "rollout.num_generations=2",
+    "rollout.max_completion_length=140",
+    "rollout.tool_isolation=thread",
+    "training.per_device_train_batch_size=4",
+    "training.max_steps=2",
+    "training.max_grad_norm=0",
+]
+
+
+def _tool_trainer(make_trainer, tool_tokenizer, tmp_path, ForcedCalls, overrides=()):
+    trainer = make_trainer(
+        tool_tokenizer, tmp_path, OVERRIDES + list(overrides), hidden=32, tools=[calculator]
+    )
+    # a random tiny model never writes a call: its first turns are given one (ForcedCalls);
+    # everything after is the real mechanism, and its later turns are sampled
+    trainer.engine.inner = ForcedCalls(trainer.engine.inner, tool_tokenizer, CALL)
+    return trainer
+
+
+def test_the_loss_and_its_gradient_ignore_tool_result_logits(
+    tool_tokenizer, make_trainer, tmp_path, ForcedCalls, monkeypatch
+):
+    trainer = _tool_trainer(make_trainer, tool_tokenizer, tmp_path, ForcedCalls)
+    rows = trainer.task.train_rows[:2]
+    rollout = trainer.engine.generate(trainer.encode(rows), 2, trainer.sampling, [3, 4])
+    batch = trainer.score(rows, rollout)
+    tool = rollout.tool_mask.bool()
+    assert tool.any() and not batch.loss_mask[tool].any()
+    assert batch.loss_mask[~tool].sum() == rollout.completion_mask[~tool].sum()
+    batch.advantages = torch.tensor([1.0, -0.5, 0.25, -0.75])
+
+    model, state = trainer.model, trainer.state
+    weights = copy.deepcopy(model.state_dict())
+    hidden_states = logprobs.completion_hidden_states
+    # the policy that sampled, a little off the current one: the loss's value then depends on the
+    # log-probs too (on one pass with old = current, only its gradient does)
+    old_logp = batch_logprobs(model, batch, trainer.cfg, trainer.backend) - 0.05
+
+    def loss_and_gradient(positions: torch.Tensor | None):
+        """The update's loss and gradient, with noise added to the final hidden states that
+        predict the completion tokens `positions` [N, T] (so to those tokens' logits, and only
+        theirs: the output layer works position by position)."""
+        model.load_state_dict(weights)
+        fired = []
+
+        def perturbed(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *args):
+            hidden = hidden_states(
+                model, prompt_ids, prompt_mask, completion_ids, completion_mask, *args
+            )
+            W = completion_ids.shape[1]
+            ids = rollout.completion_ids[:, :W]
+            # the batch row of each row of this piece (rows with equal ids have equal masks)
+            rows = [int((ids == row).all(-1).nonzero()[0]) for row in completion_ids]
+            where = positions[rows, :W].unsqueeze(-1).to(hidden.dtype)
+            noise = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(0))
+            fired.append(True)
+            return hidden + 5.0 * noise.to(hidden.dtype) * where
+
+        if positions is not None:
+            monkeypatch.setattr(logprobs, "completion_hidden_states", perturbed)
+        try:
+            stats = policy_update(
+                model,
+                state.optimizer,
+                state.scheduler,
+                batch,
+                old_logp,
+                None,
+                trainer.cfg,
+                trainer.backend,
+            )
+        finally:
+            monkeypatch.setattr(logprobs, "completion_hidden_states", hidden_states)
+        assert positions is None or fired
+        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        return stats["loss"], grads.clone()
+
+    loss, grads = loss_and_gradient(None)
+    tool_loss, tool_grads = loss_and_gradient(tool)
+    assert tool_loss == pytest.approx(loss, rel=1e-6, abs=1e-9)
+    assert torch.allclose(tool_grads, grads, rtol=1e-5, atol=1e-8)
+    # the same noise on the sampled tokens' logits does change both: the check can fail
+    sampled = batch.loss_mask.bool()
+    other_loss, other_grads = loss_and_gradient(sampled)
+    assert other_loss != pytest.approx(loss, rel=1e-3)
+    assert not torch.allclose(other_grads, grads, rtol=1e-3, atol=1e-6)
+
+
+def test_a_run_with_tools_logs_their_metrics(tool_tokenizer, make_trainer, tmp_path, ForcedCalls):
+    trainer = _tool_trainer(make_trainer, tool_tokenizer, tmp_path, ForcedCalls)
+    history = trainer.train()
+    assert len(history) == 2
+    for metrics in history:
+        assert metrics["tools/call_frequency"] == 1.0  # one call per completion, in its first turn
+        assert metrics["tools/failure_frequency"] == 0.0
+        assert metrics["tools/timeouts"] == 0
+        assert metrics["tools/turns_mean"] == 2.0
+        assert metrics["tools/seconds"] >= 0
+
+
+def test_trls_calculator_example_runs_through_grpo(
+    tool_tokenizer, tmp_path, monkeypatch, ForcedCalls
+):
+    from grpo import GRPOConfig, GRPOTrainer
+
+    monkeypatch.chdir(tmp_path)
+    # TRL's documented tool example, with sizes shrunk and a tiny model
+    dataset = [
+        {
+            "prompt": [{"role": "user", "content": f"What is {a} * {b}? Use the calculator."}],
+            "answer": a * b,
+        }
+        for a, b in [(12, 7), (31, 4), (9, 9), (15, 6)]
+    ]
+
+    def answer_reward(completions, answer, **kwargs):
+        return [float(str(a) in c[0]["content"]) for c, a in zip(completions, answer)]
+
+    args = GRPOConfig(
+        output_dir="out",
+        num_generations=2,
+        per_device_train_batch_size=4,
+        max_completion_length=140,
+        max_steps=2,
+        max_tool_calling_iterations=2,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        grpo_overrides=["rewards.isolation=thread", "rollout.tool_isolation=thread"],
+    )
+    trainer = GRPOTrainer(
+        model=tiny_model(tool_tokenizer, hidden_size=32, num_layers=1, seed=1),
+        processing_class=tool_tokenizer,
+        reward_funcs=answer_reward,
+        args=args,
+        train_dataset=dataset,
+        tools=[calculator],
+    )
+    assert trainer.config.rollout.max_tool_calls == 2
+    # the prompt offers the tool, as the chat template writes it
+    assert tool_tokenizer.decode(trainer.trainer.encode(dataset[:1])[0]).startswith("T:calculator;")
+    trainer.trainer.engine.inner = ForcedCalls(trainer.trainer.engine.inner, tool_tokenizer, CALL)
+    out = trainer.train()
+    assert out.global_step == 2
+    logged = [row for row in trainer.state.log_history if "tools/call_frequency" in row]
+    assert logged and all(row["tools/call_frequency"] == 1.0 for row in logged)
+
+
+def test_what_is_not_built_yet_is_refused_by_name(tool_tokenizer):
+    from grpo import GRPOConfig, GRPOTrainer
+
+    model = tiny_model(tool_tokenizer, hidden_size=32, num_layers=1, seed=1)
+    for name in ("environment_factory", "rollout_func"):
+        with pytest.raises(NotImplementedError, match=f"{name}= is not implemented yet"):
+            GRPOTrainer(
+                model=model,
+                processing_class=tool_tokenizer,
+                reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                args=GRPOConfig(output_dir="x"),
+                train_dataset=[{"prompt": "a"}],
+                **{name: object},
+            )
+    with pytest.raises(TypeError, match="tools= takes functions"):
+        GRPOTrainer(
+            model=model,
+            processing_class=tool_tokenizer,
+            reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+            args=GRPOConfig(output_dir="x", use_cpu=True),
+            train_dataset=[{"prompt": "a"}],
+            tools=["not a function", 3],
+        )
