@@ -192,3 +192,39 @@ def test_process_isolation_returns_after_the_timeout_and_kills_the_call():
     started = time.monotonic()
     (result,) = runner.run([ToolCall("hang", {"x": 0})])
     assert result.timed_out and time.monotonic() - started < 1.5
+
+
+needs_bwrap = pytest.mark.skipif(
+    __import__("grpo.sandbox", fromlist=["bwrap_path"]).bwrap_path() is None,
+    reason="bubblewrap is not installed (make test installs it)",
+)
+
+
+@needs_bwrap
+def test_the_python_tool_runs_code_in_the_sandbox():
+    from grpo.sandbox import take_counts
+
+    tools = build_tools(["python"], timeout=1.0)
+    assert tools["python"].schema["function"]["parameters"]["required"] == ["code"]
+    runner = ToolRunner(
+        tools, timeout=1.0, max_chars=200
+    )  # process isolation asked: the sandbox is its own
+    take_counts()
+    results = runner.run(
+        [
+            ToolCall("python", {"code": "print(6 * 7)"}),
+            ToolCall("python", {"code": "import sys\nprint('half')\nsys.exit('bad input')"}),
+            ToolCall("python", {"code": "while True:\n    pass"}),
+            ToolCall(
+                "python", {"code": "import socket\nsocket.create_connection(('1.1.1.1', 80), 1)"}
+            ),
+            ToolCall("python", {"code": ""}),
+        ]
+    )
+    assert results[0].content == "42" and not results[0].failed
+    assert results[1].content == "[failed]\nhalf\n--- stderr ---\nbad input"
+    assert results[2].content == "[timeout]" and not results[2].timed_out
+    assert results[3].content.startswith("[failed]\n--- stderr ---")  # no network in the sandbox
+    assert results[4].content == "(no output)"
+    # counted as the code rewards' runs are, in the step's sandbox/<status>
+    assert take_counts() == {"ok": 2, "failed": 2, "timeout": 1}

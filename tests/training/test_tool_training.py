@@ -199,3 +199,33 @@ def test_what_is_not_built_yet_is_refused_by_name(tool_tokenizer):
             train_dataset=[{"prompt": "a"}],
             tools=["not a function", 3],
         )
+
+
+@pytest.mark.skipif(
+    __import__("grpo.sandbox", fromlist=["bwrap_path"]).bwrap_path() is None,
+    reason="bubblewrap is not installed (make test installs it)",
+)
+def test_the_python_tool_runs_the_models_code_in_the_sandbox_during_training(
+    tool_tokenizer, make_trainer, tmp_path, ForcedCalls
+):
+    trainer = make_trainer(
+        tool_tokenizer,
+        tmp_path,
+        [*OVERRIDES, "rollout.tools=[python]", "rollout.tool_timeout=5", "training.max_steps=1"],
+        hidden=32,
+    )
+    code = '<tool_call>{"name": "python", "arguments": {"code": "print(6 * 7)"}}</tool_call>'
+    trainer.engine.inner = ForcedCalls(trainer.engine.inner, tool_tokenizer, code)
+    # the prompt offers it
+    assert tool_tokenizer.decode(trainer.encode(trainer.task.train_rows[:1])[0]).startswith(
+        "T:python;"
+    )
+    rows = trainer.task.train_rows[:2]
+    rollout = trainer.engine.generate(trainer.encode(rows), 2, trainer.sampling, [1, 2])
+    for ids, mask, tool in zip(rollout.completion_ids, rollout.completion_mask, rollout.tool_mask):
+        assert tool_tokenizer.decode(ids[tool.bool()]) == "<eos><tool>42</tool>A:"
+        assert tool_tokenizer.decode(ids[mask.bool()]).startswith(code + "<eos><tool>42</tool>A:")
+    trainer.engine.take_counts()
+    (metrics,) = trainer.train()
+    assert metrics["tools/call_frequency"] == 1.0 and metrics["tools/failure_frequency"] == 0.0
+    assert metrics["sandbox/ok"] == 4  # the step's four calls, counted as the code rewards' runs

@@ -335,8 +335,10 @@ class RolloutConfig:
     """The `vllm` engine's settings (read only when rollout.engine is vllm)."""
     tools: list[str] = field(default_factory=list)
     """Functions the model may call during a completion, as 'module:function' names (type hints
-    and a docstring give each its schema); their results are appended to the completion and
-    left out of the loss (grpo.rollout.multiturn, docs/agents.md). Empty: one turn, no tools."""
+    and a docstring give each its schema), or `python`, the built-in tool that runs the model's
+    code in grpo.sandbox (rewards.sandbox's settings); their results are appended to the
+    completion and left out of the loss (grpo.rollout.multiturn, docs/agents.md). Empty: one
+    turn, no tools."""
     max_tool_calls: int = 5
     """Most turns with tool calls per completion (TRL's max_tool_calling_iterations); the turn
     after the last of them is the model's last."""
@@ -393,11 +395,8 @@ class RolloutConfig:
         if len(self.tools) > MAX_TOOLS:
             raise ConfigError(f"rollout.tools: at most {MAX_TOOLS} tools, got {len(self.tools)}")
         for spec in self.tools:
-            if spec == "python":
-                raise ConfigError(
-                    "rollout.tools: the built-in python tool (code run in grpo.sandbox) is not implemented yet; "
-                    "remove it, or give your own function as 'module:function'"
-                )
+            if spec == "python":  # the built-in tool: code run in grpo.sandbox (rewards.sandbox)
+                continue
             module, _, name = spec.partition(":")
             if not module or not name or len(spec) > 500:
                 raise ConfigError(

@@ -54,6 +54,10 @@ MAX_CALLS_PER_TURN = 8
 MAX_PARALLEL = 8
 """Calls running at once (one turn of a whole batch may hold many)."""
 
+OWN_GRACE = 2.0
+"""Seconds past rollout.tool_timeout a built-in tool that enforces the timeout itself (the
+`python` tool's sandbox) is waited for, to report its own outcome (e.g. "[timeout]")."""
+
 _CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
 
 
@@ -63,6 +67,9 @@ class Tool:
     function: Callable
     schema: dict
     """transformers' JSON schema of the function, as chat templates take it."""
+    own_isolation: bool = False
+    """grpo's own tool that isolates what it runs itself (the `python` tool: grpo.sandbox): run in a
+    thread whatever rollout.tool_isolation says, so its sandbox outcomes are counted in the run."""
 
 
 @dataclass(frozen=True)
@@ -121,17 +128,58 @@ def load_function(spec: str) -> Callable:
     return function
 
 
-def build_tools(items: list) -> dict[str, Tool]:
-    """Tools by name, from callables or `module:function` names; two with one name are refused."""
+def build_tools(items: list, sandbox=None, timeout: float | None = None) -> dict[str, Tool]:
+    """Tools by name, from callables, `module:function` names and `python` (the built-in tool,
+    run in grpo.sandbox with the `sandbox` settings, rewards.sandbox, for at most `timeout`
+    seconds); two with one name are refused."""
     tools: dict[str, Tool] = {}
     for item in items:
-        tool = as_tool(item)
+        tool = python_tool(sandbox, timeout) if item == "python" else as_tool(item)
         if tool.name in tools:
             raise ConfigError(
                 f"rollout.tools: two tools are named {tool.name!r}; a model calls them by name, so rename one"
             )
         tools[tool.name] = tool
     return tools
+
+
+def python_tool(settings=None, timeout: float | None = None) -> Tool:
+    """The built-in `python` tool: runs the model's program in grpo.sandbox with the code rewards'
+    settings (rewards.sandbox: isolation, interpreter, memory, processes, output; its time limit
+    also at most `timeout`, rollout.tool_timeout) and returns what it printed, its standard error
+    after a '--- stderr ---' line, and its outcome in brackets when it did not end well (e.g.
+    "[timeout]") first. Each run counts in the step's sandbox/<status> metrics, as the code rewards' do."""
+    from grpo.config.schema import SandboxConfig
+    from grpo.sandbox import Limits, SandboxError, run
+
+    s = settings or SandboxConfig()
+    limits = Limits(
+        timeout=min(s.timeout, timeout) if timeout else s.timeout,
+        memory=s.memory_mb << 20,
+        processes=s.processes,
+        output=s.output_kb << 10,
+    )
+
+    def python(code: str) -> str:
+        """Runs a Python program in a sandbox (no network, no files kept) and returns what it printed.
+
+        Args:
+            code: The program's source code; print the values you want to see.
+        """
+        try:
+            result = run(code, isolation=s.isolation, python=s.python, limits=limits)
+        except SandboxError as error:
+            return f"error: the sandbox could not run the program ({error})"
+        # the outcome first, so that the output cap never hides it
+        parts = [] if result.ok else [f"[{result.status}]"]
+        parts.append(result.stdout)
+        if result.stderr:
+            parts.append(f"--- stderr ---\n{result.stderr}")
+        text = "\n".join(part.rstrip("\n") for part in parts if part)
+        return text or "(no output)"
+
+    tool = as_tool(python)
+    return Tool(tool.name, tool.function, tool.schema, own_isolation=True)
 
 
 # ---------------------------------------------------------------- parsing
@@ -309,8 +357,15 @@ class ToolRunner:
         pending = [i for i, r in enumerate(results) if r is None]
         for start in range(0, len(pending), MAX_PARALLEL):
             chunk = pending[start : start + MAX_PARALLEL]
-            launch = self._fork if self.isolation == "process" else self._thread
-            waits = [launch(self.tools[calls[i].name].function, calls[i].arguments) for i in chunk]
+            waits = []
+            for i in chunk:
+                tool = self.tools[calls[i].name]
+                if tool.own_isolation:  # bounded by its own timeout: a moment to report it
+                    waits.append(self._thread(tool.function, calls[i].arguments, OWN_GRACE))
+                elif self.isolation == "thread":
+                    waits.append(self._thread(tool.function, calls[i].arguments))
+                else:
+                    waits.append(self._fork(tool.function, calls[i].arguments))
             for i, wait in zip(chunk, waits):
                 results[i] = wait(calls[i].name)
         return results  # type: ignore[return-value]
@@ -318,7 +373,7 @@ class ToolRunner:
     # each launcher starts a call and returns `wait(name) -> ToolResult`, which waits at most until
     # the call's own deadline (start + timeout)
 
-    def _thread(self, function, arguments):
+    def _thread(self, function, arguments, grace: float = 0.0):
         box: dict[str, Any] = {}
         started = time.monotonic()
 
@@ -332,7 +387,7 @@ class ToolRunner:
         thread.start()
 
         def wait(name: str) -> ToolResult:
-            thread.join(max(0.0, started + self.timeout - time.monotonic()))
+            thread.join(max(0.0, started + self.timeout + grace - time.monotonic()))
             seconds = time.monotonic() - started
             if thread.is_alive():
                 return ToolResult(name, self._timeout_text(), True, True, seconds)

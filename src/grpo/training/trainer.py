@@ -448,7 +448,12 @@ class Trainer:
             )
         from grpo.rollout.tools import build_tools
 
-        return build_tools(specs)
+        r = self.cfg.rollout
+        if "python" in specs:  # fail now, naming the fix, when the sandbox cannot run programs here
+            from grpo.rewards.code import CodeRunner
+
+            CodeRunner(self.cfg.rewards.sandbox).check()
+        return build_tools(specs, self.cfg.rewards.sandbox, r.tool_timeout)
 
     def advantages(
         self, batch: GenerationBatch, values: torch.Tensor | None
