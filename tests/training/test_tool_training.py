@@ -3,12 +3,14 @@ gradient and normalisers), the tools' metrics reach the step's, and a TRL script
 `tools=[calculator]` trains through grpo.GRPOTrainer."""
 
 import copy
+import random
 
 import pytest
 import torch
 
 from grpo.models import logprobs
 from grpo.models.tiny import tiny_model
+from grpo.training.metrics import Outcome
 from grpo.training.update import batch_logprobs, policy_update
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "1 + 2"}}</tool_call>'
@@ -119,6 +121,12 @@ def test_a_run_with_tools_logs_their_metrics(tool_tokenizer, make_trainer, tmp_p
     trainer = _tool_trainer(make_trainer, tool_tokenizer, tmp_path, ForcedCalls)
     history = trainer.train()
     assert len(history) == 2
+    # the completion lengths count the model's tokens, not the tool results' (as in TRL)
+    batch = trainer.collect_batch()
+    rollout = batch.rollout
+    model_tokens = (rollout.completion_mask * (1 - rollout.tool_mask)).sum(-1).float()
+    assert Outcome.of(batch).lengths.tolist() == model_tokens.tolist()
+    assert (model_tokens < rollout.lengths).all()
     for metrics in history:
         assert metrics["tools/call_frequency"] == 1.0  # one call per completion, in its first turn
         assert metrics["tools/failure_frequency"] == 0.0
@@ -229,3 +237,54 @@ def test_the_python_tool_runs_the_models_code_in_the_sandbox_during_training(
     (metrics,) = trainer.train()
     assert metrics["tools/call_frequency"] == 1.0 and metrics["tools/failure_frequency"] == 0.0
     assert metrics["sandbox/ok"] == 4  # the step's four calls, counted as the code rewards' runs
+
+
+SECRET_CALL = '<tool_call>{"name": "secret", "arguments": {}}</tool_call>'
+
+
+def secret() -> str:
+    """Tells this turn's secret digit."""
+    return str(random.randint(0, 9))
+
+
+def secret_reward(completions, **kwargs):
+    """0.5 for calling the tool first, 0.5 more for then answering with the digit it told."""
+    rewards = []
+    for completion in completions:
+        text = completion[0]["content"]
+        reward = 0.5 * text.startswith(SECRET_CALL)
+        if reward and "</tool>A:" in text:
+            told = text.split("<tool>", 1)[1].split("</tool>", 1)[0]
+            reward += 0.5 * (text.split("</tool>A:", 1)[1][:1] == told)
+        rewards.append(reward)
+    return rewards
+
+
+def test_a_tiny_model_learns_to_call_a_tool(tool_tokenizer, make_trainer, tmp_path):
+    """Nothing forced: the call is one token of this tokenizer (an added token), which a random
+    model writes now and then; the reward needs a digit only the tool tells, so calling pays,
+    and the call rate and the reward rise within seconds of CPU."""
+    from tokenizers import AddedToken
+
+    tool_tokenizer.add_tokens([AddedToken(SECRET_CALL, special=False, normalized=False)])
+    trainer = make_trainer(
+        tool_tokenizer,
+        tmp_path,
+        [
+            "data.chat_template=auto",
+            "rollout.num_generations=8",
+            "rollout.max_completion_length=24",
+            "rollout.tool_isolation=thread",
+            "training.per_device_train_batch_size=64",
+            "training.max_steps=30",
+            "training.learning_rate=3e-3",
+        ],
+        reward_funcs={"secret": secret_reward},
+        tools=[secret],
+    )
+    history = trainer.train()
+    calls = [m["tools/call_frequency"] for m in history]
+    rewards = [m["reward"] for m in history]
+    first, last = slice(0, 3), slice(-3, None)
+    assert sum(calls[first]) / 3 < 0.6 and sum(calls[last]) / 3 > 0.9, calls
+    assert sum(rewards[last]) / 3 > sum(rewards[first]) / 3 + 0.25, rewards

@@ -43,6 +43,14 @@ def nanmean(x: torch.Tensor) -> float:
     return float(x[present].mean()) if present.any() else math.nan
 
 
+def _model_lengths(rollout) -> torch.Tensor:
+    """[N] tokens each completion's model wrote: tool results (Rollout.tool_mask) are not
+    counted in the completion length metrics, as in TRL."""
+    if rollout.tool_mask is None:
+        return rollout.lengths
+    return rollout.lengths - (rollout.tool_mask * rollout.completion_mask).sum(-1)
+
+
 @dataclass
 class Outcome:
     """What a step's metrics read of its generation batch: per completion, the rewards, lengths
@@ -62,7 +70,7 @@ class Outcome:
         columns = (
             batch.rewards,
             batch.rewards_per_func,
-            batch.rollout.lengths,
+            _model_lengths(batch.rollout),
             batch.rollout.truncated,
         )
         if backend is not None:
