@@ -121,21 +121,17 @@ metrics = trainer.evaluate(eval_dataset=eval_rows)
     [
         pytest.param({}, id="plain"),
         pytest.param(
-            {"chat_template_kwargs": {"enable_thinking": False}},
-            id="chat_template_kwargs",
-            marks=pytest.mark.xfail(
-                condition=not hasattr(
-                    __import__("grpo.config.schema").config.schema.DataConfig(),
-                    "chat_template_kwargs",
-                ),
-                reason="chat_template_kwargs lands with the generation options",
-                strict=True,
-            ),
+            {"chat_template_kwargs": {"enable_thinking": False}}, id="chat_template_kwargs"
         ),
     ],
 )
 def test_a_trl_users_script(tmp_path, chat_template):
     tokenizer = char_tokenizer()
+    # Qwen3's switch in miniature: with enable_thinking false the template writes an empty thought
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+    )
     namespace = {
         "__name__": "user_script",
         "model": tiny_model(tokenizer, hidden_size=32, num_layers=1, seed=3),
@@ -155,6 +151,9 @@ def test_a_trl_users_script(tmp_path, chat_template):
     exec(compile(USER_SCRIPT, "user_script", "exec"), namespace)
     trainer, recorder, metrics = namespace["trainer"], namespace["recorder"], namespace["metrics"]
     events = recorder.events
+    # the prompts the model continued were rendered with the script's template variables
+    prompt = tokenizer.decode(trainer.trainer.encode(namespace["train_rows"][:1])[0])
+    assert prompt.endswith("<think></think>") == bool(chat_template)
     # stopped by the callback after the second step of five, then ended as a run ends
     assert [e for e in events if e[0] == "step_end"] == [("step_end", 1), ("step_end", 2)]
     end = events.index(("train_end", True))  # after the summary row's on_log; evaluate() after it
