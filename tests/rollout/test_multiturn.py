@@ -89,6 +89,20 @@ def test_training_tokens_are_the_sampled_ids_plus_the_templates_tool_tokens(
         expected += second.sampling_logprobs[i, : len(sampled)].tolist()
         assert rollout.sampling_logprobs[i, :n].tolist() == pytest.approx(expected)
         assert not rollout.completion_mask[i, n:].any()
+        # the conversation, as TRL gives it to reward functions: the call, its result, the reply
+        call_message = {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}
+            ],
+        }
+        reply = tok.decode(sampled, skip_special_tokens=True).strip()
+        assert rollout.messages[i] == [
+            call_message,
+            {"role": "tool", "name": "add", "content": "3"},
+            {"role": "assistant", "content": reply},
+        ]
     counts = engine.take_counts()
     assert counts["calls"] == 2 and counts["failures"] == 0 and counts["turns"] == 4
 
@@ -155,3 +169,45 @@ def test_without_tools_the_engine_is_the_one_turn_engine(tokenizer, make_trainer
     )
     assert type(trainer.engine) is TransformersEngine
     assert trainer.engine.stop is None
+
+
+RESPONSE_TEMPLATE = {  # transformers' response parsing, for the test template's assistant turns
+    "defaults": {"role": "assistant"},
+    "start_anchor": "A:",
+    "fields": {
+        "tool_calls": {
+            "open": "<tool_call>",
+            "close_pattern": r"</tool_call>\s*",
+            "repeats": True,
+            "content": "json",
+            "transform": {"type": "function", "function": "{content}"},
+        },
+        "content": {"close_pattern": r"<eos>\s*", "content": "text"},
+    },
+}
+
+
+def test_a_tokenizer_with_a_response_parser_parses_its_own_calls(tool_tokenizer, ForcedCalls):
+    tok = tool_tokenizer
+    tok.response_template = RESPONSE_TEMPLATE
+    # its turns end at end-of-turn, as its template writes them: no stop string of grpo's
+    assert ToolEngine.stop_strings(tok) == []
+    cfg = schema.from_dict({"rollout": {"num_generations": 2, "max_completion_length": 160}})
+    assert ToolEngine.inner_config(cfg, tok).rollout.stop_strings == []
+    model = tiny_model(tok, hidden_size=32, num_layers=2, seed=3)
+    inner = TransformersEngine(model, tok, ToolEngine.inner_config(cfg, tok))
+    turn = "I add. " + CALL.replace("1, ", "4, ") + "<eos>"  # content, a call, end of turn
+    forced = ForcedCalls(inner, tok, turn)
+    runner = ToolRunner(build_tools([add]), timeout=5.0, max_chars=100, isolation="thread")
+    engine = ToolEngine(forced, tok, runner, 3)
+    prompt = _prompt(tok, engine)
+    rollout = engine.generate([prompt], 2, SamplingParams(max_new_tokens=160), [2])
+    ids = tok(turn, add_special_tokens=False)["input_ids"]
+    # the turn ended with its end-of-turn token: the tool message follows it directly
+    suffix = tok("<tool>6</tool>A:", add_special_tokens=False)["input_ids"]
+    assert forced.asked[1] == [prompt + ids + suffix] * 2
+    for i in range(2):
+        n = len(ids) + len(suffix)
+        assert rollout.completion_ids[i, :n].tolist() == ids + suffix
+        assert rollout.tool_mask[i, : len(ids)].sum() == 0
+        assert rollout.tool_mask[i, len(ids) : n].all()

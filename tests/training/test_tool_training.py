@@ -248,14 +248,18 @@ def secret() -> str:
 
 
 def secret_reward(completions, **kwargs):
-    """0.5 for calling the tool first, 0.5 more for then answering with the digit it told."""
+    """0.5 for calling the tool first, 0.5 more for then answering with the digit it told.
+    Completions come as TRL gives them with tools: the assistant turns (with their tool_calls)
+    and the tool results, as messages."""
     rewards = []
-    for completion in completions:
-        text = completion[0]["content"]
-        reward = 0.5 * text.startswith(SECRET_CALL)
-        if reward and "</tool>A:" in text:
-            told = text.split("<tool>", 1)[1].split("</tool>", 1)[0]
-            reward += 0.5 * (text.split("</tool>A:", 1)[1][:1] == told)
+    for turns in completions:
+        first = turns[0]
+        called = first["content"] == "" and [
+            call["function"]["name"] for call in first.get("tool_calls", [])
+        ] == ["secret"]
+        reward = 0.5 * called
+        if called and len(turns) > 2 and turns[1]["role"] == "tool":
+            reward += 0.5 * (turns[2]["content"][:1] == turns[1]["content"])
         rewards.append(reward)
     return rewards
 

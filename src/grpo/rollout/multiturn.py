@@ -7,7 +7,7 @@ generated turn by turn:
    ids, never text); the turn ends at EOS, at the default call format's closing tag
    (`</tool_call>`, a stop string when the tokenizer has no response parser of its own), or at
    the length budget;
-2. the turn's calls are parsed (grpo.rollout.tools.parse_calls) and run (ToolRunner);
+2. the turn's calls are parsed (grpo.rollout.tools.parse_turn) and run (ToolRunner);
 3. the tool results are appended as the chat template renders tool messages: the template is
    rendered for a short conversation ending in an assistant call, with and without the tool
    messages (and the next assistant header), and the tokens the tool messages add are
@@ -35,7 +35,7 @@ so completions still depend on their prompt's seed alone.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -46,7 +46,7 @@ from grpo.rollout.tools import (
     ToolCounts,
     ToolResult,
     ToolRunner,
-    parse_calls,
+    parse_turn,
 )
 from grpo.rollout.types import SEED_BOUND, Rollout, SamplingParams, Seeds, prompt_seeds
 
@@ -131,6 +131,8 @@ class _Row:
     turns: int = 1
     last_turn: list[int] | None = None
     last_ended_with_eos: bool = False
+    messages: list[dict] = field(default_factory=list)
+    """The completion as TRL's messages: each assistant turn, then its tool results."""
 
 
 class ToolEngine:
@@ -193,9 +195,8 @@ class ToolEngine:
         seeds = prompt_seeds(seeds, len(prompts))
         first = self.inner.generate(prompts, G, params, seeds)
         rows = [self._row(prompts[i // G], first, i) for i in range(len(first))]
-        waiting = [i for i, row in enumerate(rows) if not row.truncated]
-        calls = {i: self._calls(rows[i]) for i in waiting}
-        waiting = [i for i in waiting if calls[i]]
+        calls = {i: self._read_turn(row) for i, row in enumerate(rows)}
+        waiting = [i for i, row in enumerate(rows) if calls[i] and not row.truncated]
         turn = 1
         while waiting and turn <= self.max_tool_calls:
             flat = [(i, call) for i in waiting for call in calls[i]]
@@ -215,6 +216,9 @@ class ToolEngine:
                 row.ids += suffix
                 row.logprobs += [0.0] * len(suffix)
                 row.tool += [1] * len(suffix)
+                row.messages += [
+                    {"role": "tool", "name": r.name, "content": r.content} for r in by_row[i]
+                ]
                 going.append(i)
             if not going:
                 break
@@ -236,10 +240,9 @@ class ToolEngine:
                 row.truncated = cut or bool(sampled.truncated[k])
                 row.last_turn = ids
                 row.last_ended_with_eos = not cut and self._ends_turn(ids)
+                calls[i] = self._read_turn(row)
             turn += 1
-            waiting = [i for i in going if not rows[i].truncated]
-            calls = {i: self._calls(rows[i]) for i in waiting}
-            waiting = [i for i in waiting if calls[i]]
+            waiting = [i for i in going if calls[i] and not rows[i].truncated]
         self.counts.completions += len(rows)
         self.counts.turns += sum(row.turns for row in rows)
         return self._rollout(first, rows)
@@ -260,11 +263,20 @@ class ToolEngine:
         """Whether a turn ended on an end-of-turn token (one that stopped at the closing tag did not)."""
         return bool(ids) and ids[-1] in self.rendering.eos
 
-    def _calls(self, row: _Row) -> list[ToolCall]:
+    def _read_turn(self, row: _Row) -> list[ToolCall]:
+        """The calls of the row's last turn; its message (TRL's form: the text without the calls as
+        content, the calls as tool_calls) is added to the row's conversation."""
         turn = row.last_turn or []
-        text = self.tokenizer.decode(turn, skip_special_tokens=False)
         prefix = row.prompt + row.ids[: len(row.ids) - len(turn)]
-        calls = parse_calls(self.tokenizer, turn, prefix, text, self.schemas)
+        content, calls = parse_turn(self.tokenizer, turn, prefix, self.schemas)
+        message = {"role": "assistant", "content": content}
+        parsed = [c for c in calls if c.arguments is not None]
+        if parsed:
+            message["tool_calls"] = [
+                {"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in parsed
+            ]
+        row.messages.append(message)
         if len(calls) > MAX_CALLS_PER_TURN:
             extra = ToolCall("", None, f"at most {MAX_CALLS_PER_TURN} calls per turn are run")
             calls = calls[:MAX_CALLS_PER_TURN] + [extra]
@@ -291,6 +303,7 @@ class ToolEngine:
             truncated=torch.tensor([r.truncated for r in rows], device=first.truncated.device),
             sampling_logprobs=logprobs.to(device) if first.sampling_logprobs is not None else None,
             tool_mask=tool.to(device),
+            messages=[row.messages for row in rows],
         )
 
 

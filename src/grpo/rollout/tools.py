@@ -218,19 +218,25 @@ def _call_from_json(body: str) -> ToolCall:
     return ToolCall(data["name"], arguments)
 
 
-def parse_calls(tokenizer, ids: list[int], prefix: list[int], text: str, schemas: list[dict]):
-    """The calls of one turn: by the tokenizer's response parser when it has one
-    (`response_template`), else by the default format on the turn's `text`."""
+def parse_turn(
+    tokenizer, ids: list[int], prefix: list[int], schemas: list[dict]
+) -> tuple[str, list[ToolCall]]:
+    """One turn of the model, its token ids `ids` after `prefix` (the prompt and the turns before):
+    its text without the calls (the message content) and its calls. Parsed by the tokenizer's
+    response parser when it has one (`response_template`), else in the default format."""
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    plain = tokenizer.decode(ids, skip_special_tokens=True)
     if getattr(tokenizer, "response_template", None) is None:
-        return parse_default(text)
+        return _CALL.sub("", plain).strip(), parse_default(text)
     try:
-        message = tokenizer.parse_response(ids, prefix=prefix, tools=schemas)
+        message = tokenizer.parse_response(ids, prefix=prefix, tools=schemas) or {}
     except Exception as error:  # the parser refuses malformed output: answered like bad JSON
+        content = _CALL.sub("", plain).strip()
         if CALL_OPEN in text:
-            return parse_default(text)
-        return [ToolCall("", None, f"the response could not be parsed ({error})")]
+            return content, parse_default(text)
+        return content, [ToolCall("", None, f"the response could not be parsed ({error})")]
     calls = []
-    for call in (message or {}).get("tool_calls") or []:
+    for call in message.get("tool_calls") or []:
         function = call.get("function", call) if isinstance(call, dict) else {}
         name, arguments = function.get("name"), function.get("arguments", {})
         if isinstance(arguments, str):
@@ -245,7 +251,8 @@ def parse_calls(tokenizer, ids: list[int], prefix: list[int], text: str, schemas
                     "the call names no tool or its arguments are not an object",
                 )
             )
-    return calls
+    content = message.get("content")
+    return (content if isinstance(content, str) else "").strip(), calls
 
 
 # ---------------------------------------------------------------- running

@@ -70,6 +70,9 @@ class Rollout:
     tool_mask: torch.Tensor | None = None
     """[N, T] 1 for tokens the engine appended rather than sampled (tool results in a multi-turn
     completion, grpo.rollout.multiturn), which the loss leaves out; None: every token was sampled."""
+    messages: list[list[dict]] | None = None
+    """[N] with tools: each completion as TRL's messages (assistant turns with their tool_calls,
+    then the tool results), what reward functions get for conversational prompts; None otherwise."""
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -87,6 +90,7 @@ class Rollout:
             self.truncated[rows],
             None if self.sampling_logprobs is None else self.sampling_logprobs[rows],
             None if self.tool_mask is None else self.tool_mask[rows],
+            None if self.messages is None else [self.messages[i] for i in rows.tolist()],
         )
 
     @staticmethod
@@ -125,5 +129,8 @@ class Rollout:
                 ]
             )
             if any(p.tool_mask is not None for p in parts)
+            else None,
+            [m for p in parts for m in p.messages]
+            if all(p.messages is not None for p in parts)
             else None,
         )

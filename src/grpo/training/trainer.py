@@ -501,9 +501,11 @@ class Trainer:
         texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
         group_rows = [row for row in rows for _ in range(G)]
         prompts = [row["prompt"] for row in group_rows]
+        # with tools, a conversational row's completion is its turns and tool results, as in TRL
+        messages = rollout.messages or [None] * len(texts)
         completions = [
-            [{"role": "assistant", "content": text}] if is_conversational(row) else text
-            for row, text in zip(group_rows, texts)
+            (turns or [{"role": "assistant", "content": text}]) if is_conversational(row) else text
+            for row, text, turns in zip(group_rows, texts, messages)
         ]
         rewards_per_func = self.rewards.score(
             prompts, completions, ids, group_rows, self.trainer_state()
