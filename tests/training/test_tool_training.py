@@ -3,6 +3,7 @@ gradient and normalisers), the tools' metrics reach the step's, and a TRL script
 `tools=[calculator]` trains through grpo.GRPOTrainer."""
 
 import copy
+import json
 import random
 
 import pytest
@@ -118,8 +119,16 @@ def test_the_loss_and_its_gradient_ignore_tool_result_logits(
 
 
 def test_a_run_with_tools_logs_their_metrics(tool_tokenizer, make_trainer, tmp_path, ForcedCalls):
-    trainer = _tool_trainer(make_trainer, tool_tokenizer, tmp_path, ForcedCalls)
+    trainer = _tool_trainer(
+        make_trainer, tool_tokenizer, tmp_path, ForcedCalls, ["logging.sample_every=1"]
+    )
     history = trainer.train()
+    # the sample completions show the tool results set apart
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").open()]
+    assert samples and all(
+        s["completion"].startswith(CALL + "[tool result]<tool>3</tool>A:[/tool result]")
+        for s in samples
+    )
     assert len(history) == 2
     # the completion lengths count the model's tokens, not the tool results' (as in TRL)
     batch = trainer.collect_batch()

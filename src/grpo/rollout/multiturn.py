@@ -317,3 +317,30 @@ def _turn(rollout: Rollout, i: int) -> tuple[list[int], list[float]]:
         else [0.0] * n
     )
     return ids, logprobs
+
+
+TOOL_OPEN, TOOL_CLOSE = "[tool result]", "[/tool result]"
+"""How `marked_texts` sets the appended tool-result tokens apart in samples."""
+
+
+def marked_texts(tokenizer, rollout: Rollout) -> list[str]:
+    """Each completion's text with its tool results (Rollout.tool_mask) between TOOL_OPEN and
+    TOOL_CLOSE, for the sample completions; special tokens skipped, as in the completions' texts.
+
+    Example: sampled "A<tool_call>..</tool_call>", appended "<tool>3</tool>", sampled "B"
+    -> "A<tool_call>..</tool_call>[tool result]<tool>3</tool>[/tool result]B"."""
+    texts = []
+    for ids, mask, tool in zip(
+        rollout.completion_ids.tolist(),
+        rollout.completion_mask.tolist(),
+        rollout.tool_mask.tolist(),
+    ):
+        n = sum(mask)
+        parts, start = [], 0
+        for t in range(1, n + 1):
+            if t == n or tool[t] != tool[start]:
+                text = tokenizer.decode(ids[start:t], skip_special_tokens=True)
+                parts.append(f"{TOOL_OPEN}{text}{TOOL_CLOSE}" if tool[start] else text)
+                start = t
+        texts.append("".join(parts))
+    return texts

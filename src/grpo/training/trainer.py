@@ -763,10 +763,15 @@ class Trainer:
     def _log_samples(self, step: int, batch: GenerationBatch) -> None:
         """A few of the step's completions (from every rank's groups, in rank order) to samples.jsonl."""
         names = self.rewards.names
+        texts = batch.completion_texts
+        if batch.rollout.tool_mask is not None:  # the tool results set apart
+            from grpo.rollout.multiturn import marked_texts
+
+            texts = marked_texts(self.tokenizer, batch.rollout)
         parts = self.backend.all_gather_object(
             (
                 batch.prompts,
-                batch.completion_texts,
+                texts,
                 batch.rewards.tolist(),
                 batch.rewards_per_func.T.tolist(),
                 getattr(batch, "extra_columns", {}),
