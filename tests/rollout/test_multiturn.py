@@ -211,3 +211,22 @@ def test_a_tokenizer_with_a_response_parser_parses_its_own_calls(tool_tokenizer,
         assert rollout.completion_ids[i, :n].tolist() == ids + suffix
         assert rollout.tool_mask[i, : len(ids)].sum() == 0
         assert rollout.tool_mask[i, len(ids) : n].all()
+
+
+def test_a_template_that_rewrites_the_assistant_turn_before_tool_messages_is_refused_at_start():
+    from grpo.registry import ConfigError
+
+    tok = char_tokenizer()
+    # the assistant's turn is written differently once a tool message follows it
+    tok.chat_template = (
+        "{%- for m in messages -%}"
+        "{%- if m.role == 'tool' -%}<tool>{{ m.content }}</tool>"
+        "{%- elif m.role == 'assistant' -%}"
+        "{%- if messages[-1].role == 'tool' -%}B:{%- else -%}A:{%- endif -%}{{ m.content }}<eos>"
+        "{%- else -%}U:{{ m.content }}<eos>{%- endif -%}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}A:{%- endif -%}"
+    )
+    with pytest.raises(
+        ConfigError, match="rollout.tools: the chat template renders an assistant turn"
+    ):
+        ToolRendering(tok, [tok.eos_token_id])

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from grpo.registry import ConfigError
 from grpo.rollout.tools import (
     CALL_CLOSE,
     MAX_CALLS_PER_TURN,
@@ -69,6 +70,12 @@ class ToolRendering:
         self.tokenizer, self.eos = tokenizer, set(eos_token_ids)
         self.template_kwargs = dict(template_kwargs or {})
         self.uses_template = self._template_renders_tools()
+        if self.uses_template:  # a template whose tool messages cannot be appended fails at start
+            for ended in (True, False):
+                try:
+                    self.suffix([ToolResult("probe", _PROBE)], ended)
+                except ValueError as error:
+                    raise ConfigError(f"rollout.tools: {error}") from None
 
     def _render(self, messages, add_generation_prompt: bool) -> list[int]:
         ids = self.tokenizer.apply_chat_template(
