@@ -213,20 +213,70 @@ def test_a_tokenizer_with_a_response_parser_parses_its_own_calls(tool_tokenizer,
         assert rollout.tool_mask[i, len(ids) : n].all()
 
 
-def test_a_template_that_rewrites_the_assistant_turn_before_tool_messages_is_refused_at_start():
+def test_a_template_that_writes_the_turn_differently_before_tool_messages():
+    """Qwen3's template drops an empty <think></think> from an assistant turn once tool messages
+    follow it: the tool messages are still the tokens after the turn's end-of-turn token."""
     from grpo.registry import ConfigError
 
     tok = char_tokenizer()
-    # the assistant's turn is written differently once a tool message follows it
-    tok.chat_template = (
+    turn = (
         "{%- for m in messages -%}"
         "{%- if m.role == 'tool' -%}<tool>{{ m.content }}</tool>"
         "{%- elif m.role == 'assistant' -%}"
-        "{%- if messages[-1].role == 'tool' -%}B:{%- else -%}A:{%- endif -%}{{ m.content }}<eos>"
-        "{%- else -%}U:{{ m.content }}<eos>{%- endif -%}{%- endfor -%}"
+        "A:{%- if loop.last -%}<think></think>{%- endif -%}{{ m.content }}END"
+        "{%- else -%}U:{{ m.content }}END{%- endif -%}{%- endfor -%}"
         "{%- if add_generation_prompt -%}A:{%- endif -%}"
     )
+    tok.chat_template = turn.replace("END", "<eos>")
+    rendering = ToolRendering(tok, [tok.eos_token_id])
+    results = [ToolResult("add", "3")]
+    assert tok.decode(rendering.suffix(results, True)) == "<tool>3</tool>A:"
+    assert tok.decode(rendering.suffix(results, False)) == "<eos><tool>3</tool>A:"
+    # without an end-of-turn token, the turn cannot be told from the tool messages: refused at start
+    tok.chat_template = turn.replace("END", "")
     with pytest.raises(
-        ConfigError, match="rollout.tools: the chat template renders an assistant turn"
+        ConfigError, match="rollout.tools: the chat template's tool messages cannot be"
     ):
         ToolRendering(tok, [tok.eos_token_id])
+
+
+@pytest.mark.parametrize(
+    "name, end, suffix",
+    [
+        (
+            "qwen2_5_chat_template",
+            "<|im_end|>",
+            "\n<|im_start|>user\n<tool_response>\n3\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
+        ),
+        (
+            "qwen3_chat_template",
+            "<|im_end|>",
+            "\n<|im_start|>user\n<tool_response>\n3\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
+        ),
+        (
+            "llama3_1_chat_template",
+            "<|eot_id|>",
+            '<|start_header_id|>ipython<|end_header_id|>\n\n"3"<|eot_id|>'
+            "<|start_header_id|>assistant<|end_header_id|>\n\n",
+        ),
+    ],
+)
+def test_real_chat_templates_tool_messages(name, end, suffix):
+    """The chat templates TRL ships for Qwen2.5, Qwen3 and Llama 3.1 (their special tokens one
+    token each, as in the real tokenizers): the tokens after the assistant's end of turn."""
+    templates = pytest.importorskip("trl.chat_template_utils")
+    tok = char_tokenizer()
+    specials = [
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|eot_id|>",
+        "<|start_header_id|>",
+        "<|end_header_id|>",
+    ]
+    tok.add_special_tokens({"additional_special_tokens": specials})
+    tok.chat_template = getattr(templates, name)
+    rendering = ToolRendering(tok, [tok.convert_tokens_to_ids(end)])
+    assert rendering.uses_template
+    results = [ToolResult("add", "3")]
+    assert tok.decode(rendering.suffix(results, True)) == suffix
+    assert tok.decode(rendering.suffix(results, False)) == end + suffix

@@ -114,18 +114,26 @@ class ToolRendering:
         conversation = self._conversation(results)
         before = self._render(conversation[:2], False)
         after = self._render(conversation, True)
-        # the assistant's turn ends at its last end-of-turn token; what the template writes after
-        # that token (a newline, say) belongs to the suffix. A turn that stopped at the closing tag
-        # has no end-of-turn token yet: the suffix starts with it.
-        ends = [i for i, token in enumerate(before) if token in self.eos]
-        if ends:
-            before = before[: ends[-1] + 1] if turn_ended_with_eos else before[: ends[-1]]
-        if after[: len(before)] != before:
-            raise ValueError(
-                "the chat template renders an assistant turn differently when tool messages follow it, so the tool "
-                "results' tokens cannot be told apart; use a template that appends tool messages after the turn"
-            )
-        return after[len(before) :]
+        # The assistant's turn ends at its end-of-turn token: the n-th such token of the conversation,
+        # n counted in the rendering that ends with the turn. What the template writes after it (a
+        # newline, the tool messages, the next assistant header) is the suffix; a turn that stopped at
+        # the closing tag has no end-of-turn token yet, so its suffix starts with that token. Counting
+        # tokens instead of comparing prefixes lets a template write the turn itself differently once
+        # tool messages follow it (Qwen3 drops an empty <think></think> then): the sampled turn is
+        # kept as it was sampled either way.
+        n = sum(token in self.eos for token in before)
+        if n:
+            ends = [i for i, token in enumerate(after) if token in self.eos]
+            if len(ends) >= n:
+                end = ends[n - 1]
+                return after[end + 1 :] if turn_ended_with_eos else after[end:]
+        elif after[: len(before)] == before:
+            return after[len(before) :]
+        raise ValueError(
+            "the chat template's tool messages cannot be told apart from the assistant's turn (it ends the "
+            "turn with no end-of-turn token of the tokenizer's, and writes the turn differently when tool "
+            "messages follow it); use a template that ends turns with an end-of-turn token"
+        )
 
 
 @dataclass
