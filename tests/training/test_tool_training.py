@@ -4,6 +4,7 @@ gradient and normalisers), the tools' metrics reach the step's, and a TRL script
 
 import copy
 import json
+import os
 import random
 
 import pytest
@@ -351,3 +352,35 @@ def test_tools_with_dynamic_sampling_lora_and_evaluation(
     assert trainer.evaluator.engine is trainer.engine
     assert trainer.engine.take_counts()["completions"] > 0
     assert (tmp_path / "run" / "eval.jsonl").read_text().strip()
+
+
+def test_tools_named_in_the_config_run_in_forked_processes(
+    tool_tokenizer, make_trainer, tmp_path, monkeypatch, ForcedCalls
+):
+    """rollout.tools as 'module:function' names, with the default process isolation: each call
+    runs in a child forked from the training process (torch and the model loaded)."""
+    (tmp_path / "forked_calculator.py").write_text(
+        "import os\n\n\n"
+        "def calculator(expression: str) -> str:\n"
+        '    """Evaluates an expression.\n\n    Args:\n        expression: The expression.\n    """\n'
+        "    return f'{eval(expression, {})} from {os.getpid()}'\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    overrides = [o for o in OVERRIDES if not o.startswith("rollout.tool_isolation")]
+    trainer = make_trainer(
+        tool_tokenizer,
+        tmp_path,
+        [*overrides, "rollout.tools=[forked_calculator:calculator]", "training.max_steps=1"],
+        hidden=32,
+    )
+    assert trainer.cfg.rollout.tool_isolation == "process"
+    assert [s["function"]["name"] for s in trainer.engine.schemas] == ["calculator"]
+    trainer.engine.inner = ForcedCalls(trainer.engine.inner, tool_tokenizer, CALL)
+    rows = trainer.task.train_rows[:2]
+    rollout = trainer.engine.generate(trainer.encode(rows), 2, trainer.sampling, [5, 6])
+    results = [turns[1]["content"] for turns in rollout.messages]
+    assert all(r.startswith("3 from ") for r in results)
+    assert str(os.getpid()) not in {r.split()[-1] for r in results}  # not this process
+    trainer.engine.take_counts()
+    (metrics,) = trainer.train()
+    assert metrics["tools/call_frequency"] == 1.0 and metrics["tools/failure_frequency"] == 0.0
