@@ -10,8 +10,8 @@ generated turn by turn:
 2. the turn's calls are parsed (grpo.rollout.tools.parse_turn) and run (ToolRunner);
 3. the tool results are appended as the chat template renders tool messages: the template is
    rendered for a short conversation ending in an assistant call, with and without the tool
-   messages (and the next assistant header), and the tokens the tool messages add are
-   appended (`ToolRendering.suffix`). A tokenizer whose template does not render tool messages
+   messages (and the next assistant header), and what the template writes after the assistant
+   turn's end-of-turn token is appended (`ToolRendering.suffix`). A tokenizer whose template does not render tool messages
    (or that has none) gets the default rendering, the text
    "<tool_response>\\n{result}\\n</tool_response>\\n" per result, tokenized on its own;
 4. back to 1, until a turn makes no call, or `rollout.max_tool_calls` turns have made calls.
