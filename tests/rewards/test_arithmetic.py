@@ -26,3 +26,16 @@ def test_arithmetic_rewards_on_text_and_messages():
     completions = ["Answer: 127", [{"role": "assistant", "content": "so\nAnswer: 12"}], "127"]
     assert arithmetic_correct(completions, answer=[127, 127, 127]) == [1.0, 0.0, 0.0]
     assert arithmetic_format(completions) == [1.0, 1.0, 0.0]
+
+
+def test_what_a_tool_answered_is_not_the_models_answer():
+    # a conversation with a tool turn: only the assistant's messages count
+    conversation = [
+        {"role": "assistant", "content": "", "tool_calls": [{"name": "lookup"}]},
+        {"role": "tool", "content": "Answer: 127"},
+        {"role": "assistant", "content": "I do not know"},
+    ]
+    assert arithmetic_correct([conversation], answer=[127]) == [0.0]
+    assert arithmetic_format([conversation]) == [0.0]
+    conversation[-1]["content"] = "Answer: 127"
+    assert arithmetic_correct([conversation], answer=[127]) == [1.0]

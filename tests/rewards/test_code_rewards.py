@@ -293,3 +293,15 @@ def test_humaneval_partial_credit_counts_the_assertions_of_check():
     args = dict(test=[test] * 4, entry_point=["double"] * 4)
     assert partial([prompt] * 4, completions, **args) == [1.0, 0.0, pytest.approx(2 / 3), 0.0]
     assert whole([prompt] * 4, completions, **args) == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_a_tools_answer_is_never_taken_for_the_models_program():
+    from grpo.rewards.code import _text
+
+    conversation = [
+        {"role": "assistant", "content": "```python\nprint(1)\n```"},
+        {"role": "tool", "content": "```python\nprint(2)\n```"},
+    ]
+    # cut after a tool result: the model's last message is its program
+    assert _text(conversation) == "```python\nprint(1)\n```"
+    assert _text([{"role": "tool", "content": "x"}]) == ""

@@ -8,10 +8,11 @@ ANSWER_PATTERN = re.compile(r"Answer:\s*(-?\d+)")
 
 
 def completion_text(completion) -> str:
-    """Plain text of a completion: a string, or TRL-style [{"role": ..., "content": ...}]."""
+    """Plain text of a completion: a string, or TRL-style [{"role": ..., "content": ...}] with
+    the tool messages left out (what a tool answered is not the model's answer)."""
     if isinstance(completion, str):
         return completion
-    return "".join(message["content"] for message in completion)
+    return "".join(m["content"] for m in completion if m.get("role") != "tool")
 
 
 def extract_answer(text: str) -> int | None:

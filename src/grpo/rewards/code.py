@@ -256,9 +256,11 @@ def humaneval_program(prompt: str, completion: str) -> str:
 
 
 def _text(completion: Any) -> str:
-    """A completion's text: a string, or the last message's content of a conversation."""
+    """A completion's text: a string, or the last message of a conversation that the model
+    wrote (a tool's answer is never taken for the model's program)."""
     if isinstance(completion, list):
-        return completion[-1]["content"] if completion else ""
+        written = [m for m in completion if m.get("role") != "tool"]
+        return written[-1]["content"] if written else ""
     return completion
 
 
