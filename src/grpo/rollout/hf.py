@@ -71,7 +71,9 @@ def sample_with_logprobs(
     The logprob is the token's under softmax(logits / temperature), before top-k, top-p and
     min-p, which is what the update computes (grpo.models.logprobs), so the two can be compared
     for the rollout correction. None for greedy decoding (evaluation), which nothing compares.
-    A repetition penalty is applied to `logits` by the caller (`penalise_repetitions`).
+    A repetition penalty is applied to `logits` by the caller (`penalise_repetitions`), so the
+    logprob is then the penalised distribution's, which the update does not apply: the
+    mismatch metrics show the penalty, and a rollout correction weighs it out.
     """
     if params.temperature == 0:
         best, index = logits.max(dim=-1)
