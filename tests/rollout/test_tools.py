@@ -228,3 +228,29 @@ def test_the_python_tool_runs_code_in_the_sandbox():
     assert results[4].content == "(no output)"
     # counted as the code rewards' runs are, in the step's sandbox/<status>
     assert take_counts() == {"ok": 2, "failed": 2, "timeout": 1}
+
+
+@needs_bwrap
+def test_the_tools_example_offers_python_and_its_worked_example_is_what_the_tool_gives():
+    """examples/tools_gemma.yaml: the prompt describes the python tool in the default call format
+    (Gemma's template renders no tools), and its worked example's call, run, gives its result."""
+    from pathlib import Path
+
+    from grpo.config import schema
+    from grpo.tasks.data import arithmetic_splits
+
+    cfg = schema.load(Path(__file__).parents[2] / "examples" / "tools_gemma.yaml")
+    assert cfg.rollout.tools == ["python"] and cfg.data.chat_template == "never"
+    train, held_out = arithmetic_splits(cfg.data.arithmetic, cfg.data.seed)
+    prompt = held_out[0]["prompt"][0]["content"]
+    assert '<tool_call>{"name": "python", "arguments": {"code": "<program>"}}</tool_call>' in prompt
+    offered, call = parse_default(cfg.data.few_shot)  # the instruction's form, then the call
+    assert offered == ToolCall("python", {"code": "<program>"}) and call == ToolCall(
+        "python", {"code": "print(7 * 3 + 5)"}
+    )
+    (result,) = ToolRunner(build_tools(["python"], timeout=5.0), timeout=5.0, max_chars=200).run(
+        [call]
+    )
+    assert f"<tool_response>\n{result.content}\n</tool_response>\nAnswer: 26" in cfg.data.few_shot
+    # the worked example's problem is none of the task's (its operands are out of their ranges)
+    assert all(row["expression"] != "7 * 3 + 5" for row in train + held_out)
