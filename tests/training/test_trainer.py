@@ -596,3 +596,30 @@ def test_console_eta_counts_training_steps_only(
     step_s, eta_s = float(first.group(1)), int(first.group(2)) * 60 + int(first.group(3))
     # two steps left at the first step's pace; counting the 3 s evaluation would give at least 6 s more
     assert eta_s <= 2 * step_s + 1
+
+
+def test_logged_extra_columns_follow_the_completions_through_select_and_concat():
+    # dynamic sampling selects groups and merges rounds: what log_extra wrote stays with its row
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 95, (4, 3), generator=g)
+    ones = torch.ones(4, 3, dtype=torch.long)
+    rollout = Rollout(ids, ones, ids, ones, torch.zeros(4, dtype=torch.bool))
+
+    def batch(tags, extra):
+        return GenerationBatch(
+            [{}] * 4,
+            [""] * 4,
+            [""] * 4,
+            tags,
+            rollout,
+            torch.zeros(4, 1),
+            torch.zeros(4),
+            ones,
+            extra_columns=extra,
+        )
+
+    first = batch(["a", "b", "c", "d"], {"judge": ["A", "B", "C", "D"]})
+    second = batch(["e", "f", "g", "h"], {})
+    kept = GenerationBatch.concat([first.select(torch.tensor([3, 1])), second], pad_token_id=0)
+    assert kept.completion_texts == ["d", "b", "e", "f", "g", "h"]
+    assert kept.extra_columns == {"judge": ["D", "B", None, None, None, None]}

@@ -11,7 +11,7 @@ the loss is normalised by counts of the whole batch (grpo.algorithm.losses).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,9 +34,10 @@ class GenerationBatch:
     loss_mask: torch.Tensor  # [N, T] completion tokens that count in the loss
     sampling_rounds: int = 1
     zero_std_groups_kept: int = 0
-    advantages: torch.Tensor | None = (
-        None  # [N], or [N, T] for gae: the step's advantages phase sets them
-    )
+    # [N], or [N, T] for gae: the step's advantages phase sets them
+    advantages: torch.Tensor | None = None
+    # the columns reward functions logged (log_extra): one value per completion, None where absent
+    extra_columns: dict[str, list] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -54,6 +55,7 @@ class GenerationBatch:
             self.rewards[rows],
             self.loss_mask[rows],
             advantages=self.advantages[rows] if self.advantages is not None else None,
+            extra_columns={c: [v[i] for i in idx] for c, v in self.extra_columns.items()},
         )
 
     @staticmethod
@@ -72,6 +74,10 @@ class GenerationBatch:
             torch.cat(
                 [torch.nn.functional.pad(p.loss_mask, (0, T - p.loss_mask.shape[1])) for p in parts]
             ),
+            extra_columns={
+                column: [x for p in parts for x in p.extra_columns.get(column, [None] * len(p))]
+                for column in dict.fromkeys(c for p in parts for c in p.extra_columns)
+            },
         )
 
 

@@ -130,9 +130,8 @@ class TrainState:
         state = cls(0, 0, optimizer, scheduler, sampler, generator, optimizer_state or optimizer)
         state.entropy = EntropyControl(cfg.algorithm.entropy_coef)
         if restore is not None:
-            if restore.get(
-                "entropy"
-            ):  # (a checkpoint of an earlier version starts from the config)
+            # a checkpoint of an earlier version has none: it starts from the config's coefficient
+            if restore.get("entropy"):
                 state.entropy.load_state_dict(restore["entropy"])
             state.optimizer_state.load_state_dict(restore["optimizer"])
             scheduler.load_state_dict(restore["scheduler"])

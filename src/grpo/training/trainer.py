@@ -516,16 +516,21 @@ class Trainer:
             loss_mask = loss_mask * (1 - rollout.tool_mask.to(loss_mask.device))
         if self.cfg.algorithm.mask_truncated_completions:
             loss_mask[rollout.truncated] = 0
-        if (
-            self.critic is not None
-        ):  # gae: a completion without a reward (every function failed) leaves the loss
+        # gae: a completion without a reward (every function failed) leaves the loss
+        if self.critic is not None:
             loss_mask[~torch.isfinite(rewards).to(loss_mask.device)] = 0
-        batch = GenerationBatch(
-            group_rows, prompts, completions, texts, rollout, rewards_per_func, rewards, loss_mask
+        return GenerationBatch(
+            group_rows,
+            prompts,
+            completions,
+            texts,
+            rollout,
+            rewards_per_func,
+            rewards,
+            loss_mask,
+            # the columns its reward functions logged (log_extra), for the completions table
+            extra_columns=self.rewards.last_extra,
         )
-        # the columns its reward functions logged (log_extra), for the completions table
-        batch.extra_columns = self.rewards.last_extra
-        return batch
 
     def _tool_metrics(self) -> dict[str, float]:
         """The tools' metrics since the last step (grpo.rollout.tools.tool_metrics), over every rank;
@@ -774,7 +779,7 @@ class Trainer:
                 texts,
                 batch.rewards.tolist(),
                 batch.rewards_per_func.T.tolist(),
-                getattr(batch, "extra_columns", {}),
+                batch.extra_columns,
             )
         )
         prompts, texts, rewards = ([x for part in parts for x in part[k]] for k in range(3))
