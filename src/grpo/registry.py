@@ -20,11 +20,60 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import importlib.util
+import itertools
+import sys
+from pathlib import Path
 from typing import Any, Callable
 
 
 class ConfigError(ValueError):
     """A config value that cannot work; the message names the key and the fix."""
+
+
+_file_modules = itertools.count()
+
+
+def load_callable(spec: str, key: str) -> Callable:
+    """The function a config names as `package.module:function` or `path/to/file.py:function`
+    (user code: reward functions, tools); a ConfigError naming `key` and the fix otherwise.
+    A file is imported as a module of its own unique name, registered in sys.modules, so its
+    functions pickle by reference for a worker process."""
+    target, _, name = spec.rpartition(":")
+    if not target or not name:
+        raise ConfigError(
+            f"{key}: {spec!r}: expected 'module:function' (e.g. mytools:calculator) or "
+            "'path/to/file.py:function'"
+        )
+    try:
+        if target.endswith(".py"):
+            path = Path(target)
+            if not path.is_file():
+                raise ConfigError(
+                    f"{key}: {spec!r}: file {path} does not exist (a relative path is looked for from the "
+                    "working directory, then beside the config file); give the file's path"
+                )
+            module_name = f"grpo_user_{path.stem}_{next(_file_modules)}"
+            module_spec = importlib.util.spec_from_file_location(module_name, path)
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[module_name] = module
+            try:
+                module_spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[module_name]
+                raise
+        else:
+            module = importlib.import_module(target)
+    except ConfigError:
+        raise
+    except Exception as e:  # the user's module failed to import
+        raise ConfigError(
+            f"{key}: cannot import {target!r} for {spec!r}: {type(e).__name__}: {e}"
+        ) from e
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ConfigError(f"{key}: {spec!r}: {target} has no function {name!r}")
+    return fn
 
 
 class Registry:

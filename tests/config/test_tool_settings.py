@@ -56,3 +56,26 @@ def test_the_defaults_and_a_valid_setting():
     )
     r = schema.from_dict({}, ["rollout.tools=[python,mytools:calculator]"]).rollout
     assert r.tools == ["python", "mytools:calculator"]
+
+
+def test_a_tool_file_beside_the_config_is_found_from_anywhere(tmp_path, monkeypatch):
+    from grpo.rollout.tools import build_tools
+
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "my_tools.py").write_text(
+        "def double(x: int) -> int:\n"
+        '    """Doubles.\n\n    Args:\n        x: A number.\n    """\n'
+        "    return 2 * x\n"
+    )
+    (tmp_path / "conf" / "run.yaml").write_text(
+        "output_dir: out\nrollout:\n  tools: [my_tools.py:double]\n"
+    )
+    monkeypatch.chdir(tmp_path)  # not the config's folder
+    cfg = schema.load(tmp_path / "conf" / "run.yaml")
+    assert cfg.rollout.tools == [f"{tmp_path / 'conf' / 'my_tools.py'}:double"]
+    # loaded as reward files are (grpo.registry.load_callable)
+    assert build_tools(cfg.rollout.tools)["double"].function(4) == 8
+    with pytest.raises(
+        ConfigError, match="rollout.tools: 'gone.py:f': file gone.py does not exist"
+    ):
+        build_tools(["gone.py:f"])

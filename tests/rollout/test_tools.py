@@ -118,7 +118,7 @@ def test_bad_tools_are_refused_with_the_fix(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     tools = build_tools(["mytools:double"])
     assert tools["double"].function(4) == 8
-    with pytest.raises(ConfigError, match="mytools has no triple"):
+    with pytest.raises(ConfigError, match="mytools has no function 'triple'"):
         build_tools(["mytools:triple"])
 
 

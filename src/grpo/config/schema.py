@@ -334,8 +334,9 @@ class RolloutConfig:
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """The `vllm` engine's settings (read only when rollout.engine is vllm)."""
     tools: list[str] = field(default_factory=list)
-    """Functions the model may call during a completion, as 'module:function' names (type hints
-    and a docstring give each its schema), or `python`, the built-in tool that runs the model's
+    """Functions the model may call during a completion, as 'module:function' or
+    'path/to/file.py:function' names, as reward functions are given (type hints and a docstring
+    give each its schema), or `python`, the built-in tool that runs the model's
     code in grpo.sandbox (rewards.sandbox's settings); their results are appended to the
     completion and left out of the loss (grpo.rollout.multiturn, docs/agents.md). Empty: one
     turn, no tools."""
@@ -401,7 +402,7 @@ class RolloutConfig:
             if not module or not name or len(spec) > 500:
                 raise ConfigError(
                     f"rollout.tools: {safe_yaml.shown(spec)} is not a 'module:function' name; write e.g. "
-                    "mytools:calculator (a function with type hints and a docstring, importable from PYTHONPATH)"
+                    "mytools:calculator or tools.py:calculator (a function with type hints and a docstring)"
                 )
         if self.tools and self.engine != "hf":
             raise ConfigError(
@@ -1289,15 +1290,15 @@ def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -
             data = {}
     cfg = from_dict(data, overrides)
     if path is not None:
-        _reward_files_beside(cfg, path.parent)
+        _user_files_beside(cfg, path.parent)
     return cfg
 
 
-def _reward_files_beside(cfg: Config, base: Path) -> None:
-    """A `file.py:function` reward not found from the working directory is looked for beside the
-    config file, so a config and its reward file can be moved together and run from anywhere."""
-    funcs = []
-    for spec in cfg.rewards.funcs:
+def _user_files_beside(cfg: Config, base: Path) -> None:
+    """A `file.py:function` reward or tool not found from the working directory is looked for
+    beside the config file, so a config and its files can be moved together and run from anywhere."""
+
+    def beside(spec: str) -> str:
         target, sep, name = spec.rpartition(":")
         if (
             sep
@@ -1305,9 +1306,11 @@ def _reward_files_beside(cfg: Config, base: Path) -> None:
             and not Path(target).expanduser().is_file()
             and (base / target).is_file()
         ):
-            spec = f"{base / target}:{name}"
-        funcs.append(spec)
-    cfg.rewards.funcs = funcs
+            return f"{base / target}:{name}"
+        return spec
+
+    cfg.rewards.funcs = [beside(spec) for spec in cfg.rewards.funcs]
+    cfg.rollout.tools = [beside(spec) for spec in cfg.rollout.tools]
 
 
 def _preset_name(data: dict[str, Any]) -> Any:

@@ -26,21 +26,17 @@ arguments, as TRL's does.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
-import itertools
 import logging
-import sys
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import torch
 
 from grpo.algorithm import overlong_penalty
 from grpo.config.schema import ConfigError, RewardsConfig
+from grpo.registry import load_callable
 from grpo.rewards.arithmetic import arithmetic_correct, arithmetic_format
 from grpo.rewards.execution import Call, RewardExecutor
 from grpo.rewards.format import think_format, think_format_lenient, think_tag_count
@@ -110,9 +106,6 @@ def overlong_reward(max_length: int, buffer: int) -> RewardFn:
     return overlong
 
 
-_file_modules = itertools.count()
-
-
 def resolve(spec: str, cfg: RewardsConfig | None = None) -> tuple[str, RewardFn]:
     """A built-in name, `reward_model:PATH`, `package.module:function` or `path/to/file.py:function`."""
     if spec in BUILTIN:
@@ -128,37 +121,7 @@ def resolve(spec: str, cfg: RewardsConfig | None = None) -> tuple[str, RewardFn]
             f"rewards.funcs: unknown reward {spec!r}; use a built-in ({', '.join([*BUILTIN, *CONFIGURED])}) "
             "or 'module.path:function' or 'path/to/file.py:function'"
         )
-    target, name = spec.rsplit(":", 1)
-    try:
-        if target.endswith(".py"):
-            path = Path(target)
-            if not path.is_file():
-                raise ConfigError(
-                    f"rewards.funcs: {spec!r}: file {path} does not exist (a relative path is looked for from the "
-                    "working directory, then beside the config file); give the file's path"
-                )
-            # registered under a name of its own, so its functions pickle by reference for a worker process
-            module_name = f"grpo_user_reward_{path.stem}_{next(_file_modules)}"
-            module_spec = importlib.util.spec_from_file_location(module_name, path)
-            module = importlib.util.module_from_spec(module_spec)
-            sys.modules[module_name] = module
-            try:
-                module_spec.loader.exec_module(module)
-            except BaseException:
-                del sys.modules[module_name]
-                raise
-        else:
-            module = importlib.import_module(target)
-    except ConfigError:
-        raise
-    except Exception as e:  # the user's module failed to import
-        raise ConfigError(
-            f"rewards.funcs: cannot import {target!r} for {spec!r}: {type(e).__name__}: {e}"
-        ) from e
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise ConfigError(f"rewards.funcs: {target!r} has no function {name!r}")
-    return name, fn
+    return spec.rsplit(":", 1)[1], load_callable(spec, "rewards.funcs")
 
 
 MAX_LOGGED_NAMES = 64

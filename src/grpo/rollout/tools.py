@@ -29,7 +29,6 @@ or crashes the interpreter ends the run, and what it prints goes to the run's ou
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import json
 import os
@@ -40,7 +39,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from grpo.registry import ConfigError
+from grpo.registry import ConfigError, load_callable
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 """The default call format's tags (a JSON object with `name` and `arguments` between them)."""
@@ -91,7 +90,7 @@ class ToolResult:
 
 def as_tool(obj: Callable | str) -> Tool:
     """A tool from a callable or its `module:function` name; a ConfigError naming the fix otherwise."""
-    function = load_function(obj) if isinstance(obj, str) else obj
+    function = load_callable(obj, "rollout.tools") if isinstance(obj, str) else obj
     if not callable(function):
         raise ConfigError(
             f"rollout.tools: {obj!r} is not callable; give a function or its 'module:function' name"
@@ -107,25 +106,6 @@ def as_tool(obj: Callable | str) -> Tool:
             "docstring with an Args: section describing each argument"
         ) from None
     return Tool(name, function, schema)
-
-
-def load_function(spec: str) -> Callable:
-    """`module:function` -> the function (imported as the reward functions' are)."""
-    module_name, _, attribute = spec.partition(":")
-    if not module_name or not attribute:
-        raise ConfigError(
-            f"rollout.tools: {spec!r}: expected 'module:function' (e.g. mytools:calculator)"
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ConfigError(
-            f"rollout.tools: {spec!r}: cannot import {module_name} ({error}); put it on PYTHONPATH"
-        ) from None
-    function = getattr(module, attribute, None)
-    if function is None:
-        raise ConfigError(f"rollout.tools: {spec!r}: {module_name} has no {attribute}")
-    return function
 
 
 def build_tools(items: list, sandbox=None, timeout: float | None = None) -> dict[str, Tool]:
