@@ -338,7 +338,10 @@ class RewardSet:
                         MAX_LOGGED_NAMES,
                     )
                 continue
-            self._logged.setdefault(name, []).extend(values)
+            total, count = values  # RewardLogs keeps each name's sum and count
+            kept = self._logged.setdefault(name, [0.0, 0])
+            kept[0] += total
+            kept[1] += count
         for column, values in logs.get("extra", {}).items():
             if column not in extra and len(extra) >= MAX_EXTRA_NAMES:
                 continue
@@ -346,7 +349,7 @@ class RewardSet:
 
     def take_logged_metrics(self) -> dict[str, float]:
         """The mean of each metric the reward functions logged (log_metric) since the last call."""
-        metrics = {name: sum(v) / len(v) for name, v in self._logged.items() if v}
+        metrics = {name: total / count for name, (total, count) in self._logged.items() if count}
         self._logged = {}
         return metrics
 

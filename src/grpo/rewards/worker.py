@@ -103,6 +103,8 @@ class RewardLogs:
     def __init__(self, who: str, n: int):
         self.who, self.n = who, n
         self.metrics: dict[str, list[float]] = {}
+        """name -> [sum, count] of the values logged under it: the mean is what is reported,
+        so a function that logs in a loop costs no memory per value."""
         self.extra: dict[str, list] = {}
 
     def log_metric(self, name: str, value: float) -> None:
@@ -124,7 +126,9 @@ class RewardLogs:
                 f"grpo: reward function {self.who!r}: log_metric({name!r}): at most {MAX_LOGGED_METRICS} metric "
                 "names per call; log fewer"
             )
-        self.metrics.setdefault(name, []).append(number)
+        total = self.metrics.setdefault(name, [0.0, 0])
+        total[0] += number
+        total[1] += 1
 
     def log_extra(self, column: str, values: list) -> None:
         if not isinstance(column, str) or not column:
