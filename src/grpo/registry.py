@@ -14,6 +14,9 @@ from user code, a decorator:
 
     @ADVANTAGE_ESTIMATORS.register("my_estimator")
     def my_estimator(rewards, group_size, *, scale_rewards): ...
+
+`load_callable` imports the user functions a config names by `module:function` or
+`path/to/file.py:function` (reward functions, tools).
 """
 
 from __future__ import annotations
