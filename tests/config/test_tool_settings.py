@@ -14,10 +14,6 @@ from grpo.registry import ConfigError
             "rollout.tools: 'calculator' is not a 'module:function' name; write e.g.",
         ),
         (
-            ["rollout.tools=[m:f]", "rollout.engine=vllm"],
-            "rollout.tools: tools with rollout.engine=vllm are not",
-        ),
-        (
             ["rollout.environment=envs:Shop"],
             "rollout.environment: environments .* are not implemented yet",
         ),

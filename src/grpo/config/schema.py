@@ -404,11 +404,6 @@ class RolloutConfig:
                     f"rollout.tools: {safe_yaml.shown(spec)} is not a 'module:function' name; write e.g. "
                     "mytools:calculator or tools.py:calculator (a function with type hints and a docstring)"
                 )
-        if self.tools and self.engine != "hf":
-            raise ConfigError(
-                f"rollout.tools: tools with rollout.engine={self.engine} are not implemented yet; "
-                "use rollout.engine: hf"
-            )
         if not 1 <= self.max_tool_calls <= MAX_TOOL_CALLS:
             raise ConfigError(
                 f"rollout.max_tool_calls: must be in [1, {MAX_TOOL_CALLS}], got {self.max_tool_calls}"

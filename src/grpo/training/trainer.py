@@ -442,10 +442,6 @@ class Trainer:
         specs = self.cfg.rollout.tools + self.tool_functions
         if not specs:
             return {}
-        if self.cfg.rollout.engine != "hf":
-            raise ConfigError(
-                f"tools with rollout.engine={self.cfg.rollout.engine} are not implemented yet; use rollout.engine: hf"
-            )
         from grpo.rollout.tools import build_tools
 
         r = self.cfg.rollout
