@@ -580,7 +580,7 @@ def test_reward_model_by_path_and_evaluate(tmp_path, save_reward_model):
         eval_dataset=rows,
         processing_class=tokenizer,
     )
-    assert list(trainer.reward_funcs) == ["rm", "arithmetic_correct"]
+    assert trainer.reward_func_names == ["rm", "arithmetic_correct"]
     trainer.train()
     assert "rewards/rm/mean" in trainer.state.log_history[0]
     metrics = trainer.evaluate()

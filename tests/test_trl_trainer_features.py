@@ -365,12 +365,12 @@ def test_reward_processing_classes_for_a_reward_model(tmp_path, save_reward_mode
         train_dataset=ROWS,
         reward_processing_classes=[tok, tok],
     )
-    by_path, by_object = trainer.reward_funcs.values()
+    by_path, by_object = trainer.reward_funcs
     assert by_path.tokenizer is tok and by_object.tokenizer is tok and by_object.model is model
     trainer.train()
     row = trainer.state.log_history[0]
     # one model, scored twice: the same rewards
-    first, second = trainer.reward_funcs
+    first, second = trainer.reward_func_names
     assert row[f"rewards/{first}/mean"] == pytest.approx(row[f"rewards/{second}/mean"])
 
 

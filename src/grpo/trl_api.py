@@ -27,6 +27,7 @@ import math
 import sys
 import warnings
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -740,15 +741,6 @@ class GRPOTrainer:
             )
         if unknown:
             raise TypeError(f"GRPOTrainer: unknown argument(s) {', '.join(sorted(unknown))}")
-        for name, value in (
-            ("environment_factory", environment_factory),
-            ("rollout_func", rollout_func),
-        ):
-            if value is not None:
-                raise NotImplementedError(
-                    f"GRPOTrainer: {name}= is not implemented yet in grpo (docs/agents.md); tools= (functions the "
-                    "model calls, their results masked out of the loss) is"
-                )
         if optimizers != (None, None):
             raise NotImplementedError(
                 "GRPOTrainer: optimizers= is not supported; grpo builds AdamW from learning_rate, weight_decay and adam_*"
@@ -759,15 +751,11 @@ class GRPOTrainer:
                 'which trains at its top level; train under `if __name__ == "__main__":` or use '
                 "grpo_overrides=['rewards.isolation=thread']"
             )
-        if train_dataset is None:
-            raise ValueError(
-                "GRPOTrainer: `train_dataset` is required (a datasets.Dataset, a list of dicts or a .jsonl "
-                "path): grpo has no environment that supplies rows"
-            )
-        if reward_funcs is None or reward_funcs == []:
+        if (reward_funcs is None or reward_funcs == []) and environment_factory is None:
             raise ValueError(
                 "GRPOTrainer: No reward source provided; pass reward_funcs (a callable, a grpo reward name, "
-                "a reward model's id or path, or a list of them)"
+                "a reward model's id or path, or a list of them), or an environment_factory whose "
+                "environment defines get_reward"
             )
         if args is None:  # TRL's default: a directory named after the model
             name = (
@@ -776,6 +764,8 @@ class GRPOTrainer:
                 else getattr(model, "name_or_path", "") or "model"
             )
             args = GRPOConfig(output_dir=f"{Path(str(name)).name}-GRPO")
+        if train_dataset is None:
+            train_dataset = _environment_owned_rows(environment_factory, args)
         self.args = args
         self._peft_model = None
         if _is_peft_model(model):
@@ -788,6 +778,7 @@ class GRPOTrainer:
             model, lora = _adopt_peft_model(model)
         else:
             lora = lora_keys(peft_config, model) if peft_config is not None else None
+        reward_funcs = [] if reward_funcs is None else reward_funcs
         lora = {**(lora or {}), "rewards.funcs": _reward_specs(reward_funcs)}
         if _is_iterable_dataset(train_dataset):
             if args.max_steps <= 0:
@@ -805,6 +796,12 @@ class GRPOTrainer:
         else:
             train_rows = _rows(train_dataset, "train_dataset")
             self.config = self.args.to_config(len(train_rows), lora)
+        if (
+            environment_factory is not None
+        ):  # TRL's default prompt when an environment sets the task
+            train_rows = [
+                {"prompt": [{"role": "user", "content": ""}], **row} for row in train_rows
+            ]
         self.eval_dataset = eval_dataset
         """The held-out data as passed: one dataset, or a dict (or DatasetDict) of named ones."""
         if _is_dataset_dict(eval_dataset):
@@ -831,13 +828,14 @@ class GRPOTrainer:
 
             # left padding and a pad token, as grpo's loader gives
             _prepare_tokenizer(processing_class)
-        self.reward_funcs = _reward_funcs(reward_funcs, reward_processing_classes, self.config)
+        self._reward_funcs = _reward_funcs(reward_funcs, reward_processing_classes, self.config)
+        """The reward functions passed, by name (those of environments are added by the Trainer)."""
         self.reward_processing_classes = _processing_classes(
-            reward_processing_classes, len(self.reward_funcs)
+            reward_processing_classes, len(self._reward_funcs)
         )
         """One per reward function, as TRL keeps them (None where the function needs none or a
         reward model uses its own tokenizer)."""
-        _script_rewards_in_threads(self.reward_funcs, self.config, self.args.grpo_overrides)
+        _script_rewards_in_threads(self._reward_funcs, self.config, self.args.grpo_overrides)
         _warn_length_weighted_sequences(self.args)
         from transformers import TrainerControl
 
@@ -853,10 +851,15 @@ class GRPOTrainer:
             tokenizer=processing_class,
             train_rows=train_rows,
             eval_rows=eval_rows,
-            reward_funcs=self.reward_funcs,
+            reward_funcs=self._reward_funcs,
             callbacks=self.callback_handler,
             eval_generations=self.args.num_generations_eval or self.args.num_generations,
             tools=_tools(tools),
+            environment_factory=environment_factory,
+            # TRL calls it with the trainer it was given to
+            rollout_func=None
+            if rollout_func is None
+            else partial(_call_rollout_func, rollout_func, self),
         )
         from grpo.run import checkpoint
         from grpo.training.trainer import Trainer
@@ -903,6 +906,49 @@ class GRPOTrainer:
     def control(self):
         """The transformers.TrainerControl the callbacks act on."""
         return self.callback_handler.control
+
+    @property
+    def reward_funcs(self) -> list:
+        """The reward functions, as TRL lists them: those passed, then one per environment class
+        with get_reward (and grpo's overlong penalty when configured)."""
+        return list(self.trainer.rewards.funcs)
+
+    @property
+    def reward_func_names(self) -> list[str]:
+        return list(self.trainer.rewards.names)
+
+    @property
+    def reward_weights(self):
+        """The reward functions' weights (a tensor, as in TRL)."""
+        return self.trainer.rewards.weights.clone()
+
+    @property
+    def tools(self) -> list:
+        """The tools as functions: those passed, then each environment's methods (of its first
+        instance), as TRL lists them."""
+        tools = list(self.trainer.tool_functions)
+        environments = self.trainer.environments
+        for functions in (environments.tool_functions if environments else {}).values():
+            tools += [f for f in functions if f not in tools]
+        return tools
+
+    @property
+    def environments(self) -> list | None:
+        """The last batch's environments, one per completion (TRL's attribute); None without
+        environment_factory."""
+        if self.trainer.environments is None:
+            return None
+        return [episode.environment for episode in self.trainer.episodes]
+
+    @property
+    def _env_tools(self) -> dict:
+        """TRL's per-environment tool lists: {name (None for a single factory): functions}."""
+        return self.trainer.environments.tool_functions if self.trainer.environments else {}
+
+    @property
+    def _environment_pool(self) -> dict:
+        """TRL's pools of reusable instances: {name: [environments]}."""
+        return self.trainer.environments.pool if self.trainer.environments else {}
 
     @property
     def entropy_coef(self) -> float:
@@ -1168,6 +1214,35 @@ def _warn_length_weighted_sequences(args: GRPOConfig) -> None:
             "objective; set loss_type='grpo' for the GSPO paper's setup",
             args.loss_type,
         )
+
+
+def _call_rollout_func(rollout_func, trainer: "GRPOTrainer", prompts, _grpo_trainer):
+    return rollout_func(prompts, trainer)
+
+
+def _environment_owned_rows(environment_factory, args: GRPOConfig) -> list[dict]:
+    """TRL's rows when no train_dataset is given: an environment whose reset sets each task owns
+    the data; one generation batch of empty prompts, gone through max_steps times."""
+    if environment_factory is None:
+        raise ValueError(
+            "GRPOTrainer: `train_dataset` is required unless an `environment_factory` is provided (a "
+            "datasets.Dataset, a list of dicts or a .jsonl path)"
+        )
+    if isinstance(environment_factory, dict):
+        raise ValueError(
+            "GRPOTrainer: a dict environment_factory (several environments) requires a `train_dataset` with an "
+            "`environment` column naming each row's environment; give one, or a single factory"
+        )
+    if args.max_steps <= 0:
+        raise ValueError(
+            "GRPOTrainer: without a train_dataset (the environment's reset() sets each task), max_steps sets the "
+            "length of training; set GRPOConfig(max_steps=...)"
+        )
+    prompts = max(
+        1,
+        args.per_device_train_batch_size * args.gradient_accumulation_steps // args.num_generations,
+    )
+    return [{"prompt": [{"role": "user", "content": ""}]} for _ in range(prompts)]
 
 
 def _rows(dataset, what: str) -> list[dict]:

@@ -14,8 +14,12 @@ from grpo.registry import ConfigError
             "rollout.tools: 'calculator' is not a 'module:function' name; write e.g.",
         ),
         (
-            ["rollout.environment=envs:Shop"],
-            "rollout.environment: environments .* are not implemented yet",
+            ["rollout.environment=Shop"],
+            "rollout.environment: 'Shop' is not a 'module:Factory' name",
+        ),
+        (
+            ["rollout.environment={shop: Shop}"],
+            "rollout.environment.shop: 'Shop' is not a 'module:Factory' name",
         ),
         (["rollout.max_tool_calls=0"], r"rollout.max_tool_calls: must be in \[1, 64\], got 0"),
         (["rollout.max_tool_calls=1000"], r"rollout.max_tool_calls: must be in \[1, 64\]"),

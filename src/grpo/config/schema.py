@@ -352,8 +352,12 @@ class RolloutConfig:
     """process: each call in a forked process, killed at the timeout (a tool that crashes or calls
     os._exit costs only its call); thread: in a thread of the training process (cheaper; a hung
     call's thread is left running, a tool that ends the process ends the run)."""
-    environment: str | None = None
-    """TRL's environment_factory ('module:Factory'): not implemented yet (refused when set)."""
+    environment: str | dict[str, str] | None = None
+    """TRL's environment_factory: 'module:Factory' or 'path/to/file.py:Factory' (a class or a
+    function returning an environment: an object with reset(**row) whose public methods are the
+    completion's tools and whose optional get_reward() scores it), one instance per completion;
+    or environment names mapped to such names, each row's `environment` column choosing its
+    own (grpo.rollout.environments, docs/agents.md)."""
 
     def check(self, cfg: "Config", world_size: int = 1) -> None:
         registry.ROLLOUT_ENGINES.check(self.engine)
@@ -388,11 +392,21 @@ class RolloutConfig:
         _positive("rollout.repetition_penalty", self.repetition_penalty)
 
     def _check_tools(self) -> None:
-        if self.environment is not None:
-            raise ConfigError(
-                "rollout.environment: environments (TRL's environment_factory) are not implemented yet; "
-                "remove it, and give the environment's methods as rollout.tools functions"
-            )
+        specs = (
+            self.environment
+            if isinstance(self.environment, dict)
+            else {"": self.environment}
+            if self.environment is not None
+            else {}
+        )
+        for name, spec in specs.items():
+            key = f"rollout.environment.{name}" if name else "rollout.environment"
+            target, _, factory = spec.partition(":") if isinstance(spec, str) else ("", "", "")
+            if not target or not factory or len(spec) > 500:
+                raise ConfigError(
+                    f"{key}: {safe_yaml.shown(spec)} is not a 'module:Factory' name; write e.g. envs:Counter or "
+                    "envs.py:Counter (a class whose reset(**row) starts an episode)"
+                )
         if len(self.tools) > MAX_TOOLS:
             raise ConfigError(f"rollout.tools: at most {MAX_TOOLS} tools, got {len(self.tools)}")
         for spec in self.tools:
@@ -518,10 +532,8 @@ class RewardsConfig:
     """Where the code rewards run model-written programs."""
 
     def check(self, cfg: "Config", world_size: int = 1) -> None:
-        if not self.funcs and self.overlong_buffer is None:
-            raise ConfigError(
-                "rewards.funcs: empty; name at least one reward function (e.g. [arithmetic_correct])"
-            )
+        # an empty rewards.funcs is refused where the reward set is built (RewardSet.from_config):
+        # an environment may score its own rollouts
         if self.weights is not None and len(self.weights) != len(self.funcs):
             raise ConfigError(
                 f"rewards.weights: {len(self.weights)} weights for {len(self.funcs)} functions in rewards.funcs; give one weight per function"
@@ -1306,6 +1318,11 @@ def _user_files_beside(cfg: Config, base: Path) -> None:
 
     cfg.rewards.funcs = [beside(spec) for spec in cfg.rewards.funcs]
     cfg.rollout.tools = [beside(spec) for spec in cfg.rollout.tools]
+    environment = cfg.rollout.environment
+    if isinstance(environment, dict):
+        cfg.rollout.environment = {name: beside(spec) for name, spec in environment.items()}
+    elif environment is not None:
+        cfg.rollout.environment = beside(environment)
 
 
 def _preset_name(data: dict[str, Any]) -> Any:

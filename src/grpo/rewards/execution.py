@@ -67,6 +67,7 @@ from __future__ import annotations
 import ast
 import atexit
 import functools
+import inspect
 import io
 import logging
 import math
@@ -111,6 +112,18 @@ class Call:
     """What the call logged (grpo.rewards.worker.RewardLogs.as_dict), when it succeeded."""
 
 
+IN_PROCESS_INPUTS = ("environments",)
+"""Inputs that stay in the trainer's process: the rollouts' environment objects (a function
+that names them in its signature runs there)."""
+
+
+def _names_parameter(fn: Callable, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def default_workers() -> int:
     return min(os.cpu_count() or 1, 8)
 
@@ -138,6 +151,8 @@ class RewardExecutor:
         self._main: tuple[str, str | None] | None = None
         for k, (name, fn) in enumerate(zip(self.names, self.funcs)):
             if isolation != "process" or getattr(fn, "runs_in_process", False):
+                continue
+            if _names_parameter(fn, "environments"):  # the environments live in this process
                 continue
             pickled = _pickled_for_worker(fn)
             if pickled is None:
@@ -305,6 +320,7 @@ class RewardExecutor:
                     {
                         key: values[a:b] if isinstance(values, list) else values
                         for key, values in inputs.items()
+                        if key not in IN_PROCESS_INPUTS
                     },
                     b - a,
                 )

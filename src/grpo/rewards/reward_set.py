@@ -157,8 +157,9 @@ def _cut(value) -> str:
     return text if len(text) <= 200 else text[:200] + "..."
 
 
-def check_signature(name: str, fn: RewardFn, columns: set[str]) -> None:
-    """Fail at start-up when the function needs an argument that no row provides."""
+def check_signature(name: str, fn: RewardFn, columns: set[str] | None) -> None:
+    """Fail at start-up when the function needs an argument that no row provides (`columns`
+    None: not known before the first batch, a rollout_func returns some)."""
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
@@ -167,6 +168,8 @@ def check_signature(name: str, fn: RewardFn, columns: set[str]) -> None:
         raise ConfigError(
             f"reward function {name!r} must accept **kwargs (it receives every dataset column as a keyword)"
         )
+    if columns is None:
+        return
     available = CALL_ARGUMENTS | columns
     for p in params:
         if (
@@ -210,13 +213,16 @@ class RewardSet:
         cls,
         cfg: "RewardsConfig",
         max_completion_length: int,
-        columns: set[str],
+        columns: set[str] | None,
         funcs: dict[str, RewardFn] | None = None,
         failures: dict[str, int] | None = None,
+        environment_rewards: dict[str, RewardFn] | None = None,
     ) -> "RewardSet":
         """The configured reward functions (or `funcs`, given directly from Python),
-        with their weights, plus DAPO's overlong penalty when configured; `failures`
-        continues the failure counts of a restored run."""
+        with their weights, plus DAPO's overlong penalty when configured, plus
+        `environment_rewards` (grpo.rollout.environments: those of environments that score
+        themselves, weight 1, as TRL adds them); `failures` continues the failure counts of a
+        restored run."""
         if funcs is None:
             resolved = [resolve(spec, cfg) for spec in cfg.funcs]
         else:
@@ -243,6 +249,13 @@ class RewardSet:
                 "overlong",
                 overlong_reward(max_completion_length, cfg.overlong_buffer),
                 cfg.overlong_weight,
+            )
+        for name, fn in (environment_rewards or {}).items():
+            rewards.add(name, fn, 1.0)
+        if not rewards.names:
+            raise ConfigError(
+                "rewards.funcs: empty, and no environment scores its rollouts (get_reward); name at least one "
+                "reward function (e.g. [arithmetic_correct])"
             )
         if failures is not None:
             if set(failures) != set(rewards.names):
@@ -287,10 +300,13 @@ class RewardSet:
         completion_ids: list[list[int]],
         rows: list[dict],
         trainer_state: object = None,
+        environments: list | None = None,
     ) -> torch.Tensor:
         """[N, K] rewards, NaN where missing. `rows` are the dataset rows, one per completion.
         `trainer_state` (TRL's keyword: global_step, max_steps, epoch) goes to every function; left
-        out (an evaluation), the last one given; none is passed before any was."""
+        out (an evaluation), the last one given; none is passed before any was. `environments`
+        (one per completion, grpo.rollout.environments) goes to the functions that run in the
+        trainer's process (RewardExecutor)."""
         self._trainer_state = trainer_state if trainer_state is not None else self._trainer_state
         columns = {key: [r.get(key) for r in rows] for key in rows[0] if key != "prompt"}
         inputs = {
@@ -301,6 +317,8 @@ class RewardSet:
         }
         if self._trainer_state is not None:
             inputs["trainer_state"] = self._trainer_state
+        if environments is not None:
+            inputs["environments"] = environments
         n = len(completions)
         out = torch.full((n, len(self.funcs)), float("nan"))
         extra: dict[str, list] = {}

@@ -30,6 +30,11 @@ completions are masked out of the loss when algorithm.mask_truncated_completions
 Sampling: a completion's first turn is drawn exactly as without tools (its prompt's seed);
 a later turn is drawn from a seed derived from that seed, the completion's index and the turn,
 so completions still depend on their prompt's seed alone.
+
+Environments (grpo.rollout.environments): each completion has its own prompt (its
+environment's reset may add to it) and its own tools (its environment's methods). A group
+whose G prompts are the same is sampled as a group, as above; a group whose prompts differ is
+sampled one completion at a time, completion j from turn_seed(seed, j, 0).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from grpo.registry import ConfigError
+from grpo.rollout.environments import Episode
 from grpo.rollout.tools import (
     CALL_CLOSE,
     MAX_CALLS_PER_TURN,
@@ -139,6 +145,8 @@ class ToolRendering:
 @dataclass
 class _Row:
     prompt: list[int]
+    tools: dict
+    """The tools its calls may use (an environment's rollout: its own)."""
     ids: list[int]
     logprobs: list[float]
     tool: list[int]
@@ -204,18 +212,33 @@ class ToolEngine:
     # ------------------------------------------------------------ generation
 
     def generate(
-        self, prompts, num_generations, params: SamplingParams, seeds: Seeds = None
+        self,
+        prompts,
+        num_generations,
+        params: SamplingParams,
+        seeds: Seeds = None,
+        episodes: list[Episode] | None = None,
     ) -> Rollout:
+        """G completions of each prompt. With `episodes` (grpo.rollout.environments: one per
+        completion, group-major), `prompts` holds each completion's own prompt (its environment's
+        reset may have added to it) and its calls go to its episode's tools."""
         G, budget = num_generations, params.max_new_tokens
-        seeds = prompt_seeds(seeds, len(prompts))
-        first = self.inner.generate(prompts, G, params, seeds)
-        rows = [self._row(prompts[i // G], first, i) for i in range(len(first))]
+        if episodes is None:
+            seeds = prompt_seeds(seeds, len(prompts))
+            first = self.inner.generate(prompts, G, params, seeds)
+            own = [prompts[i // G] for i in range(len(first))]
+            toolsets = [self.runner.tools] * len(first)
+        else:
+            seeds = prompt_seeds(seeds, len(prompts) // G)
+            first, own = self._first_turns(prompts, G, params, seeds), prompts
+            toolsets = [episode.tools for episode in episodes]
+        rows = [self._row(own[i], first, i, toolsets[i]) for i in range(len(first))]
         calls = {i: self._read_turn(row) for i, row in enumerate(rows)}
         waiting = [i for i, row in enumerate(rows) if calls[i] and not row.truncated]
         turn = 1
         while waiting and turn <= self.max_tool_calls:
             flat = [(i, call) for i in waiting for call in calls[i]]
-            results = self.runner.run([call for _, call in flat])
+            results = self.runner.run([call for _, call in flat], [rows[i].tools for i, _ in flat])
             for result in results:
                 self.counts.add(result)
             by_row: dict[int, list[ToolResult]] = {}
@@ -262,10 +285,21 @@ class ToolEngine:
         self.counts.turns += sum(row.turns for row in rows)
         return self._rollout(first, rows)
 
-    def _row(self, prompt: list[int], rollout: Rollout, i: int) -> _Row:
+    def _first_turns(self, prompts, G: int, params: SamplingParams, seeds: list[int]) -> Rollout:
+        """The first turns of completions with their own prompts: sampled as groups, exactly as
+        without environments, when each group's prompts are the same; otherwise one at a time,
+        completion j of a group from turn_seed(seed, j, 0)."""
+        groups = [prompts[g * G : (g + 1) * G] for g in range(len(prompts) // G)]
+        if all(all(p == group[0] for p in group) for group in groups):
+            return self.inner.generate([group[0] for group in groups], G, params, seeds)
+        singles = [turn_seed(seeds[i // G], i % G, 0) for i in range(len(prompts))]
+        return self.inner.generate(prompts, 1, params, singles)
+
+    def _row(self, prompt: list[int], rollout: Rollout, i: int, tools: dict) -> _Row:
         ids, logprobs = _turn(rollout, i)
         return _Row(
             prompt=list(prompt),
+            tools=tools,
             ids=ids,
             logprobs=logprobs,
             tool=[0] * len(ids),
@@ -283,7 +317,8 @@ class ToolEngine:
         content, the calls as tool_calls) is added to the row's conversation."""
         turn = row.last_turn or []
         prefix = row.prompt + row.ids[: len(row.ids) - len(turn)]
-        content, calls = parse_turn(self.tokenizer, turn, prefix, self.schemas)
+        schemas = [tool.schema for tool in row.tools.values()]
+        content, calls = parse_turn(self.tokenizer, turn, prefix, schemas)
         message = {"role": "assistant", "content": content}
         parsed = [c for c in calls if c.arguments is not None]
         if parsed:

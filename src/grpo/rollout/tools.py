@@ -69,6 +69,11 @@ class Tool:
     own_isolation: bool = False
     """grpo's own tool that isolates what it runs itself (the `python` tool: grpo.sandbox): run in a
     thread whatever rollout.tool_isolation says, so its sandbox outcomes are counted in the run."""
+    stateful: bool = False
+    """A method of an environment (grpo.rollout.environments): run in a thread of the training
+    process whatever rollout.tool_isolation says, since the environment's state lives there (its
+    get_reward and the reward functions read it), and one call at a time in the order the calls
+    were made, so that the state each call leaves does not depend on thread timing."""
 
 
 @dataclass(frozen=True)
@@ -322,13 +327,15 @@ class ToolRunner:
             isolation,
         )
 
-    def check(self, call: ToolCall) -> ToolResult | None:
-        """The answer to a call that cannot run (unparsed, unknown tool, wrong arguments); None if it can."""
+    def check(self, call: ToolCall, tools: dict[str, Tool] | None = None) -> ToolResult | None:
+        """The answer to a call that cannot run (unparsed, unknown tool, wrong arguments); None if it
+        can. `tools`: those the call may use (default: the runner's)."""
+        tools = self.tools if tools is None else tools
         if call.arguments is None:
             return ToolResult(call.name or "invalid", f"error: {call.error}", failed=True)
-        tool = self.tools.get(call.name)
+        tool = tools.get(call.name)
         if tool is None:
-            known = ", ".join(sorted(self.tools)) or "none"
+            known = ", ".join(sorted(tools)) or "none"
             return ToolResult(
                 call.name, f"error: no tool named {call.name!r} (tools: {known})", failed=True
             )
@@ -338,15 +345,27 @@ class ToolRunner:
             return ToolResult(call.name, f"error: {error}", failed=True)
         return None
 
-    def run(self, calls: list[ToolCall]) -> list[ToolResult]:
-        """One result per call, in order, at most MAX_PARALLEL running at once."""
-        results: list[ToolResult | None] = [self.check(call) for call in calls]
+    def run(
+        self, calls: list[ToolCall], toolsets: list[dict[str, Tool]] | None = None
+    ) -> list[ToolResult]:
+        """One result per call, in order, at most MAX_PARALLEL running at once; an environment's
+        methods (Tool.stateful) one at a time, in order. `toolsets[i]`: the tools call i may use
+        (its rollout's environment's; default: the runner's)."""
+        toolsets = toolsets or [self.tools] * len(calls)
+        results: list[ToolResult | None] = [
+            self.check(call, tools) for call, tools in zip(calls, toolsets)
+        ]
         pending = [i for i, r in enumerate(results) if r is None]
+        for i in [i for i in pending if toolsets[i][calls[i].name].stateful]:
+            results[i] = self._thread(toolsets[i][calls[i].name].function, calls[i].arguments)(
+                calls[i].name
+            )
+        pending = [i for i in pending if results[i] is None]
         for start in range(0, len(pending), MAX_PARALLEL):
             chunk = pending[start : start + MAX_PARALLEL]
             waits = []
             for i in chunk:
-                tool = self.tools[calls[i].name]
+                tool = toolsets[i][calls[i].name]
                 if tool.own_isolation:  # bounded by its own timeout: a moment to report it
                     waits.append(self._thread(tool.function, calls[i].arguments, OWN_GRACE))
                 elif self.isolation == "thread":

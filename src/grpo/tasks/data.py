@@ -490,9 +490,14 @@ class PromptEncoder:
         """Prompts truncated since `take_truncated` last asked."""
         self._warned = False
 
-    def __call__(self, rows: list[Row]) -> list[list[int]]:
+    def __call__(self, rows: list[Row], tools: list[dict] | None = None) -> list[list[int]]:
+        """`tools`: the tool schemas these prompts offer, in place of template_kwargs' (an
+        environment's, grpo.rollout.environments)."""
+        kwargs = self.template_kwargs
+        if tools is not None:
+            kwargs = {**(kwargs or {}), "tools": tools or None}  # None: no tool boilerplate
         _, ids = tokenize_prompts(
-            rows, self.tokenizer, self.use_chat_template, self.few_shot, self.template_kwargs
+            rows, self.tokenizer, self.use_chat_template, self.few_shot, kwargs
         )
         long = (
             sum(len(tokens) > self.max_prompt_length for tokens in ids)

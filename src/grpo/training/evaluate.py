@@ -278,8 +278,8 @@ def group_evaluation(trainer, rows: list[Row], num_generations: int) -> dict[str
             chunk = rows[start : start + per_batch]
             seeds = prompt_seeds(generator, len(chunk))
             with t.backend.generation(t.model):
-                rollout = t.engine.generate(t.encode(chunk), G, t.sampling, seeds)
-            batch = t.score(chunk, rollout, num_generations=G)
+                rollout, context = t.sample(chunk, G, t.sampling, seeds)
+            batch = t.score(chunk, rollout, num_generations=G, **context)
             logged = t.rewards.take_logged_metrics()  # what the reward functions logged
             rewards = batch.rewards
             advantages = (

@@ -106,6 +106,8 @@ class Trainer:
         callbacks: Callbacks | list | None = None,
         eval_generations: int | None = None,
         tools: list | None = None,
+        environment_factory=None,
+        rollout_func=None,
     ):
         """Everything that can fail on bad input fails here, before any generation.
 
@@ -126,10 +128,15 @@ class Trainer:
         set, adds TRL's group evaluation (grpo.training.evaluate.group_evaluation: that many
         sampled completions per held-out prompt, their rewards and loss) to every evaluation's
         `eval_...` row. `tools`: functions the model may call (with rollout.tools': multi-turn
-        rollouts, grpo.rollout.multiturn).
+        rollouts, grpo.rollout.multiturn). `environment_factory`: TRL's, a factory of environments
+        or factories by name, in place of rollout.environment (grpo.rollout.environments).
+        `rollout_func`: TRL's, a rollout the user writes, called as rollout_func(prompts, self)
+        (grpo.rollout.custom).
         """
         self.cfg = cfg
         self.tool_functions = list(tools or [])
+        self.environment_factory = environment_factory
+        self.rollout_func = rollout_func
         self.callbacks = (
             callbacks if isinstance(callbacks, Callbacks) else Callbacks(callbacks or (), args=cfg)
         )
@@ -190,6 +197,21 @@ class Trainer:
             raise ConfigError("no training rows")
         columns = check_columns(self.task.train_rows, "training rows") - {"prompt"}
         check_columns(self.task.eval_rows, "held-out rows")
+        tools = self._tools()
+        self.environments = self._environments(tools)
+        """The rollouts' environments (grpo.rollout.environments), or None."""
+        self.episodes: list = []
+        """The last batch's episodes: each completion's environment (TRL's trainer.environments)."""
+        if self.environments is not None:
+            self.environments.check_rows(self.task.train_rows, "training rows")
+            columns = columns | {"environments"}
+        if self.rollout_func is not None and (tools or self.environments is not None):
+            raise ConfigError(
+                "rollout_func with tools or environments: a rollout_func runs its own loop (its tool calls "
+                "too, marked by env_mask); give it alone, or drop it and use tools/environment_factory"
+            )
+        if self.rollout_func is not None:
+            columns = None  # it may return more, known at its first batch
         self.rewards = RewardSet.from_config(
             cfg.rewards,
             cfg.rollout.max_completion_length,
@@ -197,6 +219,7 @@ class Trainer:
             reward_funcs,
             # saved as the run's totals over every rank: rank 0 carries them on, the others count anew
             failures=restore["reward_failures"] if restore and self.backend.is_main else None,
+            environment_rewards=self.environments.reward_functions() if self.environments else None,
         )
         e = cfg.eval
         wants_eval = e.before or e.after or e.every > 0
@@ -204,6 +227,12 @@ class Trainer:
             raise ConfigError(
                 "eval.before/after/every need held-out rows: set data.arithmetic.num_eval > 0 (task arithmetic) "
                 "or data.eval_file (task jsonl), or turn evaluation off"
+            )
+        if wants_eval and self.environments is not None:
+            raise ConfigError(
+                "eval.before/after/every: the held-out accuracy evaluation does not run environments yet; turn it "
+                "off (eval.before=false eval.after=false eval.every=0); TRL's group evaluation (GRPOTrainer."
+                "evaluate) does run them"
             )
         self.rewards.start()  # a reward function that its worker processes cannot load fails here
         if model is None:
@@ -226,12 +255,13 @@ class Trainer:
         self.critic = self._critic(restore)
         d, r = cfg.data, cfg.rollout
         template_kwargs = d.chat_template_kwargs
-        tools = self._tools()
-        if tools:
+        if tools or self.environments is not None:
             self.engine = _tool_engine(cfg, tools, self.model, tokenizer, self.backend.decoding)
-            # the prompt offers the tools, as the chat template writes them
+        if tools and self.environments is None:
+            # the prompt offers the tools, as the chat template writes them (an environment's
+            # prompts offer its own: Trainer.sample)
             template_kwargs = {**(template_kwargs or {}), "tools": self.engine.schemas}
-        else:
+        if not tools and self.environments is None:
             self.engine = create_engine(
                 cfg.rollout.engine, self.model, tokenizer, cfg, self.backend.decoding
             )
@@ -367,7 +397,7 @@ class Trainer:
             seeds = prompt_seeds(self.state.generator, self.num_prompts)[self.shard]
             with timer("generate"), self.backend.generation(self.model):
                 try:
-                    rollout = self.engine.generate(self.encode(rows), G, self.sampling, seeds)
+                    rollout, context = self.sample(rows, G, self.sampling, seeds)
                 except (
                     NonFiniteProbabilities
                 ) as error:  # e.g. a learning rate so high the weights blew up
@@ -375,7 +405,7 @@ class Trainer:
                         f"generation at step {self.state.step}: {error}"
                     ) from error
             with timer("rewards"):
-                rounds.append(self.score(rows, rollout))
+                rounds.append(self.score(rows, rollout, **context))
         if not a.dynamic_sampling:
             return rounds[0]
         with timer("filter"):
@@ -437,6 +467,56 @@ class Trainer:
     def encode(self, rows: list[Row]) -> list[list[int]]:
         return self.prompts(rows)
 
+    def sample(self, rows: list[Row], G: int, params: SamplingParams, seeds) -> tuple:
+        """G completions of each row's prompt: the rollout, and what `score` needs beside it
+        (keyword arguments). With environments each completion's own is reset first (its
+        observation added to its prompt, which offers its environment's tools), and its calls go
+        to it: `episodes`. With a rollout_func, the rollout is its (grpo.rollout.custom), and
+        what else it returned goes to the reward functions: `columns`."""
+        if self.rollout_func is not None:
+            from grpo.rollout.custom import custom_rollout
+
+            policy = getattr(self.model, "module", self.model)  # under DDP: the module it wraps
+
+            rollout, columns = custom_rollout(
+                self.rollout_func,
+                [row["prompt"] for row in rows for _ in range(G)],
+                self,
+                vocab_size=policy.get_input_embeddings().weight.shape[0],
+                max_completion_length=params.max_new_tokens,
+                pad_token_id=self.engine.pad_token_id,
+                eos_token_ids=self.engine.eos_token_ids,
+            )
+            return rollout, {"columns": columns}
+        if self.environments is None:
+            return self.engine.generate(self.encode(rows), G, params, seeds), {}
+        from grpo.rollout.environments import with_observation
+
+        episodes = self.environments.start(rows, G)
+        prompts: list = [None] * len(episodes)
+        for name, schemas in self.environments.schemas.items():
+            mine = [i for i, episode in enumerate(episodes) if episode.name == name]
+            if not mine:
+                continue
+            observed = [with_observation(rows[i // G], episodes[i].observation) for i in mine]
+            for i, ids in zip(mine, self.prompts(observed, tools=schemas)):
+                prompts[i] = ids
+        self.episodes = episodes
+        return self.engine.generate(prompts, G, params, seeds, episodes=episodes), {
+            "episodes": episodes
+        }
+
+    def _environments(self, tools: dict):
+        """The environments of environment_factory or rollout.environment (grpo.rollout.environments)."""
+        spec = self.environment_factory or self.cfg.rollout.environment
+        if spec is None:
+            return None
+        from grpo.rollout.environments import Environments
+
+        if self.environment_factory is not None:
+            return Environments(self.environment_factory, tools)
+        return Environments.from_config(spec, tools)
+
     def _tools(self) -> dict:
         """The tools of rollout.tools and those passed in, by name (grpo.rollout.tools)."""
         specs = self.cfg.rollout.tools + self.tool_functions
@@ -485,10 +565,18 @@ class Trainer:
         )
 
     def score(
-        self, rows: list[Row], rollout, num_generations: int | None = None
+        self,
+        rows: list[Row],
+        rollout,
+        num_generations: int | None = None,
+        episodes=None,
+        columns: dict[str, list] | None = None,
     ) -> GenerationBatch:
         """The rewards of a rollout of `rows` (one group of G per row, G = `num_generations` or
-        rollout.num_generations), and the tokens the loss counts."""
+        rollout.num_generations), and the tokens the loss counts. `episodes` (Trainer.sample):
+        each completion's environment; its prompt is the row's with the environment's observation,
+        and the reward functions get the environments. `columns`: values per completion a
+        rollout_func returned, given to the reward functions as dataset columns are."""
         G = num_generations or self.cfg.rollout.num_generations
         ids = [
             c[m.bool()].tolist()
@@ -496,6 +584,17 @@ class Trainer:
         ]
         texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
         group_rows = [row for row in rows for _ in range(G)]
+        environments = None
+        if episodes is not None:
+            from grpo.rollout.environments import with_observation
+
+            group_rows = [with_observation(r, e.observation) for r, e in zip(group_rows, episodes)]
+            environments = [e.environment for e in episodes]
+        if columns:
+            group_rows = [
+                {**row, **{key: values[i] for key, values in columns.items()}}
+                for i, row in enumerate(group_rows)
+            ]
         prompts = [row["prompt"] for row in group_rows]
         # with tools, a conversational row's completion is its turns and tool results, as in TRL
         messages = rollout.messages or [None] * len(texts)
@@ -504,7 +603,7 @@ class Trainer:
             for row, text, turns in zip(group_rows, texts, messages)
         ]
         rewards_per_func = self.rewards.score(
-            prompts, completions, ids, group_rows, self.trainer_state()
+            prompts, completions, ids, group_rows, self.trainer_state(), environments
         )
         rewards = algorithm.combine_rewards(rewards_per_func, self.rewards.weights)
         loss_mask = rollout.completion_mask.clone()

@@ -1,0 +1,455 @@
+"""Environments (TRL's environment_factory, rollout.environment): one reset instance per
+completion, its methods the completion's tools (run in this process, on that instance), its
+reset's string added to the prompt, its get_reward a reward function; several environments
+chosen per row; TRL's environment example through grpo.GRPOTrainer."""
+
+import json
+import textwrap
+
+import pytest
+
+from grpo.config import schema
+from grpo.models.tiny import tiny_model
+from grpo.registry import ConfigError
+
+INCREMENT = '<tool_call>{"name": "increment", "arguments": {"step": 2}}</tool_call>'
+
+OVERRIDES = [
+    "data.chat_template=auto",
+    "rollout.num_generations=2",
+    "rollout.max_completion_length=120",
+    "training.per_device_train_batch_size=4",
+    "training.max_steps=2",
+    "training.max_grad_norm=0",
+]
+
+
+class Counter:
+    """TRL's counter environment: `increment` is its tool, `get_reward` its counter."""
+
+    made = 0
+
+    def __init__(self):
+        Counter.made += 1
+        self.counter, self.resets = 0, []
+
+    def reset(self, **row):
+        self.counter = 0
+        self.resets.append(row)
+        return " Count!"
+
+    def increment(self, step: int) -> int:
+        """Adds to the counter.
+
+        Args:
+            step: What to add.
+        """
+        self.counter += step
+        return self.counter
+
+    def get_reward(self) -> float:
+        return float(self.counter)
+
+
+class Echo:
+    def reset(self, **row):
+        return None
+
+    def shout(self, text: str) -> str:
+        """Shouts the text.
+
+        Args:
+            text: The text.
+        """
+        return text.upper()
+
+
+def _trainer(make_trainer, tool_tokenizer, tmp_path, factory, overrides=(), **kwargs):
+    return make_trainer(
+        tool_tokenizer,
+        tmp_path,
+        OVERRIDES + list(overrides),
+        hidden=32,
+        environment_factory=factory,
+        **kwargs,
+    )
+
+
+def test_each_completion_calls_its_own_environment_which_scores_it(
+    tool_tokenizer, make_trainer, tmp_path, ForcedCalls
+):
+    trainer = _trainer(make_trainer, tool_tokenizer, tmp_path, Counter)
+    # the environment's reward comes after the run's own, weight 1, named after its class
+    assert trainer.rewards.names == ["correct", "Counter"]
+    assert trainer.rewards.weights.tolist() == [1.0, 1.0]
+    forced = ForcedCalls(trainer.engine.inner, tool_tokenizer, INCREMENT)
+    trainer.engine.inner = forced
+    rows = trainer.task.train_rows[:2]
+    rollout, context = trainer.sample(rows, 2, trainer.sampling, [5, 6])
+    episodes = context["episodes"]
+    # one instance per completion, each reset with its row, and each called once
+    instances = [e.environment for e in episodes]
+    assert len({id(e) for e in instances}) == 4
+    assert [e.resets[-1] for e in instances] == [rows[0], rows[0], rows[1], rows[1]]
+    assert [e.counter for e in instances] == [2, 2, 2, 2]
+    # the prompt offers the environment's tool and ends with what reset returned
+    prompt = tool_tokenizer.decode(forced.asked[0][0])
+    assert prompt.startswith("T:increment;") and "Count!<eos>A:" in prompt
+    assert rollout.messages[0][1] == {"role": "tool", "name": "increment", "content": "2"}
+    batch = trainer.score(rows, rollout, episodes=episodes)
+    assert batch.rewards_per_func[:, 1].tolist() == [2.0, 2.0, 2.0, 2.0]
+    # the prompts the reward functions get are those the model saw
+    assert batch.prompts[0][-1]["content"].endswith(" Count!")
+    history = trainer.train()
+    assert [m["rewards/Counter/mean"] for m in history] == [2.0, 2.0]
+    assert all(m["tools/call_frequency"] == 1.0 for m in history)
+    # instances are reused from step to step: a step of 4 completions needs 4
+    assert len(trainer.environments.pool[None]) == 4
+
+
+def test_environments_by_name_offer_only_their_own_tools(
+    tool_tokenizer, make_trainer, tmp_path, ForcedCalls
+):
+    rows = [
+        {"prompt": [{"role": "user", "content": "1+1="}], "answer": 2, "environment": "counter"},
+        {"prompt": [{"role": "user", "content": "2+1="}], "answer": 3, "environment": "echo"},
+    ]
+    trainer = _trainer(
+        make_trainer,
+        tool_tokenizer,
+        tmp_path,
+        {"counter": Counter, "echo": Echo},
+        ["rollout.max_completion_length=200"],  # room for the error message
+        train_rows=rows,
+    )
+    assert trainer.rewards.names == ["correct", "Counter"]
+    forced = ForcedCalls(trainer.engine.inner, tool_tokenizer, INCREMENT)
+    trainer.engine.inner = forced
+    rollout, context = trainer.sample(rows, 2, trainer.sampling, [1, 2])
+    episodes = context["episodes"]
+    prompts = [tool_tokenizer.decode(ids) for ids in forced.asked[0]]
+    assert prompts[0].startswith("T:increment;") and prompts[1].startswith("T:shout;")
+    # `environment` chose the instance and is not passed to reset
+    assert [e.name for e in episodes] == ["counter", "counter", "echo", "echo"]
+    assert "environment" not in episodes[0].environment.resets[-1]
+    # the echo rows' call to increment is not theirs to make: answered with an error
+    assert rollout.messages[0][1]["content"] == "2"
+    assert rollout.messages[2][1]["content"].startswith("error: no tool named 'increment'")
+    batch = trainer.score(rows, rollout, episodes=episodes)
+    rewards = batch.rewards_per_func[:, 1].tolist()
+    assert rewards[:2] == [2.0, 2.0] and all(r != r for r in rewards[2:])  # NaN: not scored
+
+
+def test_a_row_naming_no_environment_is_refused_at_start(tool_tokenizer, make_trainer, tmp_path):
+    rows = [
+        {"prompt": "1+1=", "answer": 2, "environment": "counter"},
+        {"prompt": "x", "answer": 1, "environment": "shop"},
+    ]
+    with pytest.raises(ConfigError, match="training rows: row 1: environment='shop' is not among"):
+        _trainer(make_trainer, tool_tokenizer, tmp_path, {"counter": Counter}, train_rows=rows)
+
+
+def test_different_observations_in_a_group_are_sampled_one_by_one(
+    tool_tokenizer, make_trainer, tmp_path
+):
+    class Dealer:
+        dealt = 0
+
+        def reset(self, **row):
+            Dealer.dealt += 1
+            return f" card {Dealer.dealt}"
+
+        def peek(self) -> str:
+            """Looks at the card."""
+            return "7"
+
+    trainer = _trainer(make_trainer, tool_tokenizer, tmp_path, Dealer)
+    rows = trainer.task.train_rows[:2]
+
+    def run():
+        Dealer.dealt = 0
+        rollout, context = trainer.sample(rows, 2, trainer.sampling, [8, 9])
+        return rollout, [e.observation for e in context["episodes"]]
+
+    first, observations = run()
+    assert observations == [" card 1", " card 2", " card 3", " card 4"]
+    prompts = [
+        tool_tokenizer.decode(p[m.bool()]) for p, m in zip(first.prompt_ids, first.prompt_mask)
+    ]
+    assert all(f"card {k}<eos>A:" in p for k, p in zip(range(1, 5), prompts))
+    again, _ = run()
+    assert first.completion_ids.tolist() == again.completion_ids.tolist()
+
+
+@pytest.mark.parametrize(
+    "factory, message",
+    [
+        (lambda: object(), "made a object, which has no reset method"),
+        (lambda: 1 / 0, r"environment_factory: <lambda>\(\) raised ZeroDivisionError"),
+    ],
+)
+def test_a_factory_that_cannot_make_an_environment_is_refused(
+    tool_tokenizer, make_trainer, tmp_path, factory, message
+):
+    with pytest.raises(ConfigError, match=message):
+        _trainer(make_trainer, tool_tokenizer, tmp_path, factory)
+
+
+@pytest.mark.parametrize(
+    "returned, message",
+    [
+        (["a list"], r"Bad.reset returned a list; return None or a string"),
+        ("x" * 100_001, "Bad.reset returned 100,001 characters; at most 100,000"),
+    ],
+)
+def test_a_reset_that_returns_what_cannot_be_a_prompt_is_refused(
+    tool_tokenizer, make_trainer, tmp_path, returned, message
+):
+    class Bad:
+        def reset(self, **row):
+            return returned
+
+    trainer = _trainer(make_trainer, tool_tokenizer, tmp_path, Bad)
+    with pytest.raises(ConfigError, match=message):
+        trainer.sample(trainer.task.train_rows[:1], 2, trainer.sampling, [1])
+
+
+def test_no_reward_function_and_no_environment_reward_is_refused(tool_tokenizer, tmp_path):
+    from grpo.training.trainer import Trainer
+
+    cfg = schema.from_dict(
+        {"output_dir": str(tmp_path / "run"), "rewards": {"funcs": [], "isolation": "thread"}},
+        OVERRIDES + ["data.task=arithmetic"],
+    )
+    model = tiny_model(tool_tokenizer, hidden_size=32, num_layers=1, seed=0)
+    with pytest.raises(ConfigError, match="rewards.funcs: empty, and no environment scores"):
+        Trainer(cfg, model=model, tokenizer=tool_tokenizer, environment_factory=Echo)
+
+
+def test_rollout_environment_in_the_config_is_found_beside_it(tool_tokenizer, tmp_path):
+    from grpo.training.trainer import Trainer
+
+    (tmp_path / "envs.py").write_text(
+        textwrap.dedent(
+            '''
+            class Lamp:
+                def reset(self, **row):
+                    self.on = False
+
+                def switch(self) -> str:
+                    """Switches the lamp on."""
+                    self.on = True
+                    return "on"
+
+                def get_reward(self) -> float:
+                    return float(self.on)
+            '''
+        )
+    )
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        json.dumps(
+            {
+                "output_dir": str(tmp_path / "run"),
+                "rollout": {"environment": "envs.py:Lamp"},
+                "rewards": {"funcs": [], "isolation": "thread"},
+            }
+        )
+    )
+    cfg = schema.load(config, OVERRIDES)
+    assert cfg.rollout.environment == f"{tmp_path / 'envs.py'}:Lamp"
+    model = tiny_model(tool_tokenizer, hidden_size=32, num_layers=1, seed=0)
+    trainer = Trainer(cfg, model=model, tokenizer=tool_tokenizer)
+    assert trainer.rewards.names == ["Lamp"]
+    history = trainer.train()
+    assert len(history) == 2 and "rewards/Lamp/mean" in history[0]
+
+
+def test_trls_environment_example_runs_through_grpo(
+    tool_tokenizer, tmp_path, monkeypatch, ForcedCalls
+):
+    from grpo import GRPOConfig, GRPOTrainer
+
+    monkeypatch.chdir(tmp_path)
+
+    # TRL's environment_factory example, with sizes shrunk and a tiny model: the environment owns
+    # the data (no train_dataset; reset sets the task) and the reward (get_reward)
+    class GuessEnvironment:
+        def reset(self, **kwargs):
+            self.guessed = False
+            return "Guess the word."
+
+        def guess(self, word: str) -> str:
+            """Submits a guess.
+
+            Args:
+                word: The guessed word.
+            """
+            self.guessed = word == "grpo"
+            return "right" if self.guessed else "wrong"
+
+        def get_reward(self) -> float:
+            return 1.0 if self.guessed else 0.0
+
+    args = GRPOConfig(
+        output_dir="out",
+        num_generations=2,
+        per_device_train_batch_size=4,
+        max_completion_length=120,
+        max_steps=2,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        grpo_overrides=["rollout.tool_isolation=thread"],
+    )
+    trainer = GRPOTrainer(
+        model=tiny_model(tool_tokenizer, hidden_size=32, num_layers=1, seed=1),
+        processing_class=tool_tokenizer,
+        args=args,
+        environment_factory=GuessEnvironment,
+    )
+    assert trainer.reward_func_names == ["GuessEnvironment"]
+    assert trainer.reward_weights.tolist() == [1.0]
+    assert [tool.__name__ for tool in trainer.tools] == ["guess"]
+    assert [tool.__name__ for tool in trainer._env_tools[None]] == ["guess"]
+    call = '<tool_call>{"name": "guess", "arguments": {"word": "grpo"}}</tool_call>'
+    trainer.trainer.engine.inner = ForcedCalls(trainer.trainer.engine.inner, tool_tokenizer, call)
+    out = trainer.train()
+    assert out.global_step == 2
+    assert all(env.guessed for env in trainer.environments)
+    logged = [row for row in trainer.state.log_history if "rewards/GuessEnvironment/mean" in row]
+    assert logged and all(row["rewards/GuessEnvironment/mean"] == 1.0 for row in logged)
+
+
+def test_trl_api_refusals_for_environments(tool_tokenizer, tmp_path, monkeypatch):
+    from grpo import GRPOConfig, GRPOTrainer
+
+    monkeypatch.chdir(tmp_path)  # a refusal must come before output_dir is claimed
+
+    model = tiny_model(tool_tokenizer, hidden_size=32, num_layers=1, seed=1)
+    with pytest.raises(ValueError, match="`train_dataset` is required unless"):
+        GRPOTrainer(model=model, reward_funcs=lambda **kw: [], args=GRPOConfig(output_dir="x"))
+    with pytest.raises(ValueError, match="max_steps"):
+        GRPOTrainer(model=model, args=GRPOConfig(output_dir="x"), environment_factory=Counter)
+    with pytest.raises(ValueError, match="requires a `train_dataset`"):
+        GRPOTrainer(
+            model=model,
+            args=GRPOConfig(output_dir="x", max_steps=1),
+            environment_factory={"a": Counter, "b": Echo},
+        )
+
+
+# ---------------------------------------------------------------- rollout_func
+
+
+def _rollout_func_trainer(tool_tokenizer, tmp_path, rollout_func, reward, max_steps=2):
+    from grpo import GRPOConfig, GRPOTrainer
+
+    rows = [{"prompt": f"{a}+1=", "answer": a + 1} for a in range(4)]
+    return GRPOTrainer(
+        model=tiny_model(tool_tokenizer, hidden_size=32, num_layers=1, seed=1),
+        processing_class=tool_tokenizer,
+        reward_funcs=reward,
+        args=GRPOConfig(
+            output_dir=str(tmp_path / "out"),
+            num_generations=2,
+            per_device_train_batch_size=4,
+            max_completion_length=16,
+            max_steps=max_steps,
+            report_to="none",
+            save_strategy="no",
+            use_cpu=True,
+            bf16=False,
+            grpo_overrides=["rewards.isolation=thread"],
+        ),
+        train_dataset=rows,
+        rollout_func=rollout_func,
+    )
+
+
+def test_a_rollout_func_is_trained_on_as_it_returns(tool_tokenizer, tmp_path):
+    seen = []
+
+    def rollout_func(prompts, trainer):
+        # TRL's contract: the prompts as the dataset has them, one per completion, and the trainer
+        seen.append((list(prompts), trainer))
+        tok = trainer.processing_class
+        prompt_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        # the model's "7", an environment's " ok", the model's end of sequence
+        model, env = (
+            tok("7", add_special_tokens=False)["input_ids"],
+            tok(" ok", add_special_tokens=False)["input_ids"],
+        )
+        completion = model + env + [tok.eos_token_id]
+        return {
+            "prompt_ids": prompt_ids,
+            "completion_ids": [completion] * len(prompts),
+            "logprobs": [[-0.5] * len(completion)] * len(prompts),
+            "env_mask": [[1] * len(model) + [0] * len(env) + [1]] * len(prompts),
+            "turns": [i % 2 for i in range(len(prompts))],
+        }
+
+    def reward(completions, turns, **kwargs):
+        return [float(t) for t in turns]  # a column the rollout_func returned
+
+    trainer = _rollout_func_trainer(tool_tokenizer, tmp_path, rollout_func, reward)
+    batch = trainer.trainer.collect_batch()
+    prompts, given = seen[0]
+    assert given is trainer
+    assert len(prompts) == 4 and prompts[0] == prompts[1] and prompts[0] != prompts[2]
+    # the environment's tokens leave the loss; the model's stay
+    assert batch.rollout.tool_mask[0].tolist()[:5] == [0, 1, 1, 1, 0]
+    assert batch.loss_mask[0].tolist()[:5] == [1, 0, 0, 0, 1]
+    assert batch.rewards.tolist() == [0.0, 1.0, 0.0, 1.0]
+    assert not batch.rollout.truncated.any()
+    assert batch.completion_texts[0] == "7 ok"
+    out = trainer.train()
+    assert out.global_step == 2
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda o: o.pop("logprobs"), r"rollout_func must return keys \['logprobs'\]"),
+        (lambda o: o["prompt_ids"].pop(), "prompt_ids has 3 entries for 4 prompts"),
+        (
+            lambda o: o["completion_ids"].__setitem__(1, [10_000]),
+            r"completion_ids\[1\] is not a list of token ids below",
+        ),
+        (
+            lambda o: o["completion_ids"].__setitem__(2, [5] * 17),
+            r"completion_ids\[2\] has 17 tokens, more than rollout.max_completion_length=16",
+        ),
+        (
+            lambda o: o["logprobs"].__setitem__(0, [0.5, -1.0]),
+            r"logprobs\[0\] holds a value that is not a finite log-probability",
+        ),
+        (
+            lambda o: o["logprobs"].__setitem__(0, [-1.0]),
+            r"logprobs\[0\] must have one value per token",
+        ),
+        (lambda o: o.__setitem__("env_mask", [[2, 1]] * 4), r"env_mask\[0\] must hold 0s and 1s"),
+        (lambda o: o.__setitem__("score", [1.0]), "'score' has 1 values for 4 completions"),
+    ],
+)
+def test_what_a_rollout_func_returns_is_checked_before_training(
+    tool_tokenizer, tmp_path, change, message
+):
+    def rollout_func(prompts, trainer):
+        output = {
+            "prompt_ids": [[5, 6]] * len(prompts),
+            "completion_ids": [[7, 8]] * len(prompts),
+            "logprobs": [[-1.0, -1.0]] * len(prompts),
+        }
+        output = {key: list(value) for key, value in output.items()}
+        change(output)
+        return output
+
+    trainer = _rollout_func_trainer(
+        tool_tokenizer, tmp_path, rollout_func, lambda completions, **kw: [0.0] * len(completions)
+    )
+    with pytest.raises(ConfigError, match=message) as refused:
+        trainer.trainer.collect_batch()
+    assert "\n" not in str(refused.value)
+    assert not (tmp_path / "x").exists()
