@@ -449,3 +449,50 @@ def test_a_hybrid_models_recurrent_cache_is_prefilled_per_row(tokenizer, assert_
     lengths = ours.completion_mask.sum(-1).tolist()
     # other batch shapes: logits equal to float32 rounding, the same tokens but at a tie
     assert_same_greedy(model, ours, [ref[i // 2, :n].tolist() for i, n in enumerate(lengths)], 1e-5)
+
+
+def test_a_generate_replaced_on_the_model_is_what_samples(model, tokenizer, assert_same_greedy):
+    """A model whose generate was replaced on the object (a wrapper, a test's stand-in) is sampled
+    with it; the class's own generate bound there gives grpo's own greedy tokens."""
+    from types import MethodType, SimpleNamespace
+
+    from grpo.rollout.hf import TransformersEngine
+
+    cfg = SimpleNamespace(
+        rollout=SimpleNamespace(stop_strings=[]), training=SimpleNamespace(bf16=False)
+    )
+    engine = TransformersEngine(model, tokenizer, cfg)
+    prompts = _prompts(tokenizer)
+    params = SamplingParams(12, temperature=0)
+    ours = engine.generate(prompts, 1, params)
+    model.generate = MethodType(type(model).generate, model)
+    try:
+        theirs = engine.generate(prompts, 1, params)
+        assert theirs.sampling_logprobs is None
+        lengths = ours.completion_mask.sum(-1).tolist()
+        # transformers' loop and grpo's: the same tokens but at a tie within float32 rounding
+        diverged = assert_same_greedy(
+            model,
+            ours,
+            [theirs.completion_ids[i, :n].tolist() for i, n in enumerate(lengths)],
+            atol=1e-5,
+        )
+        theirs_lengths = theirs.completion_mask.sum(-1).tolist()
+        assert all(theirs_lengths[i] == n for i, n in enumerate(lengths) if i not in diverged)
+        # a stand-in's output: EOS ends a completion (what follows is padding), none truncates it
+        eos, pad = engine.eos_token_ids[0], tokenizer.pad_token_id
+        asked = []
+
+        def fake_generate(input_ids, **kwargs):
+            asked.append((input_ids.shape, kwargs["max_new_tokens"], kwargs["do_sample"]))
+            tails = torch.tensor([[5, 6, eos, pad], [7, 8, 9, 10]] * (input_ids.shape[0] // 2))
+            return torch.cat([input_ids, tails], dim=-1)
+
+        model.generate = fake_generate
+        rollout = engine.generate(prompts[:1], 2, SamplingParams(4, temperature=1.0), [3])
+        assert asked == [((2, len(prompts[0])), 4, True)]
+        assert rollout.completion_ids.tolist() == [[5, 6, eos, pad], [7, 8, 9, 10]]
+        assert rollout.completion_mask.tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
+        assert rollout.truncated.tolist() == [False, True]
+    finally:
+        del model.generate

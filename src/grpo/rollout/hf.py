@@ -420,12 +420,90 @@ def _generate(
     )
 
 
+def generate_with(
+    generate_fn,
+    prompts: list[list[int]],
+    num_generations: int,
+    params: SamplingParams,
+    *,
+    eos_token_ids,
+    pad_token_id: int,
+    seeds: Seeds = None,
+    stop: StopStrings | None = None,
+    device=None,
+) -> Rollout:
+    """Sampling with a `generate` that replaced the model's own on the model object (a wrapper
+    around generation, or a stand-in such as TRL's tests write): one call with each prompt
+    repeated `num_generations` times, left-padded, and transformers' generation arguments,
+    returning the prompts followed by the completions. A completion ends at its first EOS (or
+    stop string), within params.max_new_tokens; one without is truncated. The call draws from
+    torch's generator seeded with the first prompt's seed, so a completion here depends on the
+    whole call, not on its prompt's seed alone; no sampling logprobs are reported."""
+    seeds = prompt_seeds(seeds, len(prompts))
+    rows = [list(p) for p in prompts for _ in range(num_generations)]
+    ids, mask = left_pad(rows, pad_token_id)
+    ids, mask = ids.to(device), mask.to(device)
+    sampled = params.temperature > 0
+    kwargs = dict(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=params.max_new_tokens,
+        do_sample=sampled,
+        pad_token_id=pad_token_id,
+        eos_token_id=list(eos_token_ids),
+    )
+    if sampled:
+        kwargs.update(
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            min_p=params.min_p or None,
+            repetition_penalty=params.repetition_penalty,
+        )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seeds[0] if seeds else 0)
+        out = generate_fn(**kwargs)
+    out = getattr(out, "sequences", out)
+    tails = out[:, ids.shape[1] :][:, : params.max_new_tokens].cpu().tolist()
+    eos = set(eos_token_ids)
+    completions, truncated = [], []
+    for tail in tails:
+        end = next((t + 1 for t, token in enumerate(tail) if token in eos), None)
+        if stop is not None:
+            cut = next(
+                (
+                    t + 1
+                    for t in range(end or len(tail))
+                    if bool(stop(torch.tensor([tail[: t + 1]]))[0])
+                ),
+                None,
+            )
+            end = cut if cut is not None else end
+        finished = end is not None and not params.ignore_eos
+        completions.append(tail[:end] if finished else tail)
+        truncated.append(not finished)
+    width = max((len(c) for c in completions), default=0)
+    tokens = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    completion_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, c in enumerate(completions):
+        tokens[i, : len(c)] = torch.tensor(c, dtype=torch.long)
+        completion_mask[i, : len(c)] = 1
+    return Rollout(
+        prompt_ids=ids,
+        prompt_mask=mask,
+        completion_ids=tokens.to(ids.device),
+        completion_mask=completion_mask.to(ids.device),
+        truncated=torch.tensor(truncated, device=ids.device),
+    )
+
+
 class TransformersEngine:
     """The `hf` rollout engine: generation with the policy module itself (no copy), with
     prefix sharing and compaction, in the compute precision of training.bf16.
 
     `decoding`: the decoding steps the backend hands it (grpo.backends; on the CPU,
-    grpo.cpu.layer.CPULayer.decoding), else transformers' modules (`plain_decoding`).
+    grpo.cpu.layer.CPULayer.decoding), else transformers' modules (`plain_decoding`). A model
+    whose `generate` was replaced on the object itself is sampled with that (`generate_with`).
     Because it decodes from the policy's own parameters (any decoding steps read them,
     or pack their copies, at the start of each rollout), an optimizer step needs no
     weight transfer: `sync_weights` has nothing to do, and neither have `sleep`/`wake`
@@ -451,6 +529,19 @@ class TransformersEngine:
         self.model.eval()
         try:
             with torch.no_grad(), bf16_autocast(self.device, self.bf16):
+                replaced = vars(self.model).get("generate")
+                if callable(replaced):
+                    return generate_with(
+                        replaced,
+                        prompts,
+                        num_generations,
+                        params,
+                        eos_token_ids=self.eos_token_ids,
+                        pad_token_id=self.pad_token_id,
+                        seeds=seeds,
+                        stop=self.stop,
+                        device=self.device,
+                    )
                 return generate(
                     self.model,
                     prompts,
