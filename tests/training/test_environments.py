@@ -268,28 +268,37 @@ def test_rollout_environment_in_the_config_is_found_beside_it(tool_tokenizer, tm
 def test_trls_environment_example_runs_through_grpo(
     tool_tokenizer, tmp_path, monkeypatch, ForcedCalls
 ):
+    import random
+
     from grpo import GRPOConfig, GRPOTrainer
 
     monkeypatch.chdir(tmp_path)
+    random.seed(0)
 
-    # TRL's environment_factory example, with sizes shrunk and a tiny model: the environment owns
-    # the data (no train_dataset; reset sets the task) and the reward (get_reward)
-    class GuessEnvironment:
-        def reset(self, **kwargs):
-            self.guessed = False
-            return "Guess the word."
-
-        def guess(self, word: str) -> str:
-            """Submits a guess.
-
-            Args:
-                word: The guessed word.
-            """
-            self.guessed = word == "grpo"
-            return "right" if self.guessed else "wrong"
+    # TRL's documented environment_factory example, with the import changed, sizes shrunk and a
+    # tiny model: the environment owns the data (no train_dataset; reset samples the task and
+    # returns the prompt) and the reward (get_reward)
+    class IncrementEnv:
+        def reset(self, **kwargs) -> str | None:
+            self.counter = 0
+            self.target = random.randint(1, 6)
+            return f"Increment the counter by {self.target}."
 
         def get_reward(self) -> float:
-            return 1.0 if self.guessed else 0.0
+            return float(self.counter == self.target)
+
+        def increment(self, step: int) -> int:
+            """
+            Increment the internal counter.
+
+            Args:
+                step: Value to add to the counter.
+
+            Returns:
+                The updated counter value.
+            """
+            self.counter += step
+            return self.counter
 
     args = GRPOConfig(
         output_dir="out",
@@ -297,29 +306,42 @@ def test_trls_environment_example_runs_through_grpo(
         per_device_train_batch_size=4,
         max_completion_length=120,
         max_steps=2,
+        max_tool_calling_iterations=1,
         report_to="none",
         save_strategy="no",
         use_cpu=True,
         bf16=False,
-        grpo_overrides=["rollout.tool_isolation=thread"],
     )
     trainer = GRPOTrainer(
         model=tiny_model(tool_tokenizer, hidden_size=32, num_layers=1, seed=1),
         processing_class=tool_tokenizer,
         args=args,
-        environment_factory=GuessEnvironment,
+        environment_factory=IncrementEnv,
     )
-    assert trainer.reward_func_names == ["GuessEnvironment"]
+    assert trainer.reward_func_names == ["IncrementEnv"]
     assert trainer.reward_weights.tolist() == [1.0]
-    assert [tool.__name__ for tool in trainer.tools] == ["guess"]
-    assert [tool.__name__ for tool in trainer._env_tools[None]] == ["guess"]
-    call = '<tool_call>{"name": "guess", "arguments": {"word": "grpo"}}</tool_call>'
-    trainer.trainer.engine.inner = ForcedCalls(trainer.trainer.engine.inner, tool_tokenizer, call)
+    assert [tool.__name__ for tool in trainer.tools] == ["increment"]
+    assert [tool.__name__ for tool in trainer._env_tools[None]] == ["increment"]
+    # every turn of the random model is given a call of increment(2): the first runs, the second
+    # is past max_tool_calling_iterations
+    call = '<tool_call>{"name": "increment", "arguments": {"step": 2}}</tool_call>'
+    forced = ForcedCalls(trainer.trainer.engine.inner, tool_tokenizer, call, every_turn=True)
+    trainer.trainer.engine.inner = forced
     out = trainer.train()
     assert out.global_step == 2
-    assert all(env.guessed for env in trainer.environments)
-    logged = [row for row in trainer.state.log_history if "rewards/GuessEnvironment/mean" in row]
-    assert logged and all(row["rewards/GuessEnvironment/mean"] == 1.0 for row in logged)
+    environments = trainer.environments
+    assert len(environments) == 4 and all(env.counter == 2 for env in environments)
+    # the reset's text is the prompt: the targets differ within a group, so each completion was
+    # sampled with its own prompt
+    prompts = [tool_tokenizer.decode(ids) for ids in forced.asked[-2]]
+    assert all(
+        p.endswith(f"Increment the counter by {env.target}.<eos>A:")
+        for env, p in zip(environments, prompts)
+    )
+    assert len(set(prompts)) > 1
+    last = [row for row in trainer.state.log_history if "rewards/IncrementEnv/mean" in row][-1]
+    hits = [float(env.target == 2) for env in environments]
+    assert last["rewards/IncrementEnv/mean"] == pytest.approx(sum(hits) / len(hits))
 
 
 def test_trl_api_refusals_for_environments(tool_tokenizer, tmp_path, monkeypatch):
