@@ -475,3 +475,16 @@ def test_what_a_rollout_func_returns_is_checked_before_training(
         trainer.trainer.collect_batch()
     assert "\n" not in str(refused.value)
     assert not (tmp_path / "x").exists()
+
+
+def test_an_environment_reward_named_like_a_reward_function_is_refused(
+    tool_tokenizer, make_trainer, tmp_path, first_char_correct
+):
+    with pytest.raises(ConfigError, match="'Counter' is both a reward function and an environment"):
+        _trainer(
+            make_trainer,
+            tool_tokenizer,
+            tmp_path,
+            Counter,
+            reward_funcs={"Counter": first_char_correct},
+        )

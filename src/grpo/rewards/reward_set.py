@@ -251,6 +251,11 @@ class RewardSet:
                 cfg.overlong_weight,
             )
         for name, fn in (environment_rewards or {}).items():
+            if name in rewards.names:
+                raise ConfigError(
+                    f"rewards.funcs: {name!r} is both a reward function and an environment class whose get_reward "
+                    "scores its rollouts; their metrics would mix, so rename one"
+                )
             rewards.add(name, fn, 1.0)
         if not rewards.names:
             raise ConfigError(
