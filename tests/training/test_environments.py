@@ -488,3 +488,42 @@ def test_an_environment_reward_named_like_a_reward_function_is_refused(
             Counter,
             reward_funcs={"Counter": first_char_correct},
         )
+
+
+def test_a_reset_that_hangs_stops_the_run_within_the_timeout(
+    tool_tokenizer, make_trainer, tmp_path
+):
+    import threading
+    import time
+
+    release = threading.Event()
+
+    class Stuck:
+        def reset(self, **row):
+            if Stuck.armed:
+                release.wait(30)  # a reset that never returns (released when the test ends)
+
+    Stuck.armed = False
+    trainer = _trainer(make_trainer, tool_tokenizer, tmp_path, Stuck, ["rollout.tool_timeout=0.5"])
+    Stuck.armed = True
+    started = time.monotonic()
+    try:
+        with pytest.raises(ConfigError, match=r"Stuck.reset did not return within 0.5 s"):
+            trainer.sample(trainer.task.train_rows[:1], 2, trainer.sampling, [1])
+    finally:
+        release.set()
+    assert time.monotonic() - started < 5
+
+
+def test_an_environment_method_without_a_schema_is_refused_naming_it(
+    tool_tokenizer, make_trainer, tmp_path
+):
+    class Vague:
+        def reset(self, **row):
+            return None
+
+        def poke(self, x):
+            return x
+
+    with pytest.raises(ConfigError, match=r"environment_factory: Vague.poke: no JSON schema"):
+        _trainer(make_trainer, tool_tokenizer, tmp_path, Vague)

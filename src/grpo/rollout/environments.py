@@ -9,7 +9,9 @@ their type hints and docstrings like any tool (grpo.rollout.tools).
 - `reset(**row)` is called before the completion's prompt is rendered, with the dataset row's
   columns (`prompt` among them; with several environments, without the `environment` column
   that chose this one). It returns None, or a string that is appended to the prompt's last
-  message (to the text, for a text prompt): the task it sets.
+  message (to the text, for a text prompt): the task it sets. It may be async; one that does
+  not return within rollout.tool_timeout, raises, or returns anything else stops the run with
+  one line naming the class and the row, rather than hanging it or training on a broken task.
 - `get_reward()`, when the environment has one, scores the finished rollout from the state
   its tool calls left: each environment class with `get_reward` is one more reward function,
   named after the class, weight 1, after the run's own (a rollout of another environment gets
@@ -36,6 +38,7 @@ new process.
 from __future__ import annotations
 
 import inspect
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -79,7 +82,9 @@ class Environments:
     row), a pool of instances of each, the tools each offers and the reward functions of those
     that score themselves (module docstring)."""
 
-    def __init__(self, factories, tools: dict[str, Tool] | None = None):
+    def __init__(
+        self, factories, tools: dict[str, Tool] | None = None, reset_timeout: float = 60.0
+    ):
         if isinstance(factories, dict):
             if not factories:
                 raise ConfigError(
@@ -89,6 +94,9 @@ class Environments:
         else:
             self.factories = {None: factories}
         self.multi = None not in self.factories
+        self.reset_timeout = reset_timeout
+        """Seconds a reset may take (rollout.tool_timeout): one that takes longer stops the run
+        with the fix, rather than hanging it."""
         self.standalone = dict(tools or {})
         self.pool: dict[str | None, list] = {}
         """Each environment's instances, reused batch after batch (the probe is the first)."""
@@ -115,17 +123,15 @@ class Environments:
                 self.scoring_classes.append(type(probe))
 
     @classmethod
-    def from_config(cls, spec, tools: dict[str, Tool]) -> "Environments":
+    def from_config(cls, spec, tools: dict[str, Tool], reset_timeout: float) -> "Environments":
         """From rollout.environment: 'module:Factory', or environment names mapped to such names."""
         if isinstance(spec, dict):
-            return cls(
-                {
-                    name: load_callable(value, f"rollout.environment.{name}")
-                    for name, value in spec.items()
-                },
-                tools,
-            )
-        return cls(load_callable(spec, "rollout.environment"), tools)
+            factories = {
+                name: load_callable(value, f"rollout.environment.{name}")
+                for name, value in spec.items()
+            }
+            return cls(factories, tools, reset_timeout)
+        return cls(load_callable(spec, "rollout.environment"), tools, reset_timeout)
 
     def _make(self, name: str | None):
         factory = self.factories[name]
@@ -148,7 +154,14 @@ class Environments:
         for method in method_names(environment):
             key = (type(environment), method)
             if key not in self._schemas:
-                self._schemas[key] = as_tool(getattr(environment, method)).schema
+                try:
+                    self._schemas[key] = as_tool(getattr(environment, method)).schema
+                except ConfigError as error:  # as_tool names rollout.tools: name the class instead
+                    raise ConfigError(
+                        f"environment_factory: {type(environment).__name__}.{method}: {error}".replace(
+                            f"rollout.tools: {method}: ", ""
+                        )
+                    ) from None
                 if method in tools:
                     raise ConfigError(
                         f"environment_factory: {type(environment).__name__}.{method} has the name of another "
@@ -192,7 +205,7 @@ class Environments:
                     pool.append(self._make(name))
                 taken[name] = k + 1
                 environment = pool[k]
-                observation = _reset(environment, arguments, i)
+                observation = _reset(environment, arguments, i, self.reset_timeout)
                 episodes.append(Episode(name, environment, self.tools_of(environment), observation))
         return episodes
 
@@ -225,14 +238,30 @@ def with_observation(row: Row, observation: str | None) -> Row:
     return {**row, "prompt": list(prompt[:-1]) + [{**last, "content": content}]}
 
 
-def _reset(environment, arguments: dict, i: int) -> str | None:
+def _reset(environment, arguments: dict, i: int, timeout: float) -> str | None:
     label = f"{type(environment).__name__}.reset"
-    try:
-        observation = environment.reset(**arguments)
-    except Exception as error:
+    box: dict[str, Any] = {}
+
+    def run():
+        try:
+            box["observation"] = _awaited(environment.reset(**arguments))
+        except BaseException as error:  # SystemExit too: reported, not the thread's end
+            box["error"] = error
+
+    thread = threading.Thread(target=run, daemon=True, name="grpo-environment-reset")
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise ConfigError(
+            f"rollout.environment: {label} did not return within {timeout:g} s (rollout.tool_timeout; row {i} "
+            "of the batch); make it return, or raise rollout.tool_timeout"
+        )
+    if "error" in box:
+        error = box["error"]
         raise ConfigError(
             f"rollout.environment: {label} raised {type(error).__name__}: {error} (row {i} of the batch)"
         ) from error
+    observation = box.get("observation")
     if observation is not None and not isinstance(observation, str):
         raise ConfigError(
             f"rollout.environment: {label} returned a {type(observation).__name__}; return None or a string "

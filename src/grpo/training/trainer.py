@@ -513,9 +513,10 @@ class Trainer:
             return None
         from grpo.rollout.environments import Environments
 
+        timeout = self.cfg.rollout.tool_timeout
         if self.environment_factory is not None:
-            return Environments(self.environment_factory, tools)
-        return Environments.from_config(spec, tools)
+            return Environments(self.environment_factory, tools, timeout)
+        return Environments.from_config(spec, tools, timeout)
 
     def _tools(self) -> dict:
         """The tools of rollout.tools and those passed in, by name (grpo.rollout.tools)."""
