@@ -3,7 +3,7 @@
 `Trainer.train_step` is one step: its phases in the order of GRPO's data flow, each
 timed under its name in metrics.jsonl (time/<phase>; docs/architecture.md is the map):
 
-    generate    G completions of each of the step's prompts         engine.generate (grpo.rollout)
+    generate    G completions of each of the step's prompts         Trainer.sample (grpo.training.sampling)
     rewards     each completion scored; the loss mask                 Trainer.score (grpo.rewards)
     filter      DAPO: more rounds until enough groups vary            dynamic_sampling only
     reference   pi_old (num_iterations > 1) and pi_ref logprobs       update.batch_logprobs
@@ -70,6 +70,7 @@ from grpo.sandbox import take_counts
 from grpo.tasks import Task, load_task
 from grpo.tasks.data import PromptEncoder, Row, check_columns, is_conversational
 from grpo.tasks.scorers import AnswerScorer, RewardScorer, has_integer_answers
+from grpo.training import sampling
 from grpo.training.batching import GenerationBatch, groups_with_spread, keep_groups_with_spread
 from grpo.training.callbacks import Callbacks
 from grpo.training.critic import Critic
@@ -197,8 +198,8 @@ class Trainer:
             raise ConfigError("no training rows")
         columns = check_columns(self.task.train_rows, "training rows") - {"prompt"}
         check_columns(self.task.eval_rows, "held-out rows")
-        tools = self._tools()
-        self.environments = self._environments(tools)
+        tools = sampling.configured_tools(cfg, self.tool_functions)
+        self.environments = sampling.configured_environments(cfg, self.environment_factory, tools)
         """The rollouts' environments (grpo.rollout.environments), or None."""
         self.episodes: list = []
         """The last batch's episodes: each completion's environment (TRL's trainer.environments)."""
@@ -256,7 +257,9 @@ class Trainer:
         d, r = cfg.data, cfg.rollout
         template_kwargs = d.chat_template_kwargs
         if tools or self.environments is not None:
-            self.engine = _tool_engine(cfg, tools, self.model, tokenizer, self.backend.decoding)
+            self.engine = sampling.tool_engine(
+                cfg, tools, self.model, tokenizer, self.backend.decoding
+            )
         if tools and self.environments is None:
             # the prompt offers the tools, as the chat template writes them (an environment's
             # prompts offer its own: Trainer.sample)
@@ -469,68 +472,21 @@ class Trainer:
 
     def sample(self, rows: list[Row], G: int, params: SamplingParams, seeds) -> tuple:
         """G completions of each row's prompt: the rollout, and what `score` needs beside it
-        (keyword arguments). With environments each completion's own is reset first (its
-        observation added to its prompt, which offers its environment's tools), and its calls go
-        to it: `episodes`. With a rollout_func, the rollout is its (grpo.rollout.custom), and
-        what else it returned goes to the reward functions: `columns`."""
-        if self.rollout_func is not None:
-            from grpo.rollout.custom import custom_rollout
-
-            policy = getattr(self.model, "module", self.model)  # under DDP: the module it wraps
-
-            rollout, columns = custom_rollout(
-                self.rollout_func,
-                [row["prompt"] for row in rows for _ in range(G)],
-                self,
-                vocab_size=policy.get_input_embeddings().weight.shape[0],
-                max_completion_length=params.max_new_tokens,
-                pad_token_id=self.engine.pad_token_id,
-                eos_token_ids=self.engine.eos_token_ids,
-            )
-            return rollout, {"columns": columns}
-        if self.environments is None:
-            return self.engine.generate(self.encode(rows), G, params, seeds), {}
-        from grpo.rollout.environments import with_observation
-
-        episodes = self.environments.start(rows, G)
-        prompts: list = [None] * len(episodes)
-        for name, schemas in self.environments.schemas.items():
-            mine = [i for i, episode in enumerate(episodes) if episode.name == name]
-            if not mine:
-                continue
-            observed = [with_observation(rows[i // G], episodes[i].observation) for i in mine]
-            for i, ids in zip(mine, self.prompts(observed, tools=schemas)):
-                prompts[i] = ids
-        self.episodes = episodes
-        return self.engine.generate(prompts, G, params, seeds, episodes=episodes), {
-            "episodes": episodes
-        }
-
-    def _environments(self, tools: dict):
-        """The environments of environment_factory or rollout.environment (grpo.rollout.environments)."""
-        spec = self.environment_factory or self.cfg.rollout.environment
-        if spec is None:
-            return None
-        from grpo.rollout.environments import Environments
-
-        timeout = self.cfg.rollout.tool_timeout
-        if self.environment_factory is not None:
-            return Environments(self.environment_factory, tools, timeout)
-        return Environments.from_config(spec, tools, timeout)
-
-    def _tools(self) -> dict:
-        """The tools of rollout.tools and those passed in, by name (grpo.rollout.tools)."""
-        specs = self.cfg.rollout.tools + self.tool_functions
-        if not specs:
-            return {}
-        from grpo.rollout.tools import build_tools
-
-        r = self.cfg.rollout
-        if "python" in specs:  # fail now, naming the fix, when the sandbox cannot run programs here
-            from grpo.rewards.code import CodeRunner
-
-            CodeRunner(self.cfg.rewards.sandbox).check()
-        return build_tools(specs, self.cfg.rewards.sandbox, r.tool_timeout)
+        (keyword arguments; grpo.training.sampling.sample)."""
+        rollout, context = sampling.sample(
+            rows,
+            G,
+            params,
+            seeds,
+            engine=self.engine,
+            prompts=self.prompts,
+            environments=self.environments,
+            rollout_func=self.rollout_func,
+            caller=self,
+            model=self.model,
+        )
+        self.episodes = context.get("episodes", self.episodes)
+        return rollout, context
 
     def advantages(
         self, batch: GenerationBatch, values: torch.Tensor | None
@@ -1036,16 +992,3 @@ def _task(cfg: Config, train_rows: list[Row] | None, eval_rows: list[Row] | None
     eval_rows = eval_rows or []
     scorer = AnswerScorer() if has_integer_answers(eval_rows) else RewardScorer()
     return Task("rows", train_rows, eval_rows, scorer)
-
-
-def _tool_engine(cfg: Config, tools: dict, model, tokenizer, decoding):
-    """The multi-turn engine (grpo.rollout.multiturn.ToolEngine) around the configured one."""
-    from grpo.rollout.multiturn import ToolEngine
-    from grpo.rollout.tools import ToolRunner
-
-    r = cfg.rollout
-    inner = create_engine(
-        r.engine, model, tokenizer, ToolEngine.inner_config(cfg, tokenizer), decoding
-    )
-    runner = ToolRunner(tools, r.tool_timeout, r.tool_output_chars, r.tool_isolation)
-    return ToolEngine(inner, tokenizer, runner, r.max_tool_calls, cfg.data.chat_template_kwargs)
