@@ -306,3 +306,48 @@ class ForcedCalls:
 def forced_calls_fixture():
     """The ForcedCalls class (a test engine that writes given calls in chosen turns)."""
     return ForcedCalls
+
+
+LOOKUP_TOOL = '''
+TABLE = {"a": "1", "b": "2", "c": "3", "d": "4", "e": "5", "f": "6", "g": "7"}
+
+
+def lookup(key: str) -> str:
+    """The value stored under a key.
+
+    Args:
+        key: One letter, a to g.
+    """
+    return TABLE[key]  # any other key raises: a failed call
+'''
+
+
+def _save_tool_model(directory):
+    """A tiny random model (1 layer of 32) and TOOL_TEMPLATE's character tokenizer, saved to
+    `directory`/model, and the tool `lookup` in `directory`/mytools.py; returns the model's
+    directory. Each call of the tool is one added token (keys a..g, and z, which fails): a
+    random model writes one of these 8 in 100 tokens about 7 times in 100, so calls happen in
+    every step of a few dozen tokens' completions, without forcing a turn, and a run given the
+    saved model by name (`grpo train`, torchrun's ranks) makes them."""
+    from tokenizers import AddedToken
+
+    tok = char_tokenizer()
+    tok.chat_template = TOOL_TEMPLATE
+    calls = [
+        f'<tool_call>{{"name": "lookup", "arguments": {{"key": "{key}"}}}}</tool_call>'
+        for key in "abcdefgz"
+    ]
+    tok.add_tokens([AddedToken(call, special=False, normalized=False) for call in calls])
+    model = tiny_model(tok, hidden_size=32, num_layers=1, seed=0)
+    model.save_pretrained(directory / "model")
+    tok.save_pretrained(directory / "model")
+    (directory / "mytools.py").write_text(LOOKUP_TOOL)
+    return directory / "model"
+
+
+@pytest.fixture(scope="session")
+def save_tool_model():
+    """save_tool_model(directory): a tiny model whose random sampling calls a tool, saved to
+    directory/model (returned), with its tool in directory/mytools.py (`mytools.py:lookup` in a
+    config beside it); see _save_tool_model."""
+    return _save_tool_model

@@ -25,7 +25,8 @@ from grpo.training.metrics import sum_counts
 from grpo.training.trainer import Trainer
 
 HERE = Path(__file__).resolve().parent
-TIMING = ("time/", "tokens_per_second")
+# tools/seconds: the seconds spent in tool calls, a timing like those under time/
+TIMING = ("time/", "tokens_per_second", "tools/seconds")
 
 REWARDS = '''
 def third(completions, **kwargs):
@@ -99,6 +100,20 @@ CASES = {
 
 TWO_RANKS = ["training.per_device_train_batch_size=8"]
 
+# A run whose model calls a tool (tests/conftest.py's save_tool_model: each call one added token
+# a random model samples; the tool a file beside the config, loaded by every rank), trained in
+# the same torchrun launch as CASES. dapo's token count, two passes' old log-probs and the KL
+# reference all run over completions whose tool results are masked out of the loss.
+TOOLS = [
+    "data.chat_template=auto",
+    "rollout.tools=[mytools.py:lookup]",
+    "rollout.max_completion_length=24",  # a call and its result (18 tokens), and a reply
+    "algorithm.loss_type=dapo",
+    "algorithm.num_iterations=2",
+    "algorithm.beta=0.04",
+    "eval.every=2",  # the held-out completions call the tool too, between steps
+]
+
 
 def _two_ranks(name: str) -> list[str]:
     return CASES[name] + TWO_RANKS + (["training.sharding=fsdp"] if name.startswith("fsdp") else [])
@@ -153,13 +168,16 @@ def _torchrun(args: list[str], env: dict | None = None) -> subprocess.CompletedP
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    """Every case trained on 2 ranks (and the resume case's uninterrupted run): name -> run dir."""
+def two_ranks(tmp_path_factory, save_tool_model):
+    """Every case trained on 2 ranks (and the resume case's uninterrupted run), and the run with
+    tools: name -> run dir."""
     tmp = tmp_path_factory.mktemp("two_ranks")
     paths = [_config(tmp, name, _two_ranks(name)) for name in CASES]
+    tools = [*TOOLS, *TWO_RANKS, f"model.name={save_tool_model(tmp)}"]
+    paths.append(_config(tmp, "tools", tools))
     done = _torchrun([str(HERE / "distributed_driver.py"), *map(str, paths)])
     assert done.returncode == 0, done.stderr[-3000:]
-    return {name: tmp / name for name in CASES}
+    return {name: tmp / name for name in [*CASES, "tools"]}
 
 
 def _rows(path: Path) -> list[dict]:
@@ -213,6 +231,30 @@ def test_two_ranks_compute_one_process_run(name, two_ranks, tmp_path):
     assert any(h["reward_std"] > 0 for h in history) and history[-1]["grad_norm"] > 0
     if "dynamic" in name:  # dynamic sampling drew more than one round at least once
         assert max(h["sampling/rounds"] for h in history) > 1
+
+
+def test_two_ranks_with_tools_compute_one_process_run(two_ranks, save_tool_model, tmp_path):
+    """Each rank runs its own completions' calls (in processes forked from it): the same calls,
+    results, completions and tool metrics as one process, and the same training."""
+    one = tmp_path / "tools"
+    Trainer(
+        config.load(_config(tmp_path, "tools", [*TOOLS, f"model.name={save_tool_model(tmp_path)}"]))
+    ).train()
+    two = two_ranks["tools"]
+    assert _rows(two / "samples.jsonl") == _rows(one / "samples.jsonl")
+    assert _rows(two / "eval.jsonl") == _rows(one / "eval.jsonl")
+    history = _rows(one / "metrics.jsonl")
+    # calls happened, some failed (key z): the tool metrics compared below count both
+    assert all(h["tools/call_frequency"] > 0 for h in history), history
+    assert any(h["tools/failure_frequency"] > 0 for h in history), history
+    tools = lambda rows: [  # noqa: E731
+        {k: v for k, v in r.items() if k.startswith("tools/") and k != "tools/seconds"}
+        for r in rows
+    ]
+    assert tools(_rows(two / "metrics.jsonl")) == tools(history)
+    _assert_close_metrics(_rows(two / "metrics.jsonl"), history)
+    _assert_close_weights(two, one, atol=1e-4, mean_atol=1e-6)
+    assert any(h["reward_std"] > 0 for h in history) and history[-1]["grad_norm"] > 0
 
 
 @pytest.mark.parametrize("name", ["dapo_dynamic", "fsdp_dapo_dynamic"])

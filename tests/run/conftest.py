@@ -19,7 +19,8 @@ from grpo.config import schema as config
 from grpo.run import runlog
 
 ROOT = Path(__file__).resolve().parents[2]
-TIMING = ("time/", "tokens_per_second")
+# tools/seconds: the seconds spent in tool calls, a timing like those under time/
+TIMING = ("time/", "tokens_per_second", "tools/seconds")
 
 BASE = {
     "model": {"name": "tiny", "tiny_hidden_size": 32, "tiny_num_layers": 1},
