@@ -297,13 +297,6 @@ TOOLS = [
 ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="an evaluation's tool counts are added to the next step's tools/* metrics (the "
-    "engine's counts are not dropped when a step starts), so a run resumed from the checkpoint "
-    "written right after an evaluation logs that step's call_frequency and turns_mean without them",
-)
 def test_killed_and_resumed_with_tools_is_the_uninterrupted_run(
     tmp_path, save_tool_model, write_config, run_grpo, read_rows, assert_same_run
 ):

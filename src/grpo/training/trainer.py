@@ -371,6 +371,9 @@ class Trainer:
         take_counts()  # the step's sandbox and reward-failure counts are its own, not those of
         self.rewards.step_failures()  # the set-up's checks or an evaluation between steps
         self.rewards.take_logged_metrics()  # and so is what its reward functions log
+        take_tool_counts = getattr(self.engine, "take_counts", None)
+        if take_tool_counts is not None:  # and so are its tool calls: an evaluation's are not its
+            take_tool_counts()
         # generate -> rewards (-> filter: dynamic sampling's rounds)
         batch = self.collect_batch(timer)
         faults.reached("step")
