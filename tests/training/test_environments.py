@@ -7,6 +7,7 @@ import json
 import textwrap
 
 import pytest
+import torch
 
 from grpo.config import schema
 from grpo.models.tiny import tiny_model
@@ -527,3 +528,25 @@ def test_an_environment_method_without_a_schema_is_refused_naming_it(
 
     with pytest.raises(ConfigError, match=r"environment_factory: Vague.poke: no JSON schema"):
         _trainer(make_trainer, tool_tokenizer, tmp_path, Vague)
+
+
+def test_resume_with_environments_is_exact(tool_tokenizer, make_trainer, tmp_path, ForcedCalls):
+    """Every rollout's environment is reset from its row first, so nothing is pending between
+    steps: a run resumed from a checkpoint, with new instances, is the uninterrupted run (the
+    environment's own reward included)."""
+    steps = ["training.max_steps=4", "training.save_steps=2"]
+
+    def trainer(path, overrides, **kwargs):
+        made = _trainer(make_trainer, tool_tokenizer, path, Counter, overrides, **kwargs)
+        made.engine.inner = ForcedCalls(made.engine.inner, tool_tokenizer, INCREMENT)
+        return made
+
+    full = trainer(tmp_path / "a", steps)
+    full_history = full.train()
+    trainer(tmp_path / "b", [*steps, "training.max_steps=2"]).train()
+    resumed = trainer(tmp_path / "b", steps, resume=tmp_path / "b" / "run" / "checkpoint-2")
+    resumed_history = resumed.train()
+    for key in ("reward", "rewards/Counter/mean", "tools/call_frequency"):
+        assert [m[key] for m in resumed_history] == [m[key] for m in full_history[2:]], key
+    for a, b in zip(full.model.parameters(), resumed.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
