@@ -18,6 +18,7 @@ steps, the same computation in fewer, larger operations (tests/cpu/test_fused_de
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -530,20 +531,11 @@ class TransformersEngine:
         try:
             with torch.no_grad(), bf16_autocast(self.device, self.bf16):
                 replaced = vars(self.model).get("generate")
-                if callable(replaced):
-                    return generate_with(
-                        replaced,
-                        prompts,
-                        num_generations,
-                        params,
-                        eos_token_ids=self.eos_token_ids,
-                        pad_token_id=self.pad_token_id,
-                        seeds=seeds,
-                        stop=self.stop,
-                        device=self.device,
-                    )
-                return generate(
-                    self.model,
+                if callable(replaced):  # generate_with: the replacement samples
+                    sampler = functools.partial(generate_with, replaced, device=self.device)
+                else:
+                    sampler = functools.partial(generate, self.model, decoding=self.decoding)
+                return sampler(
                     prompts,
                     num_generations,
                     params,
@@ -551,7 +543,6 @@ class TransformersEngine:
                     pad_token_id=self.pad_token_id,
                     seeds=seeds,
                     stop=self.stop,
-                    decoding=self.decoding,
                 )
         finally:
             self.model.train(was_training)
