@@ -133,6 +133,13 @@ def test_wrong_paths(tmp_path):
 def test_hub_name_offline_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    # huggingface_hub and datasets read the variables when imported: an earlier test may have
+    # imported them, and they would then try the network (tens of seconds to time out here)
+    import datasets
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     with pytest.raises(
         ConfigError,
         match=r"data.train_file: cannot load the hub dataset no-such-owner/no-such-set "
