@@ -294,31 +294,6 @@ def test_a_tiny_model_learns_to_call_a_tool(tool_tokenizer, make_trainer, tmp_pa
     assert sum(rewards[last]) / 3 > sum(rewards[first]) / 3 + 0.25, rewards
 
 
-def test_resume_with_tools_is_exact(tool_tokenizer, make_trainer, tmp_path, ForcedCalls):
-    """Nothing of a rollout is pending between steps (a completion's turns all happen in its
-    step), so a run resumed from a checkpoint with tools is the uninterrupted run."""
-    steps = ["training.max_steps=4", "training.save_steps=2"]
-    full = _tool_trainer(make_trainer, tool_tokenizer, tmp_path / "a", ForcedCalls, steps)
-    full_history = full.train()
-    cut = _tool_trainer(
-        make_trainer, tool_tokenizer, tmp_path / "b", ForcedCalls, [*steps, "training.max_steps=2"]
-    )
-    cut.train()
-    resumed = make_trainer(
-        tool_tokenizer,
-        tmp_path / "b",
-        OVERRIDES + steps,
-        hidden=32,
-        tools=[calculator],
-        resume=tmp_path / "b" / "run" / "checkpoint-2",
-    )
-    resumed.engine.inner = ForcedCalls(resumed.engine.inner, tool_tokenizer, CALL)
-    resumed_history = resumed.train()
-    assert [m["reward"] for m in resumed_history] == [m["reward"] for m in full_history[2:]]
-    for a, b in zip(full.model.parameters(), resumed.model.parameters()):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-
-
 def test_tools_with_dynamic_sampling_lora_and_evaluation(
     tool_tokenizer, make_trainer, tmp_path, ForcedCalls
 ):
