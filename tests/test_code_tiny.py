@@ -18,6 +18,7 @@ if sandbox.bwrap_path() is None and not os.environ.get("GRPO_REQUIRE_SANDBOX"):
     pytest.skip("bubblewrap is not installed (make test installs it)", allow_module_level=True)
 
 
+@pytest.mark.slow  # about 45 s: make test-slow
 def test_code_tiny_example_learns(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     run = tmp_path / "run"

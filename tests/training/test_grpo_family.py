@@ -40,7 +40,17 @@ def test_each_preset_learns(tokenizer, tmp_path, preset, make_trainer):
         assert "sampling/rounds" in history[-1]
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce_pp"])
+@pytest.mark.parametrize(
+    "estimator",
+    [
+        # grpo's and dr_grpo's estimators are those of the presets of their names, which learn in
+        # test_each_preset_learns: these two run in make test-slow
+        pytest.param("grpo", marks=pytest.mark.slow),
+        pytest.param("dr_grpo", marks=pytest.mark.slow),
+        "rloo",
+        "reinforce_pp",
+    ],
+)
 def test_each_outcome_estimator_learns(tokenizer, tmp_path, estimator, make_trainer):
     _, history = learns(
         make_trainer, tokenizer, tmp_path, [f"algorithm.advantage_estimator={estimator}"]
