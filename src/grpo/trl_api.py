@@ -796,9 +796,8 @@ class GRPOTrainer:
         else:
             train_rows = _rows(train_dataset, "train_dataset")
             self.config = self.args.to_config(len(train_rows), lora)
-        if (
-            environment_factory is not None
-        ):  # TRL's default prompt when an environment sets the task
+        # TRL's default prompt, for rows an environment sets the task of
+        if environment_factory is not None:
             train_rows = [
                 {"prompt": [{"role": "user", "content": ""}], **row} for row in train_rows
             ]
