@@ -260,8 +260,9 @@ def test_two_ranks_with_tools_compute_one_process_run(two_ranks, save_tool_model
 @pytest.mark.parametrize(
     "name",
     [
-        "dapo_dynamic",
-        # FSDP's resume (the gathered weights and optimizer state): half a minute more, in make test-slow
+        # a kill and a resume under torchrun: about half a minute each, in make test-slow (the
+        # single-process kill-and-resume tests, tests/run/test_resume.py, are in the default suite)
+        pytest.param("dapo_dynamic", marks=pytest.mark.slow),
         pytest.param("fsdp_dapo_dynamic", marks=pytest.mark.slow),
     ],
 )

@@ -530,6 +530,7 @@ def test_an_environment_method_without_a_schema_is_refused_naming_it(
         _trainer(make_trainer, tool_tokenizer, tmp_path, Vague)
 
 
+@pytest.mark.slow  # ten seconds; the SIGKILL resume with tools (tests/run) is in the default suite
 def test_resume_with_environments_is_exact(tool_tokenizer, make_trainer, tmp_path, ForcedCalls):
     """Every rollout's environment is reset from its row first, so nothing is pending between
     steps: a run resumed from a checkpoint, with new instances, is the uninterrupted run (the

@@ -24,7 +24,16 @@ def learns(make_trainer, tokenizer, tmp_path, overrides, steps=100):
     return trainer, history
 
 
-@pytest.mark.parametrize("preset", ["grpo", "dr_grpo", "dapo", "gspo"])
+@pytest.mark.parametrize(
+    "preset",
+    # dr_grpo's and gspo's runs (a few seconds each) are in make test-slow
+    [
+        "grpo",
+        pytest.param("dr_grpo", marks=pytest.mark.slow),
+        "dapo",
+        pytest.param("gspo", marks=pytest.mark.slow),
+    ],
+)
 def test_each_preset_learns(tokenizer, tmp_path, preset, make_trainer):
     overrides = [f"algorithm.preset={preset}"]
     if preset == "gspo":
