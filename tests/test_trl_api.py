@@ -264,6 +264,7 @@ CHANGES = {
     "num_train_epochs": (1.0, {}),
     "seed": (1, {}),
     "data_seed": (7, {}),
+    "shuffle_dataset": (False, {}),
     "bf16": (False, {}),
     "gradient_checkpointing": (False, {}),
     "activation_checkpointing": (False, {}),
@@ -407,7 +408,6 @@ def test_refused_and_ignored_fields():
         # switches left off: nothing to warn about
         GRPOConfig(push_to_hub=False, hub_always_push=False)
     for field_name, value in [
-        ("shuffle_dataset", False),
         ("disable_dropout", True),
         ("steps_per_generation", 4),
     ]:

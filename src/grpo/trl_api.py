@@ -131,7 +131,8 @@ class _Fields:
     adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8
     shuffle_dataset: bool = True
-    """Only True: grpo draws prompts in a shuffled order, reshuffled every epoch."""
+    """Draw the prompts in a shuffled order, reshuffled every epoch (data_seed); False: in the
+    dataset's order (data.shuffle)."""
     disable_dropout: bool = False
     """Only False: the update runs the model in training mode, with whatever dropout it was built with."""
     optim: str = "adamw_torch_fused"
@@ -283,10 +284,6 @@ class GRPOConfig(_Fields):
             raise ConfigError(
                 "GRPOConfig.steps_per_generation: grpo generates once per gradient_accumulation_steps micro-steps; "
                 "leave it unset (use num_iterations to reuse a generation batch)"
-            )
-        if not self.shuffle_dataset:
-            raise ConfigError(
-                "GRPOConfig.shuffle_dataset=False: grpo always shuffles the prompts (with data_seed); remove it"
             )
         if self.disable_dropout:
             raise ConfigError(
@@ -461,6 +458,7 @@ MAPPING: dict[str, tuple[str, Callable[[GRPOConfig, int | None], Any] | None]] =
     "num_train_epochs": ("training.max_steps", lambda a, n: a.steps(n)),
     "seed": ("training.seed", None),
     "data_seed": ("data.seed", lambda a, n: a.seed if a.data_seed is None else a.data_seed),
+    "shuffle_dataset": ("data.shuffle", lambda a, n: a.shuffle_dataset),
     "bf16": ("training.bf16", lambda a, n: True if a.bf16 is None else a.bf16),
     "gradient_checkpointing": (
         "training.gradient_checkpointing",
@@ -519,7 +517,6 @@ CHECKED_ONLY = (
     "generation_kwargs",
     "generation_batch_size",
     "steps_per_generation",
-    "shuffle_dataset",
     "disable_dropout",
     "optim",
     "vllm_mode",

@@ -171,3 +171,15 @@ def test_chat_template_kwargs_reach_the_template(tokenizer):
     )
     _, ids = encode_prompts([{"prompt": messages}], tokenizer, True, None, None, off)
     assert tokenizer.decode(ids[0]) == "<user>hi<assistant><think></think>"
+
+
+def test_prompt_sampler_without_shuffle_keeps_the_rows_order_and_resumes():
+    rows = [{"prompt": str(i)} for i in range(4)]
+    sampler = PromptSampler(len(rows), seed=3, shuffle=False)
+    taken = [r["prompt"] for r in sampler.take(rows, 6)]
+    assert taken == ["0", "1", "2", "3", "0", "1"]
+    saved = json.loads(json.dumps(sampler.state_dict()))
+    restored = PromptSampler(len(rows), seed=3, state=saved, shuffle=False)
+    assert restored.take(rows, 5) == sampler.take(rows, 5)
+    with pytest.raises(ConfigError, match="data.shuffle"):
+        PromptSampler(len(rows), seed=3, state=saved, shuffle=True)

@@ -223,6 +223,9 @@ class DataConfig:
     """Text put before every plain-text prompt (worked examples for base models)."""
     seed: int = 0
     """Seed of the problem generator and of the prompt order."""
+    shuffle: bool = True
+    """Draw the training rows in a fresh shuffled order each epoch (from `seed`); false: in
+    the rows' own order, epoch after epoch (TRL's shuffle_dataset=False)."""
     arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
 
     def check(self, cfg: "Config", world_size: int = 1) -> None:

@@ -239,8 +239,9 @@ def read_jsonl(path: str | Path, prompt_column: str) -> list[Row]:
 
 
 class PromptSampler:
-    """Rows in a fresh shuffled order each epoch, forever, deterministic in `seed`, with
-    a position that can be saved (`state_dict`) and restored (the `state` argument).
+    """Rows in a fresh shuffled order each epoch, forever, deterministic in `seed` (or, with
+    `shuffle` off, in the rows' own order every epoch), with a position that can be saved
+    (`state_dict`) and restored (the `state` argument).
 
     The order of epoch e is a shuffle by a random.Random seeded with the seed and
     advanced by the shuffles of the epochs before it; the state keeps that
@@ -249,10 +250,12 @@ class PromptSampler:
     stopped.
     """
 
-    def __init__(self, num_rows: int, seed: int, state: dict[str, Any] | None = None):
+    def __init__(
+        self, num_rows: int, seed: int, state: dict[str, Any] | None = None, shuffle: bool = True
+    ):
         if num_rows < 1:
             raise ConfigError("no training rows")
-        self.num_rows, self.seed = num_rows, seed
+        self.num_rows, self.seed, self.shuffle = num_rows, seed, shuffle
         self._rng = random.Random(f"prompt-order-{seed}")
         self.epoch, self.position = 0, 0
         if state is not None:
@@ -260,6 +263,12 @@ class PromptSampler:
                 raise ConfigError(
                     f"the saved prompt order is for {state['num_rows']} rows with data.seed={state['seed']}, "
                     f"not {num_rows} rows with data.seed={seed}; restore with the same data and data.seed"
+                )
+            # a checkpoint from before data.shuffle existed was shuffled
+            if state.get("shuffle", True) != shuffle:
+                raise ConfigError(
+                    f"the saved prompt order has data.shuffle={state.get('shuffle', True)}, the config "
+                    f"{shuffle}; restore with the same data.shuffle"
                 )
             version, internal, gauss = state["rng_before_epoch"]
             self._rng.setstate((version, tuple(internal), gauss))
@@ -269,7 +278,8 @@ class PromptSampler:
     def _shuffle(self) -> None:
         self._rng_before_epoch = self._rng.getstate()
         self._order = list(range(self.num_rows))
-        self._rng.shuffle(self._order)
+        if self.shuffle:
+            self._rng.shuffle(self._order)
 
     def next_index(self) -> int:
         if self.position == self.num_rows:
@@ -287,6 +297,7 @@ class PromptSampler:
         return {
             "num_rows": self.num_rows,
             "seed": self.seed,
+            "shuffle": self.shuffle,
             "epoch": self.epoch,
             "position": self.position,
             "rng_before_epoch": [version, list(internal), gauss],

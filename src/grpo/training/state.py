@@ -125,7 +125,10 @@ class TrainState:
         torch.manual_seed(t.seed)
         generator = torch.Generator(device=device).manual_seed(t.seed)
         sampler = PromptSampler(
-            num_rows, cfg.data.seed, state=restore["sampler"] if restore else None
+            num_rows,
+            cfg.data.seed,
+            state=restore["sampler"] if restore else None,
+            shuffle=cfg.data.shuffle,
         )
         state = cls(0, 0, optimizer, scheduler, sampler, generator, optimizer_state or optimizer)
         state.entropy = EntropyControl(cfg.algorithm.entropy_coef)
