@@ -856,6 +856,8 @@ class GRPOTrainer:
             rollout_func=None
             if rollout_func is None
             else partial(_call_rollout_func, rollout_func, self),
+            # TRL raises for a row naming no environment in train(): checked when train() starts
+            check_environment_rows=False,
         )
         from grpo.run import checkpoint
         from grpo.training.trainer import Trainer
@@ -972,6 +974,7 @@ class GRPOTrainer:
     def train(self, resume_from_checkpoint: str | bool | None = None):
         """Trains to max_steps; `resume_from_checkpoint`: a checkpoint directory, or True for the
         latest one in output_dir. Returns TRL's TrainOutput-like (global_step, training_loss, metrics)."""
+        self.trainer.check_environment_rows()
         if resume_from_checkpoint:
             self._resume(resume_from_checkpoint)
         elif self._holds_run:

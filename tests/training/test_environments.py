@@ -361,6 +361,18 @@ def test_trl_api_refusals_for_environments(tool_tokenizer, tmp_path, monkeypatch
             args=GRPOConfig(output_dir="x", max_steps=1),
             environment_factory={"a": Counter, "b": Echo},
         )
+    # a row naming no environment: refused when train() starts, where TRL raises, before any step
+    trainer = GRPOTrainer(
+        model=model,
+        processing_class=tool_tokenizer,
+        reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+        args=GRPOConfig(output_dir="x", max_steps=1, report_to="none", save_strategy="no"),
+        train_dataset=[{"prompt": "1+1=", "environment": "a"}, {"prompt": "x", "environment": "c"}],
+        environment_factory={"a": Counter, "b": Echo},
+    )
+    with pytest.raises(ValueError, match="row 1: environment='c' is not among the environments"):
+        trainer.train()
+    assert trainer.state.global_step == 0
 
 
 # ---------------------------------------------------------------- rollout_func

@@ -109,6 +109,7 @@ class Trainer:
         tools: list | None = None,
         environment_factory=None,
         rollout_func=None,
+        check_environment_rows: bool = True,
     ):
         """Everything that can fail on bad input fails here, before any generation.
 
@@ -132,12 +133,15 @@ class Trainer:
         rollouts, grpo.rollout.multiturn). `environment_factory`: TRL's, a factory of environments
         or factories by name, in place of rollout.environment (grpo.rollout.environments).
         `rollout_func`: TRL's, a rollout the user writes, called as rollout_func(prompts, self)
-        (grpo.rollout.custom).
+        (grpo.rollout.custom). `check_environment_rows=False` leaves the check that every row
+        names one of several environments to the caller (`check_environment_rows()`: TRL's API
+        makes it when train() starts, where TRL's own trainer raises).
         """
         self.cfg = cfg
         self.tool_functions = list(tools or [])
         self.environment_factory = environment_factory
         self.rollout_func = rollout_func
+        self._check_rows_now = check_environment_rows
         self.callbacks = (
             callbacks if isinstance(callbacks, Callbacks) else Callbacks(callbacks or (), args=cfg)
         )
@@ -204,7 +208,8 @@ class Trainer:
         self.episodes: list = []
         """The last batch's episodes: each completion's environment (TRL's trainer.environments)."""
         if self.environments is not None:
-            self.environments.check_rows(self.task.train_rows, "training rows")
+            if self._check_rows_now:
+                self.check_environment_rows()
             columns = columns | {"environments"}
         if self.rollout_func is not None and (tools or self.environments is not None):
             raise ConfigError(
@@ -653,6 +658,12 @@ class Trainer:
         }
         # what the reward functions logged (log_metric); a name of grpo's own metrics keeps grpo's
         return {**metrics, **{name: v for name, v in logged.items() if name not in metrics}}
+
+    def check_environment_rows(self) -> None:
+        """With several environments, that every training row names one (a ConfigError naming
+        the first that does not)."""
+        if self.environments is not None:
+            self.environments.check_rows(self.task.train_rows, "training rows")
 
     # ------------------------------------------------------------------ the loop
 
