@@ -25,13 +25,24 @@ def add(a: int, b: int) -> int:
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
 
 
-def _engine(tokenizer, ForcedCalls, max_length=160, max_tool_calls=3, every_turn=False):
+def _engine(
+    tokenizer,
+    ForcedCalls,
+    max_length=160,
+    max_tool_calls=3,
+    every_turn=False,
+    call=CALL,
+    answer_malformed=False,
+):
     cfg = schema.from_dict({"rollout": {"num_generations": 2, "max_completion_length": max_length}})
     model = tiny_model(tokenizer, hidden_size=32, num_layers=2, seed=3)
     inner = TransformersEngine(model, tokenizer, ToolEngine.inner_config(cfg, tokenizer))
-    forced = ForcedCalls(inner, tokenizer, CALL, every_turn=every_turn)
+    forced = ForcedCalls(inner, tokenizer, call, every_turn=every_turn)
     runner = ToolRunner(build_tools([add]), timeout=5.0, max_chars=100, isolation="thread")
-    return ToolEngine(forced, tokenizer, runner, max_tool_calls), forced
+    engine = ToolEngine(
+        forced, tokenizer, runner, max_tool_calls, answer_malformed=answer_malformed
+    )
+    return engine, forced
 
 
 def _prompt(tokenizer, engine):
@@ -105,6 +116,33 @@ def test_training_tokens_are_the_sampled_ids_plus_the_templates_tool_tokens(
         ]
     counts = engine.take_counts()
     assert counts["calls"] == 2 and counts["failures"] == 0 and counts["turns"] == 4
+
+
+@pytest.mark.parametrize("answer", [False, True])
+def test_a_call_that_cannot_be_parsed_ends_the_completion_or_is_answered(
+    answer, tool_tokenizer, ForcedCalls
+):
+    """rollout.malformed_tool_calls: `end` (TRL's) drops it, so the turn is the answer; `answer`
+    replies with the parse error and the model goes on."""
+    tok = tool_tokenizer
+    bad = '<tool_call>{"arguments": {a: 1}}</tool_call>'
+    engine, forced = _engine(tok, ForcedCalls, 400, call=bad, answer_malformed=answer)
+    prompt = _prompt(tok, engine)
+    rollout = engine.generate([prompt], 2, SamplingParams(max_new_tokens=400), [11])
+    counts = engine.take_counts()
+    sampled = tok(bad, add_special_tokens=False)["input_ids"]
+    if not answer:
+        assert len(forced.asked) == 1  # no second turn
+        for i in range(2):
+            assert rollout.completion_ids[i][rollout.completion_mask[i].bool()].tolist() == sampled
+        assert not rollout.tool_mask.any()
+        assert (counts["calls"], counts["malformed"], counts["turns"]) == (0, 2, 2)
+    else:
+        assert len(forced.asked) == 2
+        assert all(m[1]["role"] == "tool" for m in rollout.messages)
+        assert "not valid JSON" in rollout.messages[0][1]["content"]
+        assert rollout.tool_mask.any(dim=1).all()
+        assert (counts["calls"], counts["failures"], counts["malformed"]) == (2, 2, 0)
 
 
 def test_later_turns_are_seeded_by_the_prompt_seed_alone(tool_tokenizer, ForcedCalls):

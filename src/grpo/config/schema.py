@@ -351,6 +351,12 @@ class RolloutConfig:
     timeout message (counted in tools/timeouts)."""
     tool_output_chars: int = 4096
     """A tool's result (and error text) is cut to this many characters."""
+    malformed_tool_calls: str = "end"
+    """A call that cannot be parsed (not JSON, no tool name, arguments not an object, too long).
+    end: it is not a call, so a turn with no other call is the model's answer and ends the
+    completion (TRL's behaviour); counted in tools/malformed_frequency. answer: it is answered
+    with the parse error as its result and counted as a failed call, and the model goes on (a
+    base model learning the call format sees its mistake)."""
     tool_isolation: str = "process"
     """process: each call in a forked process, killed at the timeout (a tool that crashes or calls
     os._exit costs only its call); thread: in a thread of the training process (cheaper; a hung
@@ -437,9 +443,15 @@ class RolloutConfig:
             raise ConfigError(
                 f"rollout.tool_isolation: process or thread, got {safe_yaml.shown(self.tool_isolation)}"
             )
+        if self.malformed_tool_calls not in MALFORMED_TOOL_CALLS:
+            raise ConfigError(
+                f"rollout.malformed_tool_calls: {' or '.join(MALFORMED_TOOL_CALLS)}, got "
+                f"{safe_yaml.shown(self.malformed_tool_calls)}"
+            )
 
 
 MAX_TOOLS = 64
+MALFORMED_TOOL_CALLS = ("end", "answer")
 MAX_TOOL_CALLS = 64
 MAX_TOOL_OUTPUT_CHARS = 1_000_000
 

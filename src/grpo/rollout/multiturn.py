@@ -7,7 +7,9 @@ generated turn by turn:
    ids, never text); the turn ends at EOS, at the default call format's closing tag
    (`</tool_call>`, a stop string when the tokenizer has no response parser of its own), or at
    the length budget;
-2. the turn's calls are parsed (grpo.rollout.tools.parse_turn) and run (ToolRunner);
+2. the turn's calls are parsed (grpo.rollout.tools.parse_turn) and run (ToolRunner); one that
+   cannot be parsed is dropped, as in TRL, or answered with the parse error
+   (rollout.malformed_tool_calls);
 3. the tool results are appended as the chat template renders tool messages: the template is
    rendered for a short conversation ending in an assistant call, with and without the tool
    messages (and the next assistant header), and what the template writes after the assistant
@@ -169,9 +171,13 @@ class ToolEngine:
         runner: ToolRunner,
         max_tool_calls: int,
         template_kwargs: dict | None = None,
+        answer_malformed: bool = False,
     ):
         self.inner, self.tokenizer, self.runner = inner, tokenizer, runner
         self.max_tool_calls = max_tool_calls
+        self.answer_malformed = answer_malformed
+        """rollout.malformed_tool_calls: answer (a call that cannot be parsed is answered with
+        the parse error) or end (it is dropped and counted: no call, as in TRL)."""
         self.eos_token_ids, self.pad_token_id = inner.eos_token_ids, inner.pad_token_id
         self.rendering = ToolRendering(tokenizer, inner.eos_token_ids, template_kwargs)
         self.schemas = [tool.schema for tool in runner.tools.values()]
@@ -327,6 +333,9 @@ class ToolEngine:
                 for c in parsed
             ]
         row.messages.append(message)
+        if not self.answer_malformed:
+            self.counts.malformed += len(calls) - len(parsed)
+            calls = parsed
         if len(calls) > MAX_CALLS_PER_TURN:
             extra = ToolCall("", None, f"at most {MAX_CALLS_PER_TURN} calls per turn are run")
             calls = calls[:MAX_CALLS_PER_TURN] + [extra]

@@ -11,9 +11,11 @@ otherwise the default format, which Qwen, Hermes and many other chat templates u
 
     <tool_call>{"name": "calculator", "arguments": {"expression": "2 + 3"}}</tool_call>
 
-one JSON object per call, several calls per turn allowed. A call that is not valid JSON,
-names no known tool or has arguments the tool does not take is answered with an error
-message (and counted as a failure), so a model can learn the format from its mistakes.
+one JSON object per call, several calls per turn allowed. A call that names no known tool or
+has arguments the tool does not take is answered with an error message (and counted as a
+failure), as TRL does. A call that cannot be parsed at all (not valid JSON, no name) is, as
+in TRL, no call (rollout.malformed_tool_calls: end), or is answered with the parse error
+(answer), so a model can learn the format from its mistakes.
 
 Running a call (`ToolRunner`): the result is `str(return value)`, cut to
 `rollout.tool_output_chars` characters; an exception becomes its text ("error: ...");
@@ -254,6 +256,8 @@ class ToolCounts:
     failures: int = 0
     """Calls answered with an error: unparsable, unknown tool, bad arguments, raised, timed out, died."""
     timeouts: int = 0
+    malformed: int = 0
+    """Calls that could not be parsed and were dropped (rollout.malformed_tool_calls: end)."""
     seconds: float = 0.0
     by_tool: dict[str, int] = field(default_factory=dict)
 
@@ -271,6 +275,7 @@ class ToolCounts:
             "calls": self.calls,
             "failures": self.failures,
             "timeouts": self.timeouts,
+            "malformed": self.malformed,
             "seconds": self.seconds,
         }
 
@@ -278,12 +283,14 @@ class ToolCounts:
 def tool_metrics(counts: dict[str, float]) -> dict[str, float]:
     """A step's tool metrics from its counts (summed over ranks): TRL's tools/call_frequency (calls
     per completion) and tools/failure_frequency (failed calls per call), turns per completion,
-    timeouts and the seconds spent in tools."""
+    calls that could not be parsed and were dropped per completion, timeouts and the seconds
+    spent in tools."""
     completions, calls = max(1, counts["completions"]), counts["calls"]
     return {
         "tools/call_frequency": calls / completions,
         "tools/failure_frequency": counts["failures"] / calls if calls else 0.0,
         "tools/turns_mean": counts["turns"] / completions,
+        "tools/malformed_frequency": counts.get("malformed", 0) / completions,
         "tools/timeouts": counts["timeouts"],
         "tools/seconds": counts["seconds"],
     }

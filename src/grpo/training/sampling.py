@@ -53,7 +53,14 @@ def tool_engine(cfg: Config, tools: dict, model, tokenizer, decoding):
         r.engine, model, tokenizer, ToolEngine.inner_config(cfg, tokenizer), decoding
     )
     runner = ToolRunner(tools, r.tool_timeout, r.tool_output_chars, r.tool_isolation)
-    return ToolEngine(inner, tokenizer, runner, r.max_tool_calls, cfg.data.chat_template_kwargs)
+    return ToolEngine(
+        inner,
+        tokenizer,
+        runner,
+        r.max_tool_calls,
+        cfg.data.chat_template_kwargs,
+        answer_malformed=r.malformed_tool_calls == "answer",
+    )
 
 
 def sample(
