@@ -825,6 +825,8 @@ class GRPOTrainer:
             # left padding and a pad token, as grpo's loader gives
             _prepare_tokenizer(processing_class)
         self._reward_funcs = _reward_funcs(reward_funcs, reward_processing_classes, self.config)
+        self.rollout_func = rollout_func
+        """TRL's attribute: the rollout_func passed, or None."""
         """The reward functions passed, by name (those of environments are added by the Trainer)."""
         self.reward_processing_classes = _processing_classes(
             reward_processing_classes, len(self._reward_funcs)
@@ -924,11 +926,25 @@ class GRPOTrainer:
     def tools(self) -> list:
         """The tools as functions: those passed, then each environment's methods (of its first
         instance), as TRL lists them."""
+        if "trainer" not in vars(self):
+            return vars(self).get("_assembled_tools")
         tools = list(self.trainer.tool_functions)
         environments = self.trainer.environments
         for functions in (environments.tool_functions if environments else {}).values():
             tools += [f for f in functions if f not in tools]
         return tools
+
+    @tools.setter
+    def tools(self, value) -> None:
+        # the tools' schemas are in the prompts and the rollout engine from construction on, so a
+        # built trainer's cannot change; an object put together without __init__ (as TRL's tests
+        # assemble one) holds what it is given
+        if "trainer" in vars(self):
+            raise ConfigError(
+                "GRPOTrainer.tools: a built trainer's tools are fixed (their schemas are in its prompts); "
+                "pass tools= to GRPOTrainer"
+            )
+        vars(self)["_assembled_tools"] = value
 
     @property
     def environments(self) -> list | None:
@@ -947,6 +963,35 @@ class GRPOTrainer:
     def _environment_pool(self) -> dict:
         """TRL's pools of reusable instances: {name: [environments]}."""
         return self.trainer.environments.pool if self.trainer.environments else {}
+
+    def _generate(self, prompts: list) -> tuple:
+        """TRL's generation step, for code written against it: completions for `prompts`, one per
+        completion (a row's prompt repeated, as TRL's batch holds them), by the rollout_func when
+        there is one, else by the rollout engine with the training sampling settings (tools and
+        environments too), from seeds drawn from torch's global generator (the run's own is not
+        touched). Returns TRL 1.16's tuple (prompt_ids, completion_ids, tool_mask, completions,
+        logprobs, extra_fields, images, tool_images): lists per completion; tool_mask 1 on the
+        model's tokens and 0 on tool results (None without them); images None and tool_images
+        empty (grpo trains text models)."""
+        from grpo.rollout.custom import read_output, require_keys
+        from grpo.rollout.types import prompt_seeds
+        from grpo.training import sampling
+
+        prompts = copy.deepcopy(prompts)
+        if self.rollout_func is not None:
+            output = self.rollout_func(prompts, self)
+            require_keys(output)  # TRL's first check, before anything of the run is read
+            t = self.trainer
+            rollout, extra = read_output(
+                output, len(prompts), **sampling.rollout_limits(t.engine, t.model, t.sampling)
+            )
+        else:
+            t = self.trainer
+            rows = [{"prompt": prompt} for prompt in prompts]
+            with t.backend.generation(t.model):
+                rollout, context = t.sample(rows, 1, t.sampling, prompt_seeds(None, len(rows)))
+            extra = {}
+        return _trl_generation(rollout, prompts, extra, self.trainer.tokenizer) + (None, [])
 
     @property
     def entropy_coef(self) -> float:
@@ -1217,6 +1262,30 @@ def _warn_length_weighted_sequences(args: GRPOConfig) -> None:
 
 def _call_rollout_func(rollout_func, trainer: "GRPOTrainer", prompts, _grpo_trainer):
     return rollout_func(prompts, trainer)
+
+
+def _trl_generation(rollout, prompts: list, extra: dict, tokenizer) -> tuple:
+    """A Rollout as the first six items of TRL's _generate: (prompt_ids, completion_ids,
+    tool_mask, completions, logprobs, extra_fields), lists per completion."""
+    prompt_ids = [
+        row[mask.bool()].tolist() for row, mask in zip(rollout.prompt_ids, rollout.prompt_mask)
+    ]
+    lengths = rollout.completion_mask.sum(dim=1).tolist()
+    completion_ids = [row[:n].tolist() for row, n in zip(rollout.completion_ids, lengths)]
+    tool_mask = logprobs = None
+    if rollout.tool_mask is not None:
+        tool_mask = [
+            [1 - t for t in row[:n].tolist()] for row, n in zip(rollout.tool_mask, lengths)
+        ]
+    if rollout.sampling_logprobs is not None:
+        logprobs = [row[:n].tolist() for row, n in zip(rollout.sampling_logprobs, lengths)]
+    texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in completion_ids]
+    if prompts and isinstance(prompts[0], list):  # conversational: the messages, as TRL's
+        messages = rollout.messages or [None] * len(texts)
+        completions = [m or [{"role": "assistant", "content": x}] for m, x in zip(messages, texts)]
+    else:
+        completions = texts
+    return prompt_ids, completion_ids, tool_mask, completions, logprobs, dict(extra)
 
 
 def _environment_owned_rows(environment_factory, args: GRPOConfig) -> list[dict]:

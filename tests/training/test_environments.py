@@ -439,6 +439,12 @@ def test_a_rollout_func_is_trained_on_as_it_returns(tool_tokenizer, tmp_path):
     assert batch.rewards.tolist() == [0.0, 1.0, 0.0, 1.0]
     assert not batch.rollout.truncated.any()
     assert batch.completion_texts[0] == "7 ok"
+    # TRL's generation step (_generate) calls the rollout_func the same way, returning TRL's tuple
+    prompt_ids, ids, tool_mask, completions, logprobs, extra, _, _ = trainer._generate(["1+1="])
+    assert seen[-1] == (["1+1="], trainer)
+    assert prompt_ids == [tool_tokenizer("1+1=", add_special_tokens=False)["input_ids"]]
+    assert tool_mask == [[1, 0, 0, 0, 1]] and logprobs == [[-0.5] * 5]
+    assert completions == ["7 ok"] and extra == {"turns": [0]}
     out = trainer.train()
     assert out.global_step == 2
 

@@ -193,6 +193,31 @@ def test_trls_calculator_example_runs_through_grpo(
     logged = [row for row in trainer.state.log_history if "tools/call_frequency" in row]
     assert logged and all(row["tools/call_frequency"] == 1.0 for row in logged)
 
+    # TRL's generation step (_generate), which code written against TRL may call: one prompt per
+    # completion, TRL's tuple back; here every turn is the call, and the 140 tokens hold one call,
+    # its result and the start of the next
+    engine = trainer.trainer.engine
+    engine.inner = ForcedCalls(engine.inner.inner, tool_tokenizer, CALL, every_turn=True)
+    prompts = [dataset[0]["prompt"]] * 2
+    prompt_ids, ids, tool_mask, completions, logprobs, extra, images, tool_images = (
+        trainer._generate(prompts)
+    )
+    assert prompt_ids == [trainer.trainer.encode(dataset[:1])[0]] * 2
+    assert [len(m) for m in tool_mask] == [len(c) for c in ids] == [len(lp) for lp in logprobs]
+    call = tool_tokenizer(CALL, add_special_tokens=False)["input_ids"]
+    for row, mask in zip(ids, tool_mask):
+        assert row[: len(call)] == call and mask[: len(call)] == [1] * len(call)
+        assert 0 in mask  # the tool results: not the model's
+    # where the results are, logprobs are 0 (never sampled)
+    assert all(
+        lp == 0.0 for row, mask in zip(logprobs, tool_mask) for lp, m in zip(row, mask) if not m
+    )
+    assert [m["role"] for m in completions[0]] == ["assistant", "tool", "assistant"]
+    assert completions[0][1]["content"] == "3"
+    assert (extra, images, tool_images) == ({}, None, [])
+    with pytest.raises(ValueError, match="a built trainer's tools are fixed"):
+        trainer.tools = []
+
 
 def test_tools_that_are_not_functions_are_refused(tool_tokenizer):
     from grpo import GRPOConfig, GRPOTrainer

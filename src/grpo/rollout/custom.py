@@ -23,7 +23,7 @@ that does not end with an end-of-sequence token is counted as truncated.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -34,19 +34,8 @@ REQUIRED = ("prompt_ids", "completion_ids", "logprobs")
 IGNORED = ("logprob_token_ids",)
 
 
-def custom_rollout(
-    rollout_func: Callable,
-    prompts: list,
-    trainer: Any,
-    *,
-    vocab_size: int,
-    max_completion_length: int,
-    pad_token_id: int,
-    eos_token_ids,
-) -> tuple[Rollout, dict[str, list]]:
-    """The rollout `rollout_func` returns for `prompts` (one per completion), and the other
-    values it returned for the reward functions (one per completion each)."""
-    output = rollout_func(prompts, trainer)
+def require_keys(output: Any) -> None:
+    """That a rollout_func's output is a dict holding the required keys (TRL's first check)."""
     if not isinstance(output, dict):
         raise ConfigError(
             f"rollout_func returned a {type(output).__name__}; return a dict with {', '.join(REQUIRED)}"
@@ -54,7 +43,20 @@ def custom_rollout(
     missing = [key for key in REQUIRED if key not in output]
     if missing:
         raise ConfigError(f"rollout_func must return keys {missing} in its output dict")
-    n = len(prompts)
+
+
+def read_output(
+    output: Any,
+    n: int,
+    *,
+    vocab_size: int,
+    max_completion_length: int,
+    pad_token_id: int,
+    eos_token_ids,
+) -> tuple[Rollout, dict[str, list]]:
+    """A rollout_func's output for `n` completions, checked (module docstring): the rollout, and
+    the other values for the reward functions (one per completion each)."""
+    require_keys(output)
     prompt_ids = _token_lists(output["prompt_ids"], "prompt_ids", n, vocab_size)
     completion_ids = _token_lists(output["completion_ids"], "completion_ids", n, vocab_size)
     for i, ids in enumerate(completion_ids):

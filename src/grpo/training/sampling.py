@@ -63,6 +63,17 @@ def tool_engine(cfg: Config, tools: dict, model, tokenizer, decoding):
     )
 
 
+def rollout_limits(engine, model, params: SamplingParams) -> dict:
+    """What a rollout_func's output is checked against (grpo.rollout.custom.read_output)."""
+    policy = getattr(model, "module", model)  # under DDP: the module it wraps
+    return {
+        "vocab_size": policy.get_input_embeddings().weight.shape[0],
+        "max_completion_length": params.max_new_tokens,
+        "pad_token_id": engine.pad_token_id,
+        "eos_token_ids": engine.eos_token_ids,
+    }
+
+
 def sample(
     rows: list[Row],
     G: int,
@@ -82,17 +93,13 @@ def sample(
     its own, called with `caller` as the trainer, and what else it returned goes to the reward
     functions: `columns`."""
     if rollout_func is not None:
-        from grpo.rollout.custom import custom_rollout
+        from grpo.rollout.custom import read_output
 
-        policy = getattr(model, "module", model)  # under DDP: the module it wraps
-        rollout, columns = custom_rollout(
-            rollout_func,
-            [row["prompt"] for row in rows for _ in range(G)],
-            caller,
-            vocab_size=policy.get_input_embeddings().weight.shape[0],
-            max_completion_length=params.max_new_tokens,
-            pad_token_id=engine.pad_token_id,
-            eos_token_ids=engine.eos_token_ids,
+        prompts_each = [row["prompt"] for row in rows for _ in range(G)]
+        rollout, columns = read_output(
+            rollout_func(prompts_each, caller),
+            len(prompts_each),
+            **rollout_limits(engine, model, params),
         )
         return rollout, {"columns": columns}
     if environments is None:
