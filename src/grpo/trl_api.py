@@ -825,9 +825,9 @@ class GRPOTrainer:
             # left padding and a pad token, as grpo's loader gives
             _prepare_tokenizer(processing_class)
         self._reward_funcs = _reward_funcs(reward_funcs, reward_processing_classes, self.config)
-        self.rollout_func = rollout_func
-        """TRL's attribute: the rollout_func passed, or None."""
         """The reward functions passed, by name (those of environments are added by the Trainer)."""
+        self.rollout_func = rollout_func
+        """TRL's attribute: the rollout_func passed, or None; the one here is what rollouts call."""
         self.reward_processing_classes = _processing_classes(
             reward_processing_classes, len(self._reward_funcs)
         )
@@ -855,9 +855,7 @@ class GRPOTrainer:
             tools=_tools(tools),
             environment_factory=environment_factory,
             # TRL calls it with the trainer it was given to
-            rollout_func=None
-            if rollout_func is None
-            else partial(_call_rollout_func, rollout_func, self),
+            rollout_func=None if rollout_func is None else partial(_call_rollout_func, self),
             # TRL raises for a row naming no environment in train(): checked when train() starts
             check_environment_rows=False,
         )
@@ -1260,8 +1258,8 @@ def _warn_length_weighted_sequences(args: GRPOConfig) -> None:
         )
 
 
-def _call_rollout_func(rollout_func, trainer: "GRPOTrainer", prompts, _grpo_trainer):
-    return rollout_func(prompts, trainer)
+def _call_rollout_func(trainer: "GRPOTrainer", prompts, _grpo_trainer):
+    return trainer.rollout_func(prompts, trainer)
 
 
 def _trl_generation(rollout, prompts: list, extra: dict, tokenizer) -> tuple:
