@@ -137,6 +137,8 @@ def test_a_call_that_cannot_be_parsed_ends_the_completion_or_is_answered(
             assert rollout.completion_ids[i][rollout.completion_mask[i].bool()].tolist() == sampled
         assert not rollout.tool_mask.any()
         assert (counts["calls"], counts["malformed"], counts["turns"]) == (0, 2, 2)
+        # the reward functions see the turn as the model wrote it
+        assert rollout.messages[0] == [{"role": "assistant", "content": bad}]
     else:
         assert len(forced.asked) == 2
         assert all(m[1]["role"] == "tool" for m in rollout.messages)

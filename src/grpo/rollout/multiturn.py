@@ -325,8 +325,12 @@ class ToolEngine:
         prefix = row.prompt + row.ids[: len(row.ids) - len(turn)]
         schemas = [tool.schema for tool in row.tools.values()]
         content, calls = parse_turn(self.tokenizer, turn, prefix, schemas)
-        message = {"role": "assistant", "content": content}
         parsed = [c for c in calls if c.arguments is not None]
+        if calls and not parsed and not self.answer_malformed:
+            # no call after all: the turn is the model's answer, its text as written (TRL falls
+            # back to the decoded text when it cannot parse a response)
+            content = self.tokenizer.decode(turn, skip_special_tokens=True).strip()
+        message = {"role": "assistant", "content": content}
         if parsed:
             message["tool_calls"] = [
                 {"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
