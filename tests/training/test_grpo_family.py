@@ -52,12 +52,13 @@ def test_each_preset_learns(tokenizer, tmp_path, preset, make_trainer):
 @pytest.mark.parametrize(
     "estimator",
     [
-        # grpo's and dr_grpo's estimators are those of the presets of their names, which learn in
-        # test_each_preset_learns: these two run in make test-slow
+        # learning runs, in make test-slow (suite time): the estimators' values are checked in
+        # tests/algorithm/test_advantages.py, and grpo's and dr_grpo's learn as the presets of
+        # their names in test_each_preset_learns
         pytest.param("grpo", marks=pytest.mark.slow),
         pytest.param("dr_grpo", marks=pytest.mark.slow),
-        "rloo",
-        "reinforce_pp",
+        pytest.param("rloo", marks=pytest.mark.slow),
+        pytest.param("reinforce_pp", marks=pytest.mark.slow),
     ],
 )
 def test_each_outcome_estimator_learns(tokenizer, tmp_path, estimator, make_trainer):
@@ -68,6 +69,8 @@ def test_each_outcome_estimator_learns(tokenizer, tmp_path, estimator, make_trai
     assert last > first + 0.3, (estimator, first, last)
 
 
+# a learning run, in make test-slow (suite time): the critic's own tests below stay
+@pytest.mark.slow
 def test_gae_learns(tokenizer, tmp_path, make_trainer):
     """PPO through the `gae` estimator: the policy's reward rises with a learned value baseline."""
     trainer, history = learns(
@@ -189,6 +192,9 @@ def test_rollout_correction_metrics_under_bf16(tokenizer, tmp_path, make_trainer
     assert 0 <= m["rollout/is_capped_ratio"] <= 1
 
 
+# learning runs, in make test-slow (suite time): both losses' values are checked against TRL's in
+# tests/test_trl_equivalence.py and tests/algorithm/test_losses.py
+@pytest.mark.slow
 @pytest.mark.parametrize("loss", ["cispo", "sapo"])
 def test_each_policy_loss_learns(tokenizer, tmp_path, loss, make_trainer):
     overrides = [f"algorithm.policy_loss={loss}"]
