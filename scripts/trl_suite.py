@@ -226,7 +226,7 @@ def build_qwen_tokenizer(chat_template: str):
 
     vocab = {text(piece): rank for piece, rank in ranks.items()}
     # BPE merges from ranks: every split of a token into two tokens is a merge, ranked by the
-    # token it makes, so merging lowest rank first rebuilds tiktoken's encoding
+    # token it makes (merging lowest rank first, as tiktoken does; checked on TRL's test texts)
     merges = []
     for piece, rank in ranks.items():
         for cut in range(1, len(piece)):
