@@ -231,6 +231,8 @@ def _humaneval_rows():
     return read_humaneval()
 
 
+# 328 sandboxed runs (8 s): make test-slow; the graders' verdicts are tested on small cases above
+@pytest.mark.slow
 def test_all_164_humaneval_canonical_solutions_pass_and_empty_bodies_fail():
     rows = _humaneval_rows()
     assert len(rows) == 164

@@ -26,11 +26,12 @@ def learns(make_trainer, tokenizer, tmp_path, overrides, steps=100):
 
 @pytest.mark.parametrize(
     "preset",
-    # dr_grpo's and gspo's runs (a few seconds each) are in make test-slow
+    # dr_grpo's, gspo's and dapo's runs (a few seconds each) are in make test-slow; dapo's
+    # dynamic sampling runs in the default suite in tests/backends/test_distributed.py
     [
         "grpo",
         pytest.param("dr_grpo", marks=pytest.mark.slow),
-        "dapo",
+        pytest.param("dapo", marks=pytest.mark.slow),
         pytest.param("gspo", marks=pytest.mark.slow),
     ],
 )
