@@ -32,7 +32,7 @@ def test_the_tools_example_trains_gemma_with_sandboxed_calls(tmp_path, monkeypat
 
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 3
-    # the model called the tool in every step, and each call ran in the sandbox
+    # the model called the tool in every step, and its programs ran in the sandbox
     assert all(m["tools/call_frequency"] > 0 for m in metrics)
     runs = sum(v for m in metrics for k, v in m.items() if k.startswith("sandbox/"))
     assert runs > 0

@@ -254,7 +254,8 @@ class ToolCounts:
     """Model turns, summed over completions (1 for a completion without a call)."""
     calls: int = 0
     failures: int = 0
-    """Calls answered with an error: unparsable, unknown tool, bad arguments, raised, timed out, died."""
+    """Calls answered with an error: unknown tool, bad arguments, raised, timed out, died, and (with
+    rollout.malformed_tool_calls: answer) unparsable."""
     timeouts: int = 0
     malformed: int = 0
     """Calls that could not be parsed and were dropped (rollout.malformed_tool_calls: end)."""
@@ -290,7 +291,7 @@ def tool_metrics(counts: dict[str, float]) -> dict[str, float]:
         "tools/call_frequency": calls / completions,
         "tools/failure_frequency": counts["failures"] / calls if calls else 0.0,
         "tools/turns_mean": counts["turns"] / completions,
-        "tools/malformed_frequency": counts.get("malformed", 0) / completions,
+        "tools/malformed_frequency": counts["malformed"] / completions,
         "tools/timeouts": counts["timeouts"],
         "tools/seconds": counts["seconds"],
     }
