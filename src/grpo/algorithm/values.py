@@ -126,7 +126,7 @@ def masked_whiten(
     if population is None:
         population = xd[mask.bool()]
     p = population.double()
-    n = torch.tensor(float(p.numel()), dtype=torch.float64)
+    n = torch.tensor(float(p.numel()), dtype=torch.float64, device=p.device)
     mean = p.sum() / n.clamp(min=1.0)
     var = ((p - mean) ** 2).sum() / (n - 1).clamp(min=1.0)
     return ((xd - mean) / (var.sqrt() + eps) * m).to(x.dtype)

@@ -99,7 +99,7 @@ def overlong_reward(max_length: int, buffer: int) -> RewardFn:
     """DAPO's soft overlong penalty as a reward function of the completion length."""
 
     def overlong(completion_ids, **kwargs) -> list[float]:
-        lengths = torch.tensor([len(ids) for ids in completion_ids])
+        lengths = torch.tensor([len(ids) for ids in completion_ids], device="cpu")
         return overlong_penalty(lengths, max_length, buffer).tolist()
 
     overlong.runs_in_process = True
@@ -235,7 +235,7 @@ class RewardSet:
         rewards = cls(
             [],
             [],
-            torch.zeros(0),
+            torch.zeros(0, device="cpu"),
             timeout=cfg.timeout,
             workers=cfg.workers,
             isolation=cfg.isolation,
@@ -274,7 +274,7 @@ class RewardSet:
     def add(self, name: str, fn: RewardFn, weight: float) -> None:
         self.names.append(name)
         self.funcs.append(fn)
-        self.weights = torch.cat([self.weights, torch.tensor([weight])])
+        self.weights = torch.cat([self.weights, torch.tensor([weight], device="cpu")])
         self.failures[name] = 0
         if self._executor is not None:  # its workers loaded the functions before this one
             self._executor.close()
@@ -325,13 +325,15 @@ class RewardSet:
         if environments is not None:
             inputs["environments"] = environments
         n = len(completions)
-        out = torch.full((n, len(self.funcs)), float("nan"))
+        out = torch.full((n, len(self.funcs)), float("nan"), device="cpu")
         extra: dict[str, list] = {}
-        failed = torch.zeros(n, dtype=torch.bool)
+        failed = torch.zeros(n, dtype=torch.bool, device="cpu")
         for k, calls in enumerate(self.executor(inputs, n)):
             for call in calls:
                 if call.status == "ok":
-                    out[call.start : call.stop, k] = torch.tensor(call.values, dtype=torch.float32)
+                    out[call.start : call.stop, k] = torch.tensor(
+                        call.values, dtype=torch.float32, device="cpu"
+                    )
                     self._keep_logs(call, extra, n)
                 else:
                     self._failed(self.names[k], call)

@@ -140,19 +140,19 @@ def _rollout(prompt_ids, completion_ids, logprobs, tool, eos: set, pad: int) -> 
     N = len(prompt_ids)
     lp = max(len(p) for p in prompt_ids)
     lc = max(1, max(len(c) for c in completion_ids))
-    prompts = torch.full((N, lp), pad, dtype=torch.long)
-    prompt_mask = torch.zeros((N, lp), dtype=torch.long)
-    ids = torch.full((N, lc), pad, dtype=torch.long)
-    mask = torch.zeros((N, lc), dtype=torch.long)
-    sampled = torch.zeros((N, lc), dtype=torch.float32)
-    tool_mask = torch.zeros((N, lc), dtype=torch.long) if tool is not None else None
+    prompts = torch.full((N, lp), pad, dtype=torch.long, device="cpu")
+    prompt_mask = torch.zeros((N, lp), dtype=torch.long, device="cpu")
+    ids = torch.full((N, lc), pad, dtype=torch.long, device="cpu")
+    mask = torch.zeros((N, lc), dtype=torch.long, device="cpu")
+    sampled = torch.zeros((N, lc), dtype=torch.float32, device="cpu")
+    tool_mask = torch.zeros((N, lc), dtype=torch.long, device="cpu") if tool is not None else None
     for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
-        prompts[i, lp - len(p) :] = torch.tensor(p)
+        prompts[i, lp - len(p) :] = torch.tensor(p, device="cpu")
         prompt_mask[i, lp - len(p) :] = 1
-        ids[i, : len(c)] = torch.tensor(c, dtype=torch.long)
+        ids[i, : len(c)] = torch.tensor(c, dtype=torch.long, device="cpu")
         mask[i, : len(c)] = 1
-        sampled[i, : len(c)] = torch.tensor(logprobs[i], dtype=torch.float32)
+        sampled[i, : len(c)] = torch.tensor(logprobs[i], dtype=torch.float32, device="cpu")
         if tool_mask is not None:
-            tool_mask[i, : len(c)] = torch.tensor(tool[i], dtype=torch.long)
-    truncated = torch.tensor([not c or c[-1] not in eos for c in completion_ids])
+            tool_mask[i, : len(c)] = torch.tensor(tool[i], dtype=torch.long, device="cpu")
+    truncated = torch.tensor([not c or c[-1] not in eos for c in completion_ids], device="cpu")
     return Rollout(prompts, prompt_mask, ids, mask, truncated, sampled, tool_mask)

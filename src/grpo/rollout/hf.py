@@ -29,11 +29,11 @@ from grpo.rollout.types import Rollout, SamplingParams, Seeds, prompt_seeds
 
 def left_pad(sequences: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long, device="cpu")
+    mask = torch.zeros((len(sequences), width), dtype=torch.long, device="cpu")
     for i, seq in enumerate(sequences):
         if seq:
-            ids[i, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
+            ids[i, width - len(seq) :] = torch.tensor(seq, dtype=torch.long, device="cpu")
             mask[i, width - len(seq) :] = 1
     return ids, mask
 
@@ -192,7 +192,13 @@ def prompt_noise(
     (`sample_from`), from its prompt's seed alone. Drawn up front on the CPU: 2 numbers a token,
     a few kilobytes a rollout, and the same on any device."""
     parts = [
-        torch.rand(num_generations, max_new_tokens, 2, generator=torch.Generator().manual_seed(s))
+        torch.rand(
+            num_generations,
+            max_new_tokens,
+            2,
+            generator=torch.Generator().manual_seed(s),
+            device="cpu",
+        )
         for s in seeds
     ]
     return (
@@ -475,7 +481,7 @@ def generate_with(
                 (
                     t + 1
                     for t in range(end or len(tail))
-                    if bool(stop(torch.tensor([tail[: t + 1]]))[0])
+                    if bool(stop(torch.tensor([tail[: t + 1]], device="cpu"))[0])
                 ),
                 None,
             )
@@ -484,10 +490,10 @@ def generate_with(
         completions.append(tail[:end] if finished else tail)
         truncated.append(not finished)
     width = max((len(c) for c in completions), default=0)
-    tokens = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    completion_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    tokens = torch.full((len(rows), width), pad_token_id, dtype=torch.long, device="cpu")
+    completion_mask = torch.zeros((len(rows), width), dtype=torch.long, device="cpu")
     for i, c in enumerate(completions):
-        tokens[i, : len(c)] = torch.tensor(c, dtype=torch.long)
+        tokens[i, : len(c)] = torch.tensor(c, dtype=torch.long, device="cpu")
         completion_mask[i, : len(c)] = 1
     return Rollout(
         prompt_ids=ids,

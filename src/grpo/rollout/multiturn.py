@@ -67,7 +67,7 @@ def turn_seed(seed: int, index: int, turn: int) -> int:
     generator = torch.Generator().manual_seed(
         (seed * 1_000_003 + index * 7_919 + turn) % SEED_BOUND
     )
-    return int(torch.randint(0, SEED_BOUND, (1,), generator=generator))
+    return int(torch.randint(0, SEED_BOUND, (1,), generator=generator, device="cpu"))
 
 
 class ToolRendering:
@@ -347,27 +347,28 @@ class ToolEngine:
 
     def _rollout(self, first: Rollout, rows: list[_Row]) -> Rollout:
         N, width = len(rows), max((len(r.ids) for r in rows), default=0)
-        device = first.completion_ids.device
-        ids = torch.full((N, width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((N, width), dtype=torch.long)
-        tool = torch.zeros((N, width), dtype=torch.long)
-        logprobs = torch.zeros((N, width), dtype=torch.float32)
+        ids = torch.full((N, width), self.pad_token_id, dtype=torch.long, device="cpu")
+        mask = torch.zeros((N, width), dtype=torch.long, device="cpu")
+        tool = torch.zeros((N, width), dtype=torch.long, device="cpu")
+        logprobs = torch.zeros((N, width), dtype=torch.float32, device="cpu")
         for i, row in enumerate(rows):
             n = len(row.ids)
-            ids[i, :n] = torch.tensor(row.ids, dtype=torch.long)
+            ids[i, :n] = torch.tensor(row.ids, dtype=torch.long, device="cpu")
             mask[i, :n] = 1
-            tool[i, :n] = torch.tensor(row.tool, dtype=torch.long)
-            logprobs[i, :n] = torch.tensor(row.logprobs, dtype=torch.float32)
+            tool[i, :n] = torch.tensor(row.tool, dtype=torch.long, device="cpu")
+            logprobs[i, :n] = torch.tensor(row.logprobs, dtype=torch.float32, device="cpu")
+        # assembled on the host, handed over on the engine's device (whatever device the first
+        # turns came back on: an engine around the real one may build them elsewhere)
         return Rollout(
             prompt_ids=first.prompt_ids,
             prompt_mask=first.prompt_mask,
-            completion_ids=ids.to(device),
-            completion_mask=mask.to(device),
-            truncated=torch.tensor([r.truncated for r in rows], device=first.truncated.device),
-            sampling_logprobs=logprobs.to(device) if first.sampling_logprobs is not None else None,
-            tool_mask=tool.to(device),
+            completion_ids=ids,
+            completion_mask=mask,
+            truncated=torch.tensor([r.truncated for r in rows], device="cpu"),
+            sampling_logprobs=logprobs if first.sampling_logprobs is not None else None,
+            tool_mask=tool,
             messages=[row.messages for row in rows],
-        )
+        ).to(self.device)
 
 
 def _turn(rollout: Rollout, i: int) -> tuple[list[int], list[float]]:

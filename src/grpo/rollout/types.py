@@ -81,6 +81,24 @@ class Rollout:
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
 
+    def to(self, device: torch.device | str) -> "Rollout":
+        """The same rollout with its tensors on `device` (no copy of those there already): what
+        an engine or a rollout_func assembled on the host reaches the update on the model's."""
+
+        def moved(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else x.to(device)  # no copy where it is already
+
+        return Rollout(
+            moved(self.prompt_ids),
+            moved(self.prompt_mask),
+            moved(self.completion_ids),
+            moved(self.completion_mask),
+            moved(self.truncated),
+            moved(self.sampling_logprobs),
+            moved(self.tool_mask),
+            self.messages,
+        )
+
     def select(self, rows: torch.Tensor) -> "Rollout":
         return Rollout(
             self.prompt_ids[rows],

@@ -368,14 +368,20 @@ class VLLMEngine:
         prompt_ids, prompt_mask = left_pad(prompts, self.pad_token_id)
         N = len(completions)
         width = max((len(c) for c in completions), default=0)
-        ids = torch.full((N, width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((N, width), dtype=torch.long)
-        sampled = torch.zeros((N, width), dtype=torch.float32) if logprobs is not None else None
+        ids = torch.full((N, width), self.pad_token_id, dtype=torch.long, device="cpu")
+        mask = torch.zeros((N, width), dtype=torch.long, device="cpu")
+        sampled = (
+            torch.zeros((N, width), dtype=torch.float32, device="cpu")
+            if logprobs is not None
+            else None
+        )
         for i, tokens in enumerate(completions):
-            ids[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            ids[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long, device="cpu")
             mask[i, : len(tokens)] = 1
             if sampled is not None:
-                sampled[i, : len(tokens)] = torch.tensor(logprobs[i], dtype=torch.float32)
+                sampled[i, : len(tokens)] = torch.tensor(
+                    logprobs[i], dtype=torch.float32, device="cpu"
+                )
         if sampled is not None and not bool(torch.isfinite(sampled).all()):
             raise NonFiniteProbabilities(_NON_FINITE)  # a sampled token always has a finite logprob
         return Rollout(

@@ -94,7 +94,7 @@ def minibatches(lengths: list[int], group_size: int, size: int) -> list[torch.Te
     G = group_size
     group_max = [max(lengths[g : g + G]) for g in range(0, len(lengths), G)]
     order = sorted(range(len(lengths)), key=lambda i: (group_max[i // G], i // G, lengths[i]))
-    order = torch.tensor(order, dtype=torch.long)
+    order = torch.tensor(order, dtype=torch.long, device="cpu")
     return [order[i : i + size] for i in range(0, len(order), size)]
 
 
@@ -124,7 +124,7 @@ def microbatches(rollout: Rollout, rows: torch.Tensor, budget: int) -> list[torc
         current.append(r)
         prompts, width = new_prompts, new_width
     pieces.append(current)
-    return [torch.tensor(p, dtype=torch.long) for p in pieces]
+    return [torch.tensor(p, dtype=torch.long, device="cpu") for p in pieces]
 
 
 def groups_with_spread(batch: GenerationBatch, group_size: int) -> torch.Tensor:
@@ -168,7 +168,9 @@ def keep_groups_with_spread(
         spread = [groups_with_spread(batch, G).tolist() for batch in batches]
     chosen, missing = choose_groups(spread, num_groups)
     mine = [
-        batches[r].select(torch.arange((g - first_group) * G, (g - first_group + 1) * G))
+        batches[r].select(
+            torch.arange((g - first_group) * G, (g - first_group + 1) * G, device="cpu")
+        )
         for r, g in chosen
         if first_group <= g < first_group + len(batches[r]) // G
     ]
@@ -176,7 +178,7 @@ def keep_groups_with_spread(
         GenerationBatch.concat(mine, pad_token_id)
         if mine
         # this rank keeps no group: an empty batch
-        else batches[0].select(torch.zeros(0, dtype=torch.long))
+        else batches[0].select(torch.zeros(0, dtype=torch.long, device="cpu"))
     )
     merged.sampling_rounds, merged.zero_std_groups_kept = len(batches), missing
     return merged

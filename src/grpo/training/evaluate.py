@@ -288,7 +288,7 @@ def group_evaluation(trainer, rows: list[Row], num_generations: int) -> dict[str
                 else torch.zeros_like(rewards)
             )
             advantages = torch.nan_to_num(advantages.float(), nan=0.0)
-            everyone = torch.arange(len(batch))
+            everyone = torch.arange(len(batch), device="cpu")
             t.model.eval()
             logp, _ = rows_logprobs(t.model, batch, everyone, cfg, t.backend, grad=False)
             width = logp.shape[1]

@@ -101,7 +101,8 @@ def sample(
             len(prompts_each),
             **rollout_limits(engine, model, params),
         )
-        return rollout, {"columns": columns}
+        # read on the host, trained on the model's device
+        return rollout.to(next(model.parameters()).device), {"columns": columns}
     if environments is None:
         return engine.generate(prompts(rows), G, params, seeds), {}
     from grpo.rollout.environments import with_observation

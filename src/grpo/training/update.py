@@ -112,7 +112,7 @@ def split(batch: GenerationBatch, cfg: Config) -> list[list[torch.Tensor]]:
     ]
 
 
-NO_ROWS = torch.zeros(0, dtype=torch.long)
+NO_ROWS = torch.zeros(0, dtype=torch.long, device="cpu")
 
 
 def evened(pieces: list[list[torch.Tensor]], backend) -> list[list[torch.Tensor]]:
