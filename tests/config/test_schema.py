@@ -53,7 +53,7 @@ def test_overrides_do_not_mutate_input():
             "unknown config key 'algorithm.betta'; did you mean 'algorithm.beta'",
         ),
         ({}, ["training.max_steps=ten"], "training.max_steps: expected an integer"),
-        ({}, ["training.bf16=yes please"], "training.bf16: expected true or false"),
+        ({}, ["training.bf16=yes please"], "training.bf16: expected true, false or auto"),
         ({}, ["rollout.num_generations=1"], "rollout.num_generations: must be >= 2"),
         (
             {},

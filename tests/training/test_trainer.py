@@ -70,7 +70,12 @@ def _hand_batch(trainer, seed=0):
     lengths = torch.randint(1, T + 1, (N,), generator=g)
     completion_mask = (torch.arange(T)[None] < lengths[:, None]).long()
     completion_ids = torch.randint(5, 95, (N, T), generator=g) * completion_mask
+    # drawn on the host from one seed (the same batch on any device), placed as the engine would
+    # place it: on the model's device; the rewards stay host-side, as the reward functions' are
+    device = trainer.backend.device
     rollout = Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, lengths == T)
+    rollout = rollout.to(device)
+    completion_mask = rollout.completion_mask
     rewards = torch.randn(N, generator=g)
     return GenerationBatch(
         rows=[{}] * N,
@@ -317,7 +322,7 @@ def test_overlong_penalty_is_added_as_a_reward(tokenizer, tmp_path, make_trainer
     )
     batch = trainer.collect_batch()
     assert trainer.rewards.names == ["correct", "overlong"]
-    lengths = batch.rollout.lengths
+    lengths = batch.rollout.lengths.cpu()  # the rewards are host-side
     # length 2 = max: penalty (1 - 2) / 1 = -1; length 1: 0
     expected = torch.where(lengths == 2, -1.0, 0.0)
     torch.testing.assert_close(batch.rewards_per_func[:, 1], expected)

@@ -67,6 +67,7 @@ from grpo.backends.single import (
     resolve_device,
 )
 from grpo.config.schema import Config, ConfigError, validate
+from grpo.models.precision import uses_bf16
 
 # gradients are reduced in flat buckets of at most this many elements (a float32 bucket: 256 MB)
 BUCKET_ELEMENTS = 64 * 1024 * 1024
@@ -99,6 +100,7 @@ class DataParallel(SingleProcess):
         else:
             self.device = torch.device("cpu")
         self.fsdp = cfg.training.sharding == "fsdp"
+        self.bf16 = uses_bf16(cfg.training.bf16, self.device)
         self.cpu = cpu_layer(cfg, self.device)
         init_process_group(self.device.type)
         # on the CPU the collectives run on CPU tensors; with NCCL they must live on the GPU

@@ -25,7 +25,7 @@ import torch
 
 from grpo.config.schema import Config, ConfigError
 from grpo.models.logprobs import OutputLayerKernels
-from grpo.models.precision import bf16_autocast
+from grpo.models.precision import bf16_autocast, uses_bf16
 
 
 def resolve_device(name: str) -> torch.device:
@@ -102,6 +102,7 @@ class SingleProcess:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.device = resolve_device(cfg.training.device)
+        self.bf16 = uses_bf16(cfg.training.bf16, self.device)
         self.cpu = cpu_layer(cfg, self.device)
 
     @property
@@ -128,7 +129,7 @@ class SingleProcess:
         return optimizer
 
     def autocast(self):
-        return bf16_autocast(self.device, self.cfg.training.bf16)
+        return bf16_autocast(self.device, self.bf16)
 
     def output_layer_kernels(self) -> OutputLayerKernels:
         # the output weight's gradient goes straight into its preallocated .grad (make_optimizer)

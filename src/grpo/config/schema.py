@@ -903,8 +903,10 @@ class TrainingConfig:
     adam_epsilon: float = 1e-8
     max_grad_norm: float = 1.0
     """Gradient clipping by global norm; 0 disables."""
-    bf16: bool = False
-    """bf16 autocast for generation and the update, with fp32 master weights."""
+    bf16: bool | str = "auto"
+    """bf16 autocast for generation and the update, with fp32 master weights: true, false, or
+    auto (on a CUDA device that computes in bf16, Ampere and newer; off on the CPU, where a
+    float32 run is the one the tests compare with TRL's)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     logprob_chunk_size: int = 4096
@@ -932,6 +934,10 @@ class TrainingConfig:
         if self.sharding == "fsdp":
             _check_fsdp(cfg, world_size)
         _choice("training.device", self.device, ("auto", "cpu", "cuda"))
+        if isinstance(self.bf16, str) and self.bf16 != "auto":
+            raise ConfigError(
+                f"training.bf16: expected true, false or auto, got {safe_yaml.shown(self.bf16)}"
+            )
         _positive("training.per_device_train_batch_size", self.per_device_train_batch_size)
         _positive("training.gradient_accumulation_steps", self.gradient_accumulation_steps)
         G = cfg.rollout.num_generations

@@ -7,6 +7,15 @@ import contextlib
 import torch
 
 
+def uses_bf16(setting: bool | str, device: torch.device) -> bool:
+    """Whether training.bf16 (`setting`: true, false or auto) computes in bf16 on `device`: auto
+    is on for a CUDA device that supports bf16, off elsewhere (the CPU computes float32 unless
+    asked)."""
+    if setting == "auto":
+        return device.type == "cuda" and torch.cuda.is_bf16_supported()
+    return bool(setting)
+
+
 def bf16_autocast(device: torch.device, enabled: bool):
     """bf16 autocast on `device` when enabled (fp32 master weights stay as they are)."""
     return (

@@ -23,7 +23,7 @@ import functools
 import torch
 
 from grpo.models import logprobs
-from grpo.models.precision import bf16_autocast
+from grpo.models.precision import bf16_autocast, uses_bf16
 from grpo.rollout.types import Rollout, SamplingParams, Seeds, prompt_seeds
 
 
@@ -524,7 +524,7 @@ class TransformersEngine:
         self.eos_token_ids, self.pad_token_id = generation_token_ids(model, tokenizer)
         r = cfg.rollout
         self.stop = StopStrings(tokenizer, r.stop_strings) if r.stop_strings else None
-        self.bf16 = cfg.training.bf16
+        self.bf16 = uses_bf16(cfg.training.bf16, self.device)
         self.decoding = decoding or plain_decoding
 
     @property

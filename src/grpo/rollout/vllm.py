@@ -41,6 +41,7 @@ from typing import Iterator
 import torch
 
 from grpo.config.schema import ConfigError
+from grpo.models.precision import uses_bf16
 from grpo.rollout.hf import _NON_FINITE, NonFiniteProbabilities, left_pad
 from grpo.rollout.types import Rollout, SamplingParams, Seeds, prompt_seeds
 
@@ -282,7 +283,7 @@ class VLLMEngine:
                 extra["max_num_batched_tokens"] = max(CPU_STEP_TOKENS, context)
         if settings.kv_cache_gb is not None:
             extra["kv_cache_memory_bytes"] = int(settings.kv_cache_gb * 2**30)
-        dtype = vllm_dtype(model, cfg.training.bf16)
+        dtype = vllm_dtype(model, uses_bf16(cfg.training.bf16, device))
         self.weight_dtype = getattr(torch, dtype)
         """What vLLM computes in: the weights are pushed in it."""
         with process_state_kept(device):
