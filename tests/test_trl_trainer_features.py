@@ -316,7 +316,10 @@ def test_a_peft_model_trains_its_own_adapter(tmp_path):
     )
     assert trainer.model is model and trainer.config.model.lora.r == 4
     trainer.train()
-    changed = {n for n, p in model.named_parameters() if not torch.equal(before[n], p.detach())}
+    # `before` was taken on the host, before the trainer placed the model on its device
+    changed = {
+        n for n, p in model.named_parameters() if not torch.equal(before[n], p.detach().cpu())
+    }
     assert changed and all("lora_" in n for n in changed)
     assert any("lora_B" in n for n in changed)
     frozen = peft.get_peft_model(

@@ -95,7 +95,7 @@ class TrainState:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     sampler: PromptSampler
     generator: torch.Generator
-    """Draws the per-prompt sampling seeds (grpo.rollout.types.prompt_seeds)."""
+    """Draws the per-prompt sampling seeds (grpo.rollout.types.prompt_seeds), on the CPU."""
     optimizer_state: Any = None
     """What saves and loads the optimizer's state (`state_dict`, `load_state_dict`): the optimizer
     itself, or the backend's stand-in for it (FSDP: the state of every shard, gathered)."""
@@ -108,7 +108,6 @@ class TrainState:
         cfg: Config,
         optimizer: torch.optim.Optimizer,
         num_rows: int,
-        device: torch.device,
         restore: dict[str, Any] | None = None,
         optimizer_state: Any = None,
     ) -> "TrainState":
@@ -123,7 +122,9 @@ class TrainState:
             ),
         )
         torch.manual_seed(t.seed)
-        generator = torch.Generator(device=device).manual_seed(t.seed)
+        # host-side: the seeds are host integers, drawn without a device sync, and a run on any
+        # device draws the same ones (its checkpoint's generator state too)
+        generator = torch.Generator(device="cpu").manual_seed(t.seed)
         sampler = PromptSampler(
             num_rows,
             cfg.data.seed,

@@ -303,7 +303,6 @@ class Trainer:
             cfg,
             optimizer,
             len(self.task.train_rows),
-            self.backend.device,
             restore=_this_ranks_state(restore["train"], self.backend) if restore else None,
             optimizer_state=self.backend.optimizer_state(self.model, optimizer),
         )
