@@ -311,14 +311,14 @@ class ForcedCalls:
         if num_generations == 1 and not self.every_turn:
             self.sampled.append(rollout)
             return rollout
-        N, n = len(rollout), len(self.ids)
+        N, n, device = len(rollout), len(self.ids), rollout.completion_ids.device
         return Rollout(
             rollout.prompt_ids,
             rollout.prompt_mask,
-            torch.tensor([self.ids] * N),
-            torch.ones(N, n, dtype=torch.long),
-            torch.zeros(N, dtype=torch.bool),
-            torch.full((N, n), -1.0),
+            torch.tensor([self.ids] * N, device=device),
+            torch.ones(N, n, dtype=torch.long, device=device),
+            torch.zeros(N, dtype=torch.bool, device=device),
+            torch.full((N, n), -1.0, device=device),
         )
 
     def sync_weights(self, policy):

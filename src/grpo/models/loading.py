@@ -58,7 +58,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DEFAULT_CACHE_DIR = Path("~/.cache/grpo")
 """Root of grpo's caches; converted GGUF checkpoints go to its `converted/`."""
 
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2  # 2: bos and eos from the GGUF metadata
 """Bumped when what a conversion writes changes, so old cache entries are not reused."""
 _COMPLETE_MARKER = "grpo_converted.json"
 """Written last into a conversion; a cache entry without it is incomplete and never loaded."""
@@ -321,6 +321,7 @@ def write_converted_gguf(gguf_path: Path, out_dir: Path) -> None:
         folder, gguf_file=name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
     )
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    _gguf_special_tokens(gguf_path, tokenizer)
 
     eos = set(eos_token_ids(model, tokenizer))
     special = set(getattr(tokenizer, "all_special_tokens", []))
@@ -335,6 +336,28 @@ def write_converted_gguf(gguf_path: Path, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+
+
+_GGUF_SPECIAL_TOKENS = {
+    "bos_token": "tokenizer.ggml.bos_token_id",
+    "eos_token": "tokenizer.ggml.eos_token_id",
+}
+
+
+def _gguf_special_tokens(gguf_path: Path, tokenizer) -> None:
+    """The tokenizer's bos and eos tokens as the GGUF file names them (by id in its metadata):
+    transformers' GGUF tokenizer conversion does not give them the same way in every release
+    (5.17 gives a llama file's bos as its eos too), and a wrong eos never ends a completion."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf_path))
+    for attribute, key in _GGUF_SPECIAL_TOKENS.items():
+        field = reader.get_field(key)
+        if field is None:
+            continue
+        token_id = int(field.parts[field.data[0]][0])
+        if 0 <= token_id < len(tokenizer):
+            setattr(tokenizer, attribute, tokenizer.convert_ids_to_tokens(token_id))
 
 
 def _load_dir(
