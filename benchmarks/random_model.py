@@ -1,5 +1,6 @@
-"""A random-initialised model of a real model's shape, written as a save_pretrained directory,
-for benchmarks on machines with no model hub (benchmarks/gpu_check.sh).
+"""A random-initialised model of a real model's shape, built in memory (random_model) or written
+as a save_pretrained directory, for benchmarks on machines with no model hub
+(benchmarks/gpu_check.sh, benchmarks/trl_style_script.py).
 
     python benchmarks/random_model.py --shape qwen2.5-0.5b --out /tmp/qwen-shape
 
@@ -30,7 +31,35 @@ SHAPES = {
         rms_norm_eps=1e-6,
         tie_word_embeddings=True,
     ),
-    # a small model of the same family, for trying the script on a CPU
+    # Qwen2.5-1.5B-Instruct's config.json: 1.54B parameters, tied embeddings.
+    "qwen2.5-1.5b": dict(
+        architecture="Qwen2ForCausalLM",
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    ),
+    # Qwen2.5-7B-Instruct's config.json: 7.62B parameters, separate input and output embeddings.
+    "qwen2.5-7b": dict(
+        architecture="Qwen2ForCausalLM",
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    ),
+    # a small model of the same family, for trying the scripts on a CPU
     "qwen-tiny": dict(
         architecture="Qwen2ForCausalLM",
         vocab_size=512,
@@ -70,7 +99,10 @@ def tokenizer_of_size(vocab_size: int):
     )
 
 
-def write_random_model(shape: str, out: Path, seed: int = 0) -> Path:
+def random_model(shape: str, seed: int = 0, device: str = "cpu", dtype=None):
+    """(model, tokenizer) of `shape`, its weights drawn from `seed` on `device` in `dtype`
+    (default float32): built where it will run, so a 7B shape takes seconds on a GPU and never
+    passes through host memory. The same seed, device and dtype give the same weights."""
     import torch
     import transformers
 
@@ -80,7 +112,18 @@ def write_random_model(shape: str, out: Path, seed: int = 0) -> Path:
     config_class = transformers.AutoConfig.for_model("qwen2").__class__
     config = config_class(**spec, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(seed)
-    model = getattr(transformers, architecture)(config)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype or torch.float32)
+    try:
+        with torch.device(device):
+            model = getattr(transformers, architecture)(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval(), tokenizer
+
+
+def write_random_model(shape: str, out: Path, seed: int = 0) -> Path:
+    model, tokenizer = random_model(shape, seed)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
