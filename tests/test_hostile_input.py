@@ -7,6 +7,7 @@ exit status, stderr, time and peak-memory growth from there.
 """
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -66,6 +67,12 @@ def _cases(tmp: Path, write: bool = True) -> dict[str, tuple[list[str], str]]:
         if write:
             (tmp / name).write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in rows) + extra)
         return ["data.task=jsonl", f"data.train_file={tmp / name}"]
+
+    def fifo() -> str:  # reading one blocks until a writer comes: it must be refused unread
+        path = tmp / "rows.fifo"
+        if write and not path.exists():
+            os.mkfifo(path)
+        return str(path)
 
     sections = "\n".join(f"{k}: {json.dumps(v)}" for k, v in BASE.items() if k != "eval")
     train = ["train", str(base)]
@@ -142,10 +149,35 @@ def _cases(tmp: Path, write: bool = True) -> dict[str, tuple[list[str], str]]:
         ),
         "negative worker memory": (
             [*train, "rewards.worker_memory_mb=-1"],
-            r"rewards.worker_memory_mb: must be >= 0",
+            r"rewards.worker_memory_mb: must be in \[0, 1048576\] MiB",
+        ),
+        # numbers that become OS limits (prlimit, cgroups) are bounded when the config loads
+        "a sandbox timeout of 1e308 s": (
+            [*train, "rewards.sandbox.timeout=1e308"],
+            r"rewards.sandbox.timeout: must be in \(0, 86400\] seconds, got 1e\+308",
+        ),
+        "a sandbox memory of 2^62 MiB": (
+            [*train, f"rewards.sandbox.memory_mb={2**62}"],
+            r"rewards.sandbox.memory_mb: must be in \(0, 1048576\] MiB",
+        ),
+        "a reward timeout of 1e300 s": (
+            [*train, "rewards.timeout=1e300"],
+            r"rewards.timeout: must be in \(0, 86400\] seconds",
         ),
         "output_dir under /proc": ([*train, "output_dir=/proc/grpo-test/x"], r"output_dir: "),
         # the dataset
+        "/dev/zero as the data file": (
+            [*train, "data.task=jsonl", "data.train_file=/dev/zero"],
+            r"data file /dev/zero is not a regular file \(a device, FIFO or socket\)",
+        ),
+        "a FIFO as the data file": (
+            [*train, "data.task=jsonl", f"data.train_file={fifo()}"],
+            r"data file .*rows.fifo is not a regular file",
+        ),
+        "a directory as the data file": (
+            [*train, "data.task=jsonl", f"data.train_file={tmp}"],
+            r"data file .* is a directory, not a file",
+        ),
         "non-UTF-8 dataset": (
             [*train, *jsonl("latin1.jsonl", extra=b'{"prompt": "caf\xe9", "answer": 1}\n')],
             r"latin1.jsonl:10: not UTF-8 text \(byte 0xe9 at column 16\)",

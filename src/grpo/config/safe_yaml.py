@@ -78,6 +78,25 @@ class _BoundedLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def not_a_file(path: Path) -> str | None:
+    """Why `path` cannot be read as a file the user wrote, in words for an error (None: it can):
+    it does not exist, is a directory, or is something else, such as /dev/zero or a FIFO, which
+    reads without end or blocks."""
+    import stat
+
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return "does not exist"
+    except OSError as error:
+        return f"cannot be read ({error.strerror})"
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "is a directory, not a file"
+    return "is not a regular file (a device, FIFO or socket)"
+
+
 def expanded_size(value: Any, limit: int = MAX_NODES) -> int:
     """Elements of `value` counting each alias as the copy it stands for; stops counting past
     `limit` (so a bomb is measured in at most `limit` steps)."""

@@ -479,10 +479,11 @@ class SandboxConfig:
 
     def check(self) -> None:
         _choice("rewards.sandbox.isolation", self.isolation, ("bwrap", "process"))
-        _positive("rewards.sandbox.timeout", self.timeout)
-        _positive("rewards.sandbox.memory_mb", self.memory_mb)
-        _positive("rewards.sandbox.processes", self.processes)
-        _positive("rewards.sandbox.output_kb", self.output_kb)
+        # each becomes an OS limit of the run (prlimit, a cgroup): bounded here, not there
+        _within("rewards.sandbox.timeout", self.timeout, MAX_SECONDS, "seconds")
+        _within("rewards.sandbox.memory_mb", self.memory_mb, MAX_MIB, "MiB")
+        _within("rewards.sandbox.processes", self.processes, MAX_PROCESSES, "processes")
+        _within("rewards.sandbox.output_kb", self.output_kb, MAX_MIB, "KiB")
         _positive("rewards.sandbox.workers", self.workers, allow_zero=True)
 
 
@@ -557,15 +558,8 @@ class RewardsConfig:
             raise ConfigError("rewards.math_forms: empty; list some of boxed, gsm8k, answer")
         for form in self.math_forms:
             _choice("rewards.math_forms[]", form, ("boxed", "gsm8k", "answer"))
-        _positive("rewards.math_timeout", self.math_timeout)
-        if not (
-            isinstance(self.timeout, (int, float))
-            and math.isfinite(self.timeout)
-            and self.timeout > 0
-        ):
-            raise ConfigError(
-                f"rewards.timeout: must be a finite number of seconds > 0, got {self.timeout}"
-            )
+        _within("rewards.math_timeout", self.math_timeout, MAX_SECONDS, "seconds")
+        _within("rewards.timeout", self.timeout, MAX_SECONDS, "seconds")
         if self.workers < 0:
             raise ConfigError(
                 f"rewards.workers: must be >= 0 (0 = one per CPU core, at most 8), got {self.workers}"
@@ -576,9 +570,9 @@ class RewardsConfig:
                 f"rewards.workers: {self.workers} worker processes for {os.cpu_count() or 1} CPU cores; "
                 f"use at most {most} ({MAX_WORKERS_PER_CORE} per core), or 0 for one per core"
             )
-        if self.worker_memory_mb < 0:
+        if not 0 <= self.worker_memory_mb <= MAX_MIB:
             raise ConfigError(
-                f"rewards.worker_memory_mb: must be >= 0 MiB (0 = no limit), got {self.worker_memory_mb}"
+                f"rewards.worker_memory_mb: must be in [0, {MAX_MIB}] MiB (0 = no limit), got {self.worker_memory_mb}"
             )
         _choice("rewards.isolation", self.isolation, ("process", "thread"))
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.reward_model_device):
@@ -1309,9 +1303,10 @@ def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
-        if not path.is_file():
+        problem = safe_yaml.not_a_file(path)
+        if problem:
             raise ConfigError(
-                f"config file {path} does not exist; pass the path of a YAML file (see examples/)"
+                f"config file {path} {problem}; pass the path of a YAML file (see examples/)"
             )
         data = safe_yaml.read(path)
         if data is None:
@@ -1422,6 +1417,21 @@ def _choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
         raise ConfigError(
             f"{key}: {safe_yaml.shown(value)} is not one of {', '.join(choices)}{hint}"
         )
+
+
+MAX_SECONDS = 86_400
+"""A day: the most any time limit (a reward call, a program run) may be; what the OS takes as a
+CPU-time limit is far above it, and a longer limit is no limit."""
+MAX_MIB = 1 << 20
+"""1 TiB in MiB (or 1 GiB in KiB): the most any memory or output limit may be."""
+MAX_PROCESSES = 1 << 16
+"""The most processes a sandboxed run may be allowed at once (Linux's pid_max is 2^22 at most)."""
+
+
+def _within(key: str, value: float, most: float, unit: str) -> None:
+    """value in (0, most], checked before it reaches an OS limit (prlimit, a cgroup, an alarm)."""
+    if not 0 < value <= most:
+        raise ConfigError(f"{key}: must be in (0, {most}] {unit}, got {value}")
 
 
 def _positive(key: str, value: float, allow_zero: bool = False) -> None:

@@ -13,6 +13,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+from grpo.config import safe_yaml
 from grpo.config.schema import ArithmeticConfig, ConfigError
 
 Row = dict[str, Any]
@@ -212,10 +213,9 @@ def _utf8(line: bytes, where: str) -> str:
 def read_jsonl(path: str | Path, prompt_column: str) -> list[Row]:
     """Read and check every row before any training starts."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(
-            f"data file {path} does not exist; check data.train_file / data.eval_file"
-        )
+    problem = safe_yaml.not_a_file(path)
+    if problem:
+        raise ConfigError(f"data file {path} {problem}; check data.train_file / data.eval_file")
     rows = []
     for number, line in lines(path):
         where = f"{path}:{number}"

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from grpo.config import safe_yaml
 from grpo.config.schema import Config, ConfigError
 from grpo.tasks import Row, Task
 from grpo.tasks.data import _check_prompt, check_columns, check_text_file
@@ -97,9 +98,13 @@ def load(source: str, key: str, split: str):
             return _split(loaded, split, key, str(path)), f"{path} ({split})" if hasattr(
                 loaded, "keys"
             ) else str(path)
-        if path.suffix in FILE_BUILDERS or source.startswith(("/", "./", "../", "~")):
+        if (
+            path.suffix in FILE_BUILDERS
+            or source.startswith(("/", "./", "../", "~"))
+            or os.path.lexists(path)
+        ):
             raise ConfigError(
-                f"{key}: {path} does not exist; give the path of a {', '.join(FILE_BUILDERS)} file, a save_to_disk "
+                f"{key}: {path} {safe_yaml.not_a_file(path)}; give the path of a {', '.join(FILE_BUILDERS)} file, a save_to_disk "
                 "directory, or a hub dataset as name[:subset[:split]]"
             )
         name, _, rest = source.partition(":")

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from grpo.config import safe_yaml
 from grpo.config.schema import Config, ConfigError
 from grpo.rewards.math_answer import extract_answer
 from grpo.tasks import Row, Task
@@ -57,9 +58,10 @@ def load_rows(source: str, key: str, default_split: str) -> tuple[list[Row], str
     datasets.utils.disable_progress_bars()  # a "Generating train split" bar per file is noise here
     try:
         if path.suffix in FILE_BUILDERS:
-            if not path.is_file():
+            problem = safe_yaml.not_a_file(path)
+            if problem:
                 raise ConfigError(
-                    f"{key}: {path} does not exist; give the path of a .jsonl or .parquet file"
+                    f"{key}: {path} {problem}; give the path of a .jsonl or .parquet file"
                 )
             where = str(path)
             dataset = datasets.load_dataset(
