@@ -151,7 +151,7 @@ LIMITS_LABEL="GPU_CHECK_BANDWIDTH=$BANDWIDTH B/s, GPU_CHECK_PEAK_FLOPS=$PEAK FLO
 if [ -z "$BANDWIDTH$PEAK" ] && [ "$DEVICE" = cuda ] &&
     nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H200; then
     BANDWIDTH=4.3e12 PEAK=790e12
-    LIMITS_LABEL="H200: 4.3 TB/s, 790 TFLOP/s bf16 (measured on an H200, docs/scaling.md)"
+    LIMITS_LABEL="H200: 4.3 TB/s, 790 TFLOP/s bf16 (measured on an H200 before, not by this run)"
 fi
 LIMIT_ARGS=()
 if [ -n "$BANDWIDTH" ] && [ -n "$PEAK" ]; then
