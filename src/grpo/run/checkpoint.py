@@ -14,7 +14,10 @@
       manifest.json    every other file's size and sha256; written last
 
 A checkpoint is written into `.checkpoint-N.tmp-PID/`, each file fsynced, the
-manifest last, then renamed into place: a crash at any moment leaves either the
+manifest last, then renamed into place. The weights and the train state, nearly all of its
+bytes, are hashed as they are written (`HashedFile`: one pass over the bytes, the hash on a
+second thread beside the write); the small files (tokenizer, configs) are read back and hashed
+after. A crash at any moment leaves either the
 whole checkpoint or a hidden leftover, which `remove_leftovers` deletes at
 start-up. A write that fails (a full disk, a quota, a read-only mount) removes
 its temporary directory, leaves the previous checkpoint as it was and ends the
@@ -36,14 +39,17 @@ explicitly is refused with that reason instead (`load_checkpoint`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import re
 import shutil
+import struct
 import warnings
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,6 +104,182 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+_BESIDE = 1 << 20
+"""Writes of at least this many bytes are hashed on a second thread while they are written."""
+
+
+class HashedFile:
+    """A file written once, front to back, whose size and sha256 are taken from the bytes as they
+    go to it: a checkpoint's big files are never read back to be hashed. A large write is hashed
+    on a second thread while this one writes it (hashlib and the file's write both release the
+    GIL), and `write` returns once both are done, so the caller's buffer is never read after it.
+
+        with HashedFile(path) as f:
+            torch.save(state, f)
+        f.size, f.hexdigest()
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.size = 0
+        self._digest = hashlib.sha256()
+        self._file = open(self.path, "wb")
+        self._beside: ThreadPoolExecutor | None = None
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        if len(view) >= _BESIDE:
+            if self._beside is None:
+                self._beside = ThreadPoolExecutor(1, thread_name_prefix="grpo-sha256")
+            hashed = self._beside.submit(self._digest.update, view)
+            try:
+                self._file.write(view)
+            finally:
+                hashed.result()
+        else:
+            self._digest.update(view)
+            self._file.write(view)
+        self.size += len(view)
+        return len(view)
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def writable(self) -> bool:
+        return True
+
+    def hexdigest(self) -> str:
+        return self._digest.hexdigest()
+
+    def close(self, sync: bool = True) -> None:
+        """Flushed, fsynced (unless `sync` is false: a write that failed) and closed."""
+        if self._beside is not None:
+            self._beside.shutdown()
+            self._beside = None
+        if not self._file.closed:
+            try:
+                if sync:
+                    self._file.flush()
+                    os.fsync(self._file.fileno())
+            finally:
+                self._file.close()
+
+    def __enter__(self) -> "HashedFile":
+        return self
+
+    def __exit__(self, error_type, error, traceback) -> None:
+        self.close(sync=error_type is None)
+
+
+Hashed = dict[str, tuple[int, str]]
+"""{file name relative to the checkpoint: (size, sha256)} of files hashed as they were written."""
+
+
+def _record(hashed: Hashed, root: Path, f: HashedFile) -> None:
+    hashed[f.path.relative_to(root).as_posix()] = (f.size, f.hexdigest())
+
+
+# safetensors' dtype names (its format's header), for the weights grpo writes itself
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+
+
+def write_safetensors(
+    tensors: dict[str, torch.Tensor], f, metadata: dict[str, str] | None = None
+) -> None:
+    """`tensors` in the safetensors format (what `safetensors.torch.save_file` writes: an 8-byte
+    little-endian header length, the JSON header padded with spaces to 8 bytes, then each
+    tensor's bytes, the widest dtypes first so that every tensor is aligned), streamed to the
+    binary file `f` one tensor at a time (a CUDA tensor is copied to the CPU alone)."""
+    order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name in order:
+        tensor = tensors[name]
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    f.write(struct.pack("<Q", len(text)))
+    f.write(text)
+    for name in order:
+        tensor = tensors[name].detach()
+        if tensor.numel():
+            tensor = tensor.to("cpu").contiguous().reshape(-1).view(torch.uint8)
+            f.write(tensor.numpy().data)
+
+
+def _writes_safetensors(tensors: dict) -> bool:
+    return all(
+        isinstance(t, torch.Tensor)
+        and t.layout == torch.strided
+        and t.dtype in _SAFETENSORS_DTYPES
+        and t.device.type != "meta"
+        for t in tensors.values()
+    )
+
+
+@contextlib.contextmanager
+def _weights_hashed_as_written(root: Path, hashed: Hashed):
+    """While it lasts, transformers' `save_pretrained` writes each weights file through
+    `write_safetensors` into a HashedFile, so the weights are hashed as they are written; all the
+    rest of save_pretrained (which weights, tied ones once, their names, shards, config.json) is
+    its own. Where transformers no longer writes through `safe_save_file` (or the tensors are of a
+    kind write_safetensors does not write), its own writer writes them and the manifest hashes
+    them after, as any other file."""
+    try:
+        from transformers import modeling_utils
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        yield
+        return
+    original = getattr(modeling_utils, "safe_save_file", None)
+    if original is None:
+        yield
+        return
+
+    def save_file(tensors, filename, metadata=None):
+        if not _writes_safetensors(tensors):
+            return original(tensors, filename, metadata=metadata)
+        with HashedFile(filename) as f:
+            write_safetensors(tensors, f, metadata)
+        _record(hashed, root, f)
+
+    modeling_utils.safe_save_file = save_file
+    try:
+        yield
+    finally:
+        modeling_utils.safe_save_file = original
+
+
+@contextlib.contextmanager
+def _no_crc32():
+    """torch.save without its zip records' CRC-32 (a pass over the bytes of its own): the
+    manifest's sha256, taken as they are written, is the check."""
+    before = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(before)
 
 
 class SaveFailed(ConfigError):
@@ -156,6 +338,8 @@ def write_failed(what: Path, error: BaseException, kept: str) -> SaveFailed:
 def atomic_directory_write(target: Path, write, step: int | None = None) -> Path:
     """Call write(tmp_dir), add the manifest, fsync, and move tmp_dir to `target` in one rename.
 
+    `write` may return the sizes and hashes of the files it wrote through HashedFile (`Hashed`);
+    every other file of tmp_dir (or one whose size has changed since) is read back and hashed.
     A previous `target` is kept until the new one is complete. A write the file system refuses
     (`is_write_failure`) removes tmp_dir and raises SaveFailed; other errors are raised as they are,
     after tmp_dir is removed."""
@@ -166,15 +350,17 @@ def atomic_directory_write(target: Path, write, step: int | None = None) -> Path
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
-        write(tmp)
+        hashed = write(tmp)
+        hashed = hashed if isinstance(hashed, dict) else {}
         faults.reached("save")
         files = {}
         for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            name, size = path.relative_to(tmp).as_posix(), path.stat().st_size
+            if name in hashed and hashed[name][0] == size:  # fsynced by HashedFile as it closed
+                files[name] = {"size": size, "sha256": hashed[name][1]}
+                continue
             _fsync(path)
-            files[path.relative_to(tmp).as_posix()] = {
-                "size": path.stat().st_size,
-                "sha256": _sha256(path),
-            }
+            files[name] = {"size": size, "sha256": _sha256(path)}
         manifest = tmp / MANIFEST
         manifest.write_text(json.dumps({"step": step, "files": files}, indent=1))
         _fsync(manifest)
@@ -248,19 +434,24 @@ def save_checkpoint(
 
     from grpo.models import lora
 
-    def write(tmp: Path) -> None:
+    def write(tmp: Path) -> Hashed:
+        hashed: Hashed = {}
         wrapper = lora.peft_model(model)
         if wrapper is not None:  # the adapter only: the base model is the one the run started from
             wrapper.save_pretrained(
                 tmp, selected_adapters=[lora.POLICY_ADAPTER], safe_serialization=True
             )
         else:
-            model.save_pretrained(tmp, safe_serialization=True)
+            with _weights_hashed_as_written(tmp, hashed):
+                model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         if state is not None:
-            torch.save(state, tmp / STATE)
+            with HashedFile(tmp / STATE) as f, _no_crc32():
+                torch.save(state, f)
+            _record(hashed, tmp, f)
         if cfg is not None:
             config_module.save(cfg, tmp / CONFIG)
+        return hashed
 
     if step is None:
         step = (state or {}).get("step")

@@ -1,0 +1,128 @@
+"""A checkpoint's big files are hashed as they are written (one pass over their bytes), and the
+manifest still holds every file's size and sha256 for `verify` to check."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from grpo.models.tiny import char_tokenizer, tiny_model
+from grpo.run import checkpoint
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    return {
+        "a.weight": torch.randn(3, 4, generator=generator),
+        "b": torch.randn(5, generator=generator).to(torch.bfloat16),
+        "c": torch.arange(7, device="cpu"),
+        "empty": torch.zeros(0, 3, device="cpu"),
+        "scalar": torch.tensor(3.0, device="cpu"),
+        "mask": torch.ones(2, 2, dtype=torch.bool, device="cpu"),
+        "half": torch.ones(3, dtype=torch.float16, device="cpu"),
+    }
+
+
+def test_write_safetensors_writes_the_bytes_safetensors_writes(tmp_path):
+    tensors = _tensors()
+    save_file(tensors, tmp_path / "theirs.safetensors", metadata={"format": "pt"})
+    with checkpoint.HashedFile(tmp_path / "ours.safetensors") as f:
+        checkpoint.write_safetensors(tensors, f, {"format": "pt"})
+    ours = (tmp_path / "ours.safetensors").read_bytes()
+    assert ours == (tmp_path / "theirs.safetensors").read_bytes()
+    assert (f.size, f.hexdigest()) == (len(ours), hashlib.sha256(ours).hexdigest())
+    loaded = load_file(tmp_path / "ours.safetensors")
+    assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
+
+
+def test_a_hashed_file_hashes_small_and_large_writes_in_order(tmp_path, monkeypatch):
+    monkeypatch.setattr(checkpoint, "_BESIDE", 64)  # the second thread for all but the small ones
+    chunks = [b"x" * 10, bytes(range(256)) * 3, memoryview(b"tail" * 40), b""]
+    with checkpoint.HashedFile(tmp_path / "f") as f:
+        for chunk in chunks:
+            f.write(chunk)
+    data = (tmp_path / "f").read_bytes()
+    assert data == b"".join(bytes(c) for c in chunks)
+    assert (f.size, f.hexdigest()) == (len(data), hashlib.sha256(data).hexdigest())
+
+
+def test_a_checkpoint_hashes_its_weights_and_state_as_written_and_verify_still_checks_them(
+    tmp_path, monkeypatch
+):
+    tokenizer = char_tokenizer()
+    model = tiny_model(tokenizer)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 4, dtype=torch.long, device="cpu")).logits.sum().backward()
+    optimizer.step()
+    state = {"train": {"step": 3, "optimizer": optimizer.state_dict()}}
+    read_back = []
+    real_sha256 = checkpoint._sha256
+    monkeypatch.setattr(
+        checkpoint, "_sha256", lambda path: read_back.append(path.name) or real_sha256(path)
+    )
+    crc32 = torch.serialization.get_crc32_options()
+    path = checkpoint.save_checkpoint(tmp_path / "checkpoint-3", model, tokenizer, state, step=3)
+    assert torch.serialization.get_crc32_options() == crc32  # as it was
+    # the big files were never read back to be hashed; the small ones were
+    assert "model.safetensors" not in read_back and checkpoint.STATE not in read_back
+    assert "config.json" in read_back
+    files = json.loads((path / checkpoint.MANIFEST).read_text())["files"]
+    assert {"model.safetensors", checkpoint.STATE, "config.json"} <= set(files)
+    for name, meta in files.items():
+        data = (path / name).read_bytes()
+        assert meta == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert checkpoint.problem(path) == ""  # the state loads (weights_only), the weights are finite
+    saved = checkpoint.read_state(path / checkpoint.STATE)
+    assert torch.equal(
+        saved["train"]["optimizer"]["state"][0]["exp_avg"],
+        optimizer.state_dict()["state"][0]["exp_avg"],
+    )
+    type(model).from_pretrained(path)  # still a model directory
+
+    for name in ("model.safetensors", checkpoint.STATE):
+        data = bytearray((path / name).read_bytes())
+        data[len(data) // 2] ^= 1
+        (path / name).write_bytes(data)
+        assert checkpoint.verify(path) == f"{name} does not match its sha256 in the manifest"
+        data[len(data) // 2] ^= 1
+        (path / name).write_bytes(data)
+    assert checkpoint.verify(path) == ""
+
+
+def test_weights_of_a_kind_it_does_not_write_go_through_safetensors_and_are_hashed_after(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(checkpoint, "_writes_safetensors", lambda tensors: False)
+    read_back = []
+    real_sha256 = checkpoint._sha256
+    monkeypatch.setattr(
+        checkpoint, "_sha256", lambda path: read_back.append(path.name) or real_sha256(path)
+    )
+    path = checkpoint.save_checkpoint(
+        tmp_path / "checkpoint-1",
+        tiny_model(char_tokenizer()),
+        char_tokenizer(),
+        {"train": {"step": 1}},
+        step=1,
+    )
+    assert "model.safetensors" in read_back
+    assert checkpoint.verify(path) == ""
+
+
+def test_a_write_that_fails_midway_leaves_no_checkpoint(tmp_path, monkeypatch):
+    def full(self, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.HashedFile, "write", full)
+    with pytest.raises(checkpoint.SaveFailed, match="No space left on device"):
+        checkpoint.save_checkpoint(
+            tmp_path / "checkpoint-1",
+            tiny_model(char_tokenizer()),
+            char_tokenizer(),
+            {"train": {"step": 1}},
+        )
+    assert list(tmp_path.iterdir()) == []
