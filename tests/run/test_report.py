@@ -239,3 +239,45 @@ def test_reward_in_tens_is_the_seeds_ten_step_means():
         (12, 21, 1.0),
         (22, 25, 1.0),
     ]
+
+
+def test_plots_apart_writes_the_report_at_once_and_a_fresh_process_draws_the_plots(tmp_path):
+    import time
+
+    from grpo.run import report
+
+    run = _run_dir(tmp_path, kl=False)
+    path = build_report(run, plots_apart=True)
+    expected = BASE_PLOTS | {"eval_accuracy"}
+    text = path.read_text()
+    assert all(f"](plots/{name}.png)" in text for name in expected)  # listed before drawn
+    marker = run / "plots" / report.RENDERING
+    deadline = time.monotonic() + 120
+    while marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not marker.exists(), "the renderer did not finish"
+    assert not (run / "plots" / report.RENDER_LOG).exists()
+    assert {p.stem for p in (run / "plots").glob("*.png")} == expected
+    assert not list((run / "plots").glob(".*.tmp-*"))  # each PNG renamed into place
+    for name in expected:
+        assert _png_size(run / "plots" / f"{name}.png")[0] >= 600
+
+
+def test_a_renderer_that_fails_says_why_in_render_log(tmp_path):
+    from grpo.run import report
+
+    run = _run_dir(tmp_path, steps=3, kl=False, evals=False, samples=False)
+    (run / "metrics.jsonl").write_text("not json\n")
+    assert report.main([str(run)]) == 1
+    assert "not valid JSON" in (run / "plots" / report.RENDER_LOG).read_text()
+    assert not (run / "plots" / report.RENDERING).exists()
+
+
+def test_plots_apart_without_matplotlib_writes_the_report_saying_so(tmp_path, monkeypatch):
+    from grpo.run import report
+
+    monkeypatch.setattr(report, "_draws_plots", lambda: False)
+    run = _run_dir(tmp_path, steps=5, kl=False, evals=False, samples=False)
+    text = build_report(run, plots_apart=True).read_text()
+    assert "No plots: matplotlib is not installed" in text and "](plots/" not in text
+    assert not (run / "plots").exists()  # no renderer started

@@ -10,13 +10,27 @@ Reads from the run directory:
     samples.jsonl   optional: {"step", "prompt", "completion", "reward"} per line
 
 Plots are drawn with matplotlib's object API (no pyplot, no global backend
-change; PNGs are rendered by Agg), one figure per quantity, 100 dpi.
+change; PNGs are rendered by Agg), one figure per quantity, 100 dpi, each PNG
+written under a temporary name and renamed, so a PNG is never seen half-written.
+
+At the end of a run (`RunLog.report`) report.md is written at once and the plots
+are drawn apart (`build_report(run_dir, plots_apart=True)`): by a fresh Python
+interpreter, `python -m grpo.run.report RUN_DIR`, started with subprocess (fork
+and exec, no Python code run in a copy of the trainer, so it is safe beside CUDA),
+detached in its own session, so the run's process exits without waiting for
+matplotlib. While it draws, plots/.rendering holds its PID; its errors, if any,
+go to plots/render.log. `grpo report RUN_DIR` draws them in its own process.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import os
+import subprocess
+import sys
+import traceback
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -325,31 +339,57 @@ def eval_steps(results: list[EvalResult]) -> set[int]:
     return {r.step for r in results}
 
 
-def figures(
+def plot_names(
     metrics: list[dict[str, Any]], eval_results: list[EvalResult] | None = None
-) -> "OrderedDict[str, Any]":
-    """{file stem: matplotlib Figure} for every plot the data allows."""
-    out: "OrderedDict[str, Any]" = OrderedDict()
+) -> list[str]:
+    """The file stems of the plots the data allows, in the report's order (no matplotlib)."""
+    names = []
     if _has(metrics, "reward"):
-        out["reward"] = reward_figure(metrics)
+        names.append("reward")
     if any(_has(metrics, f"rewards/{n}/mean") for n in reward_names(metrics)):
-        out["rewards_per_function"] = rewards_per_function_figure(metrics)
+        names.append("rewards_per_function")
     if _has(metrics, "completions/mean_length"):
-        out["completion_length"] = length_figure(metrics)
+        names.append("completion_length")
     if _has(metrics, "kl"):
-        out["kl"] = kl_figure(metrics)
+        names.append("kl")
     if _has(metrics, "entropy"):
-        out["entropy"] = entropy_figure(metrics)
+        names.append("entropy")
     if any(
         _has(metrics, k)
         for k in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
     ):
-        out["clip_ratio"] = clip_ratio_figure(metrics)
+        names.append("clip_ratio")
     if _has(metrics, "frac_reward_zero_std"):
-        out["frac_reward_zero_std"] = zero_std_figure(metrics)
+        names.append("frac_reward_zero_std")
     if eval_results and len(eval_steps(eval_results)) >= 2:
-        out["eval_accuracy"] = eval_accuracy_figure(eval_results)
-    return out
+        names.append("eval_accuracy")
+    return names
+
+
+_FIGURES = {
+    "reward": reward_figure,
+    "rewards_per_function": rewards_per_function_figure,
+    "completion_length": length_figure,
+    "kl": kl_figure,
+    "entropy": entropy_figure,
+    "clip_ratio": clip_ratio_figure,
+    "frac_reward_zero_std": zero_std_figure,
+}
+
+
+def _figure(name: str, metrics: list[dict[str, Any]], eval_results: list[EvalResult] | None):
+    if name == "eval_accuracy":
+        return eval_accuracy_figure(eval_results or [])
+    return _FIGURES[name](metrics)
+
+
+def figures(
+    metrics: list[dict[str, Any]], eval_results: list[EvalResult] | None = None
+) -> "OrderedDict[str, Any]":
+    """{file stem: matplotlib Figure} for every plot the data allows."""
+    return OrderedDict(
+        (name, _figure(name, metrics, eval_results)) for name in plot_names(metrics, eval_results)
+    )
 
 
 PLOT_CAPTIONS = {
@@ -603,25 +643,95 @@ def _eval_samples(before: list[EvalResult], after: list[EvalResult]) -> list[str
     return (["### Held-out examples", ""] + lines) if lines else []
 
 
-def build_report(run_dir: str | Path) -> Path:
-    """Write run_dir/plots/*.png and run_dir/report.md; return the report's path."""
+PLOTS_DIR = "plots"
+RENDERING = ".rendering"
+"""In plots/ while a renderer started by `build_report(plots_apart=True)` draws: its PID."""
+RENDER_LOG = "render.log"
+
+
+def _eval_results(run_dir: Path) -> list[EvalResult]:
+    path = run_dir / "eval.jsonl"
+    return read_results(path) if path.is_file() else []
+
+
+def _render_plots(
+    run_dir: Path, metrics: list[dict[str, Any]], eval_results: list[EvalResult]
+) -> list[str]:
+    """Draws plots/<name>.png for each of `plot_names` (each under a temporary name, then
+    renamed); the names drawn."""
+    plots_dir = run_dir / PLOTS_DIR
+    plots_dir.mkdir(exist_ok=True)
+    names = plot_names(metrics, eval_results)
+    for name in names:
+        tmp = plots_dir / f".{name}.png.tmp-{os.getpid()}"
+        _figure(name, metrics, eval_results).savefig(tmp, dpi=DPI, format="png")
+        os.replace(tmp, plots_dir / f"{name}.png")
+    return names
+
+
+def render_plots(run_dir: str | Path) -> list[str]:
+    """The run directory's plots from its metrics.jsonl and eval.jsonl, in this process."""
+    run_dir = Path(run_dir)
+    return _render_plots(run_dir, read_metrics(run_dir), _eval_results(run_dir))
+
+
+def start_renderer(run_dir: str | Path) -> subprocess.Popen:
+    """Starts `python -m grpo.run.report RUN_DIR` (this interpreter, grpo from where this one has
+    it) detached in a session of its own; plots/.rendering holds its PID until it is done. A
+    fresh interpreter, exec'd: nothing of this process's state (CUDA, threads, locks) is copied
+    into Python code that runs."""
+    run_dir = Path(run_dir)
+    plots_dir = run_dir / PLOTS_DIR
+    plots_dir.mkdir(exist_ok=True)
+    (plots_dir / RENDER_LOG).unlink(missing_ok=True)
+    marker = plots_dir / RENDERING
+    marker.write_text("")
+    source = str(Path(__file__).resolve().parents[2])  # the directory grpo is imported from
+    path = os.environ.get("PYTHONPATH")
+    env = {**os.environ, "PYTHONPATH": source + (os.pathsep + path if path else "")}
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "grpo.run.report", str(run_dir.resolve())],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            close_fds=True,
+            start_new_session=True,
+        )
+    except OSError:
+        marker.unlink(missing_ok=True)
+        raise
+    marker.write_text(f"{process.pid}\n")
+    return process
+
+
+def _draws_plots() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def build_report(run_dir: str | Path, plots_apart: bool = False) -> Path:
+    """Write run_dir/plots/*.png and run_dir/report.md; return the report's path.
+
+    `plots_apart`: report.md at once, the plots by a detached process (`start_renderer`); without
+    matplotlib, report.md without plots (it says why) rather than an ImportError."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ReportError(
             f"run directory {run_dir} does not exist; pass the output_dir of a `grpo train` run"
         )
     metrics = read_metrics(run_dir)
-    _matplotlib()  # fail early, before writing anything, when matplotlib is missing
+    drawn = _draws_plots() if plots_apart else bool(_matplotlib())
+    # without plots_apart, _matplotlib() failed early, before writing anything, when it is missing
     config = _read_config(run_dir)
-    eval_path = run_dir / "eval.jsonl"
-    eval_results = read_results(eval_path) if eval_path.is_file() else []
+    eval_results = _eval_results(run_dir)
 
-    plots_dir = run_dir / "plots"
-    plots_dir.mkdir(exist_ok=True)
-    written: list[str] = []
-    for name, fig in figures(metrics, eval_results).items():
-        fig.savefig(plots_dir / f"{name}.png", dpi=DPI)
-        written.append(name)
+    if not drawn:
+        written: list[str] = []
+    elif plots_apart:
+        written = plot_names(metrics, eval_results)
+    else:
+        written = _render_plots(run_dir, metrics, eval_results)
 
     title = (
         config.get("logging", {}).get("run_name")
@@ -661,10 +771,41 @@ def build_report(run_dir: str | Path) -> Path:
     lines += _reward_in_tens(metrics) + [""]
     lines += _first_last(metrics) + [""]
     lines += ["## Plots", ""]
+    if not drawn:
+        lines += [
+            "No plots: matplotlib is not installed (pip install 'grpo[report]', then "
+            f"`grpo report {run_dir}`).",
+            "",
+        ]
     for name in written:
         lines += [f"![{name}](plots/{name}.png)", "", f"*{PLOT_CAPTIONS.get(name, name)}*", ""]
     lines += _samples(run_dir)
 
     path = run_dir / "report.md"
-    path.write_text("\n".join(lines).rstrip() + "\n")
+    tmp = path.with_name(f".report.md.tmp-{os.getpid()}")
+    tmp.write_text("\n".join(lines).rstrip() + "\n")
+    os.replace(tmp, path)
+    if drawn and plots_apart and written:
+        try:
+            start_renderer(run_dir)
+        except OSError:  # no process to be had (a process limit): drawn here, as grpo report does
+            _render_plots(run_dir, metrics, eval_results)
     return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The renderer `start_renderer` starts: RUN_DIR's plots; its errors to plots/render.log."""
+    run_dir = Path((sys.argv[1:] if argv is None else argv)[0])
+    try:
+        render_plots(run_dir)
+        return 0
+    except Exception:  # noqa: BLE001 - nobody waits on this process: the log says what went wrong
+        (run_dir / PLOTS_DIR).mkdir(parents=True, exist_ok=True)
+        (run_dir / PLOTS_DIR / RENDER_LOG).write_text(traceback.format_exc())
+        return 1
+    finally:
+        (run_dir / PLOTS_DIR / RENDERING).unlink(missing_ok=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -7,7 +7,8 @@
       eval.jsonl       one line per evaluation and decoding setting
       checkpoint-N/ final/   written by grpo.run.checkpoint (atomically); a resumed run
                              cuts the logs above back to its checkpoint's step
-      plots/ report.md       grpo.run.report, at the end
+      plots/ report.md       grpo.run.report, at the end (report.md at once, the plots by a
+                             detached process)
       .grpo.lock             held by the run using the directory (grpo.run.run_lock), taken
                              before anything here is read or changed
 
@@ -247,14 +248,15 @@ class RunLog:
         )
 
     def report(self) -> None:
+        """report.md at once; its plots drawn by a detached process (grpo.run.report), so the run
+        does not wait for them."""
         if not self.is_main:
             return
-        try:
-            from grpo.run.report import build_report
+        from grpo.run.report import RENDERING, build_report
 
-            self._print(f"report: {build_report(self.dir)}")
-        except ImportError as err:  # matplotlib is optional
-            self._print(f"no report written ({err})")
+        path = build_report(self.dir, plots_apart=True)
+        drawing = (self.dir / "plots" / RENDERING).is_file()
+        self._print(f"report: {path}" + (" (its plots are being drawn apart)" if drawing else ""))
 
     def close(self) -> None:
         if self.progress is not None:
