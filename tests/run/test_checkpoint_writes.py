@@ -126,3 +126,52 @@ def test_a_write_that_fails_midway_leaves_no_checkpoint(tmp_path, monkeypatch):
             {"train": {"step": 1}},
         )
     assert list(tmp_path.iterdir()) == []
+
+
+def test_final_is_the_last_steps_checkpoint_linked_not_written_again(
+    tokenizer, tmp_path, make_trainer, monkeypatch
+):
+    """With save_steps dividing max_steps, final/ holds checkpoint-N's own files (hard links: no
+    byte written twice), verifies, and stays whole when checkpoint-N is pruned away."""
+    trainer = make_trainer(
+        tokenizer,
+        tmp_path,
+        [
+            "training.max_steps=2",
+            "training.save_steps=2",
+            "training.per_device_train_batch_size=16",
+        ],
+    )
+    written, save = [], checkpoint.save_checkpoint
+    monkeypatch.setattr(
+        checkpoint,
+        "save_checkpoint",
+        lambda directory, *a, **k: written.append(directory.name) or save(directory, *a, **k),
+    )
+    trainer.train()
+    run = tmp_path / "run"
+    final, last = run / checkpoint.FINAL, run / "checkpoint-2"
+    assert written == ["checkpoint-2"]  # final/ was not written
+    assert checkpoint.verify(final) == "" and checkpoint.manifest_step(final) == 2
+    names = json.loads((last / checkpoint.MANIFEST).read_text())["files"]
+    assert names and all(
+        (final / name).stat().st_ino == (last / name).stat().st_ino for name in names
+    )
+    checkpoint.remove_checkpoints([last])
+    assert checkpoint.verify(final) == ""
+
+
+def test_final_is_written_when_the_last_step_has_no_checkpoint(tokenizer, tmp_path, make_trainer):
+    trainer = make_trainer(
+        tokenizer,
+        tmp_path,
+        [
+            "training.max_steps=2",
+            "training.save_steps=0",
+            "training.per_device_train_batch_size=16",
+        ],
+    )
+    trainer.train()
+    final = tmp_path / "run" / checkpoint.FINAL
+    assert checkpoint.verify(final) == "" and checkpoint.manifest_step(final) == 2
+    assert not list((tmp_path / "run").glob("checkpoint-*"))

@@ -748,7 +748,7 @@ class Trainer:
                 if signum:
                     self.stopped_by = signum
                     return history
-                self.save(log.dir / checkpoint.FINAL)
+                self._save_final()
                 callbacks.fire("on_save")
                 signum = self._stop_signal(stop)
                 if signum:  # came during the save: the evaluation after is left to a resumed run
@@ -921,6 +921,19 @@ class Trainer:
         except TrainingDiverged:
             return "the weights are no longer finite, so nothing was saved; the latest checkpoint holds the last good state"
         return f"the last good state is saved in {directory} (resume from it with --resume after changing the cause)"
+
+    def _save_final(self) -> Path:
+        """final/: when this step's checkpoint was just written (save_steps divides max_steps), the
+        same files under a second name (checkpoint.link_checkpoint: nothing written twice); else a
+        checkpoint of its own."""
+        final = self.log.dir / checkpoint.FINAL
+        latest = self.log.dir / f"checkpoint-{self.state.step}"
+        if self.saved == latest:
+            linked = self.backend.is_main and checkpoint.link_checkpoint(latest, final) is not None
+            if self.backend.all_gather_object(linked)[0]:  # rank 0's answer, for every rank
+                self.saved = final
+                return final
+        return self.save(final)
 
     def save(self, directory: Path) -> Path:
         """A checkpoint (grpo.run.checkpoint) of this step, to resume from or load with from_pretrained

@@ -83,14 +83,23 @@ class Skips:
 
 
 def check_finite_weights(model, what: str) -> None:
-    """Raises TrainingDiverged naming the first parameter that holds NaN or inf (before `what`, a save)."""
-    for name, p in model.named_parameters():
-        finite = torch.isfinite(p).all()
-        if hasattr(
-            finite, "full_tensor"
-        ):  # a parameter sharded by FSDP: every rank's shard (a collective)
-            finite = finite.full_tensor()
-        if not bool(finite):
+    """Raises TrainingDiverged naming the first parameter that holds NaN or inf (before `what`, a save).
+
+    Each parameter's largest magnitude is NaN or inf exactly when it holds one (the max-norm
+    propagates NaN, and no finite value's magnitude overflows): one read of the weights, no
+    boolean copy of them, and one host synchronisation for the whole model."""
+    named = [(name, p) for name, p in model.named_parameters() if p.numel()]
+    norms = []
+    for _, p in named:
+        norm = torch.linalg.vector_norm(p.detach(), ord=math.inf)
+        if hasattr(norm, "full_tensor"):  # a parameter sharded by FSDP: every rank's shard
+            norm = norm.full_tensor()
+        norms.append(norm.float())
+    if not norms:
+        return
+    finite = torch.isfinite(torch.stack(norms)).tolist()
+    for (name, _), ok in zip(named, finite):
+        if not ok:
             raise TrainingDiverged(
                 f"refusing to {what}: parameter {name} holds NaN or inf, so these weights would be useless; "
                 "lower training.learning_rate (and keep training.max_grad_norm > 0) and train again"
