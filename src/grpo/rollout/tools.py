@@ -26,6 +26,16 @@ tool that hangs, prints megabytes, crashes the interpreter or calls os._exit cos
 only that call. With `thread`, calls run in daemon threads of the training process: cheaper,
 and a hung call is abandoned (its thread is left running), but a tool that calls os._exit
 or crashes the interpreter ends the run, and what it prints goes to the run's output.
+
+A forked call and CUDA: the child is forked from the trainer, which may have initialised CUDA,
+and CUDA cannot be used again in a process forked after that. grpo's own part of the child
+(running the function, turning its result or error into text, writing one JSON line, os._exit)
+imports nothing and calls nothing of torch, so a tool that does not use CUDA itself is safe to
+fork, as a DataLoader worker is; a child stuck on a lock some other thread of the trainer held
+at the fork is killed at the timeout like any hung call. A tool that does call into CUDA there
+gets torch's "Cannot re-initialize CUDA in forked subprocess" error as its result, with the
+fix (`rollout.tool_isolation: thread`) named in it and in a warning, once per run; under
+`thread` it shares the trainer's CUDA context.
 """
 
 from __future__ import annotations
@@ -319,6 +329,52 @@ def _error(exc: BaseException, limit: int) -> str:
     return _as_text(f"error: {type(exc).__name__}: {exc}", limit)
 
 
+FORKED_CUDA = "Cannot re-initialize CUDA in forked subprocess"
+"""The start of torch's error (torch.cuda._lazy_init) when a process forked after its parent
+initialised CUDA calls into CUDA."""
+
+FORKED_CUDA_FIX = (
+    "(this tool ran in a process forked from the trainer, which cannot use CUDA once the trainer "
+    "has; a tool that uses CUDA needs rollout.tool_isolation: thread)"
+)
+
+_forked_cuda_warned = False
+
+
+def _touched_cuda(exc: BaseException) -> bool:
+    """Whether `exc`, or an exception it was raised from or during, is torch's forked-CUDA error."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if FORKED_CUDA in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _forked_error(exc: BaseException, limit: int) -> dict:
+    """A forked call's error payload; torch's forked-CUDA error with its fix first (so that the
+    output cap keeps it) and flagged for the trainer's warning."""
+    if _touched_cuda(exc):
+        text = f"error: {type(exc).__name__}: {FORKED_CUDA_FIX}: {exc}"
+        return {"error": _as_text(text, limit), "cuda": True}
+    return {"error": _error(exc, limit)}
+
+
+def _warn_forked_cuda(name: str) -> None:
+    global _forked_cuda_warned
+    if not _forked_cuda_warned:
+        _forked_cuda_warned = True
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "grpo: tool %r called into CUDA in its forked process (rollout.tool_isolation: "
+            "process), which cannot use CUDA once the trainer has; its calls fail. Set "
+            "rollout.tool_isolation: thread for tools that use CUDA.",
+            name,
+        )
+
+
 class ToolRunner:
     """Runs calls against `tools` with `timeout` seconds each and results cut to `max_chars`
     characters, in forked processes (`isolation` "process") or daemon threads ("thread")."""
@@ -412,6 +468,8 @@ class ToolRunner:
         return wait
 
     def _fork(self, function, arguments):
+        # The child runs the function and this module's text and JSON helpers, then os._exit: no
+        # torch, so a trainer that initialised CUDA may fork it (the module docstring says more).
         read, write = os.pipe()
         started = time.monotonic()
         pid = os.fork()
@@ -427,7 +485,7 @@ class ToolRunner:
                 try:
                     payload = {"result": _as_text(_invoke(function, arguments), self.max_chars)}
                 except BaseException as error:
-                    payload = {"error": _error(error, self.max_chars)}
+                    payload = _forked_error(error, self.max_chars)
                 data = json.dumps(payload).encode()
                 view = memoryview(data)
                 while view:
@@ -471,6 +529,8 @@ class ToolRunner:
                     seconds,
                 )
             if "error" in payload:
+                if payload.get("cuda"):
+                    _warn_forked_cuda(name)
                 return ToolResult(name, payload["error"], True, False, seconds)
             return ToolResult(name, payload["result"], False, False, seconds)
 
