@@ -13,7 +13,9 @@ The worker is a program of its own (grpo.rewards.worker.Worker), not a
 multiprocessing child: it never imports the caller's main script, so a
 script that trains at its top level (no `if __name__ == "__main__":`) is not
 run again by it. It leads a session of its own (a Ctrl-C at the terminal is
-the caller's), and ends itself when its caller goes away.
+the caller's), and ends itself when its caller goes away. Being a fresh
+interpreter, as with multiprocessing's spawn, it holds none of the caller's CUDA
+state and is safe to start after the caller initialised CUDA.
 
     worker = BoundedWorker("grpo.rewards.equivalence:equivalent", timeout=5.0)
     status, value = worker("\\\\frac{1}{2}", "0.5")      # ("ok", True)

@@ -1,6 +1,7 @@
 """Mathematical equivalence of two answers through math-verify, for grpo.rewards.math_answer.
 
-Imported in a worker process (grpo.rewards.bounded), which bounds each call in time:
+Imported in a worker process (grpo.rewards.bounded: a fresh interpreter, never a fork of
+the trainer, so safe beside its CUDA; nothing here uses torch), which bounds each call in time:
 math-verify's own timeouts use SIGALRM, which works only in a main thread,
 so they are switched off here.
 """

@@ -24,7 +24,9 @@ fails as a ConfigError) or at the first batch, and kept: each loads every
 worker-run function once, at start-up, which does not count against the
 timeout. A worker is a program of its own (grpo.rewards.worker), not a
 multiprocessing child: it never imports the trainer's main script, and it
-imports the user's modules through the trainer's sys.path. A function
+imports the user's modules through the trainer's sys.path. Being a fresh
+interpreter (fork and exec, never a fork that goes on running the trainer's
+code), it is safe beside a trainer that initialised CUDA, as spawn is. A function
 defined in the main script itself is loaded in the worker by running the
 script as `__mp_main__` when the script guards its training with
 `if __name__ == "__main__":` (as multiprocessing's spawn did); a script

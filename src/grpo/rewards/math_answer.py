@@ -17,7 +17,8 @@ with or without `$...$`. Two answers are equal when
    `x^2+1` = `1+x^2`, `\\sqrt{4}` = `2`.
 
 Every math-verify comparison runs in a worker process bounded by
-`rewards.math_timeout` seconds (grpo.rewards.bounded), so an expression that sympy
+`rewards.math_timeout` seconds (grpo.rewards.bounded: a fresh interpreter, never a fork of the
+trainer, so safe beside its CUDA), so an expression that sympy
 cannot finish with gives 0, not a stuck run; the text handed to it is capped
 at MAX_ANSWER_CHARS, and the extraction itself is one linear scan, so huge or
 deeply nested completions return promptly. A row without an `answer` gets a

@@ -12,6 +12,14 @@ script itself is loaded only from a script whose training is guarded by
 `if __name__ == "__main__":` (grpo.rewards.execution decides), by running the
 script under the name `__mp_main__`, as multiprocessing's spawn did.
 
+Beside CUDA: a worker is a fresh interpreter, never a fork of the trainer.
+subprocess.Popen forks and at once execs Python from C (_posixsubprocess; no
+preexec_fn, so no Python runs in between), so the worker holds none of the
+trainer's CUDA state, as a spawned process would not, and a reward function
+may use CUDA there (in a context of its own). The keeper's fork of the worker
+(below) happens in that fresh interpreter, which by then has imported only this
+torch-free module.
+
 This module imports nothing heavy, and nothing of grpo but itself, because a
 worker imports it first: a worker then starts in a tenth of a second and
 without torch's few hundred megabytes (a reward function's own module still

@@ -28,6 +28,9 @@ their type hints and docstrings like any tool (grpo.rollout.tools).
 Environment methods run in threads of the training process, one call at a time in the order
 the calls were made (grpo.rollout.tools.Tool.stateful): their state lives there, and the order
 makes it deterministic. A call past rollout.tool_timeout is abandoned like any tool's.
+No process is started for an environment, whatever rollout.tool_isolation says: `reset`,
+its methods and `get_reward` run in the trainer's own process, so an environment may use
+CUDA as the trainer does.
 
 Nothing is pending between steps: every rollout's environment is reset from its row first.
 A resumed run therefore continues exactly when `reset` depends on its arguments only; one

@@ -21,6 +21,10 @@ The program runs as this chain of processes, each narrowing the next:
               mounts, modules, ptrace and the like fail with EPERM; other ABIs are killed
     python -I the interpreter, isolated from environment variables and the user site
 
+The chain is started by subprocess.Popen without a preexec_fn: the child forks and at once
+execs sh from C (_posixsubprocess), running no Python, and so nothing of torch, in between;
+a trainer that initialised CUDA may start it, as it may start any program.
+
 The parent enforces the wall-clock timeout and the output cap, and afterwards
 kills whatever is left: the PID namespace ends with its first process, the
 cgroup is emptied, and (as root) every process of the run's uid is killed.
