@@ -1,10 +1,22 @@
-"""`grpo train` runs in forked children, shared by tests/run/test_resume.py and
-tests/run/test_run_safety.py (a fresh interpreter would spend ~10 s importing torch and
-transformers on 2 cores; a fork starts in milliseconds): a run's config on the toy task, the
-run itself, its logs, and the check that two runs are the same."""
+"""`grpo train` runs in children, shared by tests/run/test_resume.py, test_run_safety.py and
+test_resume_entropy.py: a run's config on the toy task, the run itself, its logs, and the check
+that two runs are the same.
+
+A child is forked from a forkserver (multiprocessing's "forkserver" start method), not from the
+test process: once a test in this process has initialised CUDA (GRPO_TEST_DEVICE=cuda), a fork
+of it cannot use CUDA again. The server is a fresh interpreter (multiprocessing starts it by
+fork and exec) that imports harness_child, and with it torch, transformers and grpo's command
+line, once (~10 s on 2 cores, started as soon as collection finds a test that needs it, so the
+import overlaps the tests before it), and never touches CUDA; each child is a fork of it and
+starts in milliseconds, as a fork of the test process did. A child gets the test process's
+stdout and stderr (pytest's capture), environment, working directory and torch thread count,
+and the `quick` fixture's patches are applied in it (harness_child); monkeypatches of other
+things in the test process do not reach it (those tests call `main` in this process).
+tests/run/test_harness.py checks all of this."""
 
 import json
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import signal
 from pathlib import Path
@@ -12,9 +24,12 @@ from pathlib import Path
 import pytest
 import torch
 import tqdm
+from harness_child import (
+    child,
+    inherited_fd,
+)  # tests/run is on sys.path: pytest puts it there for this file
 from safetensors.torch import load_file
 
-from grpo.cli import main
 from grpo.config import schema as config
 from grpo.run import runlog
 
@@ -96,14 +111,83 @@ def _write_config(tmp_path, name, overrides=()):
     return path
 
 
-def _child(argv, kill_at):
+CONTEXT = multiprocessing.get_context("forkserver")
+# what a run imports, so that no child imports it again: harness_child (torch, transformers,
+# grpo's command line and trainer) and what a run imports on its way (peft, torch.compile's
+# modules, the tiny model's). A 2-step run of the toy task took 0.2 s in such a child, and 2.6 s
+# in a fork of a test process that had not imported them, as the earlier harness's children were.
+CONTEXT.set_forkserver_preload(
+    [
+        "harness_child",
+        "peft",
+        "accelerate",
+        "sympy",
+        "torch._dynamo",
+        "torch.distributed",
+        "transformers.models.llama.modeling_llama",
+        "grpo.backends.single",
+        "grpo.backends.distributed",
+        "grpo.config.docs",
+        "grpo.cpu.layer",
+        "grpo.models.lora",
+        "grpo.models.tiny",
+        "grpo.run.report",
+        "grpo.run.trackers",
+        "grpo.tasks.arithmetic",
+    ]
+)
+
+
+def _server() -> None:
+    """Starts the forkserver unless it runs. It imports harness_child from this directory, which
+    it finds on PYTHONPATH: Python 3.11's forkserver does not take the sys.path it is given."""
+    here, before = str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([here, before] if before else [here])
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
+
+
+def pytest_collection_modifyitems(items):
+    """Starts the forkserver, which imports for a while, once a test that runs `grpo` is collected."""
+    if any("quick" in getattr(item, "fixturenames", ()) for item in items):
+        _server()
+
+
+class _Fd:
+    """A file descriptor of this process that the child gets as its own (passed by the forkserver
+    with SCM_RIGHTS): multiprocessing's DupFd works only while the Process is being pickled."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        from multiprocessing.reduction import DupFd
+
+        return inherited_fd, (DupFd(self.fd),)
+
+
+def _start(argv, kill_at=None, err_path=None):
+    environ = dict(os.environ)
+    environ.pop("GRPO_KILL_AT", None)
     if kill_at:
-        os.environ["GRPO_KILL_AT"] = kill_at
-    os._exit(main(argv))
-
-
-def _start(argv, kill_at=None):
-    process = multiprocessing.get_context("fork").Process(target=_child, args=(argv, kill_at))
+        environ["GRPO_KILL_AT"] = kill_at
+    process = CONTEXT.Process(
+        target=child,
+        args=(
+            argv,
+            environ,
+            torch.get_num_threads(),
+            _Fd(1),  # pytest's capture while a test runs
+            _Fd(2),
+            None if err_path is None else str(err_path),
+        ),
+    )
+    _server()
     process.start()
     return process
 
@@ -155,14 +239,14 @@ def write_config():
 
 @pytest.fixture
 def start_grpo():
-    """start_grpo(argv, kill_at=None): `grpo argv` started in a forked child (GRPO_KILL_AT=kill_at
-    there); returns the multiprocessing.Process."""
+    """start_grpo(argv, kill_at=None, err_path=None): `grpo argv` started in a child (GRPO_KILL_AT=
+    kill_at there; its sys.stderr written to err_path); returns the multiprocessing.Process."""
     return _start
 
 
 @pytest.fixture
 def run_grpo():
-    """run_grpo(argv, kill_at=None, kill_after=None): `grpo argv` in a forked child; its exit code
+    """run_grpo(argv, kill_at=None, kill_after=None): `grpo argv` in a child; its exit code
     (-9: SIGKILLed). `kill_after`: seconds."""
     return _run
 

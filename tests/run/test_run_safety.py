@@ -7,13 +7,11 @@ output_dir is refused before the model loads, and a full disk ends the run with 
 previous checkpoint intact and a message that says so.
 
 The runs are `grpo train` as in tests/run/test_resume.py (the fixtures of tests/run/conftest.py):
-forked children, or `main` in this process."""
+children, or `main` in this process."""
 
-import contextlib
 import errno
 import hashlib
 import json
-import multiprocessing
 import os
 import pickle
 import shutil
@@ -199,19 +197,6 @@ def _gated_config(write_config, tmp_path, overrides):
     return path
 
 
-def _child(argv, err_path):
-    with open(err_path, "w") as err, contextlib.redirect_stderr(err):
-        code = main(argv)
-        err.flush()
-    os._exit(code)
-
-
-def _start(argv, err_path):
-    process = multiprocessing.get_context("fork").Process(target=_child, args=(argv, err_path))
-    process.start()
-    return process
-
-
 def _wait_for(condition, what, timeout=60):
     deadline = time.monotonic() + timeout
     while not condition():
@@ -220,12 +205,12 @@ def _wait_for(condition, what, timeout=60):
 
 
 def test_a_second_run_resume_or_overwrite_during_a_run_is_refused_naming_its_pid(
-    tmp_path, write_config, read_rows
+    tmp_path, write_config, read_rows, start_grpo
 ):
     path = _gated_config(write_config, tmp_path, SHORT)
     run = tmp_path / "run"
     lock = run / run_lock.LOCK
-    first = _start(["train", str(path)], tmp_path / "first.err")
+    first = start_grpo(["train", str(path)], err_path=tmp_path / "first.err")
     _wait_for(
         lambda: lock.is_file() and lock.read_text().startswith(f"{first.pid} "),
         "the first run's lock",
@@ -233,7 +218,7 @@ def test_a_second_run_resume_or_overwrite_during_a_run_is_refused_naming_its_pid
 
     for n, extra in enumerate([[], ["--resume"], ["overwrite_output_dir=true"]]):
         err = tmp_path / f"second-{n}.err"
-        second = _start(["train", str(path), *extra], err)
+        second = start_grpo(["train", str(path), *extra], err_path=err)
         second.join(60)
         assert second.exitcode == 2, (extra, err.read_text())
         message = err.read_text()
