@@ -174,6 +174,19 @@ def _cases(tmp: Path, write: bool = True) -> dict[str, tuple[list[str], str]]:
             [*train, "data.task=jsonl", f"data.train_file={fifo()}"],
             r"data file .*rows.fifo is not a regular file",
         ),
+        "a data file named with a terminal escape": (
+            [
+                "train",
+                yaml_file(
+                    "escape.yaml",
+                    "".join(f"{k}: {json.dumps(v)}\n" for k, v in BASE.items() if k != "data")
+                    + f"output_dir: {tmp / 'escape'}\n"
+                    # YAML's escapes: the path holds ESC and U+202E themselves
+                    + 'data: {task: jsonl, train_file: "/nonexistent/\\x1b[2J\\u202ex.jsonl"}\n',
+                ),
+            ],
+            r"data file /nonexistent/\\x1b\[2J\\u202ex.jsonl does not exist",
+        ),
         "a directory as the data file": (
             [*train, "data.task=jsonl", f"data.train_file={tmp}"],
             r"data file .* is a directory, not a file",
@@ -458,3 +471,26 @@ def test_a_checkpoints_config_is_read_as_bounded_yaml_on_resume(tmp_path):
         ConfigError, match=r"--resume .*shared: its config.yaml is unreadable \(.*aliases expand"
     ):
         checkpoint.load_checkpoint(shared, config.from_dict({}))
+
+
+def test_names_a_user_wrote_reach_the_console_escaped(tokenizer, tmp_path, make_trainer, capsys):
+    """A reward named with a terminal's clear-screen sequence and a right-to-left override: the
+    step's console line shows them escaped (nothing a terminal would run or reorder)."""
+    name = "evil\x1b[2J\u202egnp.exe"
+
+    def reward(completions, **kwargs):
+        return [float(i % 2) for i in range(len(completions))]
+
+    trainer = make_trainer(
+        tokenizer,
+        tmp_path,
+        ["training.max_steps=1", "training.per_device_train_batch_size=16", "logging.log_every=1"],
+        reward_funcs={name: reward},
+    )
+    trainer.train()
+    out = capsys.readouterr()
+    console = out.out + out.err
+    # (progress bars draw with escape sequences of their own: the name's are what must not be run)
+    assert "\x1b[2J" not in console and "\u202e" not in console
+    assert "evil\\x1b[2J\\u202egnp.exe" in console  # the line is there, escaped
+    assert safe_yaml.escaped("a\tb\nc\x07\u200f") == "a\tb\nc\\x07\\u200f"

@@ -7,6 +7,7 @@ import errno
 import sys
 from pathlib import Path
 
+from grpo.config.safe_yaml import escaped
 from grpo.config.schema import ConfigError
 
 USER_FILE_ERRORS = {
@@ -25,6 +26,12 @@ USER_FILE_ERRORS = {
 
 LATEST = "latest"
 """`--resume` with no path: output_dir's latest checkpoint."""
+
+
+def say(*parts, file=None, **kwargs) -> None:
+    """print() for everything the command line writes: each part escaped (names, paths and values
+    a user wrote are in its messages, and a terminal would run their control sequences)."""
+    print(*(escaped(str(part)) for part in parts), file=file or sys.stdout, **kwargs)
 
 
 def _before_torch(cfg) -> None:
@@ -52,7 +59,7 @@ def _resume_from(value: str, cfg) -> "Path | None":
     if value == LATEST:
         found = checkpoint.latest_checkpoint(Path(cfg.output_dir))
         if found is None:
-            print(
+            say(
                 f"grpo: --resume: no checkpoint in {cfg.output_dir} yet; starting from step 0",
                 file=sys.stderr,
             )
@@ -90,20 +97,20 @@ def _train(args: argparse.Namespace) -> int:
         trainer = Trainer(cfg, resume=resume)
         trainer.train()
     except SaveFailed as e:  # the disk refused a write; earlier checkpoints are intact
-        print(f"grpo: {e}", file=sys.stderr)
+        say(f"grpo: {e}", file=sys.stderr)
         return 2
     except TrainingDiverged as e:  # non-finite updates or weights: a clean stop, with the reason
-        print(f"grpo: training stopped: {e}\nrun directory: {cfg.output_dir}", file=sys.stderr)
+        say(f"grpo: training stopped: {e}\nrun directory: {cfg.output_dir}", file=sys.stderr)
         return 3
     except Interrupted as stop:
-        print(
+        say(
             f"grpo: stopped at once by a second {signal.Signals(stop.signum).name}; the latest checkpoint "
             f"in {cfg.output_dir} (if any) is intact; continue with: {again}",
             file=sys.stderr,
         )
         return 128 + stop.signum
     except KeyboardInterrupt:  # Ctrl-C during set-up, before training began
-        print("grpo: interrupted before training began", file=sys.stderr)
+        say("grpo: interrupted before training began", file=sys.stderr)
         return 128 + signal.SIGINT
     from grpo.backends import leave_process_group
 
@@ -114,14 +121,14 @@ def _train(args: argparse.Namespace) -> int:
         saved = (
             f"saved in {trainer.saved}" if trainer.saved else "no step trained, nothing new saved"
         )
-        print(
+        say(
             f"grpo: stopped by {signal.Signals(trainer.stopped_by).name} at step {trainer.state.step}, {saved}; "
             f"continue with: {again}",
             file=sys.stderr,
         )
         return 128 + trainer.stopped_by
     if trainer.trained_steps and not trainer.rewarded_steps:
-        print(
+        say(
             f"grpo: no reward was computed in any step (every reward call failed or returned None), so nothing "
             f"was learned; see rewards/<name>/errors in {cfg.output_dir}/metrics.jsonl and the first failure's "
             "traceback above",
@@ -129,7 +136,7 @@ def _train(args: argparse.Namespace) -> int:
         )
         return 4
     if trainer.backend.is_main:
-        print(f"run directory: {cfg.output_dir}")
+        say(f"run directory: {cfg.output_dir}")
     return 0
 
 
@@ -201,7 +208,7 @@ def _eval(args: argparse.Namespace) -> int:
             cfg.rollout.engine, backend.prepare_model(model), tokenizer, cfg, backend.decoding
         )
         evaluator = Evaluator(cfg, engine, tokenizer, rows, task.scorer, reward_set)
-        print(
+        say(
             f"evaluating {model_cfg.name} (step {step}) on {len(evaluator.rows)} held-out problems",
             flush=True,
         )
@@ -218,10 +225,10 @@ def _eval(args: argparse.Namespace) -> int:
         step = manifest_step(checkpoint) or 0
         after = run(dataclasses.replace(cfg.model, name=str(checkpoint)), "after", step)
     table = format_table(before, after)
-    print(table)
+    say(table)
     out.mkdir(parents=True, exist_ok=True)
     (out / "eval_table.md").write_text(table + "\n")
-    print(f"wrote {out / 'eval.jsonl'} and {out / 'eval_table.md'}")
+    say(f"wrote {out / 'eval.jsonl'} and {out / 'eval_table.md'}")
     return 0
 
 
@@ -231,9 +238,9 @@ def _report(args: argparse.Namespace) -> int:
     try:
         path = build_report(args.run_dir)
     except (ReportError, ImportError) as e:
-        print(f"grpo: report: {e}", file=sys.stderr)
+        say(f"grpo: report: {e}", file=sys.stderr)
         return 2
-    print(path)
+    say(path)
     return 0
 
 
@@ -247,7 +254,7 @@ def _config_show(args: argparse.Namespace) -> int:
     header = f"grpo config, resolved from {source}" + (
         f" with {' '.join(overrides)}" if overrides else ""
     )
-    print(commented_yaml(cfg, header), end="")
+    say(commented_yaml(cfg, header), end="")
     return 0
 
 
@@ -276,7 +283,7 @@ def _init(args: argparse.Namespace) -> int:
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(commented_yaml(config.from_dict({}), header))
-    print(f"wrote {path}")
+    say(f"wrote {path}")
     return 0
 
 
@@ -292,10 +299,10 @@ def _export(args: argparse.Namespace) -> int:
     try:
         from grpo.run.export import export_checkpoint
     except ImportError as error:
-        print(f"grpo: export: not available in this installation ({error})", file=sys.stderr)
+        say(f"grpo: export: not available in this installation ({error})", file=sys.stderr)
         return 2
     written = export_checkpoint(checkpoint, Path(args.out).expanduser(), args.merge)
-    print(f"wrote {written if written is not None else args.out}")
+    say(f"wrote {written if written is not None else args.out}")
     return 0
 
 
@@ -396,13 +403,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except ConfigError as e:
-        print(f"grpo: config error: {e}", file=sys.stderr)
+        say(f"grpo: config error: {e}", file=sys.stderr)
         return 2
     except OSError as e:
         if e.errno not in USER_FILE_ERRORS:
             raise  # not about a path the user chose: a bug, shown whole
         where = f"{e.filename}: " if e.filename else ""
-        print(
+        say(
             f"grpo: {where}{e.strerror or e} ({errno.errorcode.get(e.errno, e.errno)}); check the paths in the "
             "config and the command line, the directory's permissions and the free space",
             file=sys.stderr,

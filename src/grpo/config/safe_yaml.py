@@ -78,6 +78,19 @@ class _BoundedLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def escaped(text: str) -> str:
+    """`text` with every character that is not printable (but newlines and tabs) written as Python
+    writes it in a string literal: a terminal's escape sequences (ESC[2J clears the screen) and
+    bidirectional controls (U+202E reverses what follows) shown, not run. What grpo prints to the
+    console goes through it: names, paths and texts a user or a model wrote reach it."""
+    if all(line.isprintable() for line in text.split("\n")):
+        return text
+    return "".join(
+        c if c.isprintable() or c in "\n\t" else c.encode("unicode_escape").decode("ascii")
+        for c in text
+    )
+
+
 def not_a_file(path: Path) -> str | None:
     """Why `path` cannot be read as a file the user wrote, in words for an error (None: it can):
     it does not exist, is a directory, or is something else, such as /dev/zero or a FIFO, which

@@ -46,6 +46,7 @@ from pathlib import Path
 
 import torch
 
+from grpo.config.safe_yaml import escaped
 from grpo.config.schema import ConfigError, ModelConfig
 
 EMBEDDED_MODEL = "gemma-3-270m"
@@ -272,7 +273,7 @@ def convert_gguf(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike | No
         if target.exists():  # incomplete: not written by this code, or by hand
             shutil.rmtree(target)
         tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
-        print(f"converting {gguf_path} to safetensors (once) -> {target}", flush=True)
+        print(escaped(f"converting {gguf_path} to safetensors (once) -> {target}"), flush=True)
         start = time.perf_counter()
         try:
             write_converted_gguf(gguf_path, tmp)

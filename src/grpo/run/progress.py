@@ -11,6 +11,8 @@ import sys
 
 from tqdm.auto import tqdm
 
+from grpo.config.safe_yaml import escaped
+
 
 def format_duration(seconds: float) -> str:
     seconds = int(max(0, seconds))
@@ -74,7 +76,7 @@ class TrainProgress:
             self.write(metrics_line(step, self.total, metrics, self.eta(step)))
 
     def write(self, text: str) -> None:
-        self.bar.write(text, file=self.stream)
+        self.bar.write(escaped(text), file=self.stream)
 
     def sample(self, completion: str, reward: float | None) -> None:
         text = completion.strip().replace("\n", "\n    ")

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from grpo.config import schema as config_module
+from grpo.config.safe_yaml import escaped
 from grpo.config.schema import Config, ConfigError
 from grpo.run import checkpoint
 from grpo.run.eval_results import EvalResult, append_results, format_table
@@ -280,4 +281,4 @@ class RunLog:
         if self.progress is not None:
             self.progress.write(text)
         else:
-            print(text, flush=True)
+            print(escaped(text), flush=True)
