@@ -16,6 +16,7 @@ The test harness's `grpo train` children (tests/run/conftest.py) are checked in
 tests/run/test_harness.py: they are forks of a forkserver, not of the test process."""
 
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -186,6 +187,35 @@ def test_a_forked_tool_call_never_starts_cuda(cuda_touched):
     assert doubled.content == "abab" and not doubled.failed
     assert failed.failed and failed.content == "error: ValueError: no y"
     assert cuda_touched() == []
+
+
+class _FreedInAFork:
+    """Part of a garbage cycle; freed in a process other than the one that made it, it calls into
+    CUDA, as freeing a CUDA tensor of the trainer's would."""
+
+    def __init__(self):
+        self.made_in, self.cycle = os.getpid(), self
+
+    def __del__(self):
+        if os.getpid() != self.made_in:
+            torch.cuda.current_device()
+
+
+def test_a_forked_tool_call_never_frees_the_trainers_garbage(cuda_touched):
+    def collects() -> str:
+        return str(gc.collect())
+
+    runner = ToolRunner({"collects": _tool(collects)}, 30.0, 1000)
+    gc.collect()
+    gc.disable()  # the cycle stays uncollected here until the fork
+    try:
+        _FreedInAFork()
+        (result,) = runner.run([ToolCall("collects", {})])
+    finally:
+        gc.enable()
+    assert not result.failed, result
+    assert cuda_touched() == []
+    assert gc.collect() > 0  # the cycle was there, and goes here
 
 
 def test_a_tool_that_uses_cuda_in_its_fork_fails_naming_the_fix(cuda_touched, caplog, monkeypatch):

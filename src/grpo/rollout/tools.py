@@ -30,7 +30,9 @@ or crashes the interpreter ends the run, and what it prints goes to the run's ou
 A forked call and CUDA: the child is forked from the trainer, which may have initialised CUDA,
 and CUDA cannot be used again in a process forked after that. grpo's own part of the child
 (running the function, turning its result or error into text, writing one JSON line, os._exit)
-imports nothing and calls nothing of torch, so a tool that does not use CUDA itself is safe to
+imports nothing and calls nothing of torch, and the objects the child inherits are frozen out
+of the garbage collector (gc.freeze: a trainer's cycle holding a CUDA tensor is not freed in
+the child), so a tool that does not use CUDA itself is safe to
 fork, as a DataLoader worker is; a child stuck on a lock some other thread of the trainer held
 at the fork is killed at the timeout like any hung call. A tool that does call into CUDA there
 gets torch's "Cannot re-initialize CUDA in forked subprocess" error as its result, with the
@@ -41,6 +43,7 @@ fix (`rollout.tool_isolation: thread`) named in it and in a warning, once per ru
 from __future__ import annotations
 
 import asyncio
+import gc
 import inspect
 import json
 import os
@@ -469,11 +472,15 @@ class ToolRunner:
 
     def _fork(self, function, arguments):
         # The child runs the function and this module's text and JSON helpers, then os._exit: no
-        # torch, so a trainer that initialised CUDA may fork it (the module docstring says more).
+        # torch, and no collection of the trainer's garbage, so a trainer that initialised CUDA
+        # may fork it (the module docstring says more).
         read, write = os.pipe()
         started = time.monotonic()
         pid = os.fork()
         if pid == 0:  # the child: run, write one JSON line, exit without running any cleanup
+            # what the trainer left for the collector (a cycle holding a CUDA tensor, say) is never
+            # collected here: freeing it would call into CUDA from the fork
+            gc.freeze()
             code = 0
             try:
                 os.close(read)
