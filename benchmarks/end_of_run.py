@@ -36,7 +36,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def config_dict(model: str, steps: int, output_dir: Path, eval_after: int) -> dict:
+def config_dict(
+    model: str, steps: int, output_dir: Path, eval_after: int, save_steps: int = 0
+) -> dict:
     tiny = model == "tiny"
     return {
         "output_dir": str(output_dir),
@@ -51,7 +53,11 @@ def config_dict(model: str, steps: int, output_dir: Path, eval_after: int) -> di
         },
         "rollout": {"num_generations": 2, "max_completion_length": 8},
         "rewards": {"funcs": ["arithmetic_correct", "arithmetic_format"]},
-        "training": {"max_steps": steps, "per_device_train_batch_size": 4},
+        "training": {
+            "max_steps": steps,
+            "per_device_train_batch_size": 4,
+            "save_steps": save_steps,
+        },
         "eval": {"after": eval_after > 0, "temperatures": [0.0], "batch_size": 8},
         "logging": {"log_every": 1, "sample_every": 1},
     }
@@ -107,7 +113,9 @@ def child(args) -> None:
     from grpo.run import checkpoint, report, runlog
     from grpo.training import trainer as trainer_module
 
-    cfg = schema.from_dict(config_dict(args.model, args.steps, args.run_dir, args.eval_after))
+    cfg = schema.from_dict(
+        config_dict(args.model, args.steps, args.run_dir, args.eval_after, args.save_steps)
+    )
     phases: dict[str, float] = {}
     clock: dict = {"last_step_end": None}
     for owner, name, phase in [
@@ -169,6 +177,8 @@ def measure(args) -> dict:
         str(args.steps),
         "--eval-after",
         str(args.eval_after),
+        "--save-steps",
+        str(args.save_steps),
         "--run-dir",
         str(run_dir),
         "--reference-dir",
@@ -228,6 +238,13 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument(
         "--eval-after", type=int, default=0, help="held-out problems evaluated after (0: none)"
+    )
+    parser.add_argument(
+        "--save-steps",
+        type=int,
+        default=0,
+        help="training.save_steps (1: the last step writes checkpoint-N too, as most runs' last "
+        "step does; 0: final/ only)",
     )
     parser.add_argument(
         "--dir", default=None, help="where the run directory goes (default: the system's temp)"

@@ -1,9 +1,8 @@
 """A checkpoint's big files are hashed as they are written (one pass over their bytes), and the
-manifest still holds every file's size and sha256 for `verify` to check."""
+manifest still holds every file's size and hash for `verify` to check."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 
 import pytest
@@ -34,7 +33,10 @@ def test_write_safetensors_writes_the_bytes_safetensors_writes(tmp_path):
         checkpoint.write_safetensors(tensors, f, {"format": "pt"})
     ours = (tmp_path / "ours.safetensors").read_bytes()
     assert ours == (tmp_path / "theirs.safetensors").read_bytes()
-    assert (f.size, f.hexdigest()) == (len(ours), hashlib.sha256(ours).hexdigest())
+    assert (f.size, f.hexdigest()) == (
+        len(ours),
+        checkpoint._DIGESTS[checkpoint.DIGEST](ours).hexdigest(),
+    )
     loaded = load_file(tmp_path / "ours.safetensors")
     assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
 
@@ -47,7 +49,10 @@ def test_a_hashed_file_hashes_small_and_large_writes_in_order(tmp_path, monkeypa
             f.write(chunk)
     data = (tmp_path / "f").read_bytes()
     assert data == b"".join(bytes(c) for c in chunks)
-    assert (f.size, f.hexdigest()) == (len(data), hashlib.sha256(data).hexdigest())
+    assert (f.size, f.hexdigest()) == (
+        len(data),
+        checkpoint._DIGESTS[checkpoint.DIGEST](data).hexdigest(),
+    )
 
 
 def test_a_checkpoint_hashes_its_weights_and_state_as_written_and_verify_still_checks_them(
@@ -60,9 +65,11 @@ def test_a_checkpoint_hashes_its_weights_and_state_as_written_and_verify_still_c
     optimizer.step()
     state = {"train": {"step": 3, "optimizer": optimizer.state_dict()}}
     read_back = []
-    real_sha256 = checkpoint._sha256
+    real_digest = checkpoint._file_digest
     monkeypatch.setattr(
-        checkpoint, "_sha256", lambda path: read_back.append(path.name) or real_sha256(path)
+        checkpoint,
+        "_file_digest",
+        lambda path, *a: read_back.append(path.name) or real_digest(path, *a),
     )
     crc32 = torch.serialization.get_crc32_options()
     path = checkpoint.save_checkpoint(tmp_path / "checkpoint-3", model, tokenizer, state, step=3)
@@ -74,7 +81,10 @@ def test_a_checkpoint_hashes_its_weights_and_state_as_written_and_verify_still_c
     assert {"model.safetensors", checkpoint.STATE, "config.json"} <= set(files)
     for name, meta in files.items():
         data = (path / name).read_bytes()
-        assert meta == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        assert meta == {
+            "size": len(data),
+            checkpoint.DIGEST: checkpoint._DIGESTS[checkpoint.DIGEST](data).hexdigest(),
+        }
     assert checkpoint.problem(path) == ""  # the state loads (weights_only), the weights are finite
     saved = checkpoint.read_state(path / checkpoint.STATE)
     assert torch.equal(
@@ -87,7 +97,10 @@ def test_a_checkpoint_hashes_its_weights_and_state_as_written_and_verify_still_c
         data = bytearray((path / name).read_bytes())
         data[len(data) // 2] ^= 1
         (path / name).write_bytes(data)
-        assert checkpoint.verify(path) == f"{name} does not match its sha256 in the manifest"
+        assert (
+            checkpoint.verify(path)
+            == f"{name} does not match its {checkpoint.DIGEST} in the manifest"
+        )
         data[len(data) // 2] ^= 1
         (path / name).write_bytes(data)
     assert checkpoint.verify(path) == ""
@@ -98,9 +111,11 @@ def test_weights_of_a_kind_it_does_not_write_go_through_safetensors_and_are_hash
 ):
     monkeypatch.setattr(checkpoint, "_writes_safetensors", lambda tensors: False)
     read_back = []
-    real_sha256 = checkpoint._sha256
+    real_digest = checkpoint._file_digest
     monkeypatch.setattr(
-        checkpoint, "_sha256", lambda path: read_back.append(path.name) or real_sha256(path)
+        checkpoint,
+        "_file_digest",
+        lambda path, *a: read_back.append(path.name) or real_digest(path, *a),
     )
     path = checkpoint.save_checkpoint(
         tmp_path / "checkpoint-1",
@@ -143,6 +158,8 @@ def test_final_is_the_last_steps_checkpoint_linked_not_written_again(
         ],
     )
     written, save = [], checkpoint.save_checkpoint
+    # the tiny model's weights and state are kilobytes: what counts as big scaled down with them
+    monkeypatch.setattr(checkpoint, "_LINKED", 16 << 10)
     monkeypatch.setattr(
         checkpoint,
         "save_checkpoint",
@@ -153,10 +170,12 @@ def test_final_is_the_last_steps_checkpoint_linked_not_written_again(
     final, last = run / checkpoint.FINAL, run / "checkpoint-2"
     assert written == ["checkpoint-2"]  # final/ was not written
     assert checkpoint.verify(final) == "" and checkpoint.manifest_step(final) == 2
-    names = json.loads((last / checkpoint.MANIFEST).read_text())["files"]
-    assert names and all(
-        (final / name).stat().st_ino == (last / name).stat().st_ino for name in names
-    )
+    files = json.loads((last / checkpoint.MANIFEST).read_text())["files"]
+    big = [name for name, meta in files.items() if meta["size"] >= 16 << 10]
+    assert {checkpoint.STATE, "model.safetensors"} <= set(big) and "config.json" not in big
+    for name in files:  # the big files shared, the small ones (configs) copies of their own
+        same = (final / name).stat().st_ino == (last / name).stat().st_ino
+        assert same == (name in big), name
     checkpoint.remove_checkpoints([last])
     assert checkpoint.verify(final) == ""
 
@@ -175,3 +194,26 @@ def test_final_is_written_when_the_last_step_has_no_checkpoint(tokenizer, tmp_pa
     final = tmp_path / "run" / checkpoint.FINAL
     assert checkpoint.verify(final) == "" and checkpoint.manifest_step(final) == 2
     assert not list((tmp_path / "run").glob("checkpoint-*"))
+
+
+def test_a_checkpoint_whose_manifest_records_sha256_still_verifies(tmp_path):
+    """Checkpoints written before the manifest's hash was XXH3-128 record sha256: still checked."""
+    import hashlib
+
+    model, tok = tiny_model(char_tokenizer(), hidden_size=16, num_layers=1), char_tokenizer()
+    path = checkpoint.save_checkpoint(tmp_path / "c", model, tok, {"step": 1}, step=1)
+    manifest = json.loads((path / checkpoint.MANIFEST).read_text())
+    for name, meta in manifest["files"].items():
+        manifest["files"][name] = {
+            "size": meta["size"],
+            "sha256": hashlib.sha256((path / name).read_bytes()).hexdigest(),
+        }
+    (path / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+    assert checkpoint.verify(path) == ""
+    damaged = path / checkpoint.STATE
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 1
+    damaged.write_bytes(bytes(data))
+    assert (
+        checkpoint.verify(path) == f"{checkpoint.STATE} does not match its sha256 in the manifest"
+    )

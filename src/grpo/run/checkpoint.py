@@ -11,7 +11,7 @@
                        every RNG, the prompt sampler, reward failure counts, and the
                        reference's weights once ref_sync_steps has changed it
       config.yaml      the run's resolved config
-      manifest.json    every other file's size and sha256; written last
+      manifest.json    every other file's size and hash (DIGEST); written last
 
 A checkpoint is written into `.checkpoint-N.tmp-PID/`, each file fsynced, the
 manifest last, then renamed into place. The weights and the train state, nearly all of its
@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 import yaml
 
 from grpo.config import safe_yaml
@@ -98,8 +99,22 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
+DIGEST = "xxh3_128"
+"""The hash a manifest records for each file: XXH3-128, about ten times as fast as sha256 on one
+core (docs/checkpoints.md), so that hashing a checkpoint as it is written keeps up with the disk.
+It is there to catch a damaged or truncated file, which it does as surely as sha256; it is no
+defence against a file crafted on purpose, and neither would sha256 be, since whoever crafts the
+file can rewrite the manifest too."""
+_DIGESTS = {DIGEST: xxhash.xxh3_128, "sha256": hashlib.sha256}
+"""The hashes `verify` accepts: DIGEST, and sha256, which earlier checkpoints recorded."""
+
+
+def new_digest():
+    return _DIGESTS[DIGEST]()
+
+
+def _file_digest(path: Path, algorithm: str = DIGEST) -> str:
+    digest = _DIGESTS[algorithm]()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
@@ -111,10 +126,10 @@ _BESIDE = 1 << 20
 
 
 class HashedFile:
-    """A file written once, front to back, whose size and sha256 are taken from the bytes as they
-    go to it: a checkpoint's big files are never read back to be hashed. A large write is hashed
-    on a second thread while this one writes it (hashlib and the file's write both release the
-    GIL), and `write` returns once both are done, so the caller's buffer is never read after it.
+    """A file written once, front to back, whose size and hash (DIGEST) are taken from the bytes as
+    they go to it: a checkpoint's big files are never read back to be hashed. A large write is
+    hashed on a second thread while this one writes it (the hash and the file's write both release
+    the GIL), and `write` returns once both are done, so the caller's buffer is never read after it.
 
         with HashedFile(path) as f:
             torch.save(state, f)
@@ -124,7 +139,7 @@ class HashedFile:
     def __init__(self, path: Path):
         self.path = Path(path)
         self.size = 0
-        self._digest = hashlib.sha256()
+        self._digest = new_digest()
         self._file = open(self.path, "wb")
         self._beside: ThreadPoolExecutor | None = None
 
@@ -132,7 +147,7 @@ class HashedFile:
         view = memoryview(data).cast("B")
         if len(view) >= _BESIDE:
             if self._beside is None:
-                self._beside = ThreadPoolExecutor(1, thread_name_prefix="grpo-sha256")
+                self._beside = ThreadPoolExecutor(1, thread_name_prefix="grpo-hash")
             hashed = self._beside.submit(self._digest.update, view)
             try:
                 self._file.write(view)
@@ -174,7 +189,7 @@ class HashedFile:
 
 
 Hashed = dict[str, tuple[int, str]]
-"""{file name relative to the checkpoint: (size, sha256)} of files hashed as they were written."""
+"""{file name relative to the checkpoint: (size, DIGEST)} of files hashed as they were written."""
 
 
 def _record(hashed: Hashed, root: Path, f: HashedFile) -> None:
@@ -273,7 +288,7 @@ def _weights_hashed_as_written(root: Path, hashed: Hashed):
 @contextlib.contextmanager
 def _no_crc32():
     """torch.save without its zip records' CRC-32 (a pass over the bytes of its own): the
-    manifest's sha256, taken as they are written, is the check."""
+    manifest's hash, taken as they are written, is the check."""
     before = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(False)
     try:
@@ -357,10 +372,10 @@ def atomic_directory_write(target: Path, write, step: int | None = None) -> Path
         for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
             name, size = path.relative_to(tmp).as_posix(), path.stat().st_size
             if name in hashed and hashed[name][0] == size:  # fsynced by HashedFile as it closed
-                files[name] = {"size": size, "sha256": hashed[name][1]}
+                files[name] = {"size": size, DIGEST: hashed[name][1]}
                 continue
             _fsync(path)
-            files[name] = {"size": size, "sha256": _sha256(path)}
+            files[name] = {"size": size, DIGEST: _file_digest(path)}
         manifest = tmp / MANIFEST
         manifest.write_text(json.dumps({"step": step, "files": files}, indent=1))
         _fsync(manifest)
@@ -458,19 +473,30 @@ def save_checkpoint(
     return atomic_directory_write(Path(directory), write, step)
 
 
+_LINKED = 1 << 20
+"""Files of at least this many bytes (the weights, the train state, a large tokenizer) are shared
+by link_checkpoint; smaller ones, the configs a user may edit in place, are copied."""
+
+
 def link_checkpoint(source: Path, target: Path) -> Path | None:
-    """`target` as a second name for the complete checkpoint `source`: each of its files hard-linked
-    (no byte written or read again), the manifest's sizes and hashes taken over, atomically as any
-    checkpoint. Its files are never written in place, so pruning `source` later leaves `target`
-    whole. None when the file system cannot link them (then nothing is left behind)."""
+    """`target` as a second name for the complete checkpoint `source`, atomically as any
+    checkpoint: its big files hard-linked (no byte written or read again, the manifest's sizes and
+    hashes taken over), the small ones copied, so that editing final/config.json in place cannot
+    change the checkpoint beside it. Pruning `source` later leaves `target` whole. None when the
+    file system cannot link them (then nothing is left behind)."""
     files = json.loads((Path(source) / MANIFEST).read_text())["files"]
     step = manifest_step(Path(source))
 
     def write(tmp: Path) -> Hashed:
-        for name in files:
+        linked: Hashed = {}
+        for name, meta in files.items():
             (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-            os.link(Path(source) / name, tmp / name)
-        return {name: (meta["size"], meta["sha256"]) for name, meta in files.items()}
+            if meta["size"] >= _LINKED and DIGEST in meta:
+                os.link(Path(source) / name, tmp / name)
+                linked[name] = (meta["size"], meta[DIGEST])
+            else:  # hashed and fsynced by atomic_directory_write, as any file it was not told of
+                shutil.copyfile(Path(source) / name, tmp / name)
+        return linked
 
     try:
         return atomic_directory_write(Path(target), write, step)
@@ -498,8 +524,11 @@ def verify(directory: Path) -> str:
             return f"{name} is missing"
         if path.stat().st_size != meta["size"]:
             return f"{name} has {path.stat().st_size} bytes, the manifest says {meta['size']}"
-        if _sha256(path) != meta["sha256"]:
-            return f"{name} does not match its sha256 in the manifest"
+        algorithm = next((a for a in _DIGESTS if a in meta), None)
+        if algorithm is None:
+            return f"{name} has no hash in the manifest"
+        if _file_digest(path, algorithm) != meta[algorithm]:
+            return f"{name} does not match its {algorithm} in the manifest"
     return ""
 
 
