@@ -764,6 +764,8 @@ class Trainer:
                 callbacks.fire("on_train_end")
         finally:
             self.rewards.close()  # no reward worker process outlives training
+            if self.environments is not None:
+                self.environments.close()  # nor a process an environment started
             log.close()
         log.report()
         return history
