@@ -120,7 +120,8 @@ def child(args) -> None:
     clock: dict = {"last_step_end": None}
     for owner, name, phase in [
         (trainer_module.Trainer, "save", "final checkpoint (all)"),
-        (checkpoint, "_sha256", "sha256 pass over the files"),
+        (checkpoint, "_sha256", "sha256 pass over the files"),  # before hashing as written
+        (checkpoint, "_file_digest", "hash pass over the small files"),
         (checkpoint, "_fsync", "fsyncs"),
         (trainer_module.Trainer, "_evaluate_and_log", "evaluation after"),
         (runlog.RunLog, "report", "report (as the run waits for it)"),

@@ -417,6 +417,7 @@ def test_refuses_to_overwrite_a_run(tokenizer, tmp_path, make_trainer):
     # metrics.jsonl alone (no checkpoint yet) is simply run again
     (run / "checkpoint-1").mkdir(parents=True)
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run / ".grpo.lock").write_text("")  # what every run leaves in its directory
     with pytest.raises(config.ConfigError, match="already holds a run"):
         make_trainer(tokenizer, tmp_path, ["training.max_steps=1"])
     trainer = make_trainer(

@@ -1401,8 +1401,15 @@ def describe_preset(cfg: Config) -> str | None:
     return f"algorithm.preset {name}: " + ", ".join(parts)
 
 
+RESOLVED_HEADER = (
+    "# written by grpo: the resolved config of a run, every key (edit your own config, not this)"
+)
+"""The first line of every config grpo writes, by which a run directory's config.yaml is known to
+be grpo's (grpo.run.runlog.resolved_config_path); YAML reads it as a comment."""
+
+
 def save(cfg: Config, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    Path(path).write_text(RESOLVED_HEADER + "\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 
 # --------------------------------------------------------------------------

@@ -104,7 +104,10 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def _read_config(run_dir: Path) -> dict[str, Any]:
-    path = run_dir / "config.yaml"
+    # config.resolved.yaml: the run's own, beside a config.yaml of the user's (grpo.run.runlog)
+    path = run_dir / "config.resolved.yaml"
+    if not path.is_file():
+        path = run_dir / "config.yaml"
     if not path.is_file():
         return {}
     from grpo.config import safe_yaml

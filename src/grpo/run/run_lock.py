@@ -25,6 +25,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import re
 import socket
 import tempfile
 import time
@@ -92,6 +93,64 @@ def _let_go(key: Path, abandoned: bool) -> None:
         except OSError:
             pass  # something else is in it now: it stays
     os.close(held.fd)
+
+
+RUN_FILES = frozenset(
+    {"config.yaml", "metrics.jsonl", "samples.jsonl", "eval.jsonl", "report.md", "plots", "final"}
+)
+"""The names a run writes in output_dir, besides checkpoint-N/ and the lock (config.yaml is left
+alone when grpo did not write it: grpo.run.runlog.resolved_config_path)."""
+_CHECKPOINT = re.compile(r"checkpoint-\d+")
+_SHOWN = 5
+"""Entries of a directory named in a refusal (then how many more)."""
+
+
+def is_a_run(directory: Path) -> bool:
+    """Whether `directory` holds a grpo run: its lock file (every run writes it at start-up and no
+    run removes it) or a checkpoint (a manifest in checkpoint-N/ or final/)."""
+    if (directory / LOCK).exists() or (directory / "final" / "manifest.json").is_file():
+        return True
+    with os.scandir(directory) as entries:
+        return any(
+            _CHECKPOINT.fullmatch(e.name) and (directory / e.name / "manifest.json").is_file()
+            for e in entries
+        )
+
+
+def _listed(names: list[str]) -> str:
+    shown = ", ".join(names[:_SHOWN])
+    return shown + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
+
+
+def check_claimable(output_dir: str | Path, overwrite: bool) -> None:
+    """Refuses an output_dir that holds something other than a grpo run, before anything is
+    written there: absent, empty and a run are fine; anything else (a home directory, a folder of
+    the user's files, the folder of the config itself) only with `overwrite`, and then only when
+    none of the names a run writes is taken, so that no file grpo did not write is replaced."""
+    directory = Path(output_dir)
+    if not directory.is_dir() or is_a_run(directory):
+        return
+    with os.scandir(directory) as entries:
+        names = sorted(e.name + ("/" if e.is_dir() else "") for e in entries)
+    if not names:
+        return
+    if not overwrite:
+        raise ConfigError(
+            f"output_dir: {directory} is not empty and holds no grpo run ({_listed(names)}); choose a "
+            "new or empty directory, or set overwrite_output_dir=true to write the run's files beside "
+            "these (none of them is changed)"
+        )
+    taken = [
+        n
+        for n in names
+        if n.rstrip("/") in RUN_FILES - {"config.yaml"} or _CHECKPOINT.fullmatch(n.rstrip("/"))
+    ]
+    if taken:
+        raise ConfigError(
+            f"output_dir: {directory} holds {_listed(taken)}, which grpo did not write, under names a run "
+            "writes: overwrite_output_dir replaces only a grpo run's own files; move them, or choose "
+            "another output_dir"
+        )
 
 
 def claim(output_dir: str | Path) -> RunLock:

@@ -1,7 +1,7 @@
 """The run directory, the trackers and the console, in one place.
 
     output_dir/
-      config.yaml      the resolved config
+      config.yaml      the resolved config (config.resolved.yaml beside a config.yaml of the user's)
       metrics.jsonl    one line per step (every step; TRL's metric names)
       samples.jsonl    a few (prompt, completion, reward) per logged step
       eval.jsonl       one line per evaluation and decoding setting
@@ -48,6 +48,28 @@ def check_output_dir(output_dir: Path, overwrite: bool, resuming: bool = False) 
             f"output_dir: {output_dir} already holds a run ({names}); continue it with `grpo train CONFIG --resume`, "
             "choose another output_dir, or set overwrite_output_dir=true to delete it and start afresh"
         )
+
+
+RESOLVED_ELSEWHERE = "config.resolved.yaml"
+
+
+def resolved_config_path(run_dir: Path) -> Path:
+    """Where the run's resolved config goes: config.yaml, unless a config.yaml is there that grpo
+    did not write (it has not grpo's first line: the config given on the command line, kept in
+    output_dir by its user), which is never replaced; then config.resolved.yaml."""
+    path = run_dir / "config.yaml"
+    try:
+        with open(path, "rb") as f:
+            first = f.readline(len(config_module.RESOLVED_HEADER) + 1)
+    except FileNotFoundError:
+        return path
+    except OSError:
+        return run_dir / RESOLVED_ELSEWHERE
+    return (
+        path
+        if first.decode("utf-8", "replace").rstrip("\n") == config_module.RESOLVED_HEADER
+        else run_dir / RESOLVED_ELSEWHERE
+    )
 
 
 def cut_back(path: Path, step: int, keep=lambda row: True) -> None:
@@ -130,7 +152,13 @@ class RunLog:
                 step,
                 keep=lambda row: not (redone and row.get("label") == "after"),
             )
-        config_module.save(self.cfg, self.dir / "config.yaml")
+        config_path = resolved_config_path(self.dir)
+        if config_path.name != "config.yaml":
+            self._print(
+                f"{self.dir / 'config.yaml'} was not written by grpo (your config?): left as it is, "
+                f"the resolved config goes to {config_path.name}"
+            )
+        config_module.save(self.cfg, config_path)
         preset = config_module.describe_preset(self.cfg)
         if preset:  # what the preset resolved to, so a run's algorithm is never a guess
             self._print(preset)

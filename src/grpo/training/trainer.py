@@ -164,6 +164,8 @@ class Trainer:
         refusal = None
         if self.backend.is_main:
             try:
+                # nothing is written into a directory that is not a run unless asked to
+                run_lock.check_claimable(self.cfg.output_dir, self.cfg.overwrite_output_dir)
                 self.run_lock = run_lock.claim(self.cfg.output_dir)
             except ConfigError as error:
                 refusal = error
