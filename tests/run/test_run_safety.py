@@ -168,6 +168,47 @@ def test_a_checkpoint_that_fails_to_load_is_passed_over_and_a_named_one_refused(
     assert_same_run(run, expected)
 
 
+def test_a_checkpoint_tensor_of_another_shape_is_passed_over_and_a_named_one_refused(
+    tmp_path, capsys, caplog, train_to
+):
+    """A weight cut to another shape with the manifest rewritten to match: passed over (or, named,
+    refused in one line) like any checkpoint that cannot be loaded, never a raw size mismatch; and
+    one whose config.json was changed to match it too is refused against the run's own model."""
+    overrides = [
+        "training.max_steps=2",
+        "training.save_steps=1",
+        "eval.every=0",
+        "eval.after=false",
+    ]
+    path, run = train_to(tmp_path, "run", overrides)
+    for directory in ("final", "checkpoint-2"):
+        tensors = load_file(run / directory / "model.safetensors")
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):  # one token fewer
+            tensors[name] = tensors[name][:-1].clone()
+        save_file(tensors, run / directory / "model.safetensors", metadata={"format": "pt"})
+        _rewrite_manifest(run / directory)
+    why = checkpoint.problem(run / "checkpoint-2")
+    assert why.startswith("model.safetensors: lm_head.weight has shape [") and (
+        "and the model of its config.json" in why
+    )
+    with caplog.at_level("WARNING"):
+        assert checkpoint.latest_checkpoint(run) == run / "checkpoint-1"
+    assert main(["train", str(path), "--resume", str(run / "checkpoint-2")]) == 2
+    [line] = [x for x in capsys.readouterr().err.splitlines() if x.startswith("grpo:")]
+    assert "cannot resume from it: model.safetensors: lm_head.weight has shape" in line
+
+    # the checkpoint's own config.json made to agree: it fits itself, not the run's model
+    conf = json.loads((run / "checkpoint-2" / "config.json").read_text())
+    conf["vocab_size"] -= 1
+    (run / "checkpoint-2" / "config.json").write_text(json.dumps(conf))
+    _rewrite_manifest(run / "checkpoint-2")
+    assert checkpoint.problem(run / "checkpoint-2") == ""
+    assert main(["train", str(path), "--resume", str(run / "checkpoint-2")]) == 2
+    [line] = [x for x in capsys.readouterr().err.splitlines() if x.startswith("grpo:")]
+    assert "its weights do not fit model.name's model (" in line and "in the model" in line
+    assert "Traceback" not in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------- one run per output_dir
 
 GATE = """

@@ -603,15 +603,43 @@ def read_state(path: Path) -> dict[str, Any]:
     return state
 
 
+def _config_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
+    """The shape of every weight of the model the checkpoint's own config.json describes, from a
+    model built on the meta device (no memory, no weights, no code from the directory); empty
+    when there is no config.json (a LoRA checkpoint: peft checks its adapter's shapes)."""
+    if not (Path(directory) / "config.json").is_file():
+        return {}
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(str(directory), trust_remote_code=False)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+    except Exception as error:  # noqa: BLE001 - transformers' own errors for a config it cannot build
+        first = next((line for line in str(error).splitlines() if line.strip()), "")
+        raise Unusable(f"config.json describes no model grpo can build ({first[:200]})") from error
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
 def check_weights(directory: Path) -> None:
-    """Every *.safetensors file of `directory` readable and its floating-point tensors finite;
-    Unusable naming the file and the tensor otherwise."""
+    """Every *.safetensors file of `directory` readable, each weight of the shape its config.json's
+    model has, and its floating-point tensors finite; Unusable naming the file and the tensor
+    otherwise (a checkpoint whose manifest was rewritten around a tensor of another shape is
+    passed over like a damaged one, not left to fail inside load_state_dict)."""
     from safetensors import safe_open
 
+    shapes = _config_shapes(directory)
     for file in sorted(Path(directory).glob("*.safetensors")):
         try:
             with safe_open(file, framework="pt") as f:
                 for key in f.keys():
+                    shape = tuple(f.get_slice(key).get_shape())
+                    if shapes and shapes.get(key, shape) != shape:
+                        raise Unusable(
+                            f"{file.name}: {key} has shape {list(shape)}, and the model of its "
+                            f"config.json {list(shapes[key])}",
+                            damaged=False,
+                        )
                     tensor = f.get_tensor(key)
                     if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                         raise Unusable(
@@ -740,8 +768,18 @@ class Checkpoint:
             )
             return
         weights = self.weights(model)
-        result = model.load_state_dict(weights, strict=False)
         current = model.state_dict()
+        wrong = [
+            f"{k} is {list(v.shape)} there, {list(current[k].shape)} in the model"
+            for k, v in weights.items()
+            if k in current and v.shape != current[k].shape
+        ]
+        if wrong:
+            raise ConfigError(
+                f"--resume {self.path}: its weights do not fit model.name's model ({'; '.join(wrong[:3])}); "
+                "resume with the model the run started from"
+            )
+        result = model.load_state_dict(weights, strict=False)
         loaded = {current[k].data_ptr() for k in weights if k in current}
         # save_pretrained leaves out tied weights (the output layer that is the embedding)
         missing = [k for k in result.missing_keys if current[k].data_ptr() not in loaded]
