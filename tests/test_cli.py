@@ -181,3 +181,36 @@ def test_export_parses_its_arguments_and_fails_cleanly(tmp_path, capsys, monkeyp
     )
     assert calls == [(tmp_path / "final", tmp_path / "merged", True)]
     assert f"wrote {tmp_path / 'merged'}" in capsys.readouterr().out
+
+
+def test_warnings_reach_the_console_escaped(tmp_path):
+    """A reward function's error, with a terminal's clear-screen sequence in its message, is
+    logged as a warning: on the console (Python's last-resort handler, as `grpo train` has no
+    other) it shows escaped, never run."""
+    import subprocess
+    import sys
+
+    (tmp_path / "rewards.py").write_text(
+        "def boom(completions, **kwargs):\n    raise ValueError('\\x1b[2J\\u202e cleared')\n"
+    )
+    cfg = config.from_dict(
+        {
+            "output_dir": str(tmp_path / "run"),
+            "model": {"name": "tiny", "tiny_hidden_size": 32, "tiny_num_layers": 1},
+            "data": {"chat_template": "never", "arithmetic": {"num_train": 16, "num_eval": 2}},
+            "rollout": {"num_generations": 2, "max_completion_length": 2},
+            "rewards": {"funcs": [f"{tmp_path / 'rewards.py'}:boom"], "isolation": "thread"},
+            "training": {"max_steps": 1, "per_device_train_batch_size": 4},
+            "logging": {"sample_every": 0},
+        }
+    )
+    config.save(cfg, tmp_path / "run.yaml")
+    done = subprocess.run(
+        [sys.executable, "-m", "grpo", "train", str(tmp_path / "run.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert "ValueError" in done.stderr, done.stderr[-2000:]  # the warning is there...
+    assert "\x1b[2J" not in done.stderr and "\u202e" not in done.stderr  # ...and escaped
+    assert "\\x1b[2J\\u202e cleared" in done.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import logging
 import sys
 from pathlib import Path
 
@@ -26,6 +27,23 @@ USER_FILE_ERRORS = {
 
 LATEST = "latest"
 """`--resume` with no path: output_dir's latest checkpoint."""
+
+
+class _EscapedRecords(logging.Filter):
+    """The console's log lines (warnings) escaped as `say` escapes: a reward's error message, a
+    tool's name, a column a dataset named are in them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg, record.args = escaped(record.getMessage()), None
+        return True
+
+
+def _escape_log_lines() -> None:
+    """On the handler Python prints warnings with when none is configured (the command line's
+    case), once per process."""
+    handler = logging.lastResort
+    if handler is not None and not any(isinstance(f, _EscapedRecords) for f in handler.filters):
+        handler.addFilter(_EscapedRecords())
 
 
 def say(*parts, file=None, **kwargs) -> None:
@@ -323,6 +341,7 @@ def _train_help() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    _escape_log_lines()
     parser = argparse.ArgumentParser(
         prog="grpo", description="GRPO training from verifiable rewards"
     )
