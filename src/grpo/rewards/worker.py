@@ -45,7 +45,10 @@ user code, and under it the worker that calls the functions:
 
 `Worker.kill` kills the keeper's descendants and its session (SIGKILL,
 repeated until none is left, so a function that keeps forking is caught),
-then the keeper. A reward function runs as the trainer's user, so it can
+then the keeper. The same helpers (below: the subreaper, the process table,
+`children`, `kill_tree`) contain a forked tool call's processes and an
+environment's (grpo.rollout.tools, grpo.rollout.environments): one place for
+all of grpo's process containment. A reward function runs as the trainer's user, so it can
 still find the trainer's pid (in /proc) and signal it, or signal every
 process of the user: reward code is trusted code, and model-written code
 belongs in grpo.sandbox.
@@ -85,6 +88,7 @@ BOOT = "import sys; sys.path.insert(0, sys.argv[2]); from grpo.rewards.worker im
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
+_PR_GET_CHILD_SUBREAPER = 37
 
 
 # ---------------------------------------------------------------------- calling a reward
@@ -434,7 +438,7 @@ def _flush_output() -> None:
 
 def _keep(fd: int) -> None:
     """Forks the worker and returns in it; this process stays the keeper and never returns."""
-    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    set_child_subreaper(True)
     keeper = os.getpid()
     worker = os.fork()
     if worker == 0:
@@ -449,7 +453,7 @@ def _keep(fd: int) -> None:
     def trainer_gone():
         _wait_closed(fd)
         kill_tree(keeper)
-        _reap(1.0)
+        reap_children(1.0)
         os._exit(0)
 
     threading.Thread(target=trainer_gone, daemon=True).start()
@@ -464,12 +468,14 @@ def _keep(fd: int) -> None:
         if pid == worker:
             status = code
     kill_tree(keeper)  # what the functions left behind: daemons, their own workers
-    _reap(5.0)
+    reap_children(5.0)
     _end_as(status)
 
 
-def _reap(seconds: float) -> None:
-    """Waits for the keeper's killed children, so that none is left a zombie under an init that never reaps."""
+def reap_children(seconds: float) -> None:
+    """Waits (at most `seconds`) for every child of this process, so that none is left a zombie
+    under an init that never reaps. Only for a process that owns no child another part of it
+    waits for (a keeper, a forked tool call ending): it takes any child's status."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:
@@ -521,21 +527,76 @@ def _wait_closed(fd: int) -> None:
 
 
 def _prctl(option: int, value: int) -> None:
-    if not sys.platform.startswith("linux"):
-        return
+    prctl = _libc_prctl()
+    if prctl is not None:
+        try:
+            prctl(option, value, 0, 0, 0)
+        except Exception:
+            pass
+
+
+_prctl_function: list = []
+"""The C library's prctl, looked up once (empty until then; [None] where there is none)."""
+
+
+def _libc_prctl():
+    """The C library's prctl (Linux), or None. Looked up once: a process forked from a threaded
+    one (a forked tool call) then calls it without dlopen, whose loader lock another thread may
+    have held at the fork."""
+    if not _prctl_function:
+        function = None
+        if sys.platform.startswith("linux"):
+            try:
+                import ctypes
+
+                function = ctypes.CDLL(None, use_errno=True).prctl
+            except Exception:
+                function = None
+        _prctl_function.append(function)
+    return _prctl_function[0]
+
+
+def can_reap_orphans() -> bool:
+    """Whether this system has child subreapers (Linux's prctl PR_SET_CHILD_SUBREAPER); looks up
+    prctl now, so that a fork of this process calls it without a lookup."""
+    return _libc_prctl() is not None
+
+
+def set_child_subreaper(on: bool) -> bool:
+    """Makes this process a child subreaper (or no longer one): the orphaned descendants of its
+    descendants (a double-forked daemon) become its children rather than init's, so that they
+    stay findable as its descendants. Whether it took effect; False where there is no prctl."""
+    prctl = _libc_prctl()
+    if prctl is None:
+        return False
+    try:
+        return prctl(_PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) == 0
+    except Exception:
+        return False
+
+
+def is_child_subreaper() -> bool:
+    """Whether this process is a child subreaper (prctl PR_GET_CHILD_SUBREAPER); False where unknown."""
+    prctl = _libc_prctl()
+    if prctl is None:
+        return False
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
+        flag = ctypes.c_int(0)
+        if prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(flag), 0, 0, 0) != 0:
+            return False
+        return bool(flag.value)
     except Exception:
-        pass
+        return False
 
 
 # ---------------------------------------------------------------------- killing process trees
 
 
-def _processes() -> dict[int, tuple[bytes, int, int]]:
-    """pid -> (state, parent pid, session id) of every process, from /proc (empty without it)."""
+def _processes() -> dict[int, tuple[bytes, int, int, int]]:
+    """pid -> (state, parent pid, session id, start time in clock ticks after boot) of every
+    process, from /proc (empty without it)."""
     table = {}
     try:
         names = os.listdir("/proc")
@@ -544,32 +605,76 @@ def _processes() -> dict[int, tuple[bytes, int, int]]:
     for name in names:
         if not name.isdigit():
             continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[
-            stat.rfind(b")") + 2 :
-        ].split()  # the command name may hold spaces and parentheses
-        table[int(name)] = (fields[0], int(fields[1]), int(fields[4]))
+        stat = _stat(int(name))
+        if stat is not None:
+            table[int(name)] = stat
     return table
+
+
+def _stat(pid: int) -> tuple[bytes, int, int, int] | None:
+    """(state, parent pid, session id, start time) of one process from /proc/PID/stat; None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # the command name may hold spaces and parentheses
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    try:
+        return fields[0], int(fields[1]), int(fields[3]), int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def process_start(pid: int) -> int | None:
+    """When a living (not zombie) process started, in clock ticks after boot: with its pid, what
+    names it (a pid is reused once its process is gone); None if it is gone or a zombie."""
+    stat = _stat(pid)
+    if stat is None or stat[0] in (b"Z", b"X", b"x"):
+        return None
+    return stat[3]
+
+
+def session_of(pid: int) -> int | None:
+    """The session id of a process; None if it is gone."""
+    stat = _stat(pid)
+    return None if stat is None else stat[2]
+
+
+def children(pid: int) -> set[int]:
+    """The children of process `pid` (of all its threads), zombies included: from
+    /proc/PID/task/*/children, or a scan of every process where the kernel has no such file."""
+    found: set[int] = set()
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for tid in threads:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                found.update(int(p) for p in f.read().split())
+        except FileNotFoundError:
+            if os.path.exists(f"/proc/{pid}/task/{tid}"):  # no children files in this kernel
+                return {p for p, (_, ppid, _, _) in _processes().items() if ppid == pid}
+        except OSError:
+            pass  # the thread ended while being read
+    return found
 
 
 def descendants(root: int, session: int | None = None) -> list[int]:
     """Living (not zombie) descendants of `root`, and members of session `session`; never this process."""
     table = _processes()
-    children: dict[int, list[int]] = {}
-    for pid, (_, ppid, _) in table.items():
-        children.setdefault(ppid, []).append(pid)
+    kids: dict[int, list[int]] = {}
+    for pid, (_, ppid, _, _) in table.items():
+        kids.setdefault(ppid, []).append(pid)
     found, stack = set(), [root]
     while stack:
-        for child in children.get(stack.pop(), ()):
+        for child in kids.get(stack.pop(), ()):
             if child not in found:
                 found.add(child)
                 stack.append(child)
     if session is not None:
-        found |= {pid for pid, (_, _, sid) in table.items() if sid == session}
+        found |= {pid for pid, (_, _, sid, _) in table.items() if sid == session}
     found -= {root, os.getpid()}
     return [pid for pid in found if table[pid][0] not in (b"Z", b"X", b"x")]
 
