@@ -27,6 +27,16 @@ only that call. With `thread`, calls run in daemon threads of the training proce
 and a hung call is abandoned (its thread is left running), but a tool that calls os._exit
 or crashes the interpreter ends the run, and what it prints goes to the run's output.
 
+What a forked call starts ends with it: the child leads a session of its own and is a child
+subreaper (grpo.rewards.worker's helpers, as a reward worker's keeper), so whatever the tool
+starts, a daemon that double-forks into a session of its own included, stays its descendant;
+once the tool has returned, the child kills its descendants and its session before it writes
+the result (a daemon holding the result's pipe no longer keeps the call waiting to its
+timeout). A call past its timeout is stopped (SIGSTOP: it forks no more), its descendants
+killed while it still holds them, then it and what remains of its session. A setsid'd
+daemon of a tool whose process dies without a result (a crash, os._exit) is init's and
+escapes. With `thread`, what a tool starts is the trainer's and is not tracked.
+
 A forked call and CUDA: the child is forked from the trainer, which may have initialised CUDA,
 and CUDA cannot be used again in a process forked after that. grpo's own part of the child
 (running the function, turning its result or error into text, writing one JSON line, os._exit)
@@ -55,6 +65,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from grpo.registry import ConfigError, load_callable
+from grpo.rewards.worker import can_reap_orphans, kill_tree, reap_children, set_child_subreaper
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 """The default call format's tags (a JSON object with `name` and `arguments` between them)."""
@@ -474,6 +485,7 @@ class ToolRunner:
         # The child runs the function and this module's text and JSON helpers, then os._exit: no
         # torch, and no collection of the trainer's garbage, so a trainer that initialised CUDA
         # may fork it (the module docstring says more).
+        can_reap_orphans()  # prctl looked up here, not by the child (a lookup after a fork may hang)
         read, write = os.pipe()
         started = time.monotonic()
         pid = os.fork()
@@ -484,6 +496,11 @@ class ToolRunner:
             code = 0
             try:
                 os.close(read)
+                # a session of its own (Ctrl-C at the terminal is the trainer's) whose members,
+                # and whatever they orphan (a subreaper: double-forked daemons stay its
+                # descendants), end with the call
+                os.setsid()
+                set_child_subreaper(True)
                 devnull = os.open(os.devnull, os.O_WRONLY)
                 os.dup2(devnull, 1)
                 os.dup2(devnull, 2)
@@ -494,6 +511,10 @@ class ToolRunner:
                 except BaseException as error:
                     payload = _forked_error(error, self.max_chars)
                 data = json.dumps(payload).encode()
+                # what the call started ends before its result is given (and no longer holds
+                # the pipe open)
+                kill_tree(os.getpid(), session=os.getpid())
+                reap_children(1.0)
                 view = memoryview(data)
                 while view:
                     view = view[os.write(write, view) :]
@@ -519,15 +540,17 @@ class ToolRunner:
                     chunks.append(chunk)
             finally:
                 os.close(read)
-            if timed_out:
-                _kill(pid)
+            try:
+                payload = None if timed_out else json.loads(b"".join(chunks))
+            except ValueError:
+                payload = None
+            if payload is None:  # timed out or died: the child did not end what it started
+                _end_call(pid)
             status = _reap(pid)
             seconds = time.monotonic() - started
             if timed_out:
                 return ToolResult(name, self._timeout_text(), True, True, seconds)
-            try:
-                payload = json.loads(b"".join(chunks))
-            except ValueError:
+            if payload is None:
                 return ToolResult(
                     name,
                     f"error: the tool's process ended ({status}) without a result",
@@ -554,13 +577,26 @@ def _readable(fd: int, timeout: float) -> bool:
     return bool(ready)
 
 
-def _kill(pid: int) -> None:
+def _end_call(pid: int) -> None:
+    """Ends a forked call that is still running or ended without a result, with what it started:
+    stopped (so it forks no more), its descendants killed while it holds them (a subreaper, it
+    is their parent once their own parents are gone), then it, then the rest of its session
+    (those it orphaned before it died, still named by its pid while it is unreaped)."""
     import signal
 
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    for sig in (signal.SIGSTOP, None, signal.SIGKILL):
+        if sig is None:
+            kill_tree(pid)
+            continue
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+    try:  # dead, unreaped: its pid and session id are still its own
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+    except ChildProcessError:
+        return
+    kill_tree(pid, session=pid)
 
 
 def _reap(pid: int) -> str:

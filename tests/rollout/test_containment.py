@@ -1,0 +1,127 @@
+"""What tools start ends with them: a process-isolated tool call's processes (a double-forked
+daemon in a session of its own included) when the call returns or times out (grpo.rollout.tools)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from grpo.rewards.worker import kill_tree, process_start
+from grpo.rollout.tools import Tool, ToolCall, ToolRunner
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="subreapers and /proc are Linux's"
+)
+
+
+def daemonize(pid_dir) -> int:
+    """Double-forks a daemon in a session of its own (fork, setsid, fork, the middle one exits)
+    that records its pid in `pid_dir` and sleeps 60 s; its pid."""
+    read, write = os.pipe()
+    middle = os.fork()
+    if middle == 0:
+        try:
+            os.close(read)
+            os.setsid()
+            if os.fork() == 0:
+                pid = os.getpid()
+                open(os.path.join(pid_dir, str(pid)), "w").close()
+                os.write(write, f"{pid}\n".encode())
+                os.close(write)
+                time.sleep(60)
+        finally:
+            os._exit(0)
+    os.close(write)
+    os.waitpid(middle, 0)
+    with os.fdopen(read) as f:
+        return int(f.readline())
+
+
+def daemons(pid_dir) -> list[int]:
+    return sorted(int(n) for n in os.listdir(pid_dir) if n.isdigit())
+
+
+def alive(pid: int) -> bool:
+    return process_start(pid) is not None  # a zombie is dead
+
+
+def kill_all(pids) -> None:
+    for pid in pids:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_kill_tree_reaches_a_session_member_that_left_the_tree(tmp_path):
+    """What a session leader orphaned (init's now, no longer its descendant) is found by the
+    session's id while the leader is unreaped: the session id is read from /proc's stat."""
+    read, write = os.pipe()
+    leader = os.fork()
+    if leader == 0:
+        try:
+            os.setsid()
+            if os.fork() == 0:
+                os.write(write, f"{os.getpid()}\n".encode())
+                time.sleep(60)
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        member = int(f.readline())
+    try:
+        os.waitid(os.P_PID, leader, os.WEXITED | os.WNOWAIT)  # ended, not reaped
+        assert alive(member)
+        kill_tree(leader, session=leader)
+        deadline = time.monotonic() + 5
+        while alive(member) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not alive(member)
+    finally:
+        os.waitpid(leader, 0)
+        kill_all([member])
+
+
+def tool_runner(function, timeout=10.0) -> ToolRunner:
+    return ToolRunner({"start": Tool("start", function, {})}, timeout, 1000, "process")
+
+
+def test_a_forked_tools_daemon_and_child_end_when_its_call_returns(tmp_path):
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+
+    def start() -> str:
+        # a child left running, and a daemon of its own session: neither outlives the call
+        sleeper = subprocess.Popen(["sleep", "60"])
+        (pid_dir / f"{sleeper.pid}").write_text("")
+        daemonize(pid_dir)
+        return "started"
+
+    try:
+        (result,) = tool_runner(start).run([ToolCall("start", {})])
+        pids = daemons(pid_dir)
+        assert len(pids) == 2
+        assert [pid for pid in pids if alive(pid)] == []
+        # and the call returned at once: no daemon held its result's pipe open to the timeout
+        assert (result.content, result.failed) == ("started", False)
+    finally:
+        kill_all(daemons(pid_dir))
+
+
+def test_a_forked_tools_daemon_ends_when_its_call_times_out(tmp_path):
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+
+    def start() -> str:
+        daemonize(pid_dir)
+        time.sleep(60)  # hangs: killed at the timeout
+        return "never"
+
+    try:
+        (result,) = tool_runner(start, timeout=1.5).run([ToolCall("start", {})])
+        assert result.timed_out
+        (pid,) = daemons(pid_dir)
+        assert not alive(pid)
+    finally:
+        kill_all(daemons(pid_dir))
