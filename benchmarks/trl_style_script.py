@@ -13,9 +13,8 @@ from one seed on the device it trains on: float32 weights for full fine-tuning (
 autocast, as in TRL), a bfloat16 base under LoRA; the tokenizer is random_model's, one token per
 character and the model's vocabulary size. The prompts are arithmetic problems, the reward the share
 of digits in a completion (it varies between completions, so advantages are not all zero), and every
-completion runs to max_completion_length tokens: the one line that differs between the two sides
-besides the import, since grpo refuses TRL's `generation_kwargs={"min_new_tokens": T}` (not
-implemented by its engines) and takes `{"ignore_eos": True}` for the same thing.
+completion runs to max_completion_length tokens (`generation_kwargs={"min_new_tokens": T}`, which
+both take). Only the import differs between the two sides.
 
 What it prints, after the run (`RESULT {json}` last, for benchmarks/gpu_check.sh):
 
@@ -131,8 +130,8 @@ def train(args, model, tokenizer, callbacks, output_dir: str, device: str):
         gradient_accumulation_steps=args.grad_accum,
         num_generations=args.generations,
         max_completion_length=T,
-        # every completion exactly T tokens (the one line besides the import that differs)
-        generation_kwargs={"min_new_tokens": T} if args.trainer == "trl" else {"ignore_eos": True},
+        # every completion exactly T tokens: no EOS before its last
+        generation_kwargs={"min_new_tokens": T},
         learning_rate=1e-6,
         bf16=True,
         use_cpu=device == "cpu",  # TRL refuses bf16 on a machine without a GPU otherwise

@@ -538,6 +538,8 @@ GENERATION_KWARGS = {
     "stop": "rollout.stop_strings",
     "stop_strings": "rollout.stop_strings",
     "ignore_eos": "rollout.ignore_eos",
+    "min_new_tokens": "rollout.min_new_tokens",
+    "min_tokens": "rollout.min_new_tokens",
 }
 """generation_kwargs entries grpo implements (transformers' and vLLM's names) -> grpo keys."""
 

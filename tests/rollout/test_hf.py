@@ -167,6 +167,36 @@ def test_ignore_eos_generates_exact_length(model, tokenizer):
     assert (r.completion_mask.sum(-1) == 7).all() and r.truncated.all()
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_new_tokens_holds_eos_back_for_that_many_tokens(model, tokenizer, temperature):
+    """The token each prompt's greedy completion starts with made its EOS: every completion ends
+    at once; with min_new_tokens=3 none ends before its fourth token, and no EOS is among its
+    first three."""
+    prompts = _prompts(tokenizer)
+    first = _gen(model, tokenizer, prompts, 1, SamplingParams(1, temperature=0, ignore_eos=True))
+    eos = sorted(set(first.completion_ids[:, 0].tolist()))
+    kw = dict(eos_token_ids=eos, pad_token_id=tokenizer.pad_token_id, seeds=[1, 2, 3])
+    plain = generate(model, prompts, 2, SamplingParams(8, temperature=0), **kw)
+    assert (plain.completion_mask.sum(-1) == 1).all()  # greedy: EOS first, every row
+    held = generate(
+        model, prompts, 2, SamplingParams(8, temperature=temperature, min_new_tokens=3), **kw
+    )
+    lengths = held.completion_mask.sum(-1)
+    assert (lengths >= 4).all()
+    assert not torch.isin(held.completion_ids[:, :3], torch.tensor(eos)).any()
+
+
+def test_min_new_tokens_from_the_config_and_trls_generation_kwargs(tmp_path):
+    from grpo import GRPOConfig
+    from grpo.config import schema
+
+    for name in ("min_new_tokens", "min_tokens"):  # transformers' name and vLLM's
+        args = GRPOConfig(output_dir=str(tmp_path), generation_kwargs={name: 5})
+        assert args.to_config(num_rows=8).rollout.min_new_tokens == 5
+    with pytest.raises(schema.ConfigError, match="rollout.min_new_tokens: must be in \\[0, "):
+        schema.from_dict({"rollout": {"max_completion_length": 4, "min_new_tokens": 5}})
+
+
 def test_same_greedy_check_fails_on_anything_but_a_tie(model, tokenizer, assert_same_greedy):
     """The check the greedy comparisons above use: equal tokens pass, a token the model ranks
     well below the best fails, and so does a completion cut short; a tie within atol passes."""

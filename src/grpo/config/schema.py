@@ -327,6 +327,9 @@ class RolloutConfig:
     repetition_penalty). It shapes the distribution the sampling logprobs are taken from."""
     ignore_eos: bool = False
     """Always generate `max_completion_length` tokens (for benchmarks)."""
+    min_new_tokens: int = 0
+    """No EOS before this many tokens of a turn (its logit is -inf there, as transformers'
+    min_new_tokens and vLLM's min_tokens do; stop strings still end a completion); 0: off."""
     stop_strings: list[str] = field(default_factory=list)
     """End a completion once it contains one of these strings (e.g. ["\\n\\n"] after
     few-shot examples, so a base model does not write the next example)."""
@@ -430,6 +433,11 @@ class RolloutConfig:
         if not 1 <= self.max_tool_calls <= MAX_TOOL_CALLS:
             raise ConfigError(
                 f"rollout.max_tool_calls: must be in [1, {MAX_TOOL_CALLS}], got {self.max_tool_calls}"
+            )
+        if not 0 <= self.min_new_tokens <= self.max_completion_length:
+            raise ConfigError(
+                f"rollout.min_new_tokens: must be in [0, rollout.max_completion_length={self.max_completion_length}], "
+                f"got {self.min_new_tokens}"
             )
         if not 0 < self.tool_timeout <= 3600:
             raise ConfigError(

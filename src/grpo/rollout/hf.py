@@ -377,6 +377,8 @@ def _generate(
     for t in range(params.max_new_tokens):
         if seen is not None:
             logits = penalise_repetitions(logits, seen[active], params.repetition_penalty)
+        if t < params.min_new_tokens:  # as transformers' min_new_tokens: no EOS yet
+            logits = logits.index_fill(-1, eos, float("-inf"))
         new, new_logprobs = sample_with_logprobs(
             logits, params, uniforms=noise[active, t] if noise is not None else None
         )
@@ -459,6 +461,8 @@ def generate_with(
         pad_token_id=pad_token_id,
         eos_token_id=list(eos_token_ids),
     )
+    if params.min_new_tokens:
+        kwargs["min_new_tokens"] = params.min_new_tokens
     if sampled:
         kwargs.update(
             temperature=params.temperature,

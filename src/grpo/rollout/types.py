@@ -45,6 +45,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     """CTRL's penalty on every token already in the prompt or the completion: its logit is
     divided by this when positive, multiplied when negative (1: off)."""
+    min_new_tokens: int = 0
+    """No EOS among the first min_new_tokens tokens (their EOS logits are -inf; 0: off)."""
 
 
 @dataclass

@@ -8,7 +8,7 @@ is read back from disk). vLLM's engine core runs in this process
 tensors directly.
 
 - `generate` maps grpo's SamplingParams onto vLLM's one to one: temperature,
-  top_p, top_k (0 = off), min_p, repetition_penalty, max_tokens, ignore_eos, rollout.stop_strings, the
+  top_p, top_k (0 = off), min_p, repetition_penalty, max_tokens, min_tokens, ignore_eos, rollout.stop_strings, the
   policy's eos ids as stop tokens; one request per prompt with n = G and the
   prompt's seed (grpo.rollout.types.prompt_seeds; vLLM gives the i-th of the G
   completions seed + i), so a run is reproducible from training.seed. Greedy
@@ -323,6 +323,7 @@ class VLLMEngine:
             min_p=params.min_p,
             repetition_penalty=params.repetition_penalty,
             max_tokens=params.max_new_tokens,
+            min_tokens=params.min_new_tokens,
             ignore_eos=params.ignore_eos,
             stop_token_ids=list(self.eos_token_ids) if ends else None,
             stop=self.stop_strings if ends and self.stop_strings else None,

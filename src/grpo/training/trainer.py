@@ -337,6 +337,7 @@ class Trainer:
             r.ignore_eos,
             min_p=r.min_p,
             repetition_penalty=r.repetition_penalty,
+            min_new_tokens=r.min_new_tokens,
         )
         self._set_up_callbacks()
 
