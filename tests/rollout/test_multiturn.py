@@ -320,3 +320,43 @@ def test_real_chat_templates_tool_messages(name, end, suffix):
     results = [ToolResult("add", "3")]
     assert tok.decode(rendering.suffix(results, True)) == suffix
     assert tok.decode(rendering.suffix(results, False)) == end + suffix
+
+
+@pytest.mark.parametrize(
+    "body, refusal",
+    [
+        (  # 10^10 iterations that write nothing: the worker is killed at the time limit
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+            r"took over 0.5 s to render one prompt",
+        ),
+        ("{{ 'x' * 100000 * 100000 }}", r"needed more than the 512 MiB"),  # 10^10 characters
+    ],
+)
+def test_a_template_past_its_limits_in_a_tool_results_suffix_is_refused(
+    tool_tokenizer, ForcedCalls, monkeypatch, body, refusal
+):
+    """A template that renders the start-up probe's tool message but not a real result: the
+    suffix rendered during the rollout is bounded as the prompts are (grpo.rewards.chat_template)."""
+    from grpo.rewards import chat_template
+
+    monkeypatch.setattr(chat_template, "MAX_SECONDS", 0.5)
+    tok = tool_tokenizer
+    probe = "grpo-tool-probe-8d1c"  # grpo.rollout.multiturn's probe result
+    tok.chat_template = tok.chat_template.replace(
+        "<tool>{{ m.content }}</tool>",
+        "{%- if m.content != '"
+        + probe
+        + "' -%}"
+        + body
+        + "{%- endif -%}<tool>{{ m.content }}</tool>",
+    )
+    engine, _ = _engine(tok, ForcedCalls)
+    assert engine.rendering.uses_template
+    prompt = tok(
+        chat_template.render(
+            tok, [[{"role": "user", "content": "1+2?"}]], add_generation_prompt=True
+        )[0],
+        add_special_tokens=False,
+    )["input_ids"]
+    with pytest.raises(chat_template.TemplateRefused, match=refusal):
+        engine.generate([prompt], 2, SamplingParams(max_new_tokens=160), [11])

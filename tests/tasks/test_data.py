@@ -183,3 +183,28 @@ def test_prompt_sampler_without_shuffle_keeps_the_rows_order_and_resumes():
     assert restored.take(rows, 5) == sampler.take(rows, 5)
     with pytest.raises(ConfigError, match="data.shuffle"):
         PromptSampler(len(rows), seed=3, state=saved, shuffle=True)
+
+
+def test_chat_templates_past_their_limits_are_refused_for_training_and_held_out_prompts(
+    tokenizer, monkeypatch
+):
+    """Every prompt path renders through grpo.rewards.chat_template: the trainer's PromptEncoder,
+    its start-up context check, and encode_prompts (what evaluation calls)."""
+    from grpo.rewards import chat_template
+    from grpo.tasks.data import PromptEncoder
+
+    monkeypatch.setattr(chat_template, "MAX_SECONDS", 0.5)
+    tok = tokenizer.__class__(tokenizer_object=tokenizer.backend_tokenizer, eos_token="<eos>")
+    rows = [{"prompt": [{"role": "user", "content": f"{i}+1="}]} for i in range(3)]
+    tok.chat_template = "{{ 'x' * 100000 * 100000 }}"  # 10^10 characters
+    with pytest.raises(chat_template.TemplateRefused, match=r"needed more than the 512 MiB"):
+        encode_prompts(rows, tok, True, None, None)
+    with pytest.raises(chat_template.TemplateRefused, match=r"needed more than the 512 MiB"):
+        PromptEncoder(tok, True, None, None).check_fits(rows, 4, 64, "training rows")
+    tok.chat_template = "{% for m in messages %}{% for a in m.content * 100000 %}{% for b in m.content * 100000 %}{% endfor %}{% endfor %}{% endfor %}"
+    with pytest.raises(
+        chat_template.TemplateRefused, match=r"took over 0.5 s to render one prompt"
+    ):
+        PromptEncoder(tok, True, None, 8)(rows)
+    # a plain-text prompt never reaches the template
+    assert encode_prompts([{"prompt": "1+1="}], tok, True, None, None)[0] == ["1+1="]

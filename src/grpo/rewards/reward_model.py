@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from grpo.config.schema import ConfigError, RewardsConfig
+from grpo.rewards import chat_template
 from grpo.rewards.arithmetic import completion_text
 
 PREFIX = "reward_model:"
@@ -188,14 +189,31 @@ class RewardModel:
 
     def text(self, prompt, completion) -> tuple[str, bool]:
         """The text scored, and whether a chat template wrote it (it then has its own special tokens)."""
-        answer = completion_text(completion)
-        if isinstance(prompt, list) and getattr(self.tokenizer, "chat_template", None):
-            messages = [*prompt, {"role": "assistant", "content": answer}]
-            return self.tokenizer.apply_chat_template(messages, tokenize=False), True
-        prompt_text = (
-            "\n".join(m["content"] for m in prompt) + "\n" if isinstance(prompt, list) else prompt
-        )
-        return prompt_text + answer, False
+        return self.texts([prompt], [completion])[0]
+
+    def texts(self, prompts, completions) -> list[tuple[str, bool]]:
+        """`text` of each pair, the chat template's renderings made together and within its limits
+        (grpo.rewards.chat_template: the reward model's directory is untrusted input too)."""
+        out: list[tuple[str, bool]] = []
+        chats: list[tuple[int, list]] = []
+        templated = bool(getattr(self.tokenizer, "chat_template", None))
+        for prompt, completion in zip(prompts, completions):
+            answer = completion_text(completion)
+            if isinstance(prompt, list) and templated:
+                chats.append((len(out), [*prompt, {"role": "assistant", "content": answer}]))
+                out.append(("", True))
+                continue
+            prompt_text = (
+                "\n".join(m["content"] for m in prompt) + "\n"
+                if isinstance(prompt, list)
+                else prompt
+            )
+            out.append((prompt_text + answer, False))
+        if chats:
+            rendered = chat_template.render(self.tokenizer, [messages for _, messages in chats])
+            for (i, _), text in zip(chats, rendered):
+                out[i] = (text, True)
+        return out
 
     @torch.no_grad()
     def score_texts(self, texts: list[str], templated: bool) -> list[float]:
@@ -220,7 +238,7 @@ class RewardModel:
             raise ValueError(
                 f"reward model: {len(prompts)} prompts for {len(completions)} completions"
             )
-        texts = [self.text(p, c) for p, c in zip(prompts, completions)]
+        texts = self.texts(prompts, completions)
         out = [0.0] * len(texts)
         # templated and plain texts are tokenized differently (special tokens), so each kind is its own batch
         for templated in (True, False):

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from grpo.registry import ConfigError
+from grpo.rewards import chat_template
 from grpo.rollout.environments import Episode
 from grpo.rollout.tools import (
     CALL_CLOSE,
@@ -82,26 +83,29 @@ class ToolRendering:
             for ended in (True, False):
                 try:
                     self.suffix([ToolResult("probe", _PROBE)], ended)
+                except chat_template.TemplateRefused:
+                    raise
                 except ValueError as error:
                     raise ConfigError(f"rollout.tools: {error}") from None
 
     def _render(self, messages, add_generation_prompt: bool) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(
-            messages,
-            tokenize=True,
-            add_generation_prompt=add_generation_prompt,
-            return_dict=False,
-            **self.template_kwargs,
+        return self._render_both([messages], [add_generation_prompt])[0]
+
+    def _render_both(self, conversations: list, flags: list[bool]) -> list[list[int]]:
+        """Each conversation's token ids as apply_chat_template(tokenize=True) gives them, rendered
+        together within the template's limits (grpo.rewards.chat_template)."""
+        texts = chat_template.render(
+            self.tokenizer, conversations, add_generation_prompt=flags, **self.template_kwargs
         )
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
+        return [list(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
     def _template_renders_tools(self) -> bool:
         if not getattr(self.tokenizer, "chat_template", None):
             return False
         try:
             ids = self._render(self._conversation([ToolResult("probe", _PROBE)]), True)
+        except ConfigError:  # a template past its limits: refused, not passed over
+            raise
         except Exception:  # a template that refuses tool messages: the default rendering
             return False
         return _PROBE in self.tokenizer.decode(ids)
@@ -120,8 +124,7 @@ class ToolRendering:
             text = "".join(f"\n<tool_response>\n{r.content}\n</tool_response>\n" for r in results)
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         conversation = self._conversation(results)
-        before = self._render(conversation[:2], False)
-        after = self._render(conversation, True)
+        before, after = self._render_both([conversation[:2], conversation], [False, True])
         # The assistant's turn ends at its end-of-turn token: the n-th such token of the conversation,
         # n counted in the rendering that ends with the turn. What the template writes after it (a
         # newline, the tool messages, the next assistant header) is the suffix; a turn that stopped at

@@ -15,6 +15,7 @@ from typing import Any
 
 from grpo.config import safe_yaml
 from grpo.config.schema import ArithmeticConfig, ConfigError
+from grpo.rewards import chat_template
 
 Row = dict[str, Any]
 
@@ -133,7 +134,9 @@ MAX_LINE_BYTES = 16 << 20
 MAX_PROMPT_CHARS = 1 << 20
 """Longest prompt a row may have, in characters, checked before anything is tokenized: a
 megabyte of text is some 250,000 tokens, beyond any model's context, and tokenizing it whole
-takes seconds and gigabytes. A longer prompt is refused, naming the row."""
+takes seconds and gigabytes. A longer prompt is refused, naming the row. What a chat template
+makes of a prompt is bounded from this too (grpo.rewards.chat_template.MAX_RENDERED_CHARS, four
+times as many characters), with its time and memory."""
 RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "trainer_state")
 """Arguments every reward function gets from the trainer: a column of one of these names would
 take their place in the call, so the rewards would score the column instead of the model."""
@@ -325,15 +328,40 @@ def render_prompt(
     Chat messages go through the tokenizer's chat template when it has one and
     `use_chat_template` is on, with `template_kwargs` as the template's extra variables
     (data.chat_template_kwargs); otherwise their contents are joined as plain
-    text. `few_shot` is put before plain-text prompts (for base models).
+    text. `few_shot` is put before plain-text prompts (for base models). The template is
+    rendered within limits (grpo.rewards.chat_template: time, output, memory).
     """
-    if isinstance(prompt, list):
-        if use_chat_template and getattr(tokenizer, "chat_template", None):
-            return tokenizer.apply_chat_template(
-                prompt, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
-            ), True
-        prompt = "\n".join(m["content"] for m in prompt) + "\n"
-    return (few_shot or "") + prompt, False
+    return render_prompts([prompt], tokenizer, use_chat_template, few_shot, template_kwargs)[0]
+
+
+def render_prompts(
+    prompts: list,
+    tokenizer,
+    use_chat_template: bool,
+    few_shot: str | None,
+    template_kwargs: dict | None = None,
+) -> list[tuple[str, bool]]:
+    """`render_prompt` of each prompt, the chat ones rendered together (one request to the
+    template's renderer for the batch)."""
+    templated = bool(use_chat_template and getattr(tokenizer, "chat_template", None))
+    chats = [i for i, p in enumerate(prompts) if templated and isinstance(p, list)]
+    out: list[tuple[str, bool]] = [("", False)] * len(prompts)
+    if chats:
+        texts = chat_template.render(
+            tokenizer,
+            [prompts[i] for i in chats],
+            add_generation_prompt=True,
+            **(template_kwargs or {}),
+        )
+        for i, text in zip(chats, texts):
+            out[i] = (text, True)
+    done = set(chats)
+    for i, prompt in enumerate(prompts):
+        if i not in done:
+            if isinstance(prompt, list):
+                prompt = "\n".join(m["content"] for m in prompt) + "\n"
+            out[i] = ((few_shot or "") + prompt, False)
+    return out
 
 
 def tokenize_prompts(
@@ -344,10 +372,9 @@ def tokenize_prompts(
     template_kwargs: dict | None = None,
 ) -> tuple[list[str], list[list[int]]]:
     """Prompt texts and their whole token ids."""
-    rendered = [
-        render_prompt(row["prompt"], tokenizer, use_chat_template, few_shot, template_kwargs)
-        for row in rows
-    ]
+    rendered = render_prompts(
+        [row["prompt"] for row in rows], tokenizer, use_chat_template, few_shot, template_kwargs
+    )
     texts = [text for text, _ in rendered]
     ids: list[list[int]] = [[] for _ in rows]
     for templated in (
@@ -541,16 +568,13 @@ class PromptEncoder:
             )
         if self.max_prompt_length is not None and self.max_prompt_length <= budget:
             return
-        rendered = [
-            render_prompt(
-                row["prompt"],
-                self.tokenizer,
-                self.use_chat_template,
-                self.few_shot,
-                self.template_kwargs,
-            )
-            for row in rows
-        ]
+        rendered = render_prompts(
+            [row["prompt"] for row in rows],
+            self.tokenizer,
+            self.use_chat_template,
+            self.few_shot,
+            self.template_kwargs,
+        )
         suspects = [i for i, (text, _) in enumerate(rendered) if len(text.encode()) + 8 > budget]
         if not suspects:
             return
