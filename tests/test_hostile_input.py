@@ -74,6 +74,40 @@ def _cases(tmp: Path, write: bool = True) -> dict[str, tuple[list[str], str]]:
             os.mkfifo(path)
         return str(path)
 
+    def template_model(name: str, template: str, in_config: bool = False) -> str:
+        """A tiny model directory whose tokenizer has `template` as its chat template, in
+        chat_template.jinja (as save_pretrained writes it) or in tokenizer_config.json."""
+        folder = tmp / name
+        if write and not folder.exists():
+            from grpo.models.tiny import char_tokenizer, tiny_model
+
+            tok = char_tokenizer()
+            tok.chat_template = template
+            tiny_model(tok, hidden_size=32, num_layers=1).save_pretrained(folder)
+            tok.save_pretrained(folder)
+            if in_config:
+                (folder / "chat_template.jinja").unlink(missing_ok=True)
+                config = json.loads((folder / "tokenizer_config.json").read_text())
+                config["chat_template"] = template
+                (folder / "tokenizer_config.json").write_text(json.dumps(config))
+        return str(folder)
+
+    chats = [
+        {"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
+        for r in GOOD_ROWS
+    ]
+
+    def chat_model(name: str, template: str, in_config: bool = False) -> list[str]:
+        return [
+            f"model.name={template_model(name, template, in_config)}",
+            "data.chat_template=auto",
+            *jsonl("chats.jsonl", rows=chats),
+            f"data.eval_file={tmp / 'chats.jsonl'}",
+        ]
+
+    loop = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    huge = "{{ 'x' * 100000 * 100000 }}"
+    pieces = "{% for i in range(100000) %}{{ 'x' * 100000 }}{% endfor %}"
     sections = "\n".join(f"{k}: {json.dumps(v)}" for k, v in BASE.items() if k != "eval")
     train = ["train", str(base)]
     return {
@@ -271,6 +305,32 @@ def _cases(tmp: Path, write: bool = True) -> dict[str, tuple[list[str], str]]:
                 ),
             ],
             r"training rows: row 9's prompt is over \d+ tokens.* beyond the model's context",
+        ),
+        # a model directory's chat template (grpo.rewards.chat_template): code, bounded per rendering
+        "a chat template that loops 10^10 times": (
+            [*train, *chat_model("loop", loop)],
+            r"the chat template of .*loop/chat_template.jinja took over 5 s to render one prompt",
+        ),
+        "a chat template that writes 10^10 characters at once": (
+            [*train, *chat_model("huge", huge, in_config=True)],
+            r"the chat template of .*huge/tokenizer_config.json needed more than the 512 MiB",
+        ),
+        "a chat template that writes 10^10 characters in pieces": (
+            [*train, *chat_model("pieces", pieces), "rollout.max_prompt_length=8"],
+            r"the chat template of .*pieces/chat_template.jinja wrote more than 4,194,304 characters",
+        ),
+        "a chat template that loops 10^10 times, in evaluation": (
+            ["eval", str(base), *chat_model("loop", loop), "rollout.max_prompt_length=8"],
+            r"the chat template of .*loop/chat_template.jinja took over 5 s to render one prompt",
+        ),
+        "a chat template that writes 10^10 characters, in evaluation": (
+            [
+                "eval",
+                str(base),
+                *chat_model("huge", huge, in_config=True),
+                "rollout.max_prompt_length=8",
+            ],
+            r"the chat template of .*huge/tokenizer_config.json needed more than the 512 MiB",
         ),
     }
 
