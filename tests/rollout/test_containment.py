@@ -1,5 +1,7 @@
-"""What tools start ends with them: a process-isolated tool call's processes (a double-forked
-daemon in a session of its own included) when the call returns or times out (grpo.rollout.tools)."""
+"""What tools and environments start ends with them: a process-isolated tool call's processes
+(a double-forked daemon in a session of its own included) when the call returns or times out,
+an environment's when training ends; what the test process started before training is left
+alone (grpo.rollout.tools, grpo.rollout.environments.Leftovers)."""
 
 import os
 import signal
@@ -124,4 +126,50 @@ def test_a_forked_tools_daemon_ends_when_its_call_times_out(tmp_path):
         (pid,) = daemons(pid_dir)
         assert not alive(pid)
     finally:
+        kill_all(daemons(pid_dir))
+
+
+class DaemonEnvironment:
+    """Each reset starts a double-forked daemon (its pid in `pid_dir`)."""
+
+    pid_dir = None
+
+    def reset(self, **row):
+        daemonize(DaemonEnvironment.pid_dir)
+        return None
+
+
+TOY = [
+    "data.chat_template=auto",
+    "rollout.num_generations=2",
+    "rollout.max_completion_length=4",
+    "training.per_device_train_batch_size=4",
+    "training.max_steps=1",
+    "eval.before=false",
+    "eval.after=false",
+]
+
+
+def test_an_environments_daemons_end_when_training_ends_and_earlier_processes_stay(
+    tool_tokenizer, make_trainer, tmp_path
+):
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    DaemonEnvironment.pid_dir = str(pid_dir)
+    # what this process started before training: never the environment's
+    before = subprocess.Popen(["sleep", "60"])
+    try:
+        trainer = make_trainer(
+            tool_tokenizer, tmp_path, TOY, hidden=32, environment_factory=DaemonEnvironment
+        )
+        first = daemonize(pid_dir)  # a daemon of this test's, not of the environment's
+        started_before = set(daemons(pid_dir))
+        trainer.train()
+        made = set(daemons(pid_dir)) - started_before
+        assert len(made) == 4  # one per completion's reset
+        assert [pid for pid in made if alive(pid)] == []
+        assert alive(before.pid) and alive(first)
+    finally:
+        before.kill()
+        before.wait()
         kill_all(daemons(pid_dir))

@@ -32,6 +32,11 @@ No process is started for an environment, whatever rollout.tool_isolation says: 
 its methods and `get_reward` run in the trainer's own process, so an environment may use
 CUDA as the trainer does.
 
+Processes an environment starts (its factory, `reset` or a method, in the trainer's process)
+end when training ends (`Environments.close`, which the trainer calls in a `finally`), with
+their descendants and the sessions they lead; `Leftovers` says which processes those are and
+what is never killed.
+
 Nothing is pending between steps: every rollout's environment is reset from its row first.
 A resumed run therefore continues exactly when `reset` depends on its arguments only; one
 that draws from its own random generator continues from wherever that generator stands in the
@@ -40,12 +45,25 @@ new process.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
+import os
+import signal
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from grpo.registry import ConfigError, load_callable
+from grpo.rewards.worker import (
+    children,
+    is_child_subreaper,
+    kill_tree,
+    process_start,
+    session_of,
+    set_child_subreaper,
+)
 from grpo.rollout.tools import Tool, as_tool
 from grpo.tasks.data import Row
 
@@ -80,6 +98,119 @@ def method_names(environment) -> list[str]:
     ]
 
 
+class Leftovers:
+    """The processes the run's environments started in the trainer's own process, ended by `end`.
+
+    An environment's code runs in the trainer's process, so what it starts is the trainer's own
+    child, and a double-forked daemon (fork, setsid, fork again, the middle one exits) would be
+    init's. While a call of an environment runs (`watching`: its factory, `reset`, a method
+    offered as a tool), the trainer is a child subreaper (Linux's PR_SET_CHILD_SUBREAPER,
+    counted across overlapping calls and put back as it was after the last), so such a daemon
+    becomes the trainer's child; a process that became the trainer's child during the call (not
+    one before it; started no earlier than the call began) is the environment's. `end` SIGKILLs
+    each of them that is still that process (its pid and start time), its descendants and the
+    session it leads, and reaps it, as init would have.
+
+    Never killed: a process that existed before the call (whatever the script started before
+    training, e.g. under TRL's API, and its descendants), a child the trainer started outside
+    an environment's call (reward workers, tool calls' forks, the sandbox, the report's plot
+    renderer, torch.compile's workers, vLLM's, a tracker's), and the trainer's own session
+    (a process that did not leave it is killed by its pid and tree only). What is not caught:
+    a process that another thread of the trainer starts while an environment's call runs is
+    counted as the environment's; a daemon that an environment's process double-forks after the
+    call ended, from a session of its own, becomes init's (as for reward functions, whose keeper
+    is no longer there to hold it); without /proc or prctl (not Linux) nothing is tracked."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._calls = 0
+        self._was_subreaper = False
+        self.started: dict[int, int] = {}
+        """pid -> start time (clock ticks after boot) of each process an environment started."""
+        self._pid = os.getpid()
+
+    @contextlib.contextmanager
+    def watching(self):
+        """Around one call of an environment: what becomes this process's child meanwhile is its."""
+        if os.getpid() != self._pid:  # in a fork of the trainer: not the trainer's children
+            yield
+            return
+        with self._lock:
+            if self._calls == 0:
+                self._was_subreaper = is_child_subreaper()
+                if not self._was_subreaper:
+                    set_child_subreaper(True)
+            self._calls += 1
+        since = _now_ticks() - 1
+        before = children(self._pid)
+        try:
+            yield
+        finally:
+            new = children(self._pid) - before
+            with self._lock:
+                for pid in new:
+                    start = process_start(pid)
+                    if start is not None and start >= since:
+                        self.started[pid] = start
+                self._calls -= 1
+                if self._calls == 0 and not self._was_subreaper:
+                    set_child_subreaper(False)
+
+    def end(self) -> list[int]:
+        """Kills the processes the environments started (the class docstring) that still run;
+        the pids killed."""
+        with self._lock:
+            started, self.started = self.started, {}
+        killed = []
+        own_session = os.getsid(0)
+        for pid, start in started.items():
+            if process_start(pid) != start:
+                continue  # ended, or its pid is another process's now
+            sid = session_of(pid)
+            leads = sid == pid and sid != own_session
+            for _ in range(2):  # its tree, it, then what it left in its session
+                kill_tree(pid, session=pid if leads else None)
+                if process_start(pid) == start:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+            _reap(pid)
+            killed.append(pid)
+        return killed
+
+
+def _now_ticks() -> int:
+    """Clock ticks after boot, the unit of a process's start time in /proc."""
+    try:
+        return int(time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK"))
+    except (AttributeError, OSError, ValueError):
+        return 0
+
+
+def _reap(pid: int, seconds: float = 1.0) -> None:
+    """Waits for a killed child of this process (not for another's)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if os.waitpid(pid, os.WNOHANG) != (0, 0):
+                return
+        except ChildProcessError:
+            return  # not this process's child, or reaped already
+        time.sleep(0.005)
+
+
+def _watched(function: Callable, leftovers: Leftovers) -> Callable:
+    """An environment's method called inside `leftovers.watching()` (awaited there when async)."""
+
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        with leftovers.watching():
+            return _awaited(function(*args, **kwargs))
+
+    return call
+
+
 class Environments:
     """The run's environments: their factories by name (None: the one environment of every
     row), a pool of instances of each, the tools each offers and the reward functions of those
@@ -109,6 +240,8 @@ class Environments:
         """The environment classes with a get_reward, in order (each is one reward function)."""
         self._schemas: dict[tuple[type, str], dict] = {}
         """Each environment class's methods' schemas, made once."""
+        self.leftovers = Leftovers()
+        """The processes the environments started, ended by `close`."""
         for name, factory in self.factories.items():
             if not callable(factory):
                 raise ConfigError(
@@ -139,7 +272,8 @@ class Environments:
     def _make(self, name: str | None):
         factory = self.factories[name]
         try:
-            environment = factory()
+            with self.leftovers.watching():
+                environment = factory()
         except Exception as error:
             raise ConfigError(
                 f"{_label(name)}: {_name(factory)}() raised {type(error).__name__}: {error}"
@@ -170,7 +304,7 @@ class Environments:
                         f"environment_factory: {type(environment).__name__}.{method} has the name of another "
                         "tool; a model calls tools by name, so rename one"
                     )
-            function = getattr(environment, method)
+            function = _watched(getattr(environment, method), self.leftovers)
             tools[method] = Tool(method, function, self._schemas[key], stateful=True)
         return tools
 
@@ -196,6 +330,10 @@ class Environments:
 
     def start(self, rows: list[Row], num_generations: int) -> list[Episode]:
         """One reset environment per completion: `num_generations` for each row, group-major."""
+        with self.leftovers.watching():
+            return self._start(rows, num_generations)
+
+    def _start(self, rows: list[Row], num_generations: int) -> list[Episode]:
         episodes, taken = [], {}
         for i, row in enumerate(rows):
             name = self.choose(row, i)
@@ -211,6 +349,11 @@ class Environments:
                 observation = _reset(environment, arguments, i, self.reset_timeout)
                 episodes.append(Episode(name, environment, self.tools_of(environment), observation))
         return episodes
+
+    def close(self) -> list[int]:
+        """Ends the processes the environments started (`Leftovers`), at the end of training; the
+        instances stay (a later `train` resets them again). The pids killed."""
+        return self.leftovers.end()
 
     def reward_functions(self) -> dict[str, Callable]:
         """A reward function per environment class with get_reward, named after the class."""
