@@ -319,10 +319,6 @@ def _cases(tmp: Path, write: bool = True) -> dict[str, tuple[list[str], str]]:
             [*train, *chat_model("pieces", pieces), "rollout.max_prompt_length=8"],
             r"the chat template of .*pieces/chat_template.jinja wrote more than 4,194,304 characters",
         ),
-        "a chat template that loops 10^10 times, in evaluation": (
-            ["eval", str(base), *chat_model("loop", loop), "rollout.max_prompt_length=8"],
-            r"the chat template of .*loop/chat_template.jinja took over 5 s to render one prompt",
-        ),
         "a chat template that writes 10^10 characters, in evaluation": (
             [
                 "eval",

@@ -198,13 +198,19 @@ def test_chat_templates_past_their_limits_are_refused_for_training_and_held_out_
     rows = [{"prompt": [{"role": "user", "content": f"{i}+1="}]} for i in range(3)]
     tok.chat_template = "{{ 'x' * 100000 * 100000 }}"  # 10^10 characters
     with pytest.raises(chat_template.TemplateRefused, match=r"needed more than the 512 MiB"):
-        encode_prompts(rows, tok, True, None, None)
+        PromptEncoder(tok, True, None, 8)(rows)
     with pytest.raises(chat_template.TemplateRefused, match=r"needed more than the 512 MiB"):
         PromptEncoder(tok, True, None, None).check_fits(rows, 4, 64, "training rows")
-    tok.chat_template = "{% for m in messages %}{% for a in m.content * 100000 %}{% for b in m.content * 100000 %}{% endfor %}{% endfor %}{% endfor %}"
+    # 10^10 iterations over the message's characters, writing nothing
+    tok.chat_template = (
+        "{% for m in messages %}{% for a in m.content * 100000 %}{% for b in m.content * 100000 %}"
+        "{% endfor %}{% endfor %}{% endfor %}"
+    )
     with pytest.raises(
         chat_template.TemplateRefused, match=r"took over 0.5 s to render one prompt"
     ):
-        PromptEncoder(tok, True, None, 8)(rows)
+        encode_prompts(
+            rows, tok, True, None, None
+        )  # the held-out prompts' path (training.evaluate)
     # a plain-text prompt never reaches the template
     assert encode_prompts([{"prompt": "1+1="}], tok, True, None, None)[0] == ["1+1="]
