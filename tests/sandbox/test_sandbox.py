@@ -205,6 +205,35 @@ def test_memory_spread_over_processes_hits_the_cgroup_limit():
     assert r.status == "memory" and "started" in r.stdout
 
 
+def test_no_cgroup_is_left_once_the_last_run_in_its_parent_ends():
+    """A run's cgroup goes when it closes, and the grpo-sandbox cgroup that holds run cgroups goes
+    with the last of them; while another run's is in it, it stays (runs side by side)."""
+    parents = sandbox.cgroups.available()
+    if parents is None:
+        pytest.skip("cgroups are not writable here")
+    # a parent of this test's own beside the real one, so that other runs on the machine (which
+    # share the real one) cannot keep it
+    mine = [p.with_name(f"grpo-sandbox-test-{secrets.token_hex(4)}") for p in parents]
+    first = sandbox.cgroups.RunCgroup(mine, 64 << 20, 4)
+    second = sandbox.cgroups.RunCgroup(mine, 64 << 20, 4)
+    try:
+        assert all(d.is_dir() for d in first.dirs + second.dirs)
+        first.close()
+        assert not any(d.exists() for d in first.dirs)
+        assert all(p.is_dir() for p in mine)  # the second run's cgroup is in it
+        second.close()
+        assert not any(p.exists() for p in mine)
+        # a run made after the parent went makes it again
+        third = sandbox.cgroups.RunCgroup(mine, 64 << 20, 4)
+        assert all(d.is_dir() for d in third.dirs)
+        third.close()
+        assert not any(p.exists() for p in mine)
+    finally:
+        for d in first.dirs + second.dirs + mine:
+            if d.exists():
+                d.rmdir()
+
+
 def test_output_flood_is_cut_quickly():
     r = run(
         STARTED

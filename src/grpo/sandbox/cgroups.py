@@ -7,6 +7,14 @@ trainer's own cgroup (so a container's own limits still hold above it), the
 run's first process enters it before it executes anything, and afterwards
 every process still in it is killed and the cgroup removed.
 
+The run cgroups sit in a `grpo-sandbox` cgroup of their own, which every
+process in the same cgroup shares (runs of several trainers side by side).
+It is made with the first run cgroup in it and removed with the last: a run
+that closes its cgroup removes the parent too when it is empty (the kernel
+refuses while another run's cgroup is in it), and one that finds the parent
+gone between making it and making its own cgroup in it (another's removal)
+makes it again. So no cgroup of grpo's is left once no sandboxed program runs.
+
 cgroup v1 (separate `memory` and `pids` hierarchies) and v2 (one unified
 hierarchy) are both handled. Where neither is writable (not root, a
 read-only /sys/fs/cgroup), `available()` is False and the sandbox relies on
@@ -67,8 +75,18 @@ class RunCgroup:
         name = f"run-{os.getpid()}-{next(_serial)}"
         self.dirs = [p / name for p in parents]
         self.v2 = len(parents) == 1
-        for d in self.dirs:
-            d.mkdir(parents=True, exist_ok=False)
+        made = []
+        try:
+            for d in self.dirs:
+                _make(d)
+                made.append(d)
+            self._limit(memory, processes)
+        except BaseException:
+            for d in made:
+                _remove(d, parent_too=True)
+            raise
+
+    def _limit(self, memory: int, processes: int) -> None:
         if self.v2:
             (self.dirs[0] / "memory.max").write_text(str(memory))
             _try_write(self.dirs[0] / "memory.swap.max", "0")
@@ -118,15 +136,39 @@ class RunCgroup:
                 break
             time.sleep(0.01)
         for d in self.dirs:
-            for _ in range(100):  # rmdir fails while the last killed task is still exiting
-                try:
-                    d.rmdir()
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:
-                    time.sleep(0.01)
+            _remove(d, parent_too=True)
         return sorted(set(killed))
+
+
+def _make(directory: Path, tries: int = 100) -> None:
+    """Makes a run's cgroup and, when missing, its parent; again if another run removed the parent
+    (its last cgroup closed) between the two."""
+    for _ in range(tries):
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            directory.mkdir(exist_ok=False)
+            return
+        except FileNotFoundError:
+            continue
+    directory.mkdir(exist_ok=False)  # raises what it raises
+
+
+def _remove(directory: Path, parent_too: bool) -> None:
+    """Removes an emptied run cgroup, then its `grpo-sandbox` parent if no other run's cgroup is
+    in it (rmdir refuses a cgroup with children: another run keeps it)."""
+    for _ in range(100):  # rmdir fails while the last killed task is still exiting
+        try:
+            directory.rmdir()
+            break
+        except FileNotFoundError:
+            break
+        except OSError:
+            time.sleep(0.01)
+    if parent_too:
+        try:
+            directory.parent.rmdir()
+        except OSError:
+            pass  # another run's cgroup is in it (or it is gone already)
 
 
 _checked: list[Path] | None | bool = False
