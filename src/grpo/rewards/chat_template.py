@@ -43,9 +43,9 @@ most BATCH_CHARS characters of messages and a reply at most as many of output), 
 batch, so the cost of the round trip is per batch. The worker checks each rendering's time
 after each piece it writes and when it ends, and sends a short "alive" message after a
 rendering whenever HEARTBEAT seconds have passed without one; the trainer waits at most
-MAX_SECONDS + SLACK for each message, and kills the worker when none comes (a loop that
-writes nothing): a rendering that runs past its limit is stopped at most SLACK seconds after
-it. The next rendering starts a new worker.
+MAX_SECONDS + HEARTBEAT + SLACK for each message, and kills the worker when none comes (a
+loop that writes nothing): a rendering that runs past its limit is stopped at most
+HEARTBEAT + SLACK seconds after it. The next rendering starts a new worker.
 
 What is not bounded: a tokenizer whose class has its own apply_chat_template (not
 transformers' Jinja, e.g. mistral-common's) and arguments of apply_chat_template other than
