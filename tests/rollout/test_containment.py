@@ -130,12 +130,14 @@ def test_a_forked_tools_daemon_ends_when_its_call_times_out(tmp_path):
 
 
 class DaemonEnvironment:
-    """Each reset starts a double-forked daemon (its pid in `pid_dir`)."""
+    """Each reset starts a double-forked daemon and leaves a child running (pids in `pid_dir`)."""
 
     pid_dir = None
 
     def reset(self, **row):
         daemonize(DaemonEnvironment.pid_dir)
+        sleeper = subprocess.Popen(["sleep", "60"])
+        open(os.path.join(DaemonEnvironment.pid_dir, str(sleeper.pid)), "w").close()
         return None
 
 
@@ -166,7 +168,7 @@ def test_an_environments_daemons_end_when_training_ends_and_earlier_processes_st
         started_before = set(daemons(pid_dir))
         trainer.train()
         made = set(daemons(pid_dir)) - started_before
-        assert len(made) == 4  # one per completion's reset
+        assert len(made) == 8  # a daemon and a child per completion's reset
         assert [pid for pid in made if alive(pid)] == []
         assert alive(before.pid) and alive(first)
     finally:

@@ -641,14 +641,16 @@ def session_of(pid: int) -> int | None:
     return None if stat is None else stat[2]
 
 
-def children(pid: int) -> set[int]:
-    """The children of process `pid` (of all its threads), zombies included: from
-    /proc/PID/task/*/children, or a scan of every process where the kernel has no such file."""
+def children(pid: int, threads: list[int] | None = None) -> set[int]:
+    """The children of process `pid` (of all its threads, or of the threads `threads` only: a
+    child is listed under the thread that forked it, or that adopted it), zombies included: from
+    /proc/PID/task/TID/children, or a scan of every process where the kernel has no such file."""
     found: set[int] = set()
-    try:
-        threads = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return found
+    if threads is None:
+        try:
+            threads = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            return found
     for tid in threads:
         try:
             with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:

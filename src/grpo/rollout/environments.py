@@ -107,7 +107,8 @@ class Leftovers:
     offered as a tool), the trainer is a child subreaper (Linux's PR_SET_CHILD_SUBREAPER,
     counted across overlapping calls and put back as it was after the last), so such a daemon
     becomes the trainer's child; a process that became the trainer's child during the call (not
-    one before it; started no earlier than the call began) is the environment's. `end` SIGKILLs
+    one before it; started no earlier than the call began), as a child of the thread that runs
+    the call or an orphan the trainer adopted, is the environment's. `end` SIGKILLs
     each of them that is still that process (its pid and start time), its descendants and the
     session it leads, and reaps it, as init would have.
 
@@ -116,8 +117,9 @@ class Leftovers:
     an environment's call (reward workers, tool calls' forks, the sandbox, the report's plot
     renderer, torch.compile's workers, vLLM's, a tracker's), and the trainer's own session
     (a process that did not leave it is killed by its pid and tree only). What is not caught:
-    a process that another thread of the trainer starts while an environment's call runs is
-    counted as the environment's; a daemon that an environment's process double-forks after the
+    an orphan adopted while an environment's call runs is counted as the environment's whoever
+    orphaned it; a process that a thread the environment started forks is not tracked unless
+    it is orphaned during a call; a daemon that an environment's process double-forks after the
     call ended, from a session of its own, becomes init's (as for reward functions, whose keeper
     is no longer there to hold it); without /proc or prctl (not Linux) nothing is tracked."""
 
@@ -142,11 +144,14 @@ class Leftovers:
                     set_child_subreaper(True)
             self._calls += 1
         since = _now_ticks() - 1
-        before = children(self._pid)
+        # a child is listed under the thread that forked it, and an orphan the trainer adopts
+        # under its first thread: those two are read (a few microseconds, not the whole process's)
+        threads = sorted({threading.get_native_id(), self._pid})
+        before = children(self._pid, threads)
         try:
             yield
         finally:
-            new = children(self._pid) - before
+            new = children(self._pid, threads) - before
             with self._lock:
                 for pid in new:
                     start = process_start(pid)
@@ -330,10 +335,6 @@ class Environments:
 
     def start(self, rows: list[Row], num_generations: int) -> list[Episode]:
         """One reset environment per completion: `num_generations` for each row, group-major."""
-        with self.leftovers.watching():
-            return self._start(rows, num_generations)
-
-    def _start(self, rows: list[Row], num_generations: int) -> list[Episode]:
         episodes, taken = [], {}
         for i, row in enumerate(rows):
             name = self.choose(row, i)
@@ -346,7 +347,7 @@ class Environments:
                     pool.append(self._make(name))
                 taken[name] = k + 1
                 environment = pool[k]
-                observation = _reset(environment, arguments, i, self.reset_timeout)
+                observation = _reset(environment, arguments, i, self.reset_timeout, self.leftovers)
                 episodes.append(Episode(name, environment, self.tools_of(environment), observation))
         return episodes
 
@@ -384,13 +385,16 @@ def with_observation(row: Row, observation: str | None) -> Row:
     return {**row, "prompt": list(prompt[:-1]) + [{**last, "content": content}]}
 
 
-def _reset(environment, arguments: dict, i: int, timeout: float) -> str | None:
+def _reset(
+    environment, arguments: dict, i: int, timeout: float, leftovers: Leftovers
+) -> str | None:
     label = f"{type(environment).__name__}.reset"
     box: dict[str, Any] = {}
 
     def run():
         try:
-            box["observation"] = _awaited(environment.reset(**arguments))
+            with leftovers.watching():  # in the thread that runs it (Leftovers reads its children)
+                box["observation"] = _awaited(environment.reset(**arguments))
         except BaseException as error:  # SystemExit too: reported, not the thread's end
             box["error"] = error
 
