@@ -5,6 +5,7 @@ forked after that cannot use again ("Cannot re-initialize CUDA in forked subproc
   (grpo.rewards.bounded, for math_answer) are fresh interpreters, `python -c BOOT` through
   subprocess.Popen with no preexec_fn, as safe as multiprocessing's spawn; the keeper's fork
   of a reward worker happens inside that fresh interpreter;
+- the chat templates' renderer (grpo.rewards.chat_template) is such a worker too;
 - the sandbox's chain (grpo.sandbox.runner) is exec'd at once by subprocess.Popen (no Python
   runs between the fork and the exec);
 - process-isolated tool calls (grpo.rollout.tools) are forked from the trainer: grpo's part of
@@ -16,6 +17,7 @@ The test harness's `grpo train` children (tests/run/conftest.py) are checked in
 tests/run/test_harness.py: they are forks of a forkserver, not of the test process."""
 
 import contextlib
+import copy
 import gc
 import json
 import logging
@@ -337,6 +339,25 @@ def test_the_math_equivalence_worker_is_a_fresh_interpreter(popens):
         assert _ppid(process.pid) == os.getpid()
     finally:
         math_answer.close()
+
+
+def test_the_chat_template_renderer_is_a_fresh_interpreter(popens, tokenizer):
+    """Chat templates render in a worker of their own (grpo.rewards.chat_template), started as
+    the reward workers are."""
+    from grpo.rewards import chat_template
+
+    chat_template._SHARED.close()  # a worker an earlier test started: this one starts its own
+    tokenizer = copy.copy(tokenizer)
+    tokenizer.chat_template = "{% for m in messages %}{{ m.content }};{% endfor %}"
+    try:
+        [text] = chat_template.render(tokenizer, [[{"role": "user", "content": "hi"}]])
+        assert text == "hi;"
+        process = chat_template._SHARED.worker.process
+        _assert_fresh_interpreters(popens)
+        assert _cmdline(process.pid)[_cmdline(process.pid).index("-c") + 1] == reward_worker.BOOT
+        assert _ppid(process.pid) == os.getpid()
+    finally:
+        chat_template._SHARED.close()
 
 
 # ---------------------------------------------------------------- the sandbox: exec'd at once
