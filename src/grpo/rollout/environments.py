@@ -119,7 +119,9 @@ class Leftovers:
     (a process that did not leave it is killed by its pid and tree only). What is not caught:
     an orphan adopted while an environment's call runs is counted as the environment's whoever
     orphaned it; a process that a thread the environment started forks is not tracked unless
-    it is orphaned during a call; a daemon that an environment's process double-forks after the
+    it is orphaned during a call; a child the trainer's first thread starts while another
+    thread runs an environment's call (training run from a thread other than the first) is
+    counted as the environment's; a daemon that an environment's process double-forks after the
     call ended, from a session of its own, becomes init's (as for reward functions, whose keeper
     is no longer there to hold it); without /proc or prctl (not Linux) nothing is tracked."""
 
