@@ -318,7 +318,12 @@ def test_workers_never_outlive_the_trainer(reward_file, tmp_path):
 
 
 def worker_processes() -> list[int]:
-    """This process's reward workers still running: its children running grpo.rewards.worker's program."""
+    """This process's reward workers still running: its children running grpo.rewards.worker's
+    program, but the chat templates' renderer (the same program; one per process, shared by every
+    run in it, so an earlier test may have started it)."""
+    from grpo.rewards import chat_template
+
+    renderer = chat_template._SHARED.worker
     found = []
     for name in os.listdir("/proc"):
         try:
@@ -333,6 +338,7 @@ def worker_processes() -> list[int]:
             int(fields[1]) == os.getpid()
             and fields[0] != b"Z"
             and b"grpo.rewards.worker" in cmdline
+            and (renderer is None or int(name) != renderer.pid)
         ):
             found.append(int(name))
     return found
