@@ -1,5 +1,5 @@
 # make demo   GRPO teaches the embedded model the requested answer format (docs/demo.md)
-# make test   run the test suite (default: fast tests, about 10 minutes on 2 cores)
+# make test   run the test suite (default: fast tests, about 5 minutes on 2 cores)
 # make lint   check formatting and lint rules (ruff, as CI does); make format applies them
 # make test-gpu   the same suite on a GPU (GRPO_TEST_DEVICE=cuda), GPU_WORKERS processes
 # make test-floor   the oldest declared versions' tests, in their own venv (.venv-floor)
