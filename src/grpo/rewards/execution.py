@@ -87,6 +87,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Callable
 
+from grpo.config.safe_yaml import escaped
 from grpo.config.schema import ConfigError
 from grpo.rewards import worker as reward_worker
 from grpo.rewards.worker import call_reward_logged
@@ -527,15 +528,6 @@ class _Output:
             self.limit // 1024,
             "\n".join(parts),
         )
-
-
-def escaped(text: str) -> str:
-    """`text` with every character that is not printable (but newlines and tabs) written as Python
-    writes it in a string literal: a terminal's escape sequences and bidirectional controls shown, not run."""
-    return "".join(
-        c if c.isprintable() or c in "\n\t" else c.encode("unicode_escape").decode("ascii")
-        for c in text
-    )
 
 
 def _pickled_for_worker(fn: Callable) -> tuple[bytes, bool] | None:
