@@ -142,13 +142,16 @@ class RunCgroup:
 
 def _make(directory: Path, tries: int = 100) -> None:
     """Makes a run's cgroup and, when missing, its parent; again if another run removed the parent
-    (its last cgroup closed) between the two."""
+    (its last cgroup closed) between the two, or was removing it as this one made it (mkdir says
+    it exists, and by the time Path.mkdir looks it is gone: FileExistsError)."""
     for _ in range(tries):
-        directory.parent.mkdir(parents=True, exist_ok=True)
         try:
+            directory.parent.mkdir(parents=True, exist_ok=True)
             directory.mkdir(exist_ok=False)
             return
-        except FileNotFoundError:
+        except (FileNotFoundError, FileExistsError) as error:
+            if isinstance(error, FileExistsError) and Path(error.filename) == directory:
+                raise  # the run's own name: never another run's
             continue
     directory.mkdir(exist_ok=False)  # raises what it raises
 
