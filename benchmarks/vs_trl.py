@@ -806,7 +806,8 @@ def check_dependencies(sides: tuple[str, ...]) -> None:
 
 def prepare_model(name: str, workdir: Path) -> tuple[Path, str]:
     """A save_pretrained directory that both sides load (and a short label for file names)."""
-    from grpo.config.schema import ConfigError, ModelConfig
+    from grpo.config.errors import ConfigError
+    from grpo.config.schema import ModelConfig
 
     if name == "tiny":
         from transformers.utils import logging as hf_logging

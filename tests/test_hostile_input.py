@@ -18,7 +18,7 @@ import pytest
 
 from grpo.config import safe_yaml
 from grpo.config import schema as config
-from grpo.config.schema import ConfigError
+from grpo.config.errors import ConfigError
 
 BASE = {
     "model": {"name": "tiny", "tiny_hidden_size": 32, "tiny_num_layers": 1},

@@ -8,7 +8,7 @@ import torch
 
 from grpo import algorithm
 from grpo.config import schema as config
-from grpo.config.schema import ConfigError
+from grpo.config.errors import ConfigError
 from grpo.models.tiny import tiny_model
 from grpo.rewards.arithmetic import completion_text
 from grpo.rewards.worker import as_rewards

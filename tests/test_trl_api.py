@@ -18,7 +18,7 @@ import torch
 import grpo
 from grpo import trl_api
 from grpo.config import schema as config_module
-from grpo.config.schema import ConfigError
+from grpo.config.errors import ConfigError
 from grpo.models.tiny import char_tokenizer, tiny_model
 from grpo.trl_api import MAPPING, NO_EFFECT, GRPOConfig, GRPOTrainer
 

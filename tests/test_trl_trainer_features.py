@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from grpo.config.schema import ConfigError
+from grpo.config.errors import ConfigError
 from grpo.models.tiny import char_tokenizer, tiny_model
 from grpo.trl_api import GRPOConfig, GRPOTrainer
 

@@ -8,8 +8,8 @@ import logging
 import sys
 from pathlib import Path
 
+from grpo.config.errors import ConfigError
 from grpo.config.safe_yaml import escaped
-from grpo.config.schema import ConfigError
 
 USER_FILE_ERRORS = {
     errno.ENOENT,

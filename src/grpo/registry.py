@@ -29,10 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-
-class ConfigError(ValueError):
-    """A config value that cannot work; the message names the key and the fix."""
-
+from grpo.config.errors import ConfigError
 
 _file_modules = itertools.count()
 

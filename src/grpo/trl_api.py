@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from grpo.config import schema as config_module
-from grpo.config.schema import Config, ConfigError
+from grpo.config.errors import ConfigError
+from grpo.config.schema import Config
 
 if TYPE_CHECKING:
     import torch

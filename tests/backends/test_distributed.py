@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from grpo.config import schema as config
-from grpo.config.schema import ConfigError
+from grpo.config.errors import ConfigError
 from grpo.training.batching import choose_groups
 from grpo.training.evaluate import shard
 from grpo.training.metrics import sum_counts

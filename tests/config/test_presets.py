@@ -4,7 +4,7 @@ import pytest
 import yaml
 
 from grpo.config import schema as config
-from grpo.config.schema import ConfigError
+from grpo.config.errors import ConfigError
 
 EXPECTED = {
     "grpo": {

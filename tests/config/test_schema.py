@@ -4,7 +4,7 @@ import sys
 import pytest
 
 from grpo.config import schema as config
-from grpo.config.schema import ConfigError
+from grpo.config.errors import ConfigError
 
 
 def test_defaults_follow_trl():

@@ -3,7 +3,7 @@
 import pytest
 
 from grpo.config import schema
-from grpo.registry import ConfigError
+from grpo.config.errors import ConfigError
 
 
 @pytest.mark.parametrize(

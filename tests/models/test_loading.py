@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from grpo.config.schema import ConfigError, ModelConfig
+from grpo.config.errors import ConfigError
+from grpo.config.schema import ModelConfig
 from grpo.models import loading as models
 from grpo.models import tiny
 from grpo.models.loading import (

@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from grpo.config import schema as config
-from grpo.config.schema import ConfigError, CPUConfig, ModelConfig
+from grpo.config.errors import ConfigError
+from grpo.config.schema import CPUConfig, ModelConfig
 from grpo.cpu import kernels
 from grpo.cpu.fused_decoding import FusedDecoder, fused_decoding_applies
 from grpo.cpu.layer import CPULayer

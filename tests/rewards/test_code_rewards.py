@@ -9,7 +9,8 @@ import time
 import pytest
 
 from grpo import sandbox
-from grpo.config.schema import ConfigError, RewardsConfig, SandboxConfig
+from grpo.config.errors import ConfigError
+from grpo.config.schema import RewardsConfig, SandboxConfig
 from grpo.rewards.code import (
     CodeTests,
     HumanEvalTests,

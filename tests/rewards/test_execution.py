@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from grpo.config import schema as config
-from grpo.config.schema import ConfigError
+from grpo.config.errors import ConfigError
 from grpo.models.tiny import tiny_model
 from grpo.rewards.arithmetic import arithmetic_format
 from grpo.rewards.execution import RewardExecutor

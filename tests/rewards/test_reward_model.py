@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from grpo.config import schema as config
-from grpo.config.schema import ConfigError, RewardsConfig
+from grpo.config.errors import ConfigError
+from grpo.config.schema import RewardsConfig
 from grpo.models.tiny import char_tokenizer
 from grpo.rewards.reward_model import RewardModel, from_spec
 from grpo.rewards.reward_set import check_signature

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from grpo.config.schema import ConfigError
+from grpo.config.errors import ConfigError
 from grpo.rewards.arithmetic import arithmetic_correct, arithmetic_format
 from grpo.rewards.reward_set import RewardSet, check_signature, resolve
 from grpo.rewards.worker import as_rewards

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from grpo.config.errors import ConfigError
 from grpo.rollout import Rollout, SamplingParams, StopStrings, generate
 from grpo.rollout.hf import (
     CDF_BLOCK,
@@ -193,7 +194,7 @@ def test_min_new_tokens_from_the_config_and_trls_generation_kwargs(tmp_path):
     for name in ("min_new_tokens", "min_tokens"):  # transformers' name and vLLM's
         args = GRPOConfig(output_dir=str(tmp_path), generation_kwargs={name: 5})
         assert args.to_config(num_rows=8).rollout.min_new_tokens == 5
-    with pytest.raises(schema.ConfigError, match="rollout.min_new_tokens: must be in \\[0, "):
+    with pytest.raises(ConfigError, match="rollout.min_new_tokens: must be in \\[0, "):
         schema.from_dict({"rollout": {"max_completion_length": 4, "min_new_tokens": 5}})
 
 

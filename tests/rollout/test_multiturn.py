@@ -256,7 +256,7 @@ def test_a_tokenizer_with_a_response_parser_parses_its_own_calls(tool_tokenizer,
 def test_a_template_that_writes_the_turn_differently_before_tool_messages():
     """Qwen3's template drops an empty <think></think> from an assistant turn once tool messages
     follow it: the tool messages are still the tokens after the turn's end-of-turn token."""
-    from grpo.registry import ConfigError
+    from grpo.config.errors import ConfigError
 
     tok = char_tokenizer()
     turn = (

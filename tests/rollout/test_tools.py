@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from grpo.registry import ConfigError
+from grpo.config.errors import ConfigError
 from grpo.rollout.tools import (
     MAX_CALL_CHARS,
     ToolCall,

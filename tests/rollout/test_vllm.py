@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from grpo.config import schema as config
-from grpo.config.schema import ConfigError
+from grpo.config.errors import ConfigError
 from grpo.models.logprobs import completion_logprobs
 from grpo.rollout import SamplingParams
 from grpo.rollout.hf import TransformersEngine

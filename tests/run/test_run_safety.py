@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from grpo.cli import main
 from grpo.config import schema as config
-from grpo.config.schema import ConfigError
+from grpo.config.errors import ConfigError
 from grpo.run import checkpoint, run_lock
 
 pytestmark = pytest.mark.usefixtures("quick")

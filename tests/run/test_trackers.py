@@ -8,7 +8,8 @@ import types
 
 import pytest
 
-from grpo.config.schema import Config, ConfigError
+from grpo.config.errors import ConfigError
+from grpo.config.schema import Config
 from grpo.run.trackers import Trackers
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from grpo.cli import main
 from grpo.config import schema as config
-from grpo.config.schema import ConfigError
+from grpo.config.errors import ConfigError
 from grpo.run.eval_results import EvalResult, format_table
 from grpo.tasks import humaneval, load_task
 from grpo.tasks.code import CodeScorer, cut_at_stop

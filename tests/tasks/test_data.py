@@ -3,7 +3,8 @@ import json
 import pytest
 
 from grpo.config import schema as config
-from grpo.config.schema import ArithmeticConfig, ConfigError
+from grpo.config.errors import ConfigError
+from grpo.config.schema import ArithmeticConfig
 from grpo.tasks import load_task
 from grpo.tasks.data import (
     PromptSampler,

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from grpo.config import schema as config
-from grpo.config.schema import ConfigError
+from grpo.config.errors import ConfigError
 from grpo.rewards.reward_set import RewardSet
 from grpo.tasks import load_task
 from grpo.tasks.math_tasks import gsm8k_gold, math_gold

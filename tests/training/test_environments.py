@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from grpo.config import schema
+from grpo.config.errors import ConfigError
 from grpo.models.tiny import tiny_model
-from grpo.registry import ConfigError
 
 INCREMENT = '<tool_call>{"name": "increment", "arguments": {"step": 2}}</tool_call>'
 

@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from grpo.config.schema import Config, ConfigError, ModelConfig, RewardsConfig
+from grpo.config.errors import ConfigError
+from grpo.config.schema import Config, ModelConfig, RewardsConfig
 from grpo.rewards.reward_set import RewardSet
 from grpo.rollout import Rollout, TransformersEngine
 from grpo.run import eval_results

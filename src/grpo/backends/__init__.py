@@ -19,7 +19,8 @@ from typing import Callable, Protocol
 
 import torch
 
-from grpo.config.schema import Config, ConfigError
+from grpo.config.errors import ConfigError
+from grpo.config.schema import Config
 from grpo.models.logprobs import OutputLayerKernels
 
 

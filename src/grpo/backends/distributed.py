@@ -66,7 +66,8 @@ from grpo.backends.single import (
     enable_checkpointing,
     resolve_device,
 )
-from grpo.config.schema import Config, ConfigError, validate
+from grpo.config.errors import ConfigError
+from grpo.config.schema import Config, validate
 from grpo.models.precision import uses_bf16
 
 # gradients are reduced in flat buckets of at most this many elements (a float32 bucket: 256 MB)

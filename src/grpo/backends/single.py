@@ -23,7 +23,8 @@ import contextlib
 
 import torch
 
-from grpo.config.schema import Config, ConfigError
+from grpo.config.errors import ConfigError
+from grpo.config.schema import Config
 from grpo.models.logprobs import OutputLayerKernels
 from grpo.models.precision import bf16_autocast, uses_bf16
 

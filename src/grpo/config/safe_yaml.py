@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from grpo.registry import ConfigError
+from grpo.config.errors import ConfigError
 
 MAX_BYTES = 1 << 20
 """A config file is a few kilobytes; a megabyte leaves room for long few-shot texts."""

@@ -26,7 +26,7 @@ import yaml
 
 from grpo import registry
 from grpo.config import safe_yaml
-from grpo.registry import ConfigError  # noqa: F401 (grpo.config.schema.ConfigError is the public name)
+from grpo.config.errors import ConfigError
 
 MAX_INT = 2**63 - 1
 """The largest integer setting: what torch and NumPy hold in an int64 (a seed, a step count)."""

@@ -27,7 +27,7 @@ import sys
 import torch
 import torch._functorch.config  # its settings are set below; torch does not import it for us
 
-from grpo.config.schema import ConfigError
+from grpo.config.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

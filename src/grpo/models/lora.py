@@ -26,7 +26,8 @@ from typing import Iterable
 
 import torch
 
-from grpo.config.schema import ConfigError, LoraConfig
+from grpo.config.errors import ConfigError
+from grpo.config.schema import LoraConfig
 
 POLICY_ADAPTER = "default"
 """peft's name for the adapter that trains."""

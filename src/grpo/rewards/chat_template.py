@@ -63,7 +63,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from grpo.registry import ConfigError
+from grpo.config.errors import ConfigError
 from grpo.rewards.worker import Worker
 
 MAX_SECONDS = 5.0

@@ -47,7 +47,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from grpo.config.schema import ConfigError, SandboxConfig
+from grpo.config.errors import ConfigError
+from grpo.config.schema import SandboxConfig
 from grpo.sandbox import Limits, SandboxError, run
 
 CODE_REWARDS = ("fraction", "all")

@@ -87,8 +87,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Callable
 
+from grpo.config.errors import ConfigError
 from grpo.config.safe_yaml import escaped
-from grpo.config.schema import ConfigError
 from grpo.rewards import worker as reward_worker
 from grpo.rewards.worker import call_reward_logged
 

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from grpo.config.schema import ConfigError, RewardsConfig
+from grpo.config.errors import ConfigError
+from grpo.config.schema import RewardsConfig
 from grpo.rewards import chat_template
 from grpo.rewards.arithmetic import completion_text
 

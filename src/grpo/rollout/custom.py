@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from grpo.registry import ConfigError
+from grpo.config.errors import ConfigError
 from grpo.rollout.types import Rollout
 
 REQUIRED = ("prompt_ids", "completion_ids", "logprobs")

@@ -55,7 +55,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from grpo.registry import ConfigError, load_callable
+from grpo.config.errors import ConfigError
+from grpo.registry import load_callable
 from grpo.rewards.worker import (
     children,
     is_child_subreaper,

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from grpo.registry import ConfigError
+from grpo.config.errors import ConfigError
 from grpo.rewards import chat_template
 from grpo.rollout.environments import Episode
 from grpo.rollout.tools import (

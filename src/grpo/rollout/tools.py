@@ -64,7 +64,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from grpo.registry import ConfigError, load_callable
+from grpo.config.errors import ConfigError
+from grpo.registry import load_callable
 from grpo.rewards.worker import can_reap_orphans, kill_tree, reap_children, set_child_subreaper
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"

@@ -40,7 +40,7 @@ from typing import Iterator
 
 import torch
 
-from grpo.config.schema import ConfigError
+from grpo.config.errors import ConfigError
 from grpo.models.precision import uses_bf16
 from grpo.rollout.hf import _NON_FINITE, NonFiniteProbabilities, left_pad
 from grpo.rollout.types import Rollout, SamplingParams, Seeds, prompt_seeds

@@ -60,7 +60,7 @@ import yaml
 
 from grpo.config import safe_yaml
 from grpo.config import schema as config_module
-from grpo.config.schema import ConfigError
+from grpo.config.errors import ConfigError
 from grpo.run import faults
 
 log = logging.getLogger(__name__)

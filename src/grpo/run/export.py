@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 
 from grpo.config import safe_yaml
-from grpo.config.schema import ConfigError
+from grpo.config.errors import ConfigError
 from grpo.run import checkpoint as ckpt
 
 _RUN_FILES = (ckpt.STATE, ckpt.CONFIG, ckpt.MANIFEST)

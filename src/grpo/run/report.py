@@ -111,7 +111,7 @@ def _read_config(run_dir: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     from grpo.config import safe_yaml
-    from grpo.config.schema import ConfigError
+    from grpo.config.errors import ConfigError
 
     try:
         data = safe_yaml.read(path, "run config")

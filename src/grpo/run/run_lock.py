@@ -33,7 +33,7 @@ import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from grpo.config.schema import ConfigError
+from grpo.config.errors import ConfigError
 
 LOCK = ".grpo.lock"
 

@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Callable
 
 from grpo.config import schema as config_module
+from grpo.config.errors import ConfigError
 from grpo.config.safe_yaml import escaped
-from grpo.config.schema import Config, ConfigError
+from grpo.config.schema import Config
 from grpo.run import checkpoint
 from grpo.run.eval_results import EvalResult, append_results, format_table
 from grpo.run.progress import TrainProgress, bar

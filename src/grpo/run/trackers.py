@@ -22,7 +22,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from grpo.config.schema import Config, ConfigError
+from grpo.config.errors import ConfigError
+from grpo.config.schema import Config
 
 BACKENDS = ("tensorboard", "wandb", "trackio")
 PIP_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}

@@ -11,7 +11,8 @@ fraction, its default), where pass@1 asks for all of them.
 
 from __future__ import annotations
 
-from grpo.config.schema import Config, ConfigError, SandboxConfig
+from grpo.config.errors import ConfigError
+from grpo.config.schema import Config, SandboxConfig
 from grpo.tasks import Row, Scores, Task
 from grpo.tasks.code_problems import HELD_OUT, PROBLEMS
 

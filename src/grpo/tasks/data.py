@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from grpo.config import safe_yaml
-from grpo.config.schema import ArithmeticConfig, ConfigError
+from grpo.config.errors import ConfigError
+from grpo.config.schema import ArithmeticConfig
 from grpo.rewards import chat_template
 
 Row = dict[str, Any]

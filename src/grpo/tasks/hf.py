@@ -22,7 +22,8 @@ import os
 from pathlib import Path
 
 from grpo.config import safe_yaml
-from grpo.config.schema import Config, ConfigError
+from grpo.config.errors import ConfigError
+from grpo.config.schema import Config
 from grpo.tasks import Row, Task
 from grpo.tasks.data import _check_prompt, check_columns, check_text_file
 from grpo.tasks.scorers import AnswerScorer, RewardScorer, has_integer_answers

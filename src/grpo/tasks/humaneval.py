@@ -18,7 +18,8 @@ import importlib.util
 import json
 from pathlib import Path
 
-from grpo.config.schema import Config, ConfigError
+from grpo.config.errors import ConfigError
+from grpo.config.schema import Config
 from grpo.tasks import Row, Task
 from grpo.tasks.code import CodeScorer
 

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Callable
 
 from grpo.config import safe_yaml
-from grpo.config.schema import Config, ConfigError
+from grpo.config.errors import ConfigError
+from grpo.config.schema import Config
 from grpo.rewards.math_answer import extract_answer
 from grpo.tasks import Row, Task
 from grpo.tasks.scorers import MathScorer

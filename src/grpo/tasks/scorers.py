@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from grpo.config.schema import ConfigError
+from grpo.config.errors import ConfigError
 from grpo.rewards.arithmetic import completion_text, extract_answer
 from grpo.rewards.math_answer import FORMS, MathAnswer, normalise_gold
 from grpo.rewards.math_answer import extract_answer as final_answer

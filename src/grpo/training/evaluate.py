@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from grpo.config.schema import Config, ConfigError
+from grpo.config.errors import ConfigError
+from grpo.config.schema import Config
 from grpo.rewards.arithmetic import completion_text
 from grpo.rollout import SamplingParams
 from grpo.rollout.types import prompt_seeds

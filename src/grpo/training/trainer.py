@@ -53,7 +53,8 @@ import torch
 
 from grpo import algorithm
 from grpo.backends import create_backend
-from grpo.config.schema import Config, ConfigError
+from grpo.config.errors import ConfigError
+from grpo.config.schema import Config
 from grpo.models.loading import context_length, load_model_and_tokenizer
 from grpo.models.lora import apply_lora
 from grpo.registry import ADVANTAGE_ESTIMATORS

@@ -40,7 +40,8 @@ from dataclasses import dataclass
 import torch
 
 from grpo import algorithm
-from grpo.config.schema import Config, ConfigError
+from grpo.config.errors import ConfigError
+from grpo.config.schema import Config
 from grpo.models.logprobs import completion_logprobs
 from grpo.training.batching import GenerationBatch, microbatches, minibatches
 from grpo.training.state import EntropyControl
