@@ -109,11 +109,11 @@ def write_once(trainer, directory: Path) -> dict:
 
 
 def child(args) -> None:
-    from grpo.config import schema
+    from grpo.config import loading
     from grpo.run import checkpoint, report, runlog
     from grpo.training import trainer as trainer_module
 
-    cfg = schema.from_dict(
+    cfg = loading.from_dict(
         config_dict(args.model, args.steps, args.run_dir, args.eval_after, args.save_steps)
     )
     phases: dict[str, float] = {}

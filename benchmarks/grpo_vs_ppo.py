@@ -86,7 +86,7 @@ def gradient_elements(*modules) -> int:
 def run_side(spec: dict, out_dir: Path) -> dict:
     import torch
 
-    from grpo.config import schema as grpo_config
+    from grpo.config import loading as grpo_config
     from grpo.training.trainer import Trainer
 
     if spec["threads"]:

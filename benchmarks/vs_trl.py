@@ -480,7 +480,7 @@ class _Recorder:
 
 def _rows(spec: dict) -> list[dict]:
     """The seed's arithmetic training problems as plain-text prompts (no chat template)."""
-    from grpo.config.schema import ArithmeticConfig
+    from grpo.config.model_data import ArithmeticConfig
     from grpo.tasks.data import arithmetic_splits, render_prompt
 
     train, _ = arithmetic_splits(ArithmeticConfig(), seed=spec["data_seed"])
@@ -660,7 +660,7 @@ def run_trl(spec: dict, out_dir: Path) -> dict:
 
 def grpo_trainer(spec: dict, out_dir: Path, engine: str = "hf"):
     """grpo's Trainer for the benchmark's work (`spec`: base_spec's keys and the precision)."""
-    from grpo.config import schema as grpo_config
+    from grpo.config import loading as grpo_config
     from grpo.training.trainer import Trainer
 
     T = spec["max_completion_length"]
@@ -807,7 +807,7 @@ def check_dependencies(sides: tuple[str, ...]) -> None:
 def prepare_model(name: str, workdir: Path) -> tuple[Path, str]:
     """A save_pretrained directory that both sides load (and a short label for file names)."""
     from grpo.config.errors import ConfigError
-    from grpo.config.schema import ModelConfig
+    from grpo.config.model_data import ModelConfig
 
     if name == "tiny":
         from transformers.utils import logging as hf_logging

@@ -17,7 +17,7 @@ if DEVICE == "cpu":  # before torch initialises CUDA: its children inherit it to
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from grpo.config import schema  # noqa: E402
+from grpo.config import loading  # noqa: E402
 from grpo.models.tiny import char_tokenizer, tiny_model  # noqa: E402
 from grpo.rewards.arithmetic import completion_text  # noqa: E402
 
@@ -210,7 +210,9 @@ def make_trainer(toy_config):
     def build(tokenizer, tmp_path, overrides=(), reward_funcs=None, hidden=64, **data):
         from grpo.training.trainer import Trainer
 
-        cfg = schema.from_dict({**toy_config, "output_dir": str(tmp_path / "run")}, list(overrides))
+        cfg = loading.from_dict(
+            {**toy_config, "output_dir": str(tmp_path / "run")}, list(overrides)
+        )
         model = tiny_model(tokenizer, hidden_size=hidden, num_layers=2, seed=0)
         return Trainer(
             cfg,

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from grpo.config import schema as config
+from grpo.config import loading as config
 from grpo.config.errors import ConfigError
-from grpo.config.schema import ModelConfig
+from grpo.config.model_data import ModelConfig
 from grpo.models.loading import load_model_and_tokenizer
 from grpo.models.tiny import tiny_model
 from grpo.rewards.reward_set import resolve

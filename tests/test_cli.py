@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from grpo.cli import main
-from grpo.config import schema as config
+from grpo.config import loading as config
 
 ROOT = Path(__file__).resolve().parents[1]
 

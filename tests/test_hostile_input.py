@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from grpo.config import loading as config
 from grpo.config import safe_yaml
-from grpo.config import schema as config
 from grpo.config.errors import ConfigError
 
 BASE = {
@@ -415,7 +415,7 @@ def test_from_dict_refuses_a_structure_too_large_to_be_a_config():
 
 
 def _remote_code_model(tmp_path: Path) -> tuple[Path, Path]:
-    from grpo.config.schema import ModelConfig
+    from grpo.config.model_data import ModelConfig
     from grpo.models.loading import load_model_and_tokenizer
 
     model, tok = load_model_and_tokenizer(
@@ -460,7 +460,7 @@ def test_a_local_model_with_its_own_code_is_refused_and_its_code_never_runs(tmp_
 
 
 def test_trust_remote_code_lets_the_model_code_run(tmp_path):
-    from grpo.config.schema import ModelConfig
+    from grpo.config.model_data import ModelConfig
     from grpo.models.loading import load_model_and_tokenizer
 
     folder, marker = _remote_code_model(tmp_path)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from grpo import algorithm
-from grpo.config import schema as config
+from grpo.config import loading as config
 from grpo.config.errors import ConfigError
 from grpo.models.tiny import tiny_model
 from grpo.rewards.arithmetic import completion_text

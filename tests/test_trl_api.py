@@ -17,8 +17,9 @@ import torch
 
 import grpo
 from grpo import trl_api
-from grpo.config import schema as config_module
+from grpo.config import loading as config_module
 from grpo.config.errors import ConfigError
+from grpo.config.schema import Config
 from grpo.models.tiny import char_tokenizer, tiny_model
 from grpo.trl_api import MAPPING, NO_EFFECT, GRPOConfig, GRPOTrainer
 
@@ -300,7 +301,7 @@ def test_every_field_is_mapped_and_every_mapped_field_is_tested():
             if isinstance(value, dict):
                 yield from dotted(value, f"{prefix}{key}.")
 
-    keys = set(dotted(config_module.Config().to_dict()))  # every key of every (nested) section
+    keys = set(dotted(Config().to_dict()))  # every key of every (nested) section
     assert {key for key, _ in MAPPING.values()} <= keys
 
 

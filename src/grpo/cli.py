@@ -95,7 +95,7 @@ def _train(args: argparse.Namespace) -> int:
     import signal
     from pathlib import Path
 
-    from grpo.config import schema as config
+    from grpo.config import loading as config
 
     if args.resume is not None and "=" in args.resume and not Path(args.resume).exists():
         # `--resume key=value`: an override, not the path to resume from
@@ -176,7 +176,7 @@ def _eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from grpo.backends import create_backend
-    from grpo.config import schema as config
+    from grpo.config import loading as config
     from grpo.models.loading import context_length, load_model_and_tokenizer
     from grpo.rewards.reward_set import RewardSet
     from grpo.rollout import create_engine
@@ -263,7 +263,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _config_show(args: argparse.Namespace) -> int:
-    from grpo.config import schema as config
+    from grpo.config import loading as config
     from grpo.config.docs import commented_yaml
 
     path, overrides = _config_and_overrides(args.words)
@@ -286,7 +286,7 @@ def _config_and_overrides(words: list[str]) -> tuple[str | None, list[str]]:
 def _init(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from grpo.config import schema as config
+    from grpo.config import loading as config
     from grpo.config.docs import commented_yaml
 
     path = Path(args.path)

@@ -31,7 +31,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from grpo.config import schema as config_module
+from grpo.config import loading as config_module
 from grpo.config.errors import ConfigError
 from grpo.config.schema import Config
 

@@ -4,7 +4,7 @@
 import sys
 
 from grpo.backends import leave_process_group
-from grpo.config import schema as config
+from grpo.config import loading as config
 from grpo.training.trainer import Trainer
 
 if __name__ == "__main__":

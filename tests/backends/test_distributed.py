@@ -17,8 +17,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from grpo.config import schema as config
+from grpo.config import loading as config
 from grpo.config.errors import ConfigError
+from grpo.config.schema import validate
 from grpo.training.batching import choose_groups
 from grpo.training.evaluate import shard
 from grpo.training.metrics import sum_counts
@@ -317,23 +318,23 @@ def test_a_group_never_straddles_ranks():
     cfg = config.from_dict(
         {**BASE, "output_dir": "/tmp/unused", "rewards": {"isolation": "thread"}}
     )
-    config.validate(cfg, 2)  # 16 completions a rank: 4 whole groups each
+    validate(cfg, 2)  # 16 completions a rank: 4 whole groups each
     cfg.training.per_device_train_batch_size = (
         6  # 2 ranks' 12 completions are 3 groups, but not 1.5 a rank
     )
     with pytest.raises(ConfigError, match="a group never straddles ranks.*make it 4 or 8"):
-        config.validate(cfg, 2)
+        validate(cfg, 2)
     cfg.training.per_device_train_batch_size = 16
     cfg.rollout.engine = "vllm"
     with pytest.raises(ConfigError, match="rollout.engine: vllm .* does not run under torchrun"):
-        config.validate(cfg, 2)
+        validate(cfg, 2)
     cfg.rollout.engine = "hf"
     cfg.training.per_device_train_batch_size = 2
     with pytest.raises(
         ConfigError,
         match="per_device_train_batch_size x gradient_accumulation_steps = 2 .*make it 4$",
     ):
-        config.validate(cfg, 2)
+        validate(cfg, 2)
 
 
 def test_dynamic_sampling_choice_in_global_order():

@@ -3,8 +3,9 @@
 import pytest
 import yaml
 
-from grpo.config import schema as config
+from grpo.config import loading as config
 from grpo.config.errors import ConfigError
+from grpo.config.presets import describe_preset
 
 EXPECTED = {
     "grpo": {
@@ -83,7 +84,7 @@ def test_explicit_keys_override_the_preset_in_the_file_and_as_overrides():
     assert a.epsilon_high == 0.3 and a.dynamic_sampling is False
     assert a.loss_type == "dapo" and a.beta == 0.0  # the preset's other keys still apply
     assert cfg.rewards.overlong_buffer == 8  # a fifth of this config's max_completion_length
-    line = config.describe_preset(cfg)
+    line = describe_preset(cfg)
     assert "algorithm.epsilon_high=0.3 (overridden)" in line
     assert "algorithm.dynamic_sampling=False (overridden)" in line
     assert "algorithm.loss_type=dapo," in line and "loss_type=dapo (overridden)" not in line
@@ -117,7 +118,7 @@ def test_the_saved_config_reloads_to_the_same_values(tmp_path):
 
 
 def test_describe_preset_is_none_without_one():
-    assert config.describe_preset(config.from_dict({})) is None
+    assert describe_preset(config.from_dict({})) is None
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from grpo.config import schema as config
+from grpo.config import loading as config
 from grpo.config.errors import ConfigError
 
 

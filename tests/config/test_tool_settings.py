@@ -2,7 +2,7 @@
 
 import pytest
 
-from grpo.config import schema
+from grpo.config import loading
 from grpo.config.errors import ConfigError
 
 
@@ -36,17 +36,17 @@ from grpo.config.errors import ConfigError
 )
 def test_bad_tool_settings_are_refused_naming_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message) as refused:
-        schema.from_dict({}, overrides)
+        loading.from_dict({}, overrides)
     assert "\n" not in str(refused.value)
 
 
 def test_too_many_tools_are_refused():
     with pytest.raises(ConfigError, match="rollout.tools: at most 64 tools, got 65"):
-        schema.from_dict({"rollout": {"tools": [f"m:f{i}" for i in range(65)]}})
+        loading.from_dict({"rollout": {"tools": [f"m:f{i}" for i in range(65)]}})
 
 
 def test_the_defaults_and_a_valid_setting():
-    r = schema.from_dict({}).rollout
+    r = loading.from_dict({}).rollout
     assert (r.tools, r.max_tool_calls, r.tool_timeout, r.tool_output_chars, r.tool_isolation) == (
         [],
         5,
@@ -54,7 +54,7 @@ def test_the_defaults_and_a_valid_setting():
         4096,
         "process",
     )
-    r = schema.from_dict({}, ["rollout.tools=[python,mytools:calculator]"]).rollout
+    r = loading.from_dict({}, ["rollout.tools=[python,mytools:calculator]"]).rollout
     assert r.tools == ["python", "mytools:calculator"]
 
 
@@ -71,7 +71,7 @@ def test_a_tool_file_beside_the_config_is_found_from_anywhere(tmp_path, monkeypa
         "output_dir: out\nrollout:\n  tools: [my_tools.py:double]\n"
     )
     monkeypatch.chdir(tmp_path)  # not the config's folder
-    cfg = schema.load(tmp_path / "conf" / "run.yaml")
+    cfg = loading.load(tmp_path / "conf" / "run.yaml")
     assert cfg.rollout.tools == [f"{tmp_path / 'conf' / 'my_tools.py'}:double"]
     # loaded as reward files are (grpo.registry.load_callable)
     assert build_tools(cfg.rollout.tools)["double"].function(4) == 8

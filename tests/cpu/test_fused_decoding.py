@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from grpo.backends.single import SingleProcess
-from grpo.config import schema as config
+from grpo.config import loading as config
 from grpo.config.errors import ConfigError
-from grpo.config.schema import CPUConfig
+from grpo.config.training import CPUConfig
 from grpo.cpu import kernels
 from grpo.cpu.fused_decoding import FusedDecoder, fused_decoding_applies
 from grpo.cpu.layer import CPULayer

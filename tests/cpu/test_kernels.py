@@ -200,7 +200,7 @@ def test_generation_with_packed_weights_matches_autocast(
     models grpo.cpu.fused_decoding does not cover): the same tokens with and without the packed weights."""
     import contextlib
 
-    from grpo.config.schema import CPUConfig
+    from grpo.config.training import CPUConfig
     from grpo.cpu.layer import CPULayer
     from grpo.rollout import SamplingParams, generate
 

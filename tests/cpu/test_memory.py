@@ -3,7 +3,7 @@ import platform
 import subprocess
 import sys
 
-from grpo.config import schema as config
+from grpo.config import loading as config
 from grpo.cpu.memory import release_free_memory, use_huge_pages
 
 

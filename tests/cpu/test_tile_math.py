@@ -10,7 +10,7 @@ import torch
 
 from grpo.backends import single
 from grpo.config.errors import ConfigError
-from grpo.config.schema import from_dict
+from grpo.config.loading import from_dict
 from grpo.cpu import compiling, tile_math
 from grpo.models import tiles
 from grpo.models.logprobs import OutputLayerKernels, TileBuffers, token_logprobs_from_hidden

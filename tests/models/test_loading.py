@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from grpo.config.errors import ConfigError
-from grpo.config.schema import ModelConfig
+from grpo.config.model_data import ModelConfig
 from grpo.models import loading as models
 from grpo.models import tiny
 from grpo.models.loading import (

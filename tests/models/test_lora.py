@@ -10,9 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from grpo.config import schema as config
+from grpo.config import loading as config
 from grpo.config.errors import ConfigError
-from grpo.config.schema import CPUConfig, ModelConfig
+from grpo.config.model_data import LoraConfig, ModelConfig
+from grpo.config.training import CPUConfig
 from grpo.cpu import kernels
 from grpo.cpu.fused_decoding import FusedDecoder, fused_decoding_applies
 from grpo.cpu.layer import CPULayer
@@ -419,7 +420,7 @@ def _adapted(tokenizer, gemma3_tiny=None, seed=1):
         if gemma3_tiny
         else tiny_model(tokenizer, hidden_size=64, num_layers=2, seed=3)
     )
-    model = lora.apply_lora(model.eval(), config.LoraConfig(r=4, alpha=8.0), seed=seed)
+    model = lora.apply_lora(model.eval(), LoraConfig(r=4, alpha=8.0), seed=seed)
     with torch.no_grad():  # a trained-looking adapter: B != 0
         gen = torch.Generator().manual_seed(seed)
         for key, p in lora.adapter_parameters(model).items():
@@ -593,7 +594,7 @@ def test_a_peft_model_passed_in_is_refused(tokenizer, tmp_path):
     from peft import get_peft_model
 
     model = tiny_model(tokenizer, hidden_size=32, num_layers=2, seed=0)
-    wrapped = get_peft_model(model, lora.peft_config(config.LoraConfig(r=2)))
+    wrapped = get_peft_model(model, lora.peft_config(LoraConfig(r=2)))
     with pytest.raises(ConfigError, match="a PeftModel was passed"):
         _trainer(tokenizer, tmp_path, model=wrapped)
 

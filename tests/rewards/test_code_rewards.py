@@ -10,7 +10,7 @@ import pytest
 
 from grpo import sandbox
 from grpo.config.errors import ConfigError
-from grpo.config.schema import RewardsConfig, SandboxConfig
+from grpo.config.rollout_rewards import RewardsConfig, SandboxConfig
 from grpo.rewards.code import (
     CodeTests,
     HumanEvalTests,

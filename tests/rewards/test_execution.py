@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo.config import schema as config
+from grpo.config import loading as config
 from grpo.config.errors import ConfigError
 from grpo.models.tiny import tiny_model
 from grpo.rewards.arithmetic import arithmetic_format

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from grpo.config import schema as config
+from grpo.config import loading as config
 from grpo.rewards.math_answer import MathAnswer, as_number, extract_answer, normalise_gold
 from grpo.rewards.reward_set import RewardSet
 

@@ -5,9 +5,9 @@ gradients, on its own dtype and device; bad paths and labels fail at start-up.""
 import pytest
 import torch
 
-from grpo.config import schema as config
+from grpo.config import loading as config
 from grpo.config.errors import ConfigError
-from grpo.config.schema import RewardsConfig
+from grpo.config.rollout_rewards import RewardsConfig
 from grpo.models.tiny import char_tokenizer
 from grpo.rewards.reward_model import RewardModel, from_spec
 from grpo.rewards.reward_set import check_signature
@@ -172,7 +172,7 @@ def test_spec_and_config_keys(tmp_path, save_reward_model):
 
 
 def test_rewards_funcs_names_a_reward_model(tmp_path, save_reward_model):
-    from grpo.config.schema import RewardsConfig
+    from grpo.config.rollout_rewards import RewardsConfig
     from grpo.rewards.reward_set import resolve
 
     model, tok = save_reward_model(tmp_path / "rm")

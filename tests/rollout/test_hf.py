@@ -189,13 +189,13 @@ def test_min_new_tokens_holds_eos_back_for_that_many_tokens(model, tokenizer, te
 
 def test_min_new_tokens_from_the_config_and_trls_generation_kwargs(tmp_path):
     from grpo import GRPOConfig
-    from grpo.config import schema
+    from grpo.config import loading
 
     for name in ("min_new_tokens", "min_tokens"):  # transformers' name and vLLM's
         args = GRPOConfig(output_dir=str(tmp_path), generation_kwargs={name: 5})
         assert args.to_config(num_rows=8).rollout.min_new_tokens == 5
     with pytest.raises(ConfigError, match="rollout.min_new_tokens: must be in \\[0, "):
-        schema.from_dict({"rollout": {"max_completion_length": 4, "min_new_tokens": 5}})
+        loading.from_dict({"rollout": {"max_completion_length": 4, "min_new_tokens": 5}})
 
 
 def test_same_greedy_check_fails_on_anything_but_a_tie(model, tokenizer, assert_same_greedy):

@@ -4,7 +4,7 @@ results as the chat template renders them (never re-tokenized), with the results
 import pytest
 import torch
 
-from grpo.config import schema
+from grpo.config import loading
 from grpo.models.tiny import char_tokenizer, tiny_model
 from grpo.rollout.hf import TransformersEngine
 from grpo.rollout.multiturn import ToolEngine, ToolRendering, turn_seed
@@ -34,7 +34,9 @@ def _engine(
     call=CALL,
     answer_malformed=False,
 ):
-    cfg = schema.from_dict({"rollout": {"num_generations": 2, "max_completion_length": max_length}})
+    cfg = loading.from_dict(
+        {"rollout": {"num_generations": 2, "max_completion_length": max_length}}
+    )
     model = tiny_model(tokenizer, hidden_size=32, num_layers=2, seed=3)
     inner = TransformersEngine(model, tokenizer, ToolEngine.inner_config(cfg, tokenizer))
     forced = ForcedCalls(inner, tokenizer, call, every_turn=every_turn)
@@ -232,7 +234,7 @@ def test_a_tokenizer_with_a_response_parser_parses_its_own_calls(tool_tokenizer,
     tok.response_template = RESPONSE_TEMPLATE
     # its turns end at end-of-turn, as its template writes them: no stop string of grpo's
     assert ToolEngine.stop_strings(tok) == []
-    cfg = schema.from_dict({"rollout": {"num_generations": 2, "max_completion_length": 160}})
+    cfg = loading.from_dict({"rollout": {"num_generations": 2, "max_completion_length": 160}})
     assert ToolEngine.inner_config(cfg, tok).rollout.stop_strings == []
     model = tiny_model(tok, hidden_size=32, num_layers=2, seed=3)
     inner = TransformersEngine(model, tok, ToolEngine.inner_config(cfg, tok))

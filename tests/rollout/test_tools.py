@@ -236,10 +236,10 @@ def test_the_tools_example_offers_python_and_its_worked_example_is_what_the_tool
     (Gemma's template renders no tools), and its worked example's call, run, gives its result."""
     from pathlib import Path
 
-    from grpo.config import schema
+    from grpo.config import loading
     from grpo.tasks.data import arithmetic_splits
 
-    cfg = schema.load(Path(__file__).parents[2] / "examples" / "tools_gemma.yaml")
+    cfg = loading.load(Path(__file__).parents[2] / "examples" / "tools_gemma.yaml")
     assert cfg.rollout.tools == ["python"] and cfg.data.chat_template == "never"
     train, held_out = arithmetic_splits(cfg.data.arithmetic, cfg.data.seed)
     prompt = held_out[0]["prompt"][0]["content"]

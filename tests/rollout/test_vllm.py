@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from grpo.config import schema as config
+from grpo.config import loading as config
 from grpo.config.errors import ConfigError
 from grpo.models.logprobs import completion_logprobs
 from grpo.rollout import SamplingParams

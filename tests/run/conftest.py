@@ -30,7 +30,7 @@ from harness_child import (
 )  # tests/run is on sys.path: pytest puts it there for this file
 from safetensors.torch import load_file
 
-from grpo.config import schema as config
+from grpo.config import loading as config
 from grpo.run import runlog
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from grpo.config import schema as config_module  # noqa: E402
+from grpo.config import loading as config_module  # noqa: E402
 from grpo.config.schema import Config  # noqa: E402
 from grpo.run.eval_results import EvalResult, append_results  # noqa: E402
 from grpo.run.report import ReportError, build_report, figures, read_metrics  # noqa: E402

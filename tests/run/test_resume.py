@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from grpo.cli import main
-from grpo.config import schema as config
+from grpo.config import loading as config
 from grpo.run import checkpoint, run_lock, runlog
 
 pytestmark = pytest.mark.usefixtures("quick")

@@ -27,7 +27,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from grpo.cli import main
-from grpo.config import schema as config
+from grpo.config import loading as config
 from grpo.config.errors import ConfigError
 from grpo.run import checkpoint, run_lock
 

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from grpo.cli import main
-from grpo.config import schema as config
+from grpo.config import loading as config
 from grpo.config.errors import ConfigError
 from grpo.run.eval_results import EvalResult, format_table
 from grpo.tasks import humaneval, load_task

@@ -2,9 +2,9 @@ import json
 
 import pytest
 
-from grpo.config import schema as config
+from grpo.config import loading as config
 from grpo.config.errors import ConfigError
-from grpo.config.schema import ArithmeticConfig
+from grpo.config.model_data import ArithmeticConfig
 from grpo.tasks import load_task
 from grpo.tasks.data import (
     PromptSampler,

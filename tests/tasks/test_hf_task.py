@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from grpo.config import schema as config
+from grpo.config import loading as config
 from grpo.config.errors import ConfigError
 from grpo.tasks import load_task
 from grpo.tasks.scorers import AnswerScorer, RewardScorer

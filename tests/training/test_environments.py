@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 
-from grpo.config import schema
+from grpo.config import loading
 from grpo.config.errors import ConfigError
 from grpo.models.tiny import tiny_model
 
@@ -218,7 +218,7 @@ def test_a_reset_that_returns_what_cannot_be_a_prompt_is_refused(
 def test_no_reward_function_and_no_environment_reward_is_refused(tool_tokenizer, tmp_path):
     from grpo.training.trainer import Trainer
 
-    cfg = schema.from_dict(
+    cfg = loading.from_dict(
         {"output_dir": str(tmp_path / "run"), "rewards": {"funcs": [], "isolation": "thread"}},
         OVERRIDES + ["data.task=arithmetic"],
     )
@@ -257,7 +257,7 @@ def test_rollout_environment_in_the_config_is_found_beside_it(tool_tokenizer, tm
             }
         )
     )
-    cfg = schema.load(config, OVERRIDES)
+    cfg = loading.load(config, OVERRIDES)
     assert cfg.rollout.environment == f"{tmp_path / 'envs.py'}:Lamp"
     model = tiny_model(tool_tokenizer, hidden_size=32, num_layers=1, seed=0)
     trainer = Trainer(cfg, model=model, tokenizer=tool_tokenizer)

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from grpo.config.errors import ConfigError
-from grpo.config.schema import Config, ModelConfig, RewardsConfig
+from grpo.config.model_data import ModelConfig
+from grpo.config.rollout_rewards import RewardsConfig
+from grpo.config.schema import Config
 from grpo.rewards.reward_set import RewardSet
 from grpo.rollout import Rollout, TransformersEngine
 from grpo.run import eval_results
@@ -455,7 +457,7 @@ def _arithmetic_rows(cfg):
 
 
 def _wording_cfg(tmp_path):
-    from grpo.config import schema as config
+    from grpo.config import loading as config
 
     return config.from_dict(
         {
@@ -547,7 +549,7 @@ def test_a_wording_gain_is_reported_beside_the_trained_one(tokenizer, tmp_path):
 
 
 def test_instructions_are_for_task_arithmetic_and_need_the_expression(tmp_path):
-    from grpo.config import schema as config
+    from grpo.config import loading as config
 
     with pytest.raises(ConfigError, match=r"eval.instructions\[0\]: must contain \{expression\}"):
         config.from_dict({"eval": {"instructions": ["What is it?"]}})

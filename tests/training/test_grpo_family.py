@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from grpo.config import schema as config
+from grpo.config import loading as config
 from grpo.cpu import kernels
 from grpo.cpu.fused_decoding import FusedDecoder
 from grpo.models.tiny import tiny_model

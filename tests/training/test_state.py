@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from grpo.config import schema as config
+from grpo.config import loading as config
 from grpo.models.tiny import tiny_model
 from grpo.training.trainer import Trainer
 

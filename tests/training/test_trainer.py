@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from grpo.config import schema as config
+from grpo.config import loading as config
 from grpo.models.tiny import tiny_model
 from grpo.rollout import Rollout
 from grpo.training.batching import GenerationBatch, microbatches, minibatches

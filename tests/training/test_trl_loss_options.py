@@ -129,7 +129,7 @@ def test_normalize_then_sum_advantages_in_the_trainer(
 
 
 def test_cispo_with_a_cap_below_one_trains_as_trl_does_with_a_warning_once(caplog):
-    from grpo.config.schema import from_dict
+    from grpo.config.loading import from_dict
     from grpo.training import update
 
     # TRL's default epsilon_high for cispo is epsilon (0.2): accepted, as TRL does, and named once

@@ -1,8 +1,8 @@
 """A config as YAML with each key's documentation above it (`grpo config show`, `grpo init`).
 
 The documentation of a key is the string written under its field in the config
-dataclasses (grpo.config.schema), read from their source with `ast`, so the file, the
-code and `grpo config show` never disagree. `SECTIONS` is the one-line summary of
+dataclasses (grpo.config.schema's Config and its sections' modules), read from their source
+with `ast`, so the file, the code and `grpo config show` never disagree. `SECTIONS` is the one-line summary of
 each section that `grpo train --help` lists.
 """
 

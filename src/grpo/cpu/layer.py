@@ -24,7 +24,7 @@ import contextlib
 import torch
 
 from grpo.config.errors import ConfigError
-from grpo.config.schema import CPUConfig
+from grpo.config.training import CPUConfig
 from grpo.cpu import attention, compiled_norms, compiling, kernels, tile_math
 from grpo.cpu.fused_decoding import FusedDecoder, fused_decoding_applies, unsupported_reason
 from grpo.cpu.memory import release_free_memory

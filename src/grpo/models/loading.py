@@ -47,8 +47,8 @@ from pathlib import Path
 import torch
 
 from grpo.config.errors import ConfigError
+from grpo.config.model_data import ModelConfig
 from grpo.config.safe_yaml import escaped
-from grpo.config.schema import ModelConfig
 
 EMBEDDED_MODEL = "gemma-3-270m"
 """`model.name` of the embedded Gemma-3-270M base model."""

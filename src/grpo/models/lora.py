@@ -27,7 +27,7 @@ from typing import Iterable
 import torch
 
 from grpo.config.errors import ConfigError
-from grpo.config.schema import LoraConfig
+from grpo.config.model_data import LoraConfig
 
 POLICY_ADAPTER = "default"
 """peft's name for the adapter that trains."""

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from grpo.config.errors import ConfigError
-from grpo.config.schema import SandboxConfig
+from grpo.config.rollout_rewards import SandboxConfig
 from grpo.sandbox import Limits, SandboxError, run
 
 CODE_REWARDS = ("fraction", "all")

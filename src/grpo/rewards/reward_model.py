@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from grpo.config.errors import ConfigError
-from grpo.config.schema import RewardsConfig
+from grpo.config.rollout_rewards import RewardsConfig
 from grpo.rewards import chat_template
 from grpo.rewards.arithmetic import completion_text
 

@@ -36,7 +36,7 @@ import torch
 
 from grpo.algorithm import overlong_penalty
 from grpo.config.errors import ConfigError
-from grpo.config.schema import RewardsConfig
+from grpo.config.rollout_rewards import RewardsConfig
 from grpo.registry import load_callable
 from grpo.rewards.arithmetic import arithmetic_correct, arithmetic_format
 from grpo.rewards.execution import Call, RewardExecutor

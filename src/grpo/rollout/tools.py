@@ -161,7 +161,7 @@ def python_tool(settings=None, timeout: float | None = None) -> Tool:
     also at most `timeout`, rollout.tool_timeout) and returns what it printed, its standard error
     after a '--- stderr ---' line, and its outcome in brackets when it did not end well (e.g.
     "[timeout]") first. Each run counts in the step's sandbox/<status> metrics, as the code rewards' do."""
-    from grpo.config.schema import SandboxConfig
+    from grpo.config.rollout_rewards import SandboxConfig
     from grpo.sandbox import Limits, SandboxError, run
 
     s = settings or SandboxConfig()

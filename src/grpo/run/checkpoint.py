@@ -58,8 +58,8 @@ import torch
 import xxhash
 import yaml
 
+from grpo.config import loading as config_module
 from grpo.config import safe_yaml
-from grpo.config import schema as config_module
 from grpo.config.errors import ConfigError
 from grpo.run import faults
 

@@ -80,7 +80,7 @@ def _merged_writer(checkpoint: Path):
     from peft import PeftModel
     from transformers import AutoTokenizer
 
-    from grpo.config import schema as config_module
+    from grpo.config import loading as config_module
     from grpo.models.loading import load_model_and_tokenizer
 
     saved = (

@@ -24,8 +24,9 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from grpo.config import schema as config_module
+from grpo.config import loading as config_module
 from grpo.config.errors import ConfigError
+from grpo.config.presets import describe_preset
 from grpo.config.safe_yaml import escaped
 from grpo.config.schema import Config
 from grpo.run import checkpoint
@@ -160,7 +161,7 @@ class RunLog:
                 f"the resolved config goes to {config_path.name}"
             )
         config_module.save(self.cfg, config_path)
-        preset = config_module.describe_preset(self.cfg)
+        preset = describe_preset(self.cfg)
         if preset:  # what the preset resolved to, so a run's algorithm is never a guess
             self._print(preset)
         self.trackers = Trackers.from_config(self.cfg)

@@ -12,7 +12,8 @@ fraction, its default), where pass@1 asks for all of them.
 from __future__ import annotations
 
 from grpo.config.errors import ConfigError
-from grpo.config.schema import Config, SandboxConfig
+from grpo.config.rollout_rewards import SandboxConfig
+from grpo.config.schema import Config
 from grpo.tasks import Row, Scores, Task
 from grpo.tasks.code_problems import HELD_OUT, PROBLEMS
 

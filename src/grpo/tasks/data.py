@@ -15,7 +15,7 @@ from typing import Any
 
 from grpo.config import safe_yaml
 from grpo.config.errors import ConfigError
-from grpo.config.schema import ArithmeticConfig
+from grpo.config.model_data import ArithmeticConfig
 from grpo.rewards import chat_template
 
 Row = dict[str, Any]

@@ -29,7 +29,7 @@ from typing import Any, Iterator, Protocol
 
 import torch
 
-from grpo.config.schema import AlgorithmConfig
+from grpo.config.algorithm import AlgorithmConfig
 from grpo.models import lora
 
 
