@@ -16,12 +16,16 @@ import pytest
 import torch
 
 import grpo
-from grpo import trl_api
 from grpo.config import loading as config_module
 from grpo.config.errors import ConfigError
 from grpo.config.schema import Config
 from grpo.models.tiny import char_tokenizer, tiny_model
-from grpo.trl_api import MAPPING, NO_EFFECT, GRPOConfig, GRPOTrainer
+from grpo.trl import config as trl_config
+from grpo.trl import trainer as trl_trainer
+from grpo.trl.config import MAPPING, NO_EFFECT, GRPOConfig
+from grpo.trl.lora import lora_keys
+from grpo.trl.rewards import script_rewards_in_threads
+from grpo.trl.trainer import GRPOTrainer
 
 # The first seed's script (its "小さなモデルでの訓練例"), as written there but for
 # `from trl import ...` -> `from grpo import ...` and its sizes: num_generations 8 -> 4,
@@ -108,7 +112,9 @@ class _Spy(GRPOTrainer):
 
 def test_first_seed_script_runs_by_changing_the_import(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(trl_api, "GRPOTrainer", _Spy)  # what `from grpo import GRPOTrainer` returns
+    monkeypatch.setattr(
+        trl_trainer, "GRPOTrainer", _Spy
+    )  # what `from grpo import GRPOTrainer` returns
     _Spy.calls.clear(), _Spy.made.clear()
     tokenizer = char_tokenizer()
     model = tiny_model(tokenizer, hidden_size=32, num_layers=1, seed=1)
@@ -291,7 +297,7 @@ CHANGES = {
 
 def test_every_field_is_mapped_and_every_mapped_field_is_tested():
     fields = {f.name for f in dataclasses.fields(GRPOConfig)}
-    assert set(MAPPING) == fields - set(trl_api.CHECKED_ONLY)
+    assert set(MAPPING) == fields - set(trl_config.CHECKED_ONLY)
     assert set(CHANGES) == set(MAPPING)
 
     def dotted(node, prefix=""):
@@ -440,7 +446,7 @@ def test_import_grpo_stays_light():
 
     code = "import sys, grpo; assert 'torch' not in sys.modules; grpo.GRPOConfig; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
-    assert grpo.GRPOTrainer is GRPOTrainer or grpo.GRPOTrainer is trl_api.GRPOTrainer
+    assert grpo.GRPOTrainer is GRPOTrainer or grpo.GRPOTrainer is trl_trainer.GRPOTrainer
 
 
 # ---------------------------------------------------------------- YAML and Python give one run
@@ -608,12 +614,10 @@ def test_rewards_defined_in_a_script_run_in_threads():
     )
     cfg = GRPOConfig(max_steps=1).to_config()
     with pytest.warns(UserWarning, match="correctness.*threads"):
-        trl_api._script_rewards_in_threads({"correctness": correctness}, cfg, [])
+        script_rewards_in_threads({"correctness": correctness}, cfg, [])
     assert cfg.rewards.isolation == "thread"
     cfg = GRPOConfig(max_steps=1, grpo_overrides=["rewards.isolation=process"]).to_config()
-    trl_api._script_rewards_in_threads(
-        {"correctness": correctness}, cfg, ["rewards.isolation=process"]
-    )
+    script_rewards_in_threads({"correctness": correctness}, cfg, ["rewards.isolation=process"])
     assert cfg.rewards.isolation == "process"  # asked for: kept
 
 
@@ -740,7 +744,7 @@ def test_peft_config_maps_onto_model_lora():
         target_modules=["v_proj", "q_proj"],
         task_type="CAUSAL_LM",
     )
-    keys = trl_api.lora_keys(lora)
+    keys = lora_keys(lora)
     assert keys == {
         "model.lora.r": 4,
         "model.lora.alpha": 8.0,
@@ -754,11 +758,11 @@ def test_peft_config_maps_onto_model_lora():
         cfg.model.lora.dropout,
         cfg.model.lora.target_modules,
     ) == (4, 8.0, 0.05, ["q_proj", "v_proj"])
-    assert trl_api.lora_keys(LoraConfig(target_modules="all-linear"))[
-        "model.lora.target_modules"
-    ] == ["all-linear"]
+    assert lora_keys(LoraConfig(target_modules="all-linear"))["model.lora.target_modules"] == [
+        "all-linear"
+    ]
     tokenizer = char_tokenizer()  # None: peft's choice for the architecture (Llama: q_proj, v_proj)
-    targets = trl_api.lora_keys(LoraConfig(), tiny_model(tokenizer, hidden_size=32, num_layers=1))[
+    targets = lora_keys(LoraConfig(), tiny_model(tokenizer, hidden_size=32, num_layers=1))[
         "model.lora.target_modules"
     ]
     assert targets == ["q_proj", "v_proj"]
@@ -771,11 +775,11 @@ def test_peft_config_maps_onto_model_lora():
         ({"rank_pattern": {"q_proj": 2}}, "rank_pattern="),
     ]:
         with pytest.raises(ConfigError, match=f"peft_config sets {named}"):
-            trl_api.lora_keys(LoraConfig(**settings))
+            lora_keys(LoraConfig(**settings))
     with pytest.raises(ConfigError, match="task_type=SEQ_CLS"):
-        trl_api.lora_keys(LoraConfig(task_type="SEQ_CLS"))
+        lora_keys(LoraConfig(task_type="SEQ_CLS"))
     with pytest.raises(ConfigError, match="regular expression"):
-        trl_api.lora_keys(LoraConfig(target_modules=r".*\.q_proj"))
+        lora_keys(LoraConfig(target_modules=r".*\.q_proj"))
 
 
 def test_peft_config_trains_only_the_adapter(tmp_path):

@@ -16,7 +16,8 @@ import torch
 
 from grpo.config.errors import ConfigError
 from grpo.models.tiny import char_tokenizer, tiny_model
-from grpo.trl_api import GRPOConfig, GRPOTrainer
+from grpo.trl.config import GRPOConfig
+from grpo.trl.trainer import GRPOTrainer
 
 TINY = [
     "model.tiny_hidden_size=32",

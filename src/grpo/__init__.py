@@ -2,16 +2,17 @@
 
 __version__ = "0.1.0"
 
-_TRL_NAMES = ("GRPOConfig", "GRPOTrainer")
+_TRL_NAMES = {"GRPOConfig": "grpo.trl.config", "GRPOTrainer": "grpo.trl.trainer"}
+"""TRL's names and the modules of grpo.trl that define them."""
 
 
 def __getattr__(name: str):
-    # `from grpo import GRPOConfig, GRPOTrainer` (TRL's names, grpo.trl_api), imported on first
+    # `from grpo import GRPOConfig, GRPOTrainer` (TRL's names, grpo.trl), imported on first
     # use so that `import grpo` stays light (no torch) for the CLI and reward workers
     if name in _TRL_NAMES:
-        from grpo import trl_api
+        import importlib
 
-        return getattr(trl_api, name)
+        return getattr(importlib.import_module(_TRL_NAMES[name]), name)
     raise AttributeError(f"module 'grpo' has no attribute {name!r}")
 
 

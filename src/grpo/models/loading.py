@@ -152,7 +152,7 @@ def load_model_and_tokenizer(cfg: ModelConfig, device: torch.device | str = "cpu
             f"model.name: {name}: parameter {bad} holds NaN or inf, so this model cannot generate or train; "
             "load another checkpoint (grpo never writes one like this)"
         )
-    _prepare_tokenizer(tokenizer)
+    prepare_tokenizer(tokenizer)
     if not quantize_loaded(model):  # bitsandbytes placed a quantized model on its device already
         model = model.to(device)
     model.eval()
@@ -569,7 +569,9 @@ def _load_hub(name: str, cfg: ModelConfig, dtype: torch.dtype, **load_kwargs):
         ) from e
 
 
-def _prepare_tokenizer(tokenizer) -> None:
+def prepare_tokenizer(tokenizer) -> None:
+    """The policy's tokenizer as grpo generates with it: left padding and a pad token (the eos
+    token when it has none); changed in place, for a tokenizer loaded here or passed in."""
     # Prompts of different lengths are padded on the left, so that every prompt
     # ends where generation starts.
     tokenizer.padding_side = "left"

@@ -57,6 +57,12 @@ def peft_model(model: torch.nn.Module):
     return model.__dict__.get(_WRAPPER)
 
 
+def attach_peft_model(model: torch.nn.Module, wrapper) -> None:
+    """Keeps `wrapper`, the PeftModel whose base model `model` is, beside it (what `peft_model`
+    returns): a PeftModel made elsewhere (GRPOTrainer's model=) held as apply_lora holds its own."""
+    object.__setattr__(model, _WRAPPER, wrapper)
+
+
 def is_adapted(model: torch.nn.Module) -> bool:
     return peft_model(model) is not None
 
@@ -136,7 +142,7 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, seed: int = 0) -> torch.
         output, "base_layer"
     ):  # matched some other way (a regular expression)
         raise ConfigError(_OUTPUT_LAYER_ERROR.format(targets=cfg.target_modules))
-    object.__setattr__(inner, _WRAPPER, wrapper)
+    attach_peft_model(inner, wrapper)
     return inner
 
 

@@ -249,6 +249,29 @@ class RewardModel:
         return out
 
 
+def is_reward_model(model) -> bool:
+    """Whether `model` is a transformers sequence-classification model object (by its class's
+    name: asking needs no import of transformers)."""
+    return type(model).__name__.endswith("ForSequenceClassification")
+
+
+def reward_model(model, cfg: RewardsConfig, tokenizer=None) -> tuple[str, RewardModel]:
+    """A reward model as a named reward function: `model` is `reward_model:PATH`, a directory or
+    hub id (loaded on the rewards section's device, in its dtype), or a sequence-classification
+    model object already loaded (kept in its own dtype, moved to the section's device); scoring
+    `reward_model_batch_size` completions at a time. `tokenizer`: the model's own (TRL's
+    reward_processing_classes), instead of the one saved with it."""
+    if isinstance(model, (str, Path)):
+        return from_spec(str(model), cfg, tokenizer)
+    fn = RewardModel.from_model(
+        model,
+        tokenizer,
+        device=cfg.reward_model_device,
+        batch_size=cfg.reward_model_batch_size,
+    )
+    return fn.__name__, fn
+
+
 def from_spec(spec: str, cfg: RewardsConfig, tokenizer=None) -> tuple[str, RewardModel]:
     """`reward_model:path/to/model` -> (name, reward), the name being the model directory's name;
     `tokenizer`: its tokenizer object, instead of the one saved with it."""

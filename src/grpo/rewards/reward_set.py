@@ -30,6 +30,7 @@ import inspect
 import logging
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -114,15 +115,40 @@ def resolve(spec: str, cfg: RewardsConfig | None = None) -> tuple[str, RewardFn]
     if spec in CONFIGURED:
         return spec, CONFIGURED[spec](cfg or RewardsConfig())
     if spec.startswith("reward_model:"):
-        from grpo.rewards.reward_model import from_spec
+        from grpo.rewards.reward_model import reward_model
 
-        return from_spec(spec, cfg or RewardsConfig())
+        return reward_model(spec, cfg or RewardsConfig())
     if ":" not in spec:
         raise ConfigError(
             f"rewards.funcs: unknown reward {spec!r}; use a built-in ({', '.join([*BUILTIN, *CONFIGURED])}) "
             "or 'module.path:function' or 'path/to/file.py:function'"
         )
     return spec.rsplit(":", 1)[1], load_callable(spec, "rewards.funcs")
+
+
+def is_named_reward(spec: str) -> bool:
+    """Whether `spec` is the name of a built-in reward (BUILTIN, CONFIGURED)."""
+    return spec in BUILTIN or spec in CONFIGURED
+
+
+def reward_function(given, cfg: RewardsConfig, tokenizer=None) -> tuple[str, RewardFn]:
+    """A reward function passed from Python (GRPOTrainer's reward_funcs), named: a string or path
+    is a built-in reward's name or else, as TRL reads it, a reward model's id or path
+    (`reward_model:` optional); a sequence-classification model object is a reward model; any
+    other callable is the function itself, under its `__name__`. `tokenizer`: a reward model's
+    own (TRL's reward_processing_classes); the others take none."""
+    from grpo.rewards.reward_model import is_reward_model, reward_model
+
+    if isinstance(given, (str, Path)):
+        spec = str(given)
+        if is_named_reward(spec):
+            return resolve(spec, cfg)
+        return reward_model(spec, cfg, tokenizer)
+    if is_reward_model(given):
+        return reward_model(given, cfg, tokenizer)
+    if not callable(given):
+        raise TypeError(f"reward_funcs: {given!r} is neither a callable nor a model id/path")
+    return getattr(given, "__name__", type(given).__name__), given
 
 
 MAX_LOGGED_NAMES = 64
