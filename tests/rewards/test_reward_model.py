@@ -179,3 +179,29 @@ def test_rewards_funcs_names_a_reward_model(tmp_path, save_reward_model):
     name, fn = resolve(f"reward_model:{tmp_path / 'rm'}", RewardsConfig(reward_model_device="cpu"))
     assert name == "rm" and isinstance(fn, RewardModel) and fn.runs_in_process
     assert fn(["x"], [" y"], [[0]]) == pytest.approx(hand_scores(model, tok, ["x y"]), abs=1e-5)
+
+
+def test_a_reward_passed_from_python_is_resolved_as_trl_reads_it(tmp_path, save_reward_model):
+    """reward_function: a built-in's name, a reward model by path (no prefix, as TRL reads a
+    string) or by object, with its own tokenizer, and a plain callable under its name."""
+    from grpo.rewards.reward_set import BUILTIN, reward_function
+
+    model, tok = save_reward_model(tmp_path / "rm")
+    cfg = RewardsConfig(reward_model_device="cpu", reward_model_batch_size=2)
+    assert reward_function("arithmetic_correct", cfg) == (
+        "arithmetic_correct",
+        BUILTIN["arithmetic_correct"],
+    )
+    name, by_path = reward_function(tmp_path / "rm", cfg, tok)
+    assert name == "rm" and isinstance(by_path, RewardModel) and by_path.tokenizer is tok
+    name, by_object = reward_function(model, cfg, tok)
+    assert isinstance(by_object, RewardModel) and by_object.model is model
+    assert (by_object.batch_size, by_object.device.type) == (2, "cpu")
+    assert by_path(["2+3?"], [" 5"]) == pytest.approx(by_object(["2+3?"], [" 5"]))
+
+    def brevity(completions, **kwargs):
+        return [-len(c) for c in completions]
+
+    assert reward_function(brevity, cfg) == ("brevity", brevity)
+    with pytest.raises(TypeError, match="neither a callable nor a model id/path"):
+        reward_function(3, cfg)
