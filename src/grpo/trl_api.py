@@ -853,16 +853,23 @@ class GRPOTrainer:
             train_rows=train_rows,
             eval_rows=eval_rows,
             reward_funcs=self._reward_funcs,
-            callbacks=self.callback_handler,
-            eval_generations=self.args.num_generations_eval or self.args.num_generations,
             tools=_tools(tools),
             environment_factory=environment_factory,
             # TRL calls it with the trainer it was given to
             rollout_func=None if rollout_func is None else partial(_call_rollout_func, self),
-            # TRL raises for a row naming no environment in train(): checked when train() starts
-            check_environment_rows=False,
+        )
+        from grpo.training.evaluate import held_out_group_evaluation
+
+        # TRL's group evaluation in every evaluation's row; TRL raises for a row naming no
+        # environment in train(): checked when train() starts (Trainer.check_environment_rows)
+        self._hooks = dict(
+            callbacks=self.callback_handler,
+            extra_evaluation=held_out_group_evaluation(
+                self.args.num_generations_eval or self.args.num_generations
+            ),
         )
         from grpo.run import checkpoint
+        from grpo.training.build import build_parts
         from grpo.training.trainer import Trainer
 
         # An output_dir holding a run is refused by grpo unless resumed, but whether train() will
@@ -876,7 +883,7 @@ class GRPOTrainer:
         if self._holds_run:
             start = copy.deepcopy(self.config)
             start.overwrite_output_dir = True
-        self.trainer = Trainer(start, **self._inputs)
+        self.trainer = Trainer(build_parts(start, **self._inputs), **self._hooks)
         self.model, self.processing_class = self._policy(), self.trainer.tokenizer
 
     def _policy(self):
@@ -1048,6 +1055,7 @@ class GRPOTrainer:
 
     def _resume(self, checkpoint_path: str | bool) -> None:
         from grpo.run import checkpoint
+        from grpo.training.build import build_parts
         from grpo.training.trainer import Trainer
 
         path = (
@@ -1061,7 +1069,7 @@ class GRPOTrainer:
             )
         # the trainer built at construction holds no training yet: replace it by one that resumes
         self.trainer.rewards.close()
-        self.trainer = Trainer(self.config, **self._inputs, resume=path)
+        self.trainer = Trainer(build_parts(self.config, **self._inputs, resume=path), **self._hooks)
         self.model, self._holds_run = self._policy(), False
 
     def save_model(self, output_dir: str | None = None) -> None:
