@@ -156,10 +156,9 @@ class Trainer:
             with StopSignals() as stop:
                 self._sync_run_state()
                 callbacks.fire("on_train_begin")
-                fresh = (
-                    self.resumed is None
-                )  # a resumed run's "before" is its first run's (eval.jsonl)
-                before = self._evaluate_and_log("before") if cfg.eval.before and fresh else None
+                # a resumed run's "before" evaluation is its first run's (eval.jsonl keeps it)
+                fresh = cfg.eval.before and self.resumed is None
+                before = self._evaluate_and_log("before") if fresh else None
                 log.start_training(self.state.step)
                 signum, epoch = self._steps(history, stop)
                 if signum:
