@@ -3,7 +3,7 @@
     python benchmarks/end_of_run.py                        # Gemma-3-270M (embedded), 1 step
     python benchmarks/end_of_run.py --model tiny --steps 2 # a quick try of the script
 
-The run is `Trainer(cfg).train()` in a fresh interpreter (a child process), so that the
+The run is `Trainer.from_config(cfg).train()` in a fresh interpreter (a child process), so that the
 time to its exit is measured as a user sees it. In that child, at the end of the last step
 (the callbacks' on_step_end), the same state the final checkpoint will hold (the policy's
 weights as safetensors, `Trainer.state_dict()` with torch.save) is first written once to a
@@ -111,6 +111,7 @@ def write_once(trainer, directory: Path) -> dict:
 def child(args) -> None:
     from grpo.config import loading
     from grpo.run import checkpoint, report, runlog
+    from grpo.training import saving
     from grpo.training import trainer as trainer_module
 
     cfg = loading.from_dict(
@@ -119,7 +120,7 @@ def child(args) -> None:
     phases: dict[str, float] = {}
     clock: dict = {"last_step_end": None}
     for owner, name, phase in [
-        (trainer_module.Trainer, "save", "final checkpoint (all)"),
+        (saving, "save", "final checkpoint (all)"),
         (checkpoint, "_sha256", "sha256 pass over the files"),  # before hashing as written
         (checkpoint, "_file_digest", "hash pass over the small files"),
         (checkpoint, "_fsync", "fsyncs"),
@@ -130,7 +131,7 @@ def child(args) -> None:
     ]:
         _timed(owner, name, phase, phases, clock)
 
-    trainer = trainer_module.Trainer(cfg)
+    trainer = trainer_module.Trainer.from_config(cfg)
     _timed(trainer.rewards, "close", "reward workers' close", phases, clock)
     floor: dict = {}
 

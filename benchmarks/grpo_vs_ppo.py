@@ -119,7 +119,7 @@ def run_side(spec: dict, out_dir: Path) -> dict:
             "logging": {"sample_every": 0},
         }
     )
-    trainer = Trainer(cfg, train_rows=_rows({"data_seed": 0}))
+    trainer = Trainer.from_config(cfg, train_rows=_rows({"data_seed": 0}))
     reference = trainer.reference.model if trainer.reference.enabled else None
     critic = trainer.critic.model if trainer.critic is not None else None
     times, memory = [], {}

@@ -716,7 +716,7 @@ def grpo_trainer(spec: dict, out_dir: Path, engine: str = "hf"):
             "logging": {"sample_every": 0},
         }
     )
-    return Trainer(cfg, train_rows=_rows(spec))
+    return Trainer.from_config(cfg, train_rows=_rows(spec))
 
 
 def run_grpo(spec: dict, out_dir: Path, engine: str = "hf") -> dict:

@@ -214,7 +214,7 @@ def make_trainer(toy_config):
             {**toy_config, "output_dir": str(tmp_path / "run")}, list(overrides)
         )
         model = tiny_model(tokenizer, hidden_size=hidden, num_layers=2, seed=0)
-        return Trainer(
+        return Trainer.from_config(
             cfg,
             model=model,
             tokenizer=tokenizer,

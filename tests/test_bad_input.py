@@ -34,7 +34,7 @@ def any_reward(completions, **kwargs):
 def make(tokenizer, tmp_path, rows, overrides=()):
     cfg = config.from_dict({**FAST, "output_dir": str(tmp_path / "run")}, list(overrides))
     model = tiny_model(tokenizer, hidden_size=32, num_layers=1, seed=0)
-    return Trainer(
+    return Trainer.from_config(
         cfg, model=model, tokenizer=tokenizer, train_rows=rows, reward_funcs={"any": any_reward}
     )
 

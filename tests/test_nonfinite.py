@@ -56,7 +56,7 @@ def infinite_for_some(completions, **kwargs):
 def make(tokenizer, tmp_path, overrides=(), funcs=None):
     cfg = config.from_dict({**FAST, "output_dir": str(tmp_path / "run")}, list(overrides))
     model = tiny_model(tokenizer, hidden_size=32, num_layers=1, seed=0)
-    return Trainer(
+    return Trainer.from_config(
         cfg, model=model, tokenizer=tokenizer, reward_funcs=funcs or {"parity": parity_reward}
     )
 
@@ -111,7 +111,7 @@ def test_inf_and_overflowing_rewards_are_failures_nan_is_missing():
 def test_advantages_stay_finite_for_huge_and_infinite_totals():
     rewards = torch.tensor([3e38, -3e38, 1.0, math.inf, 0.0, 1.0, math.nan, 2.0])
     for scale in ("group", "batch", "none"):
-        advantages = algorithm.grpo_advantages(rewards, 4, scale_rewards=scale)
+        advantages = algorithm.grpo_advantages(algorithm.AdvantageInputs(rewards, 4, scale))
         assert torch.isfinite(advantages).all(), scale
         assert advantages[3] == 0 and advantages[6] == 0  # inf and NaN: missing
 

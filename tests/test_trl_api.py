@@ -480,7 +480,7 @@ eval: {{batch_size: 8}}
 """
     (tmp_path / "run.yaml").write_text(yaml_text)
     cfg = config_module.load(tmp_path / "run.yaml")
-    yaml_history = Trainer(cfg).train()
+    yaml_history = Trainer.from_config(cfg).train()
 
     args = GRPOConfig(
         output_dir=str(tmp_path / "python"),

@@ -112,7 +112,7 @@ def _train(args: argparse.Namespace) -> int:
     resume = _resume_from(args.resume, cfg) if args.resume is not None else None
     again = " ".join([_launcher(), str(args.config), *args.overrides, "--resume"])
     try:
-        trainer = Trainer(cfg, resume=resume)
+        trainer = Trainer.from_config(cfg, resume=resume)
         trainer.train()
     except SaveFailed as e:  # the disk refused a write; earlier checkpoints are intact
         say(f"grpo: {e}", file=sys.stderr)

@@ -1,19 +1,35 @@
 """Named, pluggable parts: one registry per kind, an implementation imported only when chosen.
 
 Every choice a config makes between implementations (an advantage estimator,
-a policy loss, a loss aggregation, a rollout engine, a task) is a name looked
-up in one of the registries below. The config check asks a registry for its
-names, so a wrong name fails at start-up with the list of known ones, before
-torch is imported; the implementation behind a name is imported on first use,
-so an engine that needs vLLM costs nothing until it is picked.
+a multi-objective aggregation, a policy loss, a loss aggregation, a rollout
+engine, a task) is a name looked up in one of the registries below. The config
+check asks a registry for its names, so a wrong name fails at start-up with the
+list of known ones, before torch is imported; the implementation behind a name
+is imported on first use, so an engine that needs vLLM costs nothing until it
+is picked.
 
-Adding an implementation is one line here (a name and `module:attribute`), or,
-from user code, a decorator:
+Estimators, aggregations and losses are registered where they are defined, by a
+decorator on the definition; the tables here say only which module defines each
+built-in name (importing the module registers it):
 
+    # grpo/algorithm/advantages.py
+    @ADVANTAGE_ESTIMATORS.register("rloo")
+    def rloo_advantages(inputs: AdvantageInputs) -> torch.Tensor: ...
+
+The other kinds name `module:attribute`. User code registers its own the same way
+(a name registered from user code replaces a built-in one of that name):
+
+    from grpo.algorithm import AdvantageInputs
     from grpo.registry import ADVANTAGE_ESTIMATORS
 
     @ADVANTAGE_ESTIMATORS.register("my_estimator")
-    def my_estimator(rewards, group_size, *, scale_rewards): ...
+    def my_estimator(inputs: AdvantageInputs):  # the whole batch's rewards, [N]
+        return inputs.rewards - inputs.rewards.nanmean()
+
+Keyword arguments of `register` become attributes of the registered object, which
+say what it needs: `needs_values=True` (an estimator computed from the critic's
+values, `gae`: the run then trains a critic), `folds_correction=True` (a policy loss
+that takes the rollout correction's weights itself, `vespo`).
 
 `load_callable` imports the user functions a config names by `module:function` or
 `path/to/file.py:function` (reward functions, tools).
@@ -77,17 +93,24 @@ def load_callable(spec: str, key: str) -> Callable:
 
 
 class Registry:
-    """Names -> implementations for the config key `key`."""
+    """Names -> implementations for the config key `key`.
+
+    `entries` say where each built-in name is defined: `package.module` (importing it
+    registers the name, with `register`) or `package.module:attribute`. Nothing is
+    imported until a name is asked for with `get`."""
 
     def __init__(self, key: str, entries: dict[str, str]):
         self.key = key
-        self._targets: dict[str, str | Any] = dict(entries)  # "module:attribute" until first use
+        self._targets: dict[str, str | Any] = dict(entries)  # a location until first use
 
     def names(self) -> tuple[str, ...]:
         return tuple(self._targets)
 
     def __contains__(self, name: object) -> bool:
         return name in self._targets
+
+    def __iter__(self):
+        return iter(self.names())
 
     def check(self, name: Any) -> None:
         """A ConfigError naming the key and the known names when `name` is not one of them."""
@@ -103,14 +126,28 @@ class Registry:
         self.check(name)
         target = self._targets[name]
         if isinstance(target, str):
-            module, attribute = target.split(":")
-            target = self._targets[name] = getattr(importlib.import_module(module), attribute)
+            module, _, attribute = target.partition(":")
+            imported = importlib.import_module(module)  # a module of definitions registers them
+            if attribute:
+                self._targets[name] = getattr(imported, attribute)
+            target = self._targets[name]
+            if isinstance(target, str):
+                raise RuntimeError(f"{self.key}: {module} does not register {name!r}")
         return target
 
-    def register(self, name: str) -> Callable[[Any], Any]:
-        """Decorator: add (or replace) `name` with the decorated object."""
+    def register(self, name: str, **attributes: Any) -> Callable[[Any], Any]:
+        """Decorator: add (or replace) `name` with the decorated object, which gets `attributes`
+        (e.g. `needs_values=True`) as attributes of its own."""
 
         def add(obj: Any) -> Any:
+            location = self._targets.get(name)
+            if isinstance(location, str) and location.partition(":")[0] != getattr(
+                obj, "__module__", None
+            ):
+                # the built-in's module first, so that importing it later cannot undo this
+                self.get(name)
+            for attribute, value in attributes.items():
+                setattr(obj, attribute, value)
             self._targets[name] = obj
             return obj
 
@@ -127,40 +164,53 @@ class Registry:
 ADVANTAGE_ESTIMATORS = Registry(
     "algorithm.advantage_estimator",
     {
-        "grpo": "grpo.algorithm.advantages:grpo_advantages",
-        "dr_grpo": "grpo.algorithm.advantages:dr_grpo_advantages",
-        "rloo": "grpo.algorithm.advantages:rloo_advantages",
-        "reinforce_pp": "grpo.algorithm.advantages:reinforce_pp_advantages",
-        # needs the critic's values: the trainer computes it with grpo.algorithm.values.gae_advantages
-        "gae": "grpo.algorithm.values:gae_estimator",
+        "grpo": "grpo.algorithm.advantages",
+        "dr_grpo": "grpo.algorithm.advantages",
+        "rloo": "grpo.algorithm.advantages",
+        "reinforce_pp": "grpo.algorithm.advantages",
+        "gae": "grpo.algorithm.values",
     },
 )
-"""fn(rewards [N], group_size, *, scale_rewards) -> advantages [N]; see grpo.algorithm.advantages."""
+"""fn(inputs: AdvantageInputs) -> advantages [N] (or [N, T]: per token); see grpo.algorithm.advantages.
+`needs_values=True`: computed from the critic's values (inputs.values), so the run trains a critic."""
+
+MULTI_OBJECTIVE_AGGREGATIONS = Registry(
+    "algorithm.multi_objective_aggregation",
+    {
+        "sum_then_normalize": "grpo.algorithm.advantages",
+        "normalize_then_sum": "grpo.algorithm.advantages",
+    },
+)
+"""fn(inputs: AdvantageInputs, estimator) -> advantages: how several reward functions reach the
+advantages (the estimator on their weighted sum, or GDPO's own); see grpo.algorithm.advantages."""
 
 POLICY_LOSSES = Registry(
     "algorithm.policy_loss",
     {
-        "clipped": "grpo.algorithm.losses:clipped_policy_loss",
-        "cispo": "grpo.algorithm.losses:cispo_policy_loss",
-        "sapo": "grpo.algorithm.losses:sapo_policy_loss",
-        "vespo": "grpo.algorithm.losses:vespo_policy_loss",
+        "clipped": "grpo.algorithm.losses",
+        "cispo": "grpo.algorithm.losses",
+        "sapo": "grpo.algorithm.losses",
+        "vespo": "grpo.algorithm.losses",
     },
 )
 """fn(logp, old_logp, advantages [N] or [N, T], mask, params: PolicyLossParams) -> (per-token loss, stats);
-see grpo.algorithm.losses. A loss with the attribute `folds_correction = True` (vespo) also takes
-`correction_weights=` (the rollout correction's weights, or None) and applies them itself."""
+see grpo.algorithm.losses. Attributes: `folds_correction=True` (vespo) also takes
+`correction_weights=` (the rollout correction's weights, or None) and applies them itself;
+`caveat(params) -> str | None`, a setting's caveat logged once; `sequence_metrics` {metric: stat},
+stats summed over sequences and logged as their mean."""
 
 LOSS_AGGREGATIONS = Registry(
     "algorithm.loss_type",
     {
-        "grpo": "grpo.algorithm.losses:per_sequence_mean",
-        "bnpo": "grpo.algorithm.losses:minibatch_token_mean",
-        "dr_grpo": "grpo.algorithm.losses:fixed_length_mean",
-        "dapo": "grpo.algorithm.losses:batch_token_mean",
-        "luspo": "grpo.algorithm.losses:sequence_sum_mean",
+        "grpo": "grpo.algorithm.losses",
+        "bnpo": "grpo.algorithm.losses",
+        "dr_grpo": "grpo.algorithm.losses",
+        "dapo": "grpo.algorithm.losses",
+        "luspo": "grpo.algorithm.losses",
     },
 )
-"""fn(per_token_loss, mask, norm: LossNormalisers) -> scalar; see grpo.algorithm.losses."""
+"""fn(per_token_loss, mask, norm: LossNormalisers) -> scalar; see grpo.algorithm.losses (a
+`caveat(params)` attribute as for policy losses)."""
 
 ROLLOUT_ENGINES = Registry(
     "rollout.engine",
@@ -188,4 +238,3 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 IMPORTANCE_LEVELS = ("token", "sequence")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 DECODING = ("auto", "fused", "plain")
-MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")

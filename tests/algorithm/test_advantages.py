@@ -18,16 +18,21 @@ from torch.testing import assert_close
 
 from grpo.algorithm import (
     ADVANTAGE_EPS,
+    AdvantageInputs,
     combine_rewards,
     dr_grpo_advantages,
     gae_estimator,
     group_advantages,
     group_reward_std,
+    grpo_advantages,
+    normalize_then_sum,
+    normalize_then_sum_advantages,
     overlong_penalty,
     reinforce_pp_advantages,
     rloo_advantages,
+    sum_then_normalize,
 )
-from grpo.registry import ADVANTAGE_ESTIMATORS
+from grpo.registry import ADVANTAGE_ESTIMATORS, MULTI_OBJECTIVE_AGGREGATIONS
 
 NAN = float("nan")
 D = torch.float64
@@ -226,6 +231,28 @@ def test_registry_names_and_targets():
     assert ADVANTAGE_ESTIMATORS.get("rloo") is rloo_advantages
     assert ADVANTAGE_ESTIMATORS.get("reinforce_pp") is reinforce_pp_advantages
     assert ADVANTAGE_ESTIMATORS.get("gae") is gae_estimator
+    # whether an estimator needs the critic's values is said where it is registered
+    assert gae_estimator.needs_values and not getattr(grpo_advantages, "needs_values", False)
+    assert MULTI_OBJECTIVE_AGGREGATIONS.get("sum_then_normalize") is sum_then_normalize
+    assert MULTI_OBJECTIVE_AGGREGATIONS.get("normalize_then_sum") is normalize_then_sum
+
+
+def test_the_aggregations_give_the_estimator_the_sum_or_normalise_each_function_first():
+    per_func = t([[1, 0], [0, 0], [1, 10], [0, 0]])
+    weights = t([1.0, 1.0])
+    inputs = AdvantageInputs(
+        combine_rewards(per_func, weights),
+        2,
+        "none",
+        rewards_per_func=per_func,
+        reward_weights=weights,
+    )
+    # the estimator on the weighted sum [1, 0, 11, 0]: centred in each group
+    assert_close(sum_then_normalize(inputs, grpo_advantages), t([0.5, -0.5, 5.5, -5.5]))
+    # GDPO's, in place of the estimator (its worked example: tests/algorithm/test_trl_options.py)
+    gdpo = normalize_then_sum(inputs, grpo_advantages)
+    assert_close(gdpo, normalize_then_sum_advantages(per_func, weights, 2))
+    assert_close(gdpo, t([0.54765, -0.54765, 1.09537, -1.09537]), atol=1e-5, rtol=0)
 
 
 # --------------------------------------------------------------------------
@@ -236,7 +263,7 @@ def test_registry_names_and_targets():
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
 def test_dr_grpo_subtracts_the_mean_whatever_scale_rewards_says(scale):
     # [1,1,0,0]: mean 1/2 -> +-1/2; [1,nan,0,0]: mean 1/3 -> 2/3, 0 (missing), -1/3, -1/3
-    adv = dr_grpo_advantages(t([1, 1, 0, 0, 1, NAN, 0, 0]), 4, scale_rewards=scale)
+    adv = dr_grpo_advantages(AdvantageInputs(t([1, 1, 0, 0, 1, NAN, 0, 0]), 4, scale))
     assert_close(adv, t([0.5, 0.5, -0.5, -0.5, 2 / 3, 0.0, -1 / 3, -1 / 3]))
     assert_close(adv, group_advantages(t([1, 1, 0, 0, 1, NAN, 0, 0]), 4, "none"))
 
@@ -248,7 +275,7 @@ def test_dr_grpo_subtracts_the_mean_whatever_scale_rewards_says(scale):
 
 def test_rloo_leave_one_out_baseline():
     rewards = t([1, 0, 0, 1, 1, NAN, 0, 0, NAN, 3, NAN, NAN, 2, 2, 2, 2])
-    adv = rloo_advantages(rewards, 4, scale_rewards="group")
+    adv = rloo_advantages(AdvantageInputs(rewards, 4, "group"))
     expected = t(
         [
             # sum 2: r=1 -> 1 - (2-1)/3 = 2/3; r=0 -> 0 - 2/3
@@ -267,12 +294,12 @@ def test_rloo_leave_one_out_baseline():
 def test_rloo_is_n_over_n_minus_one_times_the_centred_reward():
     rewards = torch.randn(24, dtype=D, generator=torch.Generator().manual_seed(0))
     centred = group_advantages(rewards, 6, "none")
-    assert_close(rloo_advantages(rewards, 6, scale_rewards="none"), centred * 6 / 5)
+    assert_close(rloo_advantages(AdvantageInputs(rewards, 6, "none")), centred * 6 / 5)
 
 
 def test_rloo_keeps_the_dtype_and_treats_inf_as_missing():
     adv = rloo_advantages(
-        torch.tensor([1.0, float("inf"), 0.0], dtype=torch.float32), 3, scale_rewards="none"
+        AdvantageInputs(torch.tensor([1.0, float("inf"), 0.0], dtype=torch.float32), 3, "none")
     )
     assert adv.dtype == torch.float32
     assert_close(adv, torch.tensor([1.0, 0.0, -1.0]))  # 1 - 0/1, missing, 0 - 1/1
@@ -286,7 +313,7 @@ def test_rloo_keeps_the_dtype_and_treats_inf_as_missing():
 def test_reinforce_pp_uses_the_batch_baseline_and_scale():
     # [1,0,0,0, 1,1,1,1]: mean 5/8, squares 5 (3/8)^2 + 3 (5/8)^2 = 15/8, Bessel var 15/56
     std = math.sqrt(15 / 56) + ADVANTAGE_EPS  # 0.51765
-    adv = reinforce_pp_advantages(t([1, 0, 0, 0, 1, 1, 1, 1]), 4, scale_rewards="group")
+    adv = reinforce_pp_advantages(AdvantageInputs(t([1, 0, 0, 0, 1, 1, 1, 1]), 4, "group"))
     hi, lo = 0.375 / std, -0.625 / std
     assert_close(adv, t([hi, lo, lo, lo, hi, hi, hi, hi]))
     # an all-correct group still gets a positive advantage (no group baseline)
@@ -297,7 +324,7 @@ def test_reinforce_pp_uses_the_batch_baseline_and_scale():
 def test_reinforce_pp_missing_rewards():
     # present 2, 0, 1 (the NaN and inf are missing): mean 1, var (1 + 1 + 0)/2 = 1
     adv = reinforce_pp_advantages(
-        t([2, NAN, 0, float("inf"), 1, 1]) * t([1, 1, 1, 1, 1, NAN]), 2, scale_rewards="none"
+        AdvantageInputs(t([2, NAN, 0, float("inf"), 1, 1]) * t([1, 1, 1, 1, 1, NAN]), 2, "none")
     )
     s = 1.0 + ADVANTAGE_EPS
     assert_close(adv, t([1 / s, 0.0, -1 / s, 0.0, 0.0, 0.0]))
@@ -306,4 +333,4 @@ def test_reinforce_pp_missing_rewards():
 @pytest.mark.parametrize("fn", [rloo_advantages, reinforce_pp_advantages, dr_grpo_advantages])
 def test_bad_shapes_are_refused(fn):
     with pytest.raises(ValueError, match="group_size=4"):
-        fn(t([1, 0, 1]), 4, scale_rewards="none")
+        fn(AdvantageInputs(t([1, 0, 1]), 4, "none"))

@@ -14,9 +14,11 @@ import torch
 from torch.testing import assert_close
 
 from grpo.algorithm import (
+    AdvantageInputs,
     clipped_value_loss,
     explained_variance,
     gae_advantages,
+    gae_returns,
     masked_whiten,
     outcome_token_rewards,
 )
@@ -30,9 +32,25 @@ def t(x, dtype=D):
     return torch.tensor(x, dtype=dtype)
 
 
-def test_gae_estimator_says_where_gae_is_computed():
-    with pytest.raises(RuntimeError, match="gae_advantages"):
-        ADVANTAGE_ESTIMATORS.get("gae")(t([1.0, 0.0]), 2, scale_rewards="group")
+def test_the_gae_estimator_is_gae_of_the_outcome_rewards_whitened_over_the_loss_tokens():
+    gae = ADVANTAGE_ESTIMATORS.get("gae")
+    assert gae.needs_values  # registered so: the run trains a critic for it
+    rewards, values = t([1.0, 2.0]), t([[0.5, 0.6, 0.8], [1.0, 0.5, 9.9]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    counted = torch.tensor([[1, 1, 1], [0, 0, 0]])  # the second completion's tokens not counted
+    inputs = AdvantageInputs(
+        rewards, 2, values=values, completion_mask=mask, loss_mask=counted, gamma=1.0, lam=0.95
+    )
+    raw, returns = gae_advantages(outcome_token_rewards(rewards, mask), values, mask, 1.0, 0.95)
+    assert_close(gae(inputs), masked_whiten(raw, counted))
+    unwhitened = AdvantageInputs(
+        rewards, 2, values=values, completion_mask=mask, loss_mask=counted, whiten=False
+    )
+    assert_close(gae(unwhitened), raw)  # the first row: the worked example of gae_advantages
+    assert_close(raw[0], t([0.4705, 0.39, 0.2]))
+    assert_close(gae_returns(rewards, values, mask, 1.0, 0.95), returns)
+    with pytest.raises(ValueError, match="the critic's values"):
+        gae(AdvantageInputs(rewards, 2))
 
 
 # --------------------------------------------------------------------------

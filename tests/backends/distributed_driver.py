@@ -9,5 +9,5 @@ from grpo.training.trainer import Trainer
 
 if __name__ == "__main__":
     for path in sys.argv[1:]:
-        Trainer(config.load(path)).train()
+        Trainer.from_config(config.load(path)).train()
     leave_process_group()

@@ -214,7 +214,7 @@ def _assert_close_weights(got: Path, expected: Path, atol: float, mean_atol: flo
 @pytest.mark.parametrize("name", list(CASES))
 def test_two_ranks_compute_one_process_run(name, two_ranks, tmp_path):
     one = tmp_path / name
-    Trainer(config.load(_config(tmp_path, name, CASES[name]))).train()
+    Trainer.from_config(config.load(_config(tmp_path, name, CASES[name]))).train()
     two = two_ranks[name]
     # the same completions and rewards: the samples, the evaluation, every count in the metrics
     samples = _rows(two / "samples.jsonl")
@@ -238,7 +238,7 @@ def test_two_ranks_with_tools_compute_one_process_run(two_ranks, save_tool_model
     """Each rank runs its own completions' calls (in processes forked from it): the same calls,
     results, completions and tool metrics as one process, and the same training."""
     one = tmp_path / "tools"
-    Trainer(
+    Trainer.from_config(
         config.load(_config(tmp_path, "tools", [*TOOLS, f"model.name={save_tool_model(tmp_path)}"]))
     ).train()
     two = two_ranks["tools"]
@@ -295,7 +295,9 @@ def test_distributed_resume_is_exact(name, two_ranks, tmp_path):
         else r"ran on 2 process\(es\), this one has 1.*torchrun --nproc_per_node 2"
     )
     with pytest.raises(ConfigError, match=refusal):
-        Trainer(config.load(path, ["overwrite_output_dir=true"]), resume=run / "checkpoint-2")
+        Trainer.from_config(
+            config.load(path, ["overwrite_output_dir=true"]), resume=run / "checkpoint-2"
+        )
 
 
 def test_what_fsdp_does_not_cover_is_refused():

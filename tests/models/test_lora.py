@@ -72,7 +72,7 @@ def _trainer(tokenizer, tmp_path, overrides=(), model=None, **kw):
     model = (
         model if model is not None else tiny_model(tokenizer, hidden_size=32, num_layers=2, seed=0)
     )
-    return Trainer(
+    return Trainer.from_config(
         _cfg(tmp_path, overrides),
         model=model,
         tokenizer=tokenizer,
@@ -354,7 +354,9 @@ def _logits(model, batch):
 @pytest.fixture
 def trained(tokenizer, tmp_path):
     """A trained tiny LoRA run's final checkpoint (a model.name the export can load again)."""
-    trainer = Trainer(_cfg(tmp_path, ["model.tiny_hidden_size=32"]), reward_funcs={"third": third})
+    trainer = Trainer.from_config(
+        _cfg(tmp_path, ["model.tiny_hidden_size=32"]), reward_funcs={"third": third}
+    )
     trainer.train()
     return trainer, tmp_path / "run" / "final"
 

@@ -22,6 +22,7 @@ from grpo.rewards.arithmetic import arithmetic_format
 from grpo.rewards.execution import RewardExecutor
 from grpo.rewards.reward_set import RewardSet, resolve
 from grpo.sandbox.counts import record
+from grpo.training import step as training_step
 from grpo.training.trainer import Trainer
 
 REWARDS = """
@@ -373,7 +374,9 @@ def test_config_refuses_bad_execution_settings(key, value, message, tmp_path, to
     assert (cfg.rewards.timeout, cfg.rewards.workers, cfg.rewards.isolation) == (60.0, 0, "process")
 
 
-def test_training_goes_on_whatever_the_rewards_do(tokenizer, tmp_path, reward_file, toy_config):
+def test_training_goes_on_whatever_the_rewards_do(
+    tokenizer, tmp_path, reward_file, toy_config, monkeypatch
+):
     """Acceptance: a function that raises on some completions, one that hangs, one that calls
     os._exit and a normal one; two steps run and finish, the failures are missing rewards (NaN,
     not 0) and counted in metrics.jsonl, the normal rewards are intact."""
@@ -398,15 +401,17 @@ def test_training_goes_on_whatever_the_rewards_do(tokenizer, tmp_path, reward_fi
         {"prompt": "2+2=", "poison": False},
     ]
     model = tiny_model(tokenizer, hidden_size=32, num_layers=1, seed=0)
-    trainer = Trainer(cfg, model=model, tokenizer=tokenizer, train_rows=rows)
+    trainer = Trainer.from_config(cfg, model=model, tokenizer=tokenizer, train_rows=rows)
     batches, step = [], trainer.train_step
     trainer.train_step = lambda: (result := step(), batches.append(result[1]))[0]
     trainer.log.report = lambda: None  # its plots are not the subject here, and take seconds
     # each step's batch has 2 sandbox outcomes, as a code reward records them
-    collect = trainer.collect_batch
-    trainer.collect_batch = lambda timer=None: (record("killed"), record("killed"), collect(timer))[
-        -1
-    ]
+    collect = training_step.collect_batch
+    monkeypatch.setattr(
+        training_step,
+        "collect_batch",
+        lambda run, timer=None: (record("killed"), record("killed"), collect(run, timer))[-1],
+    )
     record("killed")  # one before training: not the first step's
     start = time.monotonic()
     history = trainer.train()

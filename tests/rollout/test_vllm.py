@@ -418,7 +418,7 @@ def test_trainer_with_vllm_learns_the_toy_task(tokenizer, tmp_path, toy_config, 
         "training.max_steps=200",
     ]
     cfg = config.from_dict({**toy_config, "output_dir": str(tmp_path / "run")}, overrides)
-    trainer = Trainer(
+    trainer = Trainer.from_config(
         cfg,
         model=llama(tokenizer, hidden=64),
         tokenizer=tokenizer,
@@ -562,7 +562,7 @@ def test_training_with_tools_on_the_vllm_engine(tool_tokenizer, tmp_path, Forced
     )
     model = llama(tool_tokenizer)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    trainer = Trainer(
+    trainer = Trainer.from_config(
         cfg,
         model=model,
         tokenizer=tool_tokenizer,

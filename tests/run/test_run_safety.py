@@ -324,7 +324,7 @@ def test_an_unwritable_output_dir_is_refused_before_the_model_loads(
     def no_model(*args, **kwargs):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr("grpo.training.trainer.load_model_and_tokenizer", no_model)
+    monkeypatch.setattr("grpo.training.build.load_model_and_tokenizer", no_model)
     assert main(["train", str(path), "output_dir=/proc/no/such/dir"]) == 2
     err = capsys.readouterr().err
     assert (
@@ -354,7 +354,7 @@ def test_too_little_free_space_for_a_checkpoint_is_warned_at_start(
     Usage = namedtuple("Usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(10 << 20, 10 << 20, 1000))
     with caplog.at_level("WARNING"):
-        trainer = Trainer(config.load(path))
+        trainer = Trainer.from_config(config.load(path))
     size = checkpoint.estimated_size(trainer.model)
     params = sum(p.numel() for p in trainer.model.parameters())
     assert size == 3 * 4 * params  # float32 weights, and AdamW's two moments of each

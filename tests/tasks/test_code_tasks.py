@@ -78,7 +78,7 @@ def test_training_on_humaneval_is_refused_at_start_up(tmp_path, capsys):
     cfg = _cfg(tmp_path, "humaneval")
     assert cfg.rewards.funcs == ["humaneval_tests"]  # the task's reward, rewards.funcs left unset
     with pytest.raises(ConfigError, match="held-out benchmark.*data.task=code"):
-        Trainer(cfg)
+        Trainer.from_config(cfg)
     path = tmp_path / "he.yaml"
     path.write_text(
         f"output_dir: {tmp_path / 'cli'}\nmodel: {{name: tiny}}\ndata: {{task: humaneval}}\n"

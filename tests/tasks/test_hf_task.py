@@ -193,7 +193,7 @@ def test_a_run_trains_on_hf_rows_with_their_columns(tmp_path, tokenizer):
             "logging": {"sample_every": 0},
         }
     )
-    history = Trainer(
+    history = Trainer.from_config(
         cfg,
         model=tiny_model(tokenizer, hidden_size=32, num_layers=1),
         tokenizer=tokenizer,

@@ -12,6 +12,7 @@ import torch
 from grpo.config import loading
 from grpo.config.errors import ConfigError
 from grpo.models.tiny import tiny_model
+from grpo.training.scoring import score
 
 INCREMENT = '<tool_call>{"name": "increment", "arguments": {"step": 2}}</tool_call>'
 
@@ -97,7 +98,7 @@ def test_each_completion_calls_its_own_environment_which_scores_it(
     prompt = tool_tokenizer.decode(forced.asked[0][0])
     assert prompt.startswith("T:increment;") and "Count!<eos>A:" in prompt
     assert rollout.messages[0][1] == {"role": "tool", "name": "increment", "content": "2"}
-    batch = trainer.score(rows, rollout, episodes=episodes)
+    batch = score(trainer.parts, rows, rollout, episodes=episodes)
     assert batch.rewards_per_func[:, 1].tolist() == [2.0, 2.0, 2.0, 2.0]
     # the prompts the reward functions get are those the model saw
     assert batch.prompts[0][-1]["content"].endswith(" Count!")
@@ -136,7 +137,7 @@ def test_environments_by_name_offer_only_their_own_tools(
     # the echo rows' call to increment is not theirs to make: answered with an error
     assert rollout.messages[0][1]["content"] == "2"
     assert rollout.messages[2][1]["content"].startswith("error: no tool named 'increment'")
-    batch = trainer.score(rows, rollout, episodes=episodes)
+    batch = score(trainer.parts, rows, rollout, episodes=episodes)
     rewards = batch.rewards_per_func[:, 1].tolist()
     assert rewards[:2] == [2.0, 2.0] and all(r != r for r in rewards[2:])  # NaN: not scored
 
@@ -224,7 +225,7 @@ def test_no_reward_function_and_no_environment_reward_is_refused(tool_tokenizer,
     )
     model = tiny_model(tool_tokenizer, hidden_size=32, num_layers=1, seed=0)
     with pytest.raises(ConfigError, match="rewards.funcs: empty, and no environment scores"):
-        Trainer(cfg, model=model, tokenizer=tool_tokenizer, environment_factory=Echo)
+        Trainer.from_config(cfg, model=model, tokenizer=tool_tokenizer, environment_factory=Echo)
 
 
 def test_rollout_environment_in_the_config_is_found_beside_it(tool_tokenizer, tmp_path):
@@ -260,7 +261,7 @@ def test_rollout_environment_in_the_config_is_found_beside_it(tool_tokenizer, tm
     cfg = loading.load(config, OVERRIDES)
     assert cfg.rollout.environment == f"{tmp_path / 'envs.py'}:Lamp"
     model = tiny_model(tool_tokenizer, hidden_size=32, num_layers=1, seed=0)
-    trainer = Trainer(cfg, model=model, tokenizer=tool_tokenizer)
+    trainer = Trainer.from_config(cfg, model=model, tokenizer=tool_tokenizer)
     assert trainer.rewards.names == ["Lamp"]
     history = trainer.train()
     assert len(history) == 2 and "rewards/Lamp/mean" in history[0]

@@ -130,7 +130,7 @@ def test_gae_resume_restores_the_critic(
     cut = make_trainer(tokenizer, tmp_path / "b", [*cfg_overrides, "training.max_steps=2"])
     cut.train()
     cfg = config.from_dict({**toy_config, "output_dir": str(tmp_path / "b" / "run")}, cfg_overrides)
-    resumed = Trainer(
+    resumed = Trainer.from_config(
         cfg,
         model=tiny_model(tokenizer, hidden_size=64, num_layers=2, seed=0),
         tokenizer=tokenizer,

@@ -31,7 +31,7 @@ def state_trainer(toy_config, first_char_correct):
             if model is not None
             else tiny_model(tokenizer, hidden_size=32, num_layers=1, seed=0)
         )
-        return Trainer(
+        return Trainer.from_config(
             cfg,
             model=model,
             tokenizer=tokenizer,

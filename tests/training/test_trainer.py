@@ -399,7 +399,7 @@ def test_tied_embedding_sparse_gradient_equals_dense(
                 "training.per_device_train_batch_size=16",
             ],
         )
-        trainer = Trainer(
+        trainer = Trainer.from_config(
             cfg, model=model, tokenizer=tokenizer, reward_funcs={"correct": first_char_correct}
         )
         assert trainer.model.get_input_embeddings().sparse is True
@@ -476,7 +476,7 @@ def test_bf16_weights_train(tokenizer, tmp_path, toy_config, first_char_correct)
         ],
     )
     model = tiny_model(tokenizer, hidden_size=32, num_layers=1, seed=0, dtype=torch.bfloat16)
-    trainer = Trainer(
+    trainer = Trainer.from_config(
         cfg, model=model, tokenizer=tokenizer, reward_funcs={"correct": first_char_correct}
     )
     batch = _hand_batch(trainer)
@@ -493,9 +493,9 @@ def test_a_registered_estimator_is_what_the_step_uses(tokenizer, tmp_path, make_
     seen = []
 
     @ADVANTAGE_ESTIMATORS.register("zero_test")
-    def zero(rewards, group_size, *, scale_rewards):
-        seen.append((tuple(rewards.shape), group_size, scale_rewards))
-        return torch.zeros_like(rewards)
+    def zero(inputs):
+        seen.append((tuple(inputs.rewards.shape), inputs.group_size, inputs.scale_rewards))
+        return torch.zeros_like(inputs.rewards)
 
     try:
         trainer = make_trainer(
@@ -546,7 +546,7 @@ def test_jsonl_task_without_answers_trains_and_evaluates_by_its_rewards(
         },
         ["training.max_steps=2", "training.per_device_train_batch_size=32"],
     )
-    trainer = Trainer(
+    trainer = Trainer.from_config(
         cfg,
         model=tiny_model(tokenizer, hidden_size=32, num_layers=1, seed=0),
         tokenizer=tokenizer,

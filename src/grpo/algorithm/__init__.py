@@ -5,9 +5,10 @@ takes tensors and plain numbers and returns tensors, so each formula can be
 checked by hand (tests/algorithm/, a file for each module here) and against
 TRL (tests/test_trl_equivalence.py).
 
-    advantages.py  rewards -> advantages (registered advantage estimators: grpo, dr_grpo, rloo, reinforce_pp),
-                   GDPO's normalize-then-sum of several reward functions
-    values.py      PPO's critic math: outcome token rewards, GAE (the `gae` estimator), whitening, value loss
+    advantages.py  rewards -> advantages: `AdvantageInputs`, the registered estimators (grpo, dr_grpo, rloo,
+                   reinforce_pp) and multi-objective aggregations (sum_then_normalize, GDPO's normalize_then_sum)
+    values.py      PPO's critic math: outcome token rewards, GAE (the registered `gae` estimator, needs_values),
+                   the critic's returns, whitening, value loss
     losses.py      ratios, clipping, KL (optionally importance-weighted), policy losses (clipped, cispo,
                    sapo, vespo) and loss aggregations (grpo, bnpo, dr_grpo, dapo, luspo; registered),
                    the entropy mask, the off-policy sequence mask, policy_loss
@@ -21,16 +22,20 @@ completions per prompt (one group), K reward functions, T completion tokens.
 
 from grpo.algorithm.advantages import (
     ADVANTAGE_EPS,
+    AdvantageInputs,
     combine_rewards,
     dr_grpo_advantages,
     group_advantages,
     group_reward_std,
     grpo_advantages,
     nan_std,
+    needs_values,
+    normalize_then_sum,
     normalize_then_sum_advantages,
     overlong_penalty,
     reinforce_pp_advantages,
     rloo_advantages,
+    sum_then_normalize,
 )
 from grpo.algorithm.correction import (
     CORRECTION_LEVELS,
@@ -74,6 +79,7 @@ from grpo.algorithm.values import (
     explained_variance,
     gae_advantages,
     gae_estimator,
+    gae_returns,
     masked_whiten,
     outcome_token_rewards,
 )
@@ -86,6 +92,7 @@ from grpo.registry import (
 
 __all__ = [
     "ADVANTAGE_EPS",
+    "AdvantageInputs",
     "CORRECTION_LEVELS",
     "CORRECTION_MODES",
     "ENTROPY_MASK_SCOPES",
@@ -115,6 +122,7 @@ __all__ = [
     "fixed_length_mean",
     "gae_advantages",
     "gae_estimator",
+    "gae_returns",
     "gamma_weights",
     "group_advantages",
     "group_reward_std",
@@ -128,7 +136,9 @@ __all__ = [
     "minibatch_token_mean",
     "mismatch_stats",
     "nan_std",
+    "needs_values",
     "next_entropy_coef",
+    "normalize_then_sum",
     "normalize_then_sum_advantages",
     "off_policy_mask",
     "outcome_token_rewards",
@@ -139,6 +149,7 @@ __all__ = [
     "rloo_advantages",
     "sapo_policy_loss",
     "sequence_sum_mean",
+    "sum_then_normalize",
     "token_advantages",
     "vespo_policy_loss",
 ]

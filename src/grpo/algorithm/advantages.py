@@ -1,33 +1,73 @@
 """Rewards -> advantages, as pure tensor functions.
 
 Shapes: N completions in the batch (= prompts x G), G completions per prompt
-(one group), K reward functions. Each function's docstring has its formula
-and a worked example (checked in tests/algorithm/test_advantages.py).
+(one group), K reward functions, T completion tokens. Each function's docstring
+has its formula and a worked example (checked in tests/algorithm/test_advantages.py).
 
 An advantage estimator, the registered kind (grpo.registry.ADVANTAGE_ESTIMATORS),
-has one signature:
+has one signature, and is registered where it is defined:
 
-    estimator(rewards [N], group_size, *, scale_rewards) -> advantages [N]
+    @ADVANTAGE_ESTIMATORS.register("name")
+    def estimator(inputs: AdvantageInputs) -> advantages [N] (or [N, T], one per token)
 
-with NaN marking a missing reward (its advantage is 0; the other rewards'
-statistics are computed without it). Registered here: `grpo` (GRPO; Dr. GRPO
-with scale_rewards="none"), `dr_grpo`, `rloo`, `reinforce_pp`. `scale_rewards`
-applies to `grpo` only; the others accept it and ignore it. `gae` (PPO with a
-critic) is registered too but needs the critic's values, so the trainer
-computes it with grpo.algorithm.values.gae_advantages instead.
+`AdvantageInputs` is the whole generation batch: every rank's completions, so
+that batch-wide statistics are the batch's. NaN marks a missing reward (its
+advantage is 0; the other rewards' statistics are computed without it).
+Registered here: `grpo` (GRPO; Dr. GRPO with scale_rewards="none"), `dr_grpo`,
+`rloo`, `reinforce_pp`; `scale_rewards` applies to `grpo` only. `gae` (PPO,
+grpo.algorithm.values) is registered with `needs_values=True`: it reads the
+critic's values, so a run that chooses it trains a critic.
 
-Several reward functions are combined before the estimator (`combine_rewards`,
-TRL's "sum_then_normalize"), or, with algorithm.multi_objective_aggregation
-"normalize_then_sum", normalised one by one first (`normalize_then_sum_advantages`, GDPO).
+Several reward functions reach the advantages as the registered multi-objective
+aggregation says (grpo.registry.MULTI_OBJECTIVE_AGGREGATIONS, `fn(inputs, estimator)`):
+`sum_then_normalize`, the estimator on their weighted sum (`combine_rewards`), or
+`normalize_then_sum`, GDPO's, each normalised in its group first
+(`normalize_then_sum_advantages`), in place of the estimator.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from grpo.registry import SCALE_REWARDS
+from grpo.registry import ADVANTAGE_ESTIMATORS, MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS
 
 ADVANTAGE_EPS = 1e-4  # added to the group std, as in the seed and TRL
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """What an advantage estimator reads, of the whole generation batch (every rank's
+    completions, whole groups, in order).
+
+    rewards           [N] the reward functions' weighted sum (`combine_rewards`; NaN: missing)
+    group_size        G: each consecutive run of G completions shares a prompt
+    scale_rewards     "group", "batch" or "none": the `grpo` estimator's std
+    rewards_per_func  [N, K] each function's rewards (NaN: it returned None)
+    reward_weights    [K] their weights
+    values            [N, T] the critic's values, given to an estimator that `needs_values`
+    completion_mask   [N, T] the completions' tokens (with values)
+    loss_mask         [N, T] the tokens the loss counts (with values: `gae` whitens over them)
+    gamma, lam        GAE's discount and lambda; `whiten`: whether `gae` whitens its advantages
+    """
+
+    rewards: torch.Tensor
+    group_size: int
+    scale_rewards: str = "group"
+    rewards_per_func: torch.Tensor | None = None
+    reward_weights: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    completion_mask: torch.Tensor | None = None
+    loss_mask: torch.Tensor | None = None
+    gamma: float = 1.0
+    lam: float = 0.95
+    whiten: bool = True
+
+
+def needs_values(estimator) -> bool:
+    """Whether a registered estimator reads the critic's values (registered with needs_values=True)."""
+    return getattr(estimator, "needs_values", False)
 
 
 # --------------------------------------------------------------------------
@@ -110,11 +150,10 @@ def group_advantages(
     return advantages.reshape(-1).to(dtype)
 
 
-def grpo_advantages(
-    rewards: torch.Tensor, group_size: int, *, scale_rewards: str = "group"
-) -> torch.Tensor:
+@ADVANTAGE_ESTIMATORS.register("grpo")
+def grpo_advantages(inputs: AdvantageInputs) -> torch.Tensor:
     """The registered `grpo` estimator: group_advantages (GRPO, or Dr. GRPO with scale_rewards="none")."""
-    return group_advantages(rewards, group_size, scale_rewards)
+    return group_advantages(inputs.rewards, inputs.group_size, inputs.scale_rewards)
 
 
 def _finite_or_nan(rewards: torch.Tensor) -> torch.Tensor:
@@ -130,37 +169,36 @@ def _check_grouped(rewards: torch.Tensor, group_size: int) -> None:
         )
 
 
-def dr_grpo_advantages(
-    rewards: torch.Tensor, group_size: int, *, scale_rewards: str = "none"
-) -> torch.Tensor:
+@ADVANTAGE_ESTIMATORS.register("dr_grpo")
+def dr_grpo_advantages(inputs: AdvantageInputs) -> torch.Tensor:
     """The registered `dr_grpo` estimator (Dr. GRPO, Liu et al. 2025): A_i = r_i - mean_g r.
 
     The group mean is subtracted and nothing is divided, whatever `scale_rewards`
-    says (it is accepted for the registry's signature and ignored): Dr. GRPO's
+    says (it is ignored): Dr. GRPO's
     point is that dividing by the group std over-weights groups that are almost
     all right or all wrong. Same as `grpo` with scale_rewards="none".
 
     Example, group_size=4: [1, 1, 0, 0] -> [0.5, 0.5, -0.5, -0.5];
     [1, nan, 0, 0] -> mean 1/3 -> [0.6667, 0, -0.3333, -0.3333].
     """
-    return group_advantages(rewards, group_size, "none")
+    return group_advantages(inputs.rewards, inputs.group_size, "none")
 
 
-def rloo_advantages(
-    rewards: torch.Tensor, group_size: int, *, scale_rewards: str = "none"
-) -> torch.Tensor:
+@ADVANTAGE_ESTIMATORS.register("rloo")
+def rloo_advantages(inputs: AdvantageInputs) -> torch.Tensor:
     """The registered `rloo` estimator (REINFORCE leave-one-out, Ahmadian et al. 2024).
 
     A_i = r_i - (1 / (n - 1)) sum_{j != i} r_j, the sum over the other present
     rewards of i's group (n of them present, i included); equivalently
     A_i = n / (n - 1) * (r_i - mean_g r). A completion whose group has no other
     present reward gets 0 (there is no baseline to compare with), and a missing
-    reward gets 0. `scale_rewards` is accepted and ignored (no std scaling).
+    reward gets 0. `scale_rewards` is ignored (no std scaling).
 
     Example, group_size=4: [1, 0, 0, 1] -> sum 2 -> 1 - 1/3, 0 - 2/3:
     [0.6667, -0.6667, -0.6667, 0.6667]; [1, nan, 0, 0] -> n = 3, sum 1 ->
     [1 - 0/2, 0, 0 - 1/2, 0 - 1/2] = [1, 0, -0.5, -0.5]; [nan, 3, nan, nan] -> 0.
     """
+    rewards, group_size = inputs.rewards, inputs.group_size
     _check_grouped(rewards, group_size)
     dtype = rewards.dtype
     grouped = _finite_or_nan(rewards).view(-1, group_size)
@@ -172,13 +210,8 @@ def rloo_advantages(
     return advantages.reshape(-1).to(dtype)
 
 
-def reinforce_pp_advantages(
-    rewards: torch.Tensor,
-    group_size: int,
-    *,
-    scale_rewards: str = "batch",
-    eps: float = ADVANTAGE_EPS,
-) -> torch.Tensor:
+@ADVANTAGE_ESTIMATORS.register("reinforce_pp")
+def reinforce_pp_advantages(inputs: AdvantageInputs, eps: float = ADVANTAGE_EPS) -> torch.Tensor:
     """The registered `reinforce_pp` estimator: REINFORCE++ (Hu et al. 2025) with outcome rewards.
 
     A_i = (r_i - mean_batch r) / (std_batch r + eps)
@@ -187,7 +220,7 @@ def reinforce_pp_advantages(
     every group), with no group baseline: a group that is all right still gets
     positive advantages when the batch's mean is lower. The std is Bessel's
     (n - 1), eps = 1e-4 as for `grpo`. `group_size` only checks the shape and
-    `scale_rewards` is accepted and ignored. REINFORCE++ also puts a per-token KL
+    `scale_rewards` is ignored. REINFORCE++ also puts a per-token KL
     penalty into the reward; that is not done here: the KL stays in the loss,
     weighted by `algorithm.beta`, as for every other estimator.
 
@@ -195,7 +228,8 @@ def reinforce_pp_advantages(
     5 (3/8)^2 + 3 (5/8)^2 = 15/8, std = sqrt(15/56) = 0.51755 ->
     1: 0.375 / 0.51765 = 0.7244, 0: -0.625 / 0.51765 = -1.2074.
     """
-    _check_grouped(rewards, group_size)
+    rewards = inputs.rewards
+    _check_grouped(rewards, inputs.group_size)
     dtype = rewards.dtype
     flat = _finite_or_nan(rewards)
     present = ~torch.isnan(flat)
@@ -262,6 +296,21 @@ def normalize_then_sum_advantages(
     batch_mean = torch.nansum(summed) / scorable.sum().clamp(min=1)
     advantages = (summed - batch_mean) / (nan_std(summed, dim=0) + eps)
     return torch.where(scorable, advantages, torch.zeros_like(advantages)).to(dtype)
+
+
+@MULTI_OBJECTIVE_AGGREGATIONS.register("sum_then_normalize")
+def sum_then_normalize(inputs: AdvantageInputs, estimator) -> torch.Tensor:
+    """TRL's default: the estimator on the reward functions' weighted sum (`inputs.rewards`)."""
+    return estimator(inputs)
+
+
+@MULTI_OBJECTIVE_AGGREGATIONS.register("normalize_then_sum")
+def normalize_then_sum(inputs: AdvantageInputs, estimator) -> torch.Tensor:
+    """GDPO's: `normalize_then_sum_advantages` of each function's rewards, in place of the
+    estimator (the group-relative `grpo`, which the config check requires with it)."""
+    return normalize_then_sum_advantages(
+        inputs.rewards_per_func, inputs.reward_weights, inputs.group_size
+    )
 
 
 def group_reward_std(rewards: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -4,7 +4,8 @@ Shapes: N completions, T completion tokens (padded). Each function's docstring
 has its formula and a worked example (checked in tests/algorithm/test_losses.py,
 and against TRL in tests/test_trl_equivalence.py).
 
-Two registered kinds, one signature each:
+Two registered kinds, one signature each, registered where they are defined
+(`@POLICY_LOSSES.register("clipped")`):
 
 - a policy loss (grpo.registry.POLICY_LOSSES), the per-token objective:
       loss(logp, old_logp, advantages, mask, params: PolicyLossParams) -> (per-token loss, stats)
@@ -13,6 +14,10 @@ Two registered kinds, one signature each:
   The normalisers are passed in, counted over the whole generation batch (all
   ranks), never from the tensors at hand: splitting a batch into minibatches,
   micro-batches or ranks cannot change the loss.
+
+An entry may carry what the update asks of it (attributes given to `register`):
+`caveat(params) -> str | None`, a warning about a setting that works against it,
+logged once; a policy loss's `folds_correction` and `sequence_metrics`.
 
 Advantages are [N] (one per completion, the group estimators) or [N, T] (one
 per token, GAE); every policy loss broadcasts [N] as [N, 1].
@@ -183,6 +188,7 @@ def _count(value: float, like: torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(value, dtype=like.dtype, device=like.device).clamp(min=1.0)
 
 
+@LOSS_AGGREGATIONS.register("grpo")
 def per_sequence_mean(
     per_token_loss: torch.Tensor, mask: torch.Tensor, norm: LossNormalisers
 ) -> torch.Tensor:
@@ -192,6 +198,7 @@ def per_sequence_mean(
     return per_sequence.sum() / norm.num_sequences
 
 
+@LOSS_AGGREGATIONS.register("bnpo")
 def minibatch_token_mean(
     per_token_loss: torch.Tensor, mask: torch.Tensor, norm: LossNormalisers
 ) -> torch.Tensor:
@@ -200,6 +207,7 @@ def minibatch_token_mean(
     return masked.sum() / _count(norm.minibatch_tokens, masked) / norm.num_minibatches
 
 
+@LOSS_AGGREGATIONS.register("dr_grpo")
 def fixed_length_mean(
     per_token_loss: torch.Tensor, mask: torch.Tensor, norm: LossNormalisers
 ) -> torch.Tensor:
@@ -210,6 +218,7 @@ def fixed_length_mean(
     return masked.sum() / (norm.num_sequences * norm.max_completion_length)
 
 
+@LOSS_AGGREGATIONS.register("dapo")
 def batch_token_mean(
     per_token_loss: torch.Tensor, mask: torch.Tensor, norm: LossNormalisers
 ) -> torch.Tensor:
@@ -218,6 +227,16 @@ def batch_token_mean(
     return masked.sum() / _count(norm.num_tokens, masked)
 
 
+def _luspo_caveat(params: "PolicyLossParams") -> str | None:
+    if params.importance_sampling_level == "sequence":
+        return None
+    return (
+        f"algorithm.loss_type=luspo with importance_sampling_level={params.importance_sampling_level}: LUSPO is "
+        "defined with the sequence-level ratio (set algorithm.importance_sampling_level=sequence to follow the paper)"
+    )
+
+
+@LOSS_AGGREGATIONS.register("luspo", caveat=_luspo_caveat)
 def sequence_sum_mean(
     per_token_loss: torch.Tensor, mask: torch.Tensor, norm: LossNormalisers
 ) -> torch.Tensor:
@@ -304,6 +323,7 @@ class PolicyLossParams:
     vespo_lambda_neg: float = 2.0
 
 
+@POLICY_LOSSES.register("clipped")
 def clipped_policy_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -349,6 +369,17 @@ def _trust_region_stats(
         return _clip_stats(low, high, mask)
 
 
+def _cispo_caveat(params: PolicyLossParams) -> str | None:
+    if params.epsilon_high > 1:
+        return None
+    return (
+        f"algorithm.epsilon_high={params.epsilon_high} is CISPO's cap on the importance weight itself (as in TRL), "
+        "so every token's weight is at most that: the update is scaled down by it. Set algorithm.epsilon_high=5.0 "
+        "(MiniMax-M1's and TRL's recommendation) or another cap > 1"
+    )
+
+
+@POLICY_LOSSES.register("cispo", caveat=_cispo_caveat)
 def cispo_policy_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -389,6 +420,7 @@ def cispo_policy_loss(
     return per_token, stats
 
 
+@POLICY_LOSSES.register("sapo")
 def sapo_policy_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -491,6 +523,24 @@ def _scalar(value: float, like: torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(value, dtype=like.dtype, device=like.device)
 
 
+def _vespo_caveat(params: PolicyLossParams) -> str | None:
+    if params.importance_sampling_level == "token":
+        return None
+    return (
+        "algorithm.policy_loss=vespo computes its own sequence-level weight; "
+        f"importance_sampling_level={params.importance_sampling_level} only changes the clip statistics and the "
+        "bias-corrected KL (leave it at token, as TRL advises)"
+    )
+
+
+@POLICY_LOSSES.register(
+    "vespo",
+    # policy_loss passes the rollout correction's weights in (`correction_weights=`) rather
+    # than multiplying the per-token loss by them
+    folds_correction=True,
+    caveat=_vespo_caveat,
+    sequence_metrics={"vespo/phi_seq_mean": "phi_seq_sum"},
+)
 def vespo_policy_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -543,11 +593,6 @@ def vespo_policy_loss(
             m = mask.double()
             stats["phi_seq_sum"] = ((phi.double() * m).sum(-1) / m.sum(-1).clamp(min=1.0)).sum()
     return per_token, stats
-
-
-vespo_policy_loss.folds_correction = True
-"""policy_loss passes the rollout correction's weights in (`correction_weights=`) rather than
-multiplying the per-token loss by them."""
 
 
 def off_policy_mask(

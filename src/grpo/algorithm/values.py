@@ -5,32 +5,52 @@ Shapes: N completions, T completion tokens, right-padded (a row's mask is
 (checked in tests/algorithm/test_values.py).
 
 With `algorithm.advantage_estimator: gae` the advantages are per token, [N, T]:
-the trainer scores a completion with its outcome reward on its last token
-(`outcome_token_rewards`), asks the critic for V_t, and runs `gae_advantages`;
-the policy losses accept [N, T] advantages as well as [N]. The registry entry
-`gae` (`gae_estimator`) exists so that the name passes the config check; it
-cannot be called like the other estimators, which see rewards only.
+each completion's outcome reward on its last token (`outcome_token_rewards`),
+the critic's V_t, `gae_advantages`, then whitening; the policy losses accept
+[N, T] advantages as well as [N]. `gae_estimator` is the registered entry
+(`needs_values=True`: the run trains a critic, and its values reach the
+estimator as `AdvantageInputs.values`); the critic learns `gae_returns`.
 """
 
 from __future__ import annotations
 
 import torch
 
+from grpo.algorithm.advantages import AdvantageInputs
+from grpo.registry import ADVANTAGE_ESTIMATORS
 
-def gae_estimator(
-    rewards: torch.Tensor, group_size: int, *, scale_rewards: str = "none"
-) -> torch.Tensor:
-    """The registered `gae` estimator's entry: always raises.
 
-    GAE needs the critic's values V_t for every token, which the registry's
-    signature (rewards, group_size) does not carry; the trainer special-cases
-    `gae` and calls `gae_advantages(outcome_token_rewards(r, mask), V, mask,
-    gamma, lam)` itself.
+@ADVANTAGE_ESTIMATORS.register("gae", needs_values=True)
+def gae_estimator(inputs: AdvantageInputs) -> torch.Tensor:
+    """The registered `gae` estimator: PPO's per-token advantages [N, T] from the critic's values.
+
+    The outcome reward on each completion's last token, GAE with `inputs.gamma` and
+    `inputs.lam` over the completion's tokens, then (with `inputs.whiten`) whitened over the
+    tokens the loss counts (a completion without a reward is not among them). In the values'
+    dtype, on their device.
     """
-    raise RuntimeError(
-        "advantage_estimator 'gae' needs the critic's values, which an estimator called with rewards alone does "
-        "not have; the trainer computes it with grpo.algorithm.values.gae_advantages"
+    if inputs.values is None:
+        raise ValueError("the gae estimator needs the critic's values (AdvantageInputs.values)")
+    values = inputs.values
+    mask = inputs.completion_mask.to(values.device)
+    advantages, _ = gae_advantages(
+        outcome_token_rewards(inputs.rewards.to(values.device), mask),
+        values,
+        mask,
+        inputs.gamma,
+        inputs.lam,
     )
+    if inputs.whiten:
+        advantages = masked_whiten(advantages, inputs.loss_mask.to(values.device))
+    return advantages
+
+
+def gae_returns(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> torch.Tensor:
+    """The critic's regression targets [N, T]: GAE's returns (A_t + V_t, before whitening) of the
+    outcome rewards [N] on the completions' tokens `mask` [N, T], from the `values` [N, T]."""
+    return gae_advantages(outcome_token_rewards(rewards, mask), values, mask, gamma, lam)[1]
 
 
 def _last_token(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,3 +1,4 @@
-"""The training loop: one GRPO step after another (trainer), the policy update and its
-log-probabilities, the generation batch, the train state, the reference policy and
-critic, metrics and held-out evaluation."""
+"""The training loop: the run's parts built from a config (build), one GRPO step over them
+(step: collect, scoring, sampling, update, critic), the loop around it (trainer), and what
+they share: the generation batch, the train state, the reference policy, metrics, checkpoints
+and held-out evaluation."""

@@ -31,6 +31,7 @@ should_evaluate and should_save at each `on_step_begin`, each also after its own
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,6 +127,12 @@ class Callbacks:
         for callback in callbacks or ():
             self.add(callback)
 
+    @classmethod
+    def of(cls, callbacks, args) -> "Callbacks":
+        """`callbacks` when it is a Callbacks, else one of the callback objects (or classes) given,
+        called with `args`."""
+        return callbacks if isinstance(callbacks, Callbacks) else cls(callbacks or (), args=args)
+
     def __iter__(self):
         return iter(self.callbacks)
 
@@ -167,3 +174,33 @@ class Callbacks:
             for flag in lowered:
                 setattr(self.control, flag, False)
         return self.control
+
+    def configure(self, cfg, num_prompts: int, num_rows: int, is_main: bool) -> None:
+        """The state's sizes in TRL's units (optimizer steps: a grpo step is num_iterations of
+        them), for a run of `num_prompts` groups a step over `num_rows` training rows."""
+        mu, s = cfg.algorithm.num_iterations, self.state
+        s.max_steps = cfg.training.max_steps * mu
+        s.logging_steps = cfg.logging.log_every * mu
+        s.eval_steps = cfg.eval.every * mu
+        s.save_steps = cfg.training.save_steps * mu
+        s.train_batch_size = cfg.training.per_device_train_batch_size
+        s.num_train_epochs = math.ceil(cfg.training.max_steps * num_prompts / num_rows)
+        s.is_world_process_zero = s.is_local_process_zero = is_main
+
+    def progress(self, global_step: int, epoch: float, tokens_seen: int) -> None:
+        """Where training is, in TRL's units."""
+        s = self.state
+        s.global_step, s.epoch, s.num_input_tokens_seen = global_step, epoch, tokens_seen
+
+    def init_end(self) -> None:
+        """on_init_end, once however many trainers these callbacks serve."""
+        if not self.init_ended:
+            self.init_ended = True
+            self.fire("on_init_end")
+
+    def log_row(self, row: dict[str, Any]) -> None:
+        """A row of log_history (TRL's: its `step` in optimizer steps, and `epoch`), then on_log."""
+        s = self.state
+        logs = {**{k: v for k, v in row.items() if k != "step"}, "epoch": s.epoch}
+        s.log_history.append({**logs, "step": s.global_step})
+        self.fire("on_log", logs=logs)

@@ -22,6 +22,7 @@ and "before" and "after" see the same random stream.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -192,6 +193,20 @@ class Evaluator:
         self.scorer, self.reward_set, self.backend = scorer, reward_set, backend
         self.max_new_tokens = e.max_completion_length or cfg.rollout.max_completion_length
 
+    @classmethod
+    def of(cls, run) -> "Evaluator":
+        """The evaluation of a run's parts (grpo.training.build.RunParts): its engine, the task's
+        held-out rows and scorer, the run's rewards."""
+        return cls(
+            run.cfg,
+            run.engine,
+            run.tokenizer,
+            run.task.eval_rows,
+            run.task.scorer,
+            run.rewards,
+            run.backend,
+        )
+
     @property
     def num_batches(self) -> int:
         """Generation batches of one evaluation (every wording and temperature), on this rank."""
@@ -246,9 +261,10 @@ class Evaluator:
 def group_evaluation(trainer, rows: list[Row], num_generations: int) -> dict[str, float]:
     """What TRL's GRPOTrainer.evaluate measures, without gradients: `num_generations` completions
     of each held-out prompt, sampled as in training (rollout.temperature, top_p, top_k), scored
-    by the run's reward functions; each group's advantages (algorithm.advantage_estimator; 0 for
-    a group of one) and the loss of the run's objective on them at ratio 1 (the policy that
-    sampled is the one scored). `trainer` is a grpo.training.trainer.Trainer.
+    by the run's reward functions; each group's advantages (algorithm.advantage_estimator on the
+    weighted sum of the rewards; one that needs the critic's values is replaced by `grpo`'s: no
+    critic runs here; 0 for a group of one) and the loss of the run's objective on them at ratio
+    1 (the policy that sampled is the one scored). `trainer` is a grpo.training.trainer.Trainer.
 
     The prompts go `eval.batch_size // num_generations` at a time (at least one), each batch
     seeded from eval.seed, so the same model on the same rows gives the same numbers. Returns
@@ -256,84 +272,126 @@ def group_evaluation(trainer, rows: list[Row], num_generations: int) -> dict[str
     `rewards/<name>/mean` and `/std`, `completions/mean_length`, `/clipped_ratio` ..., and
     `kl` when beta > 0 (unprefixed: the caller adds `eval_`). On one process: under torchrun
     each rank evaluates every row."""
-    from grpo import algorithm
-    from grpo.registry import ADVANTAGE_ESTIMATORS
-    from grpo.training.metrics import Outcome, batch_metrics
-    from grpo.training.update import loss_settings, rows_logprobs
-
     if not rows:
         raise ConfigError("group evaluation: no held-out rows")
     if num_generations < 1:
         raise ConfigError(f"num_generations_eval: must be > 0, got {num_generations}")
-    cfg, t, G = trainer.cfg, trainer, num_generations
-    per_batch = max(1, cfg.eval.batch_size // G)
-    estimator = ADVANTAGE_ESTIMATORS.get(
-        "grpo" if cfg.algorithm.advantage_estimator == "gae" else cfg.algorithm.advantage_estimator
-    )
-    settings = loss_settings(cfg)
+    run, G = trainer.parts, num_generations
+    per_batch = max(1, run.cfg.eval.batch_size // G)
     sums: dict[str, list[float]] = {}
-    generator = torch.Generator().manual_seed(cfg.eval.seed)
-    was_training = t.model.training
+    generator = torch.Generator().manual_seed(run.cfg.eval.seed)
+    was_training = run.model.training
     try:
         for start in range(0, len(rows), per_batch):
             chunk = rows[start : start + per_batch]
-            seeds = prompt_seeds(generator, len(chunk))
-            with t.backend.generation(t.model):
-                rollout, context = t.sample(chunk, G, t.sampling, seeds)
-            batch = t.score(chunk, rollout, num_generations=G, **context)
-            logged = t.rewards.take_logged_metrics()  # what the reward functions logged
-            rewards = batch.rewards
-            advantages = (
-                estimator(rewards, G, scale_rewards=cfg.algorithm.scale_rewards)
-                if G > 1
-                else torch.zeros_like(rewards)
-            )
-            advantages = torch.nan_to_num(advantages.float(), nan=0.0)
-            everyone = torch.arange(len(batch), device="cpu")
-            t.model.eval()
-            logp, _ = rows_logprobs(t.model, batch, everyone, cfg, t.backend, grad=False)
-            width = logp.shape[1]
-            ref_logp = None
-            if t.reference.enabled:
-                with t.reference.module() as reference:
-                    ref_logp, _ = rows_logprobs(
-                        reference, batch, everyone, cfg, t.backend, grad=False
-                    )
-            mask = batch.loss_mask[:, :width].to(logp.device)
-            with torch.no_grad():
-                loss, stats = algorithm.policy_loss(
-                    logp.float(),
-                    None,
-                    advantages.to(logp.device),
-                    mask,
-                    settings,
-                    algorithm.LossNormalisers(
-                        max_completion_length=cfg.rollout.max_completion_length
-                    ),
-                    ref_logp=ref_logp.float() if ref_logp is not None else None,
-                )
-            metrics = batch_metrics(
-                Outcome.of(batch),
-                G,
-                t.rewards.names,
-                dict(t.rewards.failures),
-                dynamic_sampling=False,
-            )
-            metrics = {
-                k: v
-                for k, v in metrics.items()
-                if not k.endswith("/failures")  # the run's counts, not the evaluation's
-            }
-            metrics.update({k: v for k, v in logged.items() if k not in metrics})
-            metrics["loss"] = float(loss)
-            if cfg.algorithm.beta > 0 and "kl" in stats:
-                metrics["kl"] = float(stats["kl"]) / max(1.0, float(mask.sum()))
-            for key, value in metrics.items():
+            for key, value in _group_metrics(run, chunk, G, prompt_seeds(generator, len(chunk))):
                 sums.setdefault(key, []).append(float(value))
     finally:
-        t.model.train(was_training)
+        run.model.train(was_training)
     out = {}
     for key, values in sums.items():
         finite = [v for v in values if math.isfinite(v)]
         out[key] = sum(finite) / len(finite) if finite else math.nan
     return out
+
+
+def _group_metrics(run, rows: list[Row], G: int, seeds) -> list[tuple[str, float]]:
+    """One batch of group_evaluation: its completions' metrics and the objective's loss."""
+    from grpo.training.metrics import Outcome, batch_metrics
+    from grpo.training.sampling import generate
+    from grpo.training.scoring import score
+
+    cfg = run.cfg
+    with run.backend.generation(run.model):
+        rollout, context = generate(run, rows, G, run.sampling, seeds)
+    batch = score(run, rows, rollout, num_generations=G, **context)
+    logged = run.rewards.take_logged_metrics()  # what the reward functions logged
+    loss, stats, mask = _group_loss(run, batch, G)
+    metrics = batch_metrics(
+        Outcome.of(batch), G, run.rewards.names, dict(run.rewards.failures), dynamic_sampling=False
+    )
+    metrics = {
+        k: v
+        for k, v in metrics.items()
+        if not k.endswith("/failures")  # the run's counts, not the evaluation's
+    }
+    metrics.update({k: v for k, v in logged.items() if k not in metrics})
+    metrics["loss"] = float(loss)
+    if cfg.algorithm.beta > 0 and "kl" in stats:
+        metrics["kl"] = float(stats["kl"]) / max(1.0, float(mask.sum()))
+    return list(metrics.items())
+
+
+def _group_loss(run, batch, G: int) -> tuple:
+    """The run's objective on a scored batch at ratio 1, its groups' advantages from the
+    estimator; (loss, its statistics, the loss mask)."""
+    from grpo import algorithm
+    from grpo.training.update import loss_settings, rows_logprobs
+
+    cfg = run.cfg
+    estimator = run.estimator
+    if algorithm.needs_values(estimator):  # no critic's values here: the group baseline
+        estimator = algorithm.grpo_advantages
+    rewards = batch.rewards
+    advantages = (
+        estimator(algorithm.AdvantageInputs(rewards, G, cfg.algorithm.scale_rewards))
+        if G > 1
+        else torch.zeros_like(rewards)
+    )
+    advantages = torch.nan_to_num(advantages.float(), nan=0.0)
+    everyone = torch.arange(len(batch), device="cpu")
+    run.model.eval()
+    logp, _ = rows_logprobs(run.model, batch, everyone, cfg, run.backend, grad=False)
+    width = logp.shape[1]
+    ref_logp = None
+    if run.reference.enabled:
+        with run.reference.module() as reference:
+            ref_logp, _ = rows_logprobs(reference, batch, everyone, cfg, run.backend, grad=False)
+    mask = batch.loss_mask[:, :width].to(logp.device)
+    with torch.no_grad():
+        loss, stats = algorithm.policy_loss(
+            logp.float(),
+            None,
+            advantages.to(logp.device),
+            mask,
+            loss_settings(cfg),
+            algorithm.LossNormalisers(max_completion_length=cfg.rollout.max_completion_length),
+            ref_logp=ref_logp.float() if ref_logp is not None else None,
+        )
+    return loss, stats, mask
+
+
+def held_out_evaluation(run, label: str) -> list[EvalResult]:
+    """The run's held-out evaluation (`run.evaluator`, made on first use when the config
+    schedules none) with the policy whole for generating; its results go to eval.jsonl."""
+    if run.evaluator is None and run.task.eval_rows:  # asked for outside the schedule
+        run.evaluator = Evaluator.of(run)
+    if run.evaluator is None:
+        raise ConfigError(
+            "evaluation needs held-out rows (data.arithmetic.num_eval > 0 or data.eval_file)"
+        )
+    ev, step = run.evaluator, run.state.step
+    with run.backend.generation(run.model):
+        return run.log.evaluation(
+            label, step, len(ev.rows), ev.num_batches, lambda progress: ev(label, step, progress)
+        )
+
+
+def held_out_group_evaluation(num_generations: int):
+    """An extra evaluation for the Trainer (`extra_evaluation=`): group_evaluation of the task's
+    held-out rows with `num_generations` completions each, added to every evaluation's row."""
+    return functools.partial(_held_out, num_generations=num_generations)
+
+
+def _held_out(trainer, num_generations: int) -> dict[str, float]:
+    return group_evaluation(trainer, trainer.task.eval_rows, num_generations)
+
+
+def eval_metrics(results: list[EvalResult], prefix: str = "eval") -> dict[str, float]:
+    """An evaluation's results as flat metrics: `{prefix}_{decoding}/accuracy` and `/mean_reward`
+    for each decoding ("greedy", "temperature 1", ...)."""
+    metrics = {}
+    for r in results:
+        metrics[f"{prefix}_{r.decoding}/accuracy"] = r.accuracy
+        metrics[f"{prefix}_{r.decoding}/mean_reward"] = r.mean_reward
+    return metrics

@@ -1,4 +1,5 @@
-"""A step's metrics (TRL's names where the meaning is the same) and the timer of its phases."""
+"""A step's metrics (TRL's names where the meaning is the same), the timer of its phases, and
+the closing row of a run (`summary_row`)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,16 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from grpo import algorithm
+from grpo.sandbox import take_counts
 from grpo.training.batching import GenerationBatch
+
+if TYPE_CHECKING:
+    from grpo.training.build import RunParts
 
 
 class PhaseTimer:
@@ -131,3 +137,112 @@ def batch_metrics(
         m["sampling/rounds"] = batch.sampling_rounds
         m["sampling/zero_std_groups_kept"] = batch.zero_std_groups_kept
     return m
+
+
+def start_step_counts(run: RunParts) -> None:
+    """The step's sandbox and reward-failure counts are its own, not those of the set-up's checks
+    or an evaluation between steps; so are what its reward functions log and its tool calls."""
+    take_counts()
+    run.rewards.step_failures()
+    run.rewards.take_logged_metrics()
+    take_tool_counts = getattr(run.engine, "take_counts", None)
+    if take_tool_counts is not None:
+        take_tool_counts()
+
+
+def step_metrics(
+    run: RunParts, batch: GenerationBatch, update_stats: dict, timer: PhaseTimer
+) -> dict[str, float]:
+    """The step's metrics over every rank (the update's come reduced already); the phases'
+    times are this rank's. Counts the step's tokens into the run's (`tokens_seen`)."""
+    ro, b, r = batch.rollout, run.backend, run.rewards
+    tokens = int(b.sum(int(ro.completion_mask.sum() + ro.prompt_mask.sum())))
+    run.state.tokens_seen += tokens
+    logged = _mean_over_ranks(b.all_gather_object(r.take_logged_metrics()))
+    tools = _tool_metrics(run)
+    # the counts of every rank: the run's reward failures, the step's, the sandbox's, truncated prompts
+    failures, step_failures, sandbox, truncated = (
+        sum_counts(parts)
+        for parts in zip(
+            *b.all_gather_object(
+                (
+                    dict(r.failures),
+                    r.step_failures(),
+                    take_counts(),
+                    {"prompts": run.prompts.take_truncated()},
+                )
+            )
+        )
+    )
+    metrics = {
+        "step": run.state.step,
+        **batch_metrics(
+            Outcome.of(batch, b),
+            run.cfg.rollout.num_generations,
+            r.names,
+            failures,
+            run.cfg.algorithm.dynamic_sampling,
+            step_failures,
+            sandbox,
+        ),
+        **update_stats,
+        "prompts/truncated": truncated["prompts"],
+        **tools,
+        "learning_rate": run.state.scheduler.get_last_lr()[0],
+        "num_tokens": run.state.tokens_seen,
+        **timer.metrics(tokens),
+    }
+    # what the reward functions logged (log_metric); a name of grpo's own metrics keeps grpo's
+    return {**metrics, **{name: v for name, v in logged.items() if name not in metrics}}
+
+
+def _tool_metrics(run: RunParts) -> dict[str, float]:
+    """The tools' metrics since the last step (grpo.rollout.tools.tool_metrics), over every rank;
+    none without tools."""
+    take = getattr(run.engine, "take_counts", None)
+    if take is None:
+        return {}
+    from grpo.rollout.tools import tool_metrics
+
+    return tool_metrics(sum_counts(run.backend.all_gather_object(take())))
+
+
+def _mean_over_ranks(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Each name's mean over the ranks that logged it."""
+    names = dict.fromkeys(name for part in parts for name in part)
+    return {
+        name: sum(p[name] for p in parts if name in p) / sum(name in p for p in parts)
+        for name in names
+    }
+
+
+def summary_row(
+    history: list[dict], runtime: float, steps: int, cfg, world_size: int
+) -> dict[str, Any]:
+    """transformers' closing row: train_loss (the mean of the steps' losses), the speeds over this
+    train() call's optimizer steps (`steps` grpo steps of num_iterations each), total_flos (not
+    counted by grpo: always 0); and, as TRL's does, the mean of each metric over the steps since
+    the last logging_steps boundary (none when the last step is on one)."""
+    optimizer_steps = steps * cfg.algorithm.num_iterations
+    samples_per_step, every = cfg.generation_batch_size(world_size), cfg.logging.log_every
+    losses = [r["loss"] for r in history if math.isfinite(r.get("loss", math.nan))]
+    row: dict[str, Any] = {}
+    if every and history and history[-1]["step"] % every:
+        since = [r for r in history if r["step"] > history[-1]["step"] // every * every]
+        for key in since[0]:
+            values = [
+                r[key]
+                for r in since
+                if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])
+            ]
+            if key != "step":
+                row[key] = sum(values) / len(values) if values else None
+    runtime = max(runtime, 1e-9)
+    return {
+        **row,
+        "train_runtime": round(runtime, 4),
+        "train_samples_per_second": round(optimizer_steps * samples_per_step / runtime, 3),
+        "train_steps_per_second": round(optimizer_steps / runtime, 3),
+        "total_flos": 0.0,
+        "train_loss": sum(losses) / len(losses) if losses else 0.0,
+    }

@@ -7,13 +7,21 @@ Three ways, set up from the config and the Python API's arguments:
   with environments each completion's own is reset first, its observation added to its prompt,
   which offers that environment's tools (grpo.rollout.environments);
 - a rollout_func the user wrote (grpo.rollout.custom), in place of the engine.
+
+`generate` is the phase on a run's parts (grpo.training.build.RunParts); `sample` the same
+from the parts it uses.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from grpo.config.schema import Config
 from grpo.rollout import SamplingParams, create_engine
 from grpo.tasks.data import Row
+
+if TYPE_CHECKING:
+    from grpo.training.build import RunParts
 
 
 def configured_tools(cfg: Config, passed: list) -> dict:
@@ -87,7 +95,7 @@ def sample(
     caller=None,
     model=None,
 ) -> tuple:
-    """G completions of each row's prompt: the rollout, and what Trainer.score needs beside it
+    """G completions of each row's prompt: the rollout, and what grpo.training.scoring.score needs beside it
     (keyword arguments). `prompts`: the PromptEncoder. With `environments`, each completion's
     own is reset first and its calls go to it: `episodes`. With a `rollout_func`, the rollout is
     its own, called with `caller` as the trainer, and what else it returned goes to the reward
@@ -118,3 +126,23 @@ def sample(
             ids[i] = tokens
     rollout = engine.generate(ids, G, params, seeds, episodes=episodes)
     return rollout, {"episodes": episodes}
+
+
+def generate(run: RunParts, rows: list[Row], G: int, params: SamplingParams, seeds) -> tuple:
+    """`sample` with the run's engine, prompts, environments and rollout_func (called with
+    `run.caller` as its trainer); the episodes, when there are environments, kept as the
+    run's last (`run.episodes`: TRL's trainer.environments)."""
+    rollout, context = sample(
+        rows,
+        G,
+        params,
+        seeds,
+        engine=run.engine,
+        prompts=run.prompts,
+        environments=run.environments,
+        rollout_func=run.rollout_func,
+        caller=run.caller,
+        model=run.model,
+    )
+    run.episodes = context.get("episodes", run.episodes)
+    return rollout, context

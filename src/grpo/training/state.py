@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -155,3 +156,15 @@ class TrainState:
             "rng": capture_rng(),
             "entropy": self.entropy.state_dict() if self.entropy is not None else None,
         }
+
+
+def trainer_state(state: TrainState, cfg: Config) -> SimpleNamespace:
+    """What TRL passes reward functions as `trainer_state`, under its attribute names: optimizer
+    steps (a grpo step is num_iterations of them) and the fractional epoch. A SimpleNamespace,
+    so it pickles to reward functions in worker processes."""
+    mu, sampler = cfg.algorithm.num_iterations, state.sampler
+    return SimpleNamespace(
+        global_step=state.step * mu,
+        max_steps=cfg.training.max_steps * mu,
+        epoch=sampler.epoch + sampler.position / sampler.num_rows,
+    )

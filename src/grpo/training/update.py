@@ -35,7 +35,7 @@ import contextlib
 import functools
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,6 +43,7 @@ from grpo import algorithm
 from grpo.config.errors import ConfigError
 from grpo.config.schema import Config
 from grpo.models.logprobs import completion_logprobs
+from grpo.registry import LOSS_AGGREGATIONS, POLICY_LOSSES
 from grpo.training.batching import GenerationBatch, microbatches, minibatches
 from grpo.training.state import EntropyControl
 
@@ -176,7 +177,8 @@ def batch_logprobs(model, batch: GenerationBatch, cfg: Config, backend) -> torch
 
 def loss_settings(cfg: Config) -> algorithm.LossSettings:
     """algorithm.* as the policy loss takes it; algorithm.rollout_correction `token_truncate` is
-    level token, mode truncate (none: no correction)."""
+    level token, mode truncate (none: no correction). A registered loss's or aggregation's
+    `caveat` about these settings is logged once."""
     a = cfg.algorithm
     correction = None
     if a.rollout_correction != "none":
@@ -184,41 +186,27 @@ def loss_settings(cfg: Config) -> algorithm.LossSettings:
         correction = algorithm.RolloutCorrection(
             level=level, mode=mode, cap=a.rollout_correction_cap
         )
-    if a.loss_type == "luspo" and a.importance_sampling_level != "sequence":
-        _warn_once(
-            "algorithm.loss_type=luspo with importance_sampling_level=%s: LUSPO is defined with the "
-            "sequence-level ratio (set algorithm.importance_sampling_level=sequence to follow the paper)",
-            a.importance_sampling_level,
-        )
-    if a.policy_loss == "cispo" and cfg.epsilon_high <= 1:
-        _warn_once(
-            "algorithm.epsilon_high=%s is CISPO's cap on the importance weight itself (as in TRL), so every "
-            "token's weight is at most that: the update is scaled down by it. Set algorithm.epsilon_high=5.0 "
-            "(MiniMax-M1's and TRL's recommendation) or another cap > 1",
-            cfg.epsilon_high,
-        )
-    if a.policy_loss == "vespo" and a.importance_sampling_level != "token":
-        _warn_once(
-            "algorithm.policy_loss=vespo computes its own sequence-level weight; "
-            "importance_sampling_level=%s only changes the clip statistics and the bias-corrected KL "
-            "(leave it at token, as TRL advises)",
-            a.importance_sampling_level,
-        )
+    params = algorithm.PolicyLossParams(
+        epsilon_low=a.epsilon,
+        epsilon_high=cfg.epsilon_high,
+        delta=a.delta,
+        importance_sampling_level=a.importance_sampling_level,
+        sapo_temperature_pos=a.sapo_temperature_pos,
+        sapo_temperature_neg=a.sapo_temperature_neg,
+        vespo_k_pos=a.vespo_k_pos,
+        vespo_lambda_pos=a.vespo_lambda_pos,
+        vespo_k_neg=a.vespo_k_neg,
+        vespo_lambda_neg=a.vespo_lambda_neg,
+    )
+    for part in (LOSS_AGGREGATIONS.get(a.loss_type), POLICY_LOSSES.get(a.policy_loss)):
+        caveat = getattr(part, "caveat", None)
+        message = caveat(params) if caveat is not None else None
+        if message:
+            _warn_once(message)
     return algorithm.LossSettings(
         objective=a.policy_loss,
         loss_type=a.loss_type,
-        params=algorithm.PolicyLossParams(
-            epsilon_low=a.epsilon,
-            epsilon_high=cfg.epsilon_high,
-            delta=a.delta,
-            importance_sampling_level=a.importance_sampling_level,
-            sapo_temperature_pos=a.sapo_temperature_pos,
-            sapo_temperature_neg=a.sapo_temperature_neg,
-            vespo_k_pos=a.vespo_k_pos,
-            vespo_lambda_pos=a.vespo_lambda_pos,
-            vespo_k_neg=a.vespo_k_neg,
-            vespo_lambda_neg=a.vespo_lambda_neg,
-        ),
+        params=params,
         beta=a.beta,
         kl_estimator=a.kl_estimator,
         kl_bias_correction=a.kl_bias_correction,
@@ -277,6 +265,203 @@ def _accumulate(sums: dict[str, float], stats: dict[str, torch.Tensor]) -> None:
             sums[key] = sums.get(key, 0.0) + value
 
 
+@dataclass
+class UpdatePlan:
+    """What every optimizer pass of one update shares, counted once over every rank: the
+    batch's minibatches (each as its micro-batches; with the idle ones that even out the
+    ranks' passes), each minibatch's loss normalisers, and the loss's settings."""
+
+    batch: GenerationBatch
+    old_logp: torch.Tensor | None
+    ref_logp: torch.Tensor | None
+    pieces: list[list[torch.Tensor]]
+    norms: list[algorithm.LossNormalisers]
+    num_tokens: float
+    num_sequences: int
+    settings: algorithm.LossSettings
+
+    @classmethod
+    def of(cls, batch: GenerationBatch, old_logp, ref_logp, cfg: Config, backend) -> "UpdatePlan":
+        a = cfg.algorithm
+        pieces = split(batch, cfg)
+        num_tokens = backend.sum(batch.loss_mask.sum().item())
+        num_sequences = int(backend.sum(len(batch)))
+        num_minibatches = int(
+            backend.sum(len(pieces))
+        )  # bnpo averages over every rank's minibatches
+        settings = loss_settings(cfg)
+        if settings.correction is not None and batch.rollout.sampling_logprobs is None:
+            raise ConfigError(
+                f"algorithm.rollout_correction={a.rollout_correction}: the rollout engine {cfg.rollout.engine!r} did not "
+                "report the logprobs it sampled with; set algorithm.rollout_correction=none"
+            )
+        pieces = evened(pieces, backend)  # after counting the minibatches: padding is not one
+        norms = [
+            algorithm.LossNormalisers(
+                num_sequences=num_sequences,
+                num_tokens=num_tokens,
+                num_minibatches=num_minibatches,
+                minibatch_tokens=batch.loss_mask[torch.cat(minibatch)].sum().item(),
+                max_completion_length=cfg.rollout.max_completion_length,
+            )
+            for minibatch in pieces
+        ]
+        return cls(batch, old_logp, ref_logp, pieces, norms, num_tokens, num_sequences, settings)
+
+
+@dataclass
+class UpdateSums:
+    """What the update's passes add up: the statistics' sums (`_max` keys: maxima), each pass's
+    gradient norm and entropy coefficient, the passes skipped, and the pass under way's
+    entropy window (its sum H E and count E, for the adaptive controller)."""
+
+    stats: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(
+            ("kl", "clip_low", "clip_high", "clip_region", "entropy", "loss"), 0.0
+        )
+    )
+    grad_norms: list[float] = field(default_factory=list)
+    coefs: list[float] = field(default_factory=list)
+    skipped: int = 0
+    window: list[float] = field(default_factory=lambda: [0.0, 0.0])
+
+
+def micro_batch_loss(
+    model, plan: UpdatePlan, rows: torch.Tensor, norm, coef: float, cfg: Config, backend, sums
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss's share of the micro-batch `rows` (to backpropagate) and its statistics, the
+    entropy's sums added to `sums`: the policy loss (x entropy mask x rollout correction) + KL, aggregated with the
+    minibatch's normalisers `norm`, minus the entropy bonus at `coef`."""
+    a, batch = cfg.algorithm, plan.batch
+    logp, entropy = rows_logprobs(model, batch, rows, cfg, backend, grad=True)
+    width = logp.shape[1]
+    mask = batch.loss_mask[rows, :width]
+    high_entropy = (
+        algorithm.entropy_mask(entropy.detach(), mask, a.top_entropy_quantile, a.entropy_mask_scope)
+        if a.top_entropy_quantile < 1.0
+        else None
+    )
+    sampling_logp = batch.rollout.sampling_logprobs
+    loss, stats = algorithm.policy_loss(
+        logp,
+        plan.old_logp[rows, :width] if plan.old_logp is not None else None,
+        _rows_advantages(batch.advantages, rows, width).to(backend.device),
+        mask,
+        plan.settings,
+        norm,
+        ref_logp=plan.ref_logp[rows, :width] if plan.ref_logp is not None else None,
+        entropy_mask=high_entropy,
+        # the engine's logprobs, against the policy the update starts from (old_logp, or logp
+        # itself on a single pass: the weights have not moved yet)
+        sampling_logp=sampling_logp[rows, :width].to(backend.device)
+        if sampling_logp is not None
+        else None,
+        # with gradient: the bonus's part of the backward (only when one is applied)
+        entropy=entropy if coef != 0.0 else None,
+        entropy_coef=coef,
+    )
+    if entropy_bonus_enabled(cfg):  # the loss without the bonus, also in a pass that applied none
+        stats.setdefault("policy_loss", loss.detach().double())
+    if a.use_adaptive_entropy:
+        acted_on = mask if high_entropy is None else mask * high_entropy
+        sums.window[0] += algorithm.masked_sum(entropy, acted_on).item()
+        sums.window[1] += float(acted_on.sum())
+    sums.stats["entropy"] += algorithm.masked_sum(entropy, mask).item()
+    if high_entropy is not None:
+        sums.stats["entropy_kept"] = (
+            sums.stats.get("entropy_kept", 0.0)
+            + algorithm.masked_sum(high_entropy.float(), mask).item()
+        )
+    return loss, stats
+
+
+def optimizer_pass(
+    model, optimizer, scheduler, plan: UpdatePlan, cfg: Config, backend, skips, control, sums
+) -> None:
+    """One pass over the batch: each micro-batch's loss and backward, the gradients summed over
+    the ranks and clipped, then the optimizer and scheduler step; none when the loss or the
+    gradient norm is not finite (the pass is skipped and recorded in `skips`)."""
+    a = cfg.algorithm
+    optimizer.zero_grad(set_to_none=False)  # in place: the gradient buffers stay allocated
+    pass_loss = 0.0
+    coef = _pass_entropy_coef(cfg, control) if entropy_bonus_enabled(cfg) else 0.0
+    sums.window = [0.0, 0.0]
+    for minibatch, norm in zip(plan.pieces, plan.norms):
+        for rows in minibatch:
+            if not len(rows):
+                backend.idle_pass(model, grad=True)
+                continue
+            loss, stats = micro_batch_loss(model, plan, rows, norm, coef, cfg, backend, sums)
+            loss.backward()
+            pass_loss += loss.item()
+            _accumulate(sums.stats, stats)
+    # every rank's share: the loss, and the same verdict everywhere
+    pass_loss = backend.sum(pass_loss)
+    sums.stats["loss"] += pass_loss
+    # summed over the ranks: each rank's shares were normalised globally
+    backend.reduce_gradients(model)
+    grad_norm = backend.clip_grad_norm(model, cfg.training.max_grad_norm)  # before clipping
+    sums.grad_norms.append(grad_norm)
+    if a.use_adaptive_entropy:  # every rank's tokens (a collective: before the verdict)
+        pass_entropy = backend.sum(sums.window[0]) / max(1.0, backend.sum(sums.window[1]))
+    if math.isfinite(pass_loss) and math.isfinite(grad_norm):
+        optimizer.step()
+        scheduler.step()
+        skips.record(False)
+        if a.use_adaptive_entropy:
+            _adapt_entropy_coef(cfg, control, pass_entropy)
+    else:
+        # no step at all: AdamW would write NaN into the weights and its moments for good
+        optimizer.zero_grad(set_to_none=False)
+        sums.skipped += 1
+        skips.record(True, f"loss {pass_loss}, gradient norm {grad_norm}")
+    sums.coefs.append(control.coef)
+
+
+def update_metrics(
+    sums: UpdateSums, plan: UpdatePlan, cfg: Config, backend, skips
+) -> dict[str, float]:
+    """The update's metrics (TRL's names), from its sums over every rank: per token of the
+    passes (entropy, clip ratios, kl, the rollout's mismatch), per sequence (the off-policy
+    mask, a policy loss's `sequence_metrics`), per pass (loss, grad_norm, the entropy bonus)."""
+    a = cfg.algorithm
+    loss_total = sums.stats.pop("loss")  # already summed over the ranks, pass by pass
+    totals = backend.reduce_stats(sums.stats)
+    passes = a.num_iterations * max(1.0, plan.num_tokens)
+    out = {
+        "loss": loss_total / a.num_iterations,
+        "grad_norm": sum(sums.grad_norms) / len(sums.grad_norms),
+        "entropy": totals["entropy"] / passes,
+        "clip_ratio/low_mean": totals["clip_low"] / passes,
+        "clip_ratio/high_mean": totals["clip_high"] / passes,
+        "clip_ratio/region_mean": totals["clip_region"] / passes,
+        "train/skipped_updates": sums.skipped,
+        "train/skipped_updates_total": skips.total,
+    }
+    if a.beta > 0:
+        out["kl"] = totals["kl"] / passes
+    if plan.batch.rollout.sampling_logprobs is not None and "logprob_diff_sum" in totals:
+        out["rollout/logprob_diff_mean"] = totals["logprob_diff_sum"] / passes
+        out["rollout/logprob_diff_max"] = totals["logprob_diff_max"]
+        out["rollout/is_ratio"] = totals["is_ratio_sum"] / passes
+        if plan.settings.correction is not None:
+            out["rollout/is_weight"] = totals["is_weight_sum"] / passes
+            out["rollout/is_capped_ratio"] = totals["is_capped"] / passes
+    if a.top_entropy_quantile < 1.0:
+        out["entropy/kept_ratio"] = totals["entropy_kept"] / passes
+    sequences = a.num_iterations * max(1, plan.num_sequences)
+    if a.off_policy_mask_threshold is not None:
+        out["off_policy/masked_ratio"] = totals.get("off_policy_masked", 0.0) / sequences
+    for name, stat in getattr(POLICY_LOSSES.get(a.policy_loss), "sequence_metrics", {}).items():
+        out[name] = totals.get(stat, 0.0) / sequences
+    if entropy_bonus_enabled(cfg):
+        # the coefficient after each pass (TRL logs it at each optimizer step), and the loss without
+        # the bonus (TRL's policy_loss; a pass that applied none has no bonus to take out)
+        out["entropy_coef"] = sum(sums.coefs) / len(sums.coefs)
+        out["policy_loss"] = totals.get("policy_loss", 0.0) / a.num_iterations
+    return out
+
+
 def policy_update(
     model,
     optimizer,
@@ -289,8 +474,9 @@ def policy_update(
     skips: Skips | None = None,
     entropy_control: EntropyControl | None = None,
 ) -> dict[str, float]:
-    """num_iterations optimizer steps over the generation batch; the update's metrics. A pass with a
-    non-finite loss or gradient norm is skipped and recorded in `skips` (which may raise TrainingDiverged).
+    """num_iterations optimizer passes over the generation batch (`optimizer_pass`); the update's
+    metrics. A pass with a non-finite loss or gradient norm is skipped and recorded in `skips`
+    (which may raise TrainingDiverged).
 
     `entropy_control`: the entropy bonus's coefficient, which the adaptive controller moves after
     every pass that stepped (a skipped pass leaves it as it was); the run's TrainState.entropy, so
@@ -298,266 +484,10 @@ def policy_update(
     a = cfg.algorithm
     skips = skips if skips is not None else Skips(cfg.training.max_consecutive_skips)
     control = entropy_control if entropy_control is not None else EntropyControl(a.entropy_coef)
-    bonus_on = entropy_bonus_enabled(cfg)
-    coefs = []
-    skipped = 0
-    pieces = split(batch, cfg)
-    num_tokens = backend.sum(batch.loss_mask.sum().item())
-    num_sequences = int(backend.sum(len(batch)))
-    num_minibatches = int(backend.sum(len(pieces)))  # bnpo averages over every rank's minibatches
-    sums = {
-        "kl": 0.0,
-        "clip_low": 0.0,
-        "clip_high": 0.0,
-        "clip_region": 0.0,
-        "entropy": 0.0,
-        "loss": 0.0,
-    }
-    sampling_logp = batch.rollout.sampling_logprobs
-    settings = loss_settings(cfg)
-    if settings.correction is not None and sampling_logp is None:
-        raise ConfigError(
-            f"algorithm.rollout_correction={a.rollout_correction}: the rollout engine {cfg.rollout.engine!r} did not "
-            "report the logprobs it sampled with; set algorithm.rollout_correction=none"
-        )
-    grad_norms = []
-    pieces = evened(pieces, backend)  # after counting the minibatches: padding is not one
-    norms = [  # the same for every pass: counted once
-        algorithm.LossNormalisers(
-            num_sequences=num_sequences,
-            num_tokens=num_tokens,
-            num_minibatches=num_minibatches,
-            minibatch_tokens=batch.loss_mask[torch.cat(minibatch)].sum().item(),
-            max_completion_length=cfg.rollout.max_completion_length,
-        )
-        for minibatch in pieces
-    ]
+    plan = UpdatePlan.of(batch, old_logp, ref_logp, cfg, backend)
+    sums = UpdateSums()
     model.train()
     for _ in range(a.num_iterations):
-        optimizer.zero_grad(set_to_none=False)  # in place: the gradient buffers stay allocated
-        pass_loss = 0.0
-        coef = _pass_entropy_coef(cfg, control) if bonus_on else 0.0
-        window = [0.0, 0.0]  # the pass's sum H E and count E, for the adaptive controller
-        for minibatch, norm in zip(pieces, norms):
-            for rows in minibatch:
-                if not len(rows):
-                    backend.idle_pass(model, grad=True)
-                    continue
-                logp, entropy = rows_logprobs(model, batch, rows, cfg, backend, grad=True)
-                width = logp.shape[1]
-                mask = batch.loss_mask[rows, :width]
-                high_entropy = (
-                    algorithm.entropy_mask(
-                        entropy.detach(), mask, a.top_entropy_quantile, a.entropy_mask_scope
-                    )
-                    if a.top_entropy_quantile < 1.0
-                    else None
-                )
-                loss, stats = algorithm.policy_loss(
-                    logp,
-                    old_logp[rows, :width] if old_logp is not None else None,
-                    _rows_advantages(batch.advantages, rows, width).to(backend.device),
-                    mask,
-                    settings,
-                    norm,
-                    ref_logp=ref_logp[rows, :width] if ref_logp is not None else None,
-                    entropy_mask=high_entropy,
-                    # the engine's logprobs, against the policy the update starts from (old_logp,
-                    # or logp itself on a single pass: the weights have not moved yet)
-                    sampling_logp=sampling_logp[rows, :width].to(backend.device)
-                    if sampling_logp is not None
-                    else None,
-                    # with gradient: the bonus's part of the backward (only when one is applied)
-                    entropy=entropy if coef != 0.0 else None,
-                    entropy_coef=coef,
-                )
-                if bonus_on:  # the loss without the bonus, also in a pass that applied none
-                    stats.setdefault("policy_loss", loss.detach().double())
-                if a.use_adaptive_entropy:
-                    acted_on = mask if high_entropy is None else mask * high_entropy
-                    window[0] += algorithm.masked_sum(entropy, acted_on).item()
-                    window[1] += float(acted_on.sum())
-                sums["entropy"] += algorithm.masked_sum(entropy, mask).item()
-                if high_entropy is not None:
-                    sums["entropy_kept"] = (
-                        sums.get("entropy_kept", 0.0)
-                        + algorithm.masked_sum(high_entropy.float(), mask).item()
-                    )
-                loss.backward()
-                pass_loss += loss.item()
-                _accumulate(sums, stats)
-        # every rank's share: the loss, and the same verdict everywhere
-        pass_loss = backend.sum(pass_loss)
-        sums["loss"] += pass_loss
-        # summed over the ranks: each rank's shares were normalised globally
-        backend.reduce_gradients(model)
-        # the norm before clipping
-        grad_norm = backend.clip_grad_norm(model, cfg.training.max_grad_norm)
-        grad_norms.append(grad_norm)
-        if a.use_adaptive_entropy:  # every rank's tokens (a collective: before the verdict)
-            pass_entropy = backend.sum(window[0]) / max(1.0, backend.sum(window[1]))
-        if math.isfinite(pass_loss) and math.isfinite(grad_norm):
-            optimizer.step()
-            scheduler.step()
-            skips.record(False)
-            if a.use_adaptive_entropy:
-                _adapt_entropy_coef(cfg, control, pass_entropy)
-        else:
-            # no step at all: AdamW would write NaN into the weights and its moments for good
-            optimizer.zero_grad(set_to_none=False)
-            skipped += 1
-            skips.record(True, f"loss {pass_loss}, gradient norm {grad_norm}")
-        coefs.append(control.coef)
+        optimizer_pass(model, optimizer, scheduler, plan, cfg, backend, skips, control, sums)
     backend.after_update()
-    loss_total = sums.pop("loss")  # already summed over the ranks, pass by pass
-    sums = backend.reduce_stats(sums)
-    sums["loss"] = loss_total
-    passes = a.num_iterations * max(1.0, num_tokens)
-    out = {
-        "loss": sums["loss"] / a.num_iterations,
-        "grad_norm": sum(grad_norms) / len(grad_norms),
-        "entropy": sums["entropy"] / passes,
-        "clip_ratio/low_mean": sums["clip_low"] / passes,
-        "clip_ratio/high_mean": sums["clip_high"] / passes,
-        "clip_ratio/region_mean": sums["clip_region"] / passes,
-        "train/skipped_updates": skipped,
-        "train/skipped_updates_total": skips.total,
-    }
-    if a.beta > 0:
-        out["kl"] = sums["kl"] / passes
-    if sampling_logp is not None and "logprob_diff_sum" in sums:
-        out["rollout/logprob_diff_mean"] = sums["logprob_diff_sum"] / passes
-        out["rollout/logprob_diff_max"] = sums["logprob_diff_max"]
-        out["rollout/is_ratio"] = sums["is_ratio_sum"] / passes
-        if settings.correction is not None:
-            out["rollout/is_weight"] = sums["is_weight_sum"] / passes
-            out["rollout/is_capped_ratio"] = sums["is_capped"] / passes
-    if a.top_entropy_quantile < 1.0:
-        out["entropy/kept_ratio"] = sums["entropy_kept"] / passes
-    sequences = a.num_iterations * max(1, num_sequences)
-    if a.off_policy_mask_threshold is not None:
-        out["off_policy/masked_ratio"] = sums.get("off_policy_masked", 0.0) / sequences
-    if a.policy_loss == "vespo":
-        out["vespo/phi_seq_mean"] = sums.get("phi_seq_sum", 0.0) / sequences
-    if bonus_on:
-        # the coefficient after each pass (TRL logs it at each optimizer step), and the loss without
-        # the bonus (TRL's policy_loss; a pass that applied none has no bonus to take out)
-        out["entropy_coef"] = sum(coefs) / len(coefs)
-        out["policy_loss"] = sums.get("policy_loss", 0.0) / a.num_iterations
-    return out
-
-
-# --------------------------------------------------------------------------
-# PPO's critic (advantage_estimator: gae)
-# --------------------------------------------------------------------------
-
-
-def rows_values(
-    value_model, batch: GenerationBatch, rows: torch.Tensor, cfg: Config, backend, grad: bool
-) -> torch.Tensor:
-    """V [len(rows), width] of the completions `rows` under the critic, width = their longest."""
-    ro = batch.rollout
-    prompt_ids, prompt_mask = trim_left(ro.prompt_ids[rows], ro.prompt_mask[rows])
-    width = max(1, int(ro.completion_mask[rows].sum(-1).max()))
-    context = contextlib.nullcontext() if grad else torch.no_grad()
-    with context, backend.autocast():
-        return value_model.values(
-            prompt_ids,
-            prompt_mask,
-            ro.completion_ids[rows, :width],
-            ro.completion_mask[rows, :width],
-        )
-
-
-def batch_values(value_model, batch: GenerationBatch, cfg: Config, backend) -> torch.Tensor:
-    """V [N, T] of every completion position before the update (GAE's values, the value clip's centre)."""
-    out = torch.zeros(len(batch), batch.rollout.completion_ids.shape[1], device=backend.device)
-    value_model.eval()
-    try:
-        for pieces in split(batch, cfg):
-            for rows in pieces:
-                values = rows_values(value_model, batch, rows, cfg, backend, grad=False)
-                out[rows, : values.shape[1]] = values
-    finally:
-        value_model.train()
-    return out
-
-
-def gae_batch_advantages(
-    batch: GenerationBatch, values: torch.Tensor, cfg: Config, backend=None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO's per-token advantages and returns [N, T] of a batch from the critic's values: the
-    outcome reward on each completion's last token, GAE, then (by default) whitened over the
-    tokens that count (a completion without a reward is not among them: Trainer.score)."""
-    a = cfg.algorithm
-    rewards = batch.rewards.to(values.device)
-    mask = batch.rollout.completion_mask.to(values.device)
-    token_rewards = algorithm.outcome_token_rewards(rewards, mask)
-    advantages, returns = algorithm.gae_advantages(token_rewards, values, mask, a.gamma, a.lam)
-    if a.whiten_advantages:
-        counted = batch.loss_mask.to(values.device)
-        # the mean and std of every rank's counted tokens (data parallel), as one process would whiten
-        population = (
-            backend.gather_rows(advantages[counted.bool()])[0] if backend is not None else None
-        )
-        advantages = algorithm.masked_whiten(advantages, counted, population=population)
-    return advantages, returns
-
-
-def critic_update(
-    critic,
-    batch: GenerationBatch,
-    old_values: torch.Tensor,
-    returns: torch.Tensor,
-    cfg: Config,
-    backend,
-) -> dict[str, float]:
-    """num_iterations passes of the critic's own optimizer over the batch: the clipped value loss,
-    a mean over every counted token of the batch (so the split does not change it)."""
-    a, model = cfg.algorithm, critic.model
-    pieces = split(batch, cfg)
-    num_tokens = max(1.0, backend.sum(batch.loss_mask.sum().item()))
-    losses, grad_norms = [], []
-    model.train()
-    for _ in range(a.num_iterations):
-        critic.optimizer.zero_grad(set_to_none=True)
-        pass_loss = 0.0
-        for minibatch in pieces:
-            for rows in minibatch:
-                values = rows_values(model, batch, rows, cfg, backend, grad=True)
-                width = values.shape[1]
-                mask = batch.loss_mask[rows, :width].to(values.device)
-                per_token = algorithm.clipped_value_loss(
-                    values, old_values[rows, :width], returns[rows, :width], mask, a.value_clip
-                )
-                loss = (per_token * mask).sum() / num_tokens
-                loss.backward()
-                pass_loss += loss.item()
-        pass_loss = backend.sum(pass_loss)
-        backend.reduce_gradients(model)
-        # the norm before clipping
-        grad_norm = backend.clip_grad_norm(model, cfg.training.max_grad_norm)
-        if math.isfinite(pass_loss) and math.isfinite(grad_norm):
-            critic.optimizer.step()
-        else:
-            log.warning("critic update skipped: loss %s, gradient norm %s", pass_loss, grad_norm)
-        losses.append(pass_loss)
-        grad_norms.append(grad_norm)
-    mask = batch.loss_mask.to(old_values.device).bool()
-    # every rank's tokens
-    v, r = (
-        backend.gather_rows(old_values[mask])[0],
-        backend.gather_rows(returns[mask])[0],
-    )
-    explained = (
-        1.0 - float((r - v).var() / r.var())
-        if r.numel() > 1 and float(r.var()) > 0
-        else float("nan")
-    )
-    return {
-        "critic/value_loss": sum(losses) / len(losses),
-        "critic/grad_norm": sum(grad_norms) / len(grad_norms),
-        "critic/values_mean": float(v.mean()) if v.numel() else float("nan"),
-        "critic/returns_mean": float(r.mean()) if r.numel() else float("nan"),
-        "critic/explained_variance": explained,
-    }
+    return update_metrics(sums, plan, cfg, backend, skips)

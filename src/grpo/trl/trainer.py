@@ -110,17 +110,25 @@ class GRPOTrainer:
             train_rows=train_rows,
             eval_rows=eval_rows,
             reward_funcs=self._reward_funcs,
-            callbacks=self.callback_handler,
-            eval_generations=self.args.num_generations_eval or self.args.num_generations,
             tools=tool_functions(tools),
             environment_factory=environment_factory,
             # TRL calls it with the trainer it was given to
             rollout_func=None if rollout_func is None else partial(_call_rollout_func, self),
-            # TRL raises for a row naming no environment in train(): checked when train() starts
-            check_environment_rows=False,
+        )
+        from grpo.training.evaluate import held_out_group_evaluation
+
+        # TRL raises for a row naming no environment in train(): checked when train() starts, so
+        # the Trainer is built from its parts without Trainer.from_config's check
+        self._hooks = dict(
+            callbacks=self.callback_handler,
+            extra_evaluation=held_out_group_evaluation(
+                self.args.num_generations_eval or self.args.num_generations
+            ),
         )
         self._holds_run = _holds_run(self.config)
-        self.trainer = _build_trainer(_start_config(self.config, self._holds_run), self._inputs)
+        self.trainer = _build_trainer(
+            _start_config(self.config, self._holds_run), self._inputs, self._hooks
+        )
         self.model, self.processing_class = self._policy(), self.trainer.tokenizer
 
     def _policy_and_tokenizer(self, model, processing_class) -> tuple:
@@ -328,7 +336,7 @@ class GRPOTrainer:
             )
         # the trainer built at construction holds no training yet: replace it by one that resumes
         self.trainer.rewards.close()
-        self.trainer = _build_trainer(self.config, self._inputs, resume=path)
+        self.trainer = _build_trainer(self.config, self._inputs, self._hooks, resume=path)
         self.model, self._holds_run = self._policy(), False
 
     def save_model(self, output_dir: str | None = None) -> None:
@@ -400,8 +408,8 @@ class GRPOTrainer:
         metrics[f"{metric_key_prefix}_runtime"] = round(runtime, 4)
         metrics[f"{metric_key_prefix}_samples_per_second"] = round(len(evaluator.rows) / runtime, 3)
         metrics[f"{metric_key_prefix}_steps_per_second"] = round(batches / runtime, 3)
-        t._sync_run_state()
-        t._log_row(metrics)
+        t.sync_run_state()
+        t.log_row(metrics)
         metrics["epoch"] = self.state.epoch
         self.callback_handler.fire("on_evaluate", metrics=metrics)
         return metrics
@@ -453,15 +461,15 @@ class TrainOutput:
     metrics: dict
 
 
-def _build_trainer(cfg: Config, inputs: dict, resume: Path | None = None):
-    """grpo's Trainer for `cfg`, from the Trainer arguments GRPOTrainer's were turned into
-    (`inputs`); `resume`: a checkpoint directory to continue from. The one place the facade
-    constructs a Trainer."""
+def _build_trainer(cfg: Config, inputs: dict, hooks: dict, resume: Path | None = None):
+    """grpo's Trainer for `cfg`: its parts built from the inputs GRPOTrainer's arguments were
+    turned into (`inputs`, grpo.training.build.build_parts), run with `hooks` (the callbacks,
+    TRL's group evaluation); `resume`: a checkpoint directory to continue from. The one place the
+    facade constructs a Trainer."""
+    from grpo.training.build import build_parts
     from grpo.training.trainer import Trainer
 
-    if resume is None:
-        return Trainer(cfg, **inputs)
-    return Trainer(cfg, **inputs, resume=resume)
+    return Trainer(build_parts(cfg, **inputs, resume=resume), **hooks)
 
 
 def _holds_run(cfg: Config) -> bool:

@@ -1,0 +1,394 @@
+"""The run's parts, built from a config: where every bad input fails, before any generation.
+
+`build_parts(cfg, ...)` claims output_dir first (grpo.training.output_dir), then builds, in
+this order: the run log, the task's rows (checked), the tools and environments, the reward
+set (its worker processes started: a function they cannot load fails here), the policy
+(loaded, LoRA applied, prepared by the backend), the KL reference, the critic (for an
+estimator that needs values), the rollout engine and the prompt encoder (every prompt checked
+against the context), the optimizer and the train state, the evaluator, and the shares of
+each step's groups. A start that fails gives output_dir up again. The parts come back as one
+`RunParts`, which grpo.training.trainer.Trainer runs.
+
+`model`/`tokenizer`/`train_rows`/`eval_rows`/`reward_funcs` may be passed directly (Python
+API, tests); otherwise they come from the config. `restore` is a `state_dict()` of a run of
+the same config, which this one continues (the model passed in then holds that run's weights).
+`resume` is a checkpoint directory (grpo.run.checkpoint) to continue from: its config must
+match `cfg` but for the keys a resumed run may change, and the model (given, or from the
+config) is the one the run started from; the checkpoint's weights replace its own. `tools`:
+functions the model may call (with rollout.tools': multi-turn rollouts, grpo.rollout.multiturn).
+`environment_factory`: TRL's, a factory of environments or factories by name, in place of
+rollout.environment (grpo.rollout.environments). `rollout_func`: TRL's, a rollout the user
+writes, called as rollout_func(prompts, trainer) (grpo.rollout.custom).
+
+With several environments, that every training row names one is `check_environment_rows`,
+which Trainer.from_config calls at start-up (TRL's API, where TRL's trainer raises: when
+train() starts).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from grpo.algorithm import needs_values
+from grpo.backends import create_backend
+from grpo.config.errors import ConfigError
+from grpo.config.schema import Config
+from grpo.models.loading import context_length, load_model_and_tokenizer
+from grpo.models.lora import apply_lora
+from grpo.registry import ADVANTAGE_ESTIMATORS, MULTI_OBJECTIVE_AGGREGATIONS
+from grpo.rewards.reward_set import RewardSet
+from grpo.rollout import SamplingParams, create_engine
+from grpo.run import checkpoint
+from grpo.run.runlog import RunLog
+from grpo.tasks import Task, load_task
+from grpo.tasks.data import PromptEncoder, Row, check_columns
+from grpo.tasks.scorers import AnswerScorer, RewardScorer, has_integer_answers
+from grpo.training import sampling
+from grpo.training.critic import Critic
+from grpo.training.evaluate import Evaluator
+from grpo.training.output_dir import OutputDir
+from grpo.training.reference import create_reference
+from grpo.training.state import TrainState
+from grpo.training.update import Skips
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunParts:
+    """Everything a run is made of, built by `build_parts`; the step (grpo.training.step) and the
+    loop (grpo.training.trainer) run them."""
+
+    cfg: Config
+    backend: Any
+    output_dir: OutputDir
+    """The claim on output_dir: held from the start to the end of training."""
+    resumed: checkpoint.Checkpoint | None
+    """The checkpoint this run continues, or None."""
+    log: RunLog
+    task: Task
+    tool_functions: list
+    """The tools passed in (rollout.tools' are the engine's too)."""
+    environments: Any
+    """The rollouts' environments (grpo.rollout.environments), or None."""
+    rollout_func: Callable | None
+    rewards: RewardSet
+    model: torch.nn.Module
+    """The policy, as the backend prepared it (with LoRA: the adapted transformers model)."""
+    tokenizer: Any
+    reference: Any
+    """The KL reference (grpo.training.reference); `enabled` False when beta is 0."""
+    critic: Critic | None
+    """PPO's critic, for an estimator that needs values; else None."""
+    estimator: Callable
+    """The registered advantage estimator (algorithm.advantage_estimator)."""
+    aggregation: Callable
+    """The registered multi-objective aggregation (algorithm.multi_objective_aggregation)."""
+    engine: Any
+    prompts: PromptEncoder
+    skips: Skips
+    """Skipped non-finite updates, in a row and in all."""
+    state: TrainState
+    evaluator: Evaluator | None
+    """The held-out evaluation when the config schedules one (else made on first use)."""
+    num_prompts: int
+    """Groups per step, over all ranks."""
+    shard: slice
+    """This rank's groups of each round: every rank draws the same prompts and seeds, and keeps these."""
+    sampling: SamplingParams
+    episodes: list = field(default_factory=list)
+    """The last batch's episodes: each completion's environment (TRL's trainer.environments)."""
+    caller: Any = None
+    """What a rollout_func gets as its trainer: the Trainer that runs these parts (it sets this)."""
+
+
+def build_parts(
+    cfg: Config,
+    *,
+    model=None,
+    tokenizer=None,
+    train_rows: list[Row] | None = None,
+    eval_rows: list[Row] | None = None,
+    reward_funcs: dict[str, Callable] | None = None,
+    restore: dict[str, Any] | None = None,
+    resume: str | Path | None = None,
+    tools: list | None = None,
+    environment_factory=None,
+    rollout_func=None,
+) -> RunParts:
+    """The run's parts (see the module's docstring); every bad input fails here, output_dir
+    claimed first and given up again when the start fails."""
+    backend = create_backend(cfg)
+    output_dir = OutputDir(cfg, backend)
+    output_dir.claim()
+    try:
+        resumed = checkpoint.load_checkpoint(Path(resume), cfg) if resume is not None else None
+        return _build(
+            cfg,
+            backend,
+            output_dir,
+            resumed,
+            resumed.state if resumed is not None else restore,
+            model=model,
+            tokenizer=tokenizer,
+            train_rows=train_rows,
+            eval_rows=eval_rows,
+            reward_funcs=reward_funcs,
+            tools=list(tools or []),
+            environment_factory=environment_factory,
+            rollout_func=rollout_func,
+        )
+    except BaseException:
+        output_dir.abandon()
+        raise
+
+
+def _build(cfg: Config, backend, output_dir, resumed, restore, **given) -> RunParts:
+    """`build_parts`' work once output_dir is claimed, in the order of the module's docstring."""
+    if restore is not None:
+        _check_same_world_size(restore.get("world_size", 1), backend.world_size)
+    run_log = RunLog(cfg, backend.is_main, resume=resumed)
+    task, columns = _task_and_columns(cfg, given["train_rows"], given["eval_rows"])
+    tools = sampling.configured_tools(cfg, given["tools"])
+    environments = sampling.configured_environments(cfg, given["environment_factory"], tools)
+    columns = _reward_columns(columns, tools, environments, given["rollout_func"])
+    rewards = _rewards(cfg, backend, columns, given["reward_funcs"], restore, environments)
+    _check_evaluation(cfg, task, environments)
+    rewards.start()  # a reward function that its worker processes cannot load fails here
+    model, tokenizer = _policy(cfg, backend, given["model"], given["tokenizer"])
+    reference = create_reference(cfg.algorithm, model, restore["reference"] if restore else None)
+    if resumed is not None:  # after the reference: unless saved, it is a copy of the starting model
+        backend.load_weights(resumed, model)
+    estimator = ADVANTAGE_ESTIMATORS.get(cfg.algorithm.advantage_estimator)
+    critic = _critic(cfg, estimator, model, restore)
+    engine, prompts = _engine_and_prompts(cfg, backend, model, tokenizer, tools, environments)
+    _check_prompts_fit(cfg, prompts, task, model)
+    # skipped non-finite updates, in a row and in all
+    skips = Skips(
+        cfg.training.max_consecutive_skips, **(restore.get("skips", {}) if restore else {})
+    )
+    state = _train_state(cfg, backend, model, task, restore)
+    num_prompts, shard = _groups(cfg, backend)
+    parts = RunParts(
+        cfg=cfg,
+        backend=backend,
+        output_dir=output_dir,
+        resumed=resumed,
+        log=run_log,
+        task=task,
+        tool_functions=given["tools"],
+        environments=environments,
+        rollout_func=given["rollout_func"],
+        rewards=rewards,
+        model=model,
+        tokenizer=tokenizer,
+        reference=reference,
+        critic=critic,
+        estimator=estimator,
+        aggregation=MULTI_OBJECTIVE_AGGREGATIONS.get(cfg.algorithm.multi_objective_aggregation),
+        engine=engine,
+        prompts=prompts,
+        skips=skips,
+        state=state,
+        evaluator=None,
+        num_prompts=num_prompts,
+        shard=shard,
+        sampling=_sampling_params(cfg),
+    )
+    if _wants_eval(cfg):
+        parts.evaluator = Evaluator.of(parts)
+    return parts
+
+
+def _rewards(cfg: Config, backend, columns, reward_funcs, restore, environments) -> RewardSet:
+    """The reward set: the configured and given functions, and the environments' (not started)."""
+    return RewardSet.from_config(
+        cfg.rewards,
+        cfg.rollout.max_completion_length,
+        columns,
+        reward_funcs,
+        # saved as the run's totals over every rank: rank 0 carries them on, the others count anew
+        failures=restore["reward_failures"] if restore and backend.is_main else None,
+        environment_rewards=environments.reward_functions() if environments else None,
+    )
+
+
+def check_environment_rows(parts: RunParts) -> None:
+    """With several environments, that every training row names one (a ConfigError naming
+    the first that does not)."""
+    if parts.environments is not None:
+        parts.environments.check_rows(parts.task.train_rows, "training rows")
+
+
+def _task_and_columns(cfg: Config, train_rows, eval_rows) -> tuple[Task, set[str]]:
+    """The task (its rows checked: the same columns in every row, valid values) and the training
+    rows' columns besides the prompt."""
+    task = _task(cfg, train_rows, eval_rows)
+    if not task.train_rows:
+        raise ConfigError("no training rows")
+    columns = check_columns(task.train_rows, "training rows") - {"prompt"}
+    check_columns(task.eval_rows, "held-out rows")
+    return task, columns
+
+
+def _reward_columns(columns: set[str], tools: dict, environments, rollout_func) -> set[str] | None:
+    """The dataset columns the reward functions may take (None: not known before the first batch);
+    a rollout_func refused beside tools or environments."""
+    if environments is not None:
+        columns = columns | {"environments"}
+    if rollout_func is not None and (tools or environments is not None):
+        raise ConfigError(
+            "rollout_func with tools or environments: a rollout_func runs its own loop (its tool calls "
+            "too, marked by env_mask); give it alone, or drop it and use tools/environment_factory"
+        )
+    if rollout_func is not None:
+        return None  # it may return more, known at its first batch
+    return columns
+
+
+def _wants_eval(cfg: Config) -> bool:
+    e = cfg.eval
+    return e.before or e.after or e.every > 0
+
+
+def _check_evaluation(cfg: Config, task: Task, environments) -> None:
+    """A scheduled evaluation needs held-out rows, and runs no environments yet."""
+    if _wants_eval(cfg) and not task.eval_rows:
+        raise ConfigError(
+            "eval.before/after/every need held-out rows: set data.arithmetic.num_eval > 0 (task arithmetic) "
+            "or data.eval_file (task jsonl), or turn evaluation off"
+        )
+    if _wants_eval(cfg) and environments is not None:
+        raise ConfigError(
+            "eval.before/after/every: the held-out accuracy evaluation does not run environments yet; turn it "
+            "off (eval.before=false eval.after=false eval.every=0); TRL's group evaluation (GRPOTrainer."
+            "evaluate) does run them"
+        )
+
+
+def _policy(cfg: Config, backend, model, tokenizer) -> tuple[torch.nn.Module, Any]:
+    """The policy (given, or loaded from model.*) with its LoRA adapters, prepared by the backend."""
+    if model is None:
+        model, tokenizer = load_model_and_tokenizer(cfg.model, backend.device)
+    if getattr(getattr(model, "config", None), "output_router_logits", False):
+        log.warning(
+            "the model's config sets output_router_logits (a mixture of experts): grpo does not add the "
+            "routers' load-balancing loss to the objective (TRL does), so expert use is not balanced here"
+        )
+    # the backend prepares the model as it will train: with its LoRA adapters (model.lora.r > 0)
+    model = apply_lora(model, cfg.model.lora, cfg.training.seed)
+    return backend.prepare_model(model), tokenizer
+
+
+def _critic(cfg: Config, estimator, model, restore) -> Critic | None:
+    """PPO's critic for an estimator that needs values (a copy of the policy's trunk, or the saved one)."""
+    if not needs_values(estimator):
+        return None
+    a = cfg.algorithm
+    return Critic(
+        model, a.critic_learning_rate, cfg.training, restore.get("critic") if restore else None
+    )
+
+
+def _engine_and_prompts(cfg: Config, backend, model, tokenizer, tools, environments) -> tuple:
+    """The rollout engine (the multi-turn one around it with tools or environments) and the
+    prompt encoder (whose prompts offer the tools, as the chat template writes them)."""
+    d, r = cfg.data, cfg.rollout
+    template_kwargs = d.chat_template_kwargs
+    if tools or environments is not None:
+        engine = sampling.tool_engine(cfg, tools, model, tokenizer, backend.decoding)
+        if environments is None:
+            # an environment's prompts offer its own tools (grpo.training.sampling.sample)
+            template_kwargs = {**(template_kwargs or {}), "tools": engine.schemas}
+    else:
+        engine = create_engine(r.engine, model, tokenizer, cfg, backend.decoding)
+    prompts = PromptEncoder(
+        tokenizer, d.chat_template == "auto", d.few_shot, r.max_prompt_length, template_kwargs
+    )
+    return engine, prompts
+
+
+def _check_prompts_fit(cfg: Config, prompts: PromptEncoder, task: Task, model) -> None:
+    """Every prompt and its longest completion within the model's context."""
+    r = cfg.rollout
+    prompts.check_fits(
+        task.train_rows, r.max_completion_length, context_length(model), "training rows"
+    )
+    if _wants_eval(cfg):
+        eval_length = cfg.eval.max_completion_length or r.max_completion_length
+        prompts.check_fits(task.eval_rows, eval_length, context_length(model), "held-out rows")
+
+
+def _train_state(cfg: Config, backend, model, task: Task, restore) -> TrainState:
+    """The optimizer and the train state (the saved one's with `restore`)."""
+    optimizer = backend.make_optimizer(model)
+    if backend.is_main:  # before hours of training whose first save could not be written
+        checkpoint.warn_if_short_of_space(Path(cfg.output_dir), checkpoint.estimated_size(model))
+    return TrainState.create(
+        cfg,
+        optimizer,
+        len(task.train_rows),
+        restore=_this_ranks_state(restore["train"], backend) if restore else None,
+        optimizer_state=backend.optimizer_state(model, optimizer),
+    )
+
+
+def _groups(cfg: Config, backend) -> tuple[int, slice]:
+    """Groups per step over all ranks, and this rank's share of them (a whole number of groups
+    each: config.TrainingConfig.check)."""
+    world, rank = backend.world_size, backend.rank
+    num_prompts = cfg.generation_batch_size(world) // cfg.rollout.num_generations
+    share = num_prompts // world
+    return num_prompts, slice(rank * share, (rank + 1) * share)
+
+
+def _sampling_params(cfg: Config) -> SamplingParams:
+    r = cfg.rollout
+    return SamplingParams(
+        r.max_completion_length,
+        r.temperature,
+        r.top_p,
+        r.top_k,
+        r.ignore_eos,
+        min_p=r.min_p,
+        repetition_penalty=r.repetition_penalty,
+        min_new_tokens=r.min_new_tokens,
+    )
+
+
+def _check_same_world_size(saved: int, now: int) -> None:
+    """A run continues on as many processes as it ran on: the global batch is per_device_train_batch_size
+    x gradient_accumulation_steps x world size, and a resumed run's config cannot change."""
+    if saved != now:
+        how = (
+            "as one process (`grpo train CONFIG --resume`)"
+            if saved == 1
+            else f"on {saved} processes in all (e.g. `torchrun --nproc_per_node {saved} -m grpo train CONFIG --resume`)"
+        )
+        raise ConfigError(
+            f"the run being resumed ran on {saved} process(es), this one has {now}: its global batch "
+            f"(training.per_device_train_batch_size x gradient_accumulation_steps x world size) would change; resume it {how}"
+        )
+
+
+def _this_ranks_state(train: dict[str, Any], backend) -> dict[str, Any]:
+    """A saved train state with this rank's own random streams (a run resumes on as many ranks)."""
+    rng = train["rng"]
+    return {**train, "rng": rng["per_rank"][backend.rank] if "per_rank" in rng else rng}
+
+
+def _task(cfg: Config, train_rows: list[Row] | None, eval_rows: list[Row] | None) -> Task:
+    """The configured task, or rows given directly (scored by answer when every held-out row has one)."""
+    if train_rows is None:
+        task = load_task(cfg)
+        return (
+            task if eval_rows is None else Task(task.name, task.train_rows, eval_rows, task.scorer)
+        )
+    eval_rows = eval_rows or []
+    scorer = AnswerScorer() if has_integer_answers(eval_rows) else RewardScorer()
+    return Task("rows", train_rows, eval_rows, scorer)
