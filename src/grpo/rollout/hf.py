@@ -13,6 +13,7 @@ completions as the plain path (tests/rollout/test_hf.py).
 Each step is the model's own forward pass with transformers' cache (`plain_decoding`),
 or whatever decoding steps the backend hands the engine: on the CPU, grpo.cpu's fused
 steps, the same computation in fewer, larger operations (tests/cpu/test_fused_decoding.py).
+A backend may also hand it a whole loop (grpo.rollout.base.DecodingLoop) in place of its own.
 """
 
 from __future__ import annotations
@@ -24,10 +25,13 @@ import torch
 
 from grpo.models import logprobs
 from grpo.models.precision import bf16_autocast, uses_bf16
+from grpo.rollout.base import DecodingLoop
 from grpo.rollout.types import Rollout, SamplingParams, Seeds, prompt_seeds
 
 
 def left_pad(sequences: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists as (ids, mask) [n, longest] on the host, padded on the left (each prompt's
+    last token in the last column, where decoding continues)."""
     width = max(len(s) for s in sequences)
     ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long, device="cpu")
     mask = torch.zeros((len(sequences), width), dtype=torch.long, device="cpu")
@@ -512,9 +516,11 @@ class TransformersEngine:
     """The `hf` rollout engine: generation with the policy module itself (no copy), with
     prefix sharing and compaction, in the compute precision of training.bf16.
 
-    `decoding`: the decoding steps the backend hands it (grpo.backends; on the CPU,
-    grpo.cpu.layer.CPULayer.decoding), else transformers' modules (`plain_decoding`). A model
-    whose `generate` was replaced on the object itself is sampled with that (`generate_with`).
+    `decoding`: what the backend's device layer hands it (grpo.backends): decoding steps for
+    its own loop (on the CPU, grpo.cpu.layer.CPULayer.decoding), or a whole loop
+    (grpo.rollout.base.DecodingLoop); None: its own loop with transformers' modules
+    (`plain_decoding`). A model whose `generate` was replaced on the object itself is sampled
+    with that (`generate_with`).
     Because it decodes from the policy's own parameters (any decoding steps read them,
     or pack their copies, at the start of each rollout), an optimizer step needs no
     weight transfer: `sync_weights` has nothing to do, and neither have `sleep`/`wake`
@@ -543,6 +549,8 @@ class TransformersEngine:
                 replaced = vars(self.model).get("generate")
                 if callable(replaced):  # generate_with: the replacement samples
                     sampler = functools.partial(generate_with, replaced, device=self.device)
+                elif isinstance(self.decoding, DecodingLoop):
+                    sampler = functools.partial(self.decoding.generate, self.model)
                 else:
                     sampler = functools.partial(generate, self.model, decoding=self.decoding)
                 return sampler(
