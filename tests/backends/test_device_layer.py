@@ -13,6 +13,7 @@ import torch
 
 from grpo.backends.device_layer import before_torch_allocates, device_layer
 from grpo.config import loading as config
+from grpo.config.errors import ConfigError
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "grpo"
 LAYERS = ("cpu", "cuda")
@@ -79,16 +80,31 @@ def test_only_the_backends_reach_the_device_layers():
 
 def test_the_layer_is_chosen_by_the_device():
     from grpo.cpu.layer import CPULayer
+    from grpo.cuda.layer import CUDALayer
 
     cfg = config.from_dict({})
     assert isinstance(device_layer(cfg, torch.device("cpu")), CPULayer)
     assert device_layer(config.from_dict({}, ["cpu.enabled=false"]), torch.device("cpu")) is None
+    cuda = device_layer(cfg, torch.device("cuda"))  # built without touching a GPU
+    assert isinstance(cuda, CUDALayer) and cuda.decoding.mode == "auto"
+    eager = device_layer(
+        config.from_dict({}, ["rollout.cuda_decoding=eager"]), torch.device("cuda")
+    )
+    assert eager.decoding.mode == "eager"
     assert device_layer(cfg, torch.device("meta")) is None
+
+
+def test_graphs_off_cuda_are_refused_naming_the_key():
+    cfg = config.from_dict({}, ["rollout.cuda_decoding=graphs"])
+    with pytest.raises(ConfigError, match=r"rollout\.cuda_decoding=graphs .* on cpu"):
+        device_layer(cfg, torch.device("cpu"))
+    with pytest.raises(ConfigError, match=r"rollout\.cuda_decoding: 'graph' is not one of"):
+        config.from_dict({}, ["rollout.cuda_decoding=graph"])
 
 
 def test_a_cpu_run_hands_out_the_cpu_layer_as_before(monkeypatch):
     """What a CPU backend hands the engine and the logprobs is the CPU layer's own, and nothing
-    else is built."""
+    of grpo.cuda is built (its decoding loop is chosen only on CUDA)."""
     from grpo.backends.single import SingleProcess
     from grpo.cpu.layer import CPULayer
 

@@ -1,6 +1,6 @@
 """The seam between the backends and the device layers: what makes one kind of device fast.
 
-A device layer (grpo.cpu on a CPU with cpu.enabled, none elsewhere yet)
+A device layer (grpo.cpu on a CPU with cpu.enabled, grpo.cuda on a CUDA device, none elsewhere)
 is chosen once per run by `device_layer`, and only the backends hold it. They install it on the
 prepared model and hand what it provides to the parts that take it: the output layer's kernels
 to the log-probabilities, the decoding to the `hf` engine, the tidying after each update to the
@@ -15,6 +15,7 @@ from typing import Callable, Protocol
 
 import torch
 
+from grpo.config.errors import ConfigError
 from grpo.config.schema import Config
 from grpo.models.logprobs import OutputLayerKernels
 from grpo.rollout.base import DecodingLoop
@@ -42,8 +43,20 @@ class DeviceLayer(Protocol):
 
 
 def device_layer(cfg: Config, device: torch.device) -> DeviceLayer | None:
-    """The device layer of a run on `device`: grpo.cpu's CPULayer on a CPU with cpu.enabled, else
-    None (plain PyTorch). It is imported only here, and only when chosen."""
+    """The device layer of a run on `device`: grpo.cpu's CPULayer on a CPU with cpu.enabled,
+    grpo.cuda's CUDALayer on a CUDA device, else None (plain PyTorch). Each is imported only here,
+    and only when chosen."""
+    mode = cfg.rollout.cuda_decoding
+    if device.type == "cuda":
+        from grpo.cuda.layer import CUDALayer
+
+        # FSDP's shards are whole only inside its gathers: no copy to decode from
+        return CUDALayer(mode if cfg.training.sharding == "none" else "eager")
+    if mode == "graphs":
+        raise ConfigError(
+            f"rollout.cuda_decoding=graphs captures CUDA graphs, but this run is on {device.type}; "
+            "set rollout.cuda_decoding=auto (it applies only on CUDA) or training.device=cuda"
+        )
     if device.type == "cpu" and cfg.cpu.enabled:
         from grpo.cpu.layer import CPULayer
 
