@@ -69,7 +69,7 @@ def test_a_faithful_graph_is_captured_once_per_shape_and_decodes_the_engines_tok
 ):
     model = tiny("llama")
     captures = Captures()
-    decoding = GraphedDecoding("auto", capture=captures, bucket=8)
+    decoding = GraphedDecoding("auto", capture=captures, bucket=8, keep=2)
     with caplog.at_level(logging.WARNING):
         first = _rollout(decoding, model, prompts, tokenizer)
         again = _rollout(decoding, model, prompts, tokenizer, seeds=(4, 5, 6))

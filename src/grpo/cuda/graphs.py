@@ -125,7 +125,7 @@ class GraphedDecoding:
         bucket: int = 64,
         check_every: int = fixed_shape.CHECK_EVERY,
         check_steps: int = 4,
-        keep: int = 2,
+        keep: int = 4,
     ):
         if mode not in MODES:
             raise ValueError(f"cuda decoding mode {mode!r}: one of {', '.join(MODES)}")
