@@ -7,6 +7,8 @@
 #     gradient_accumulation_steps 8, bf16), and a Qwen2.5-7B shape with LoRA r=16 on a bf16 base,
 #     8 x 8 x 256 (per_device_train_batch_size 8, gradient_accumulation_steps 8); each prints its step times (median of the steady steps), peak CUDA
 #     memory and the roofline multiple;
+#  1b. the hf engine's decoding both ways on one rollout of the 1.5B shape (benchmarks/cuda_decoding.py:
+#     rollout.cuda_decoding eager vs graphs, seconds per rollout, and the graphs' tokens checked);
 #  2. `make test-gpu`'s suite (GRPO_TEST_DEVICE=cuda, the default selection, pytest-xdist) on as
 #     many workers as the GPU's free memory holds (2 GiB each), at most one per CPU core;
 #  3. one table at the end (benchmarks/gpu_check_report.py).
@@ -55,7 +57,8 @@ if [ "$DEVICE" = cuda ]; then
     BUDGET=${GPU_CHECK_BUDGET_S:-350}
     # time limits: a side of the 1.5B work, of the 7B LoRA work; what is kept for each side still
     # to come (less, and it could not show a step) and for the suite
-    CAP_FULL=90 CAP_LORA=115 SIDE_MIN=40 TESTS_MIN=60
+    CAP_FULL=90 CAP_LORA=115 SIDE_MIN=40 TESTS_MIN=60 CAP_DECODE=60
+    DECODE=(--shape qwen2.5-1.5b --prompts 16 --generations 8 --completion-length 256 --repeats 1)
     FULL=(--shape qwen2.5-1.5b --prompts 16 --generations 8 --completion-length 256
         --batch-size 16 --grad-accum 8)
     LORA=(--shape qwen2.5-7b --lora 16 --prompts 8 --generations 8 --completion-length 256
@@ -66,7 +69,8 @@ if [ "$DEVICE" = cuda ]; then
     TEST_WHAT="test-gpu (GRPO_TEST_DEVICE=cuda, the default selection)"
 else
     BUDGET=${GPU_CHECK_BUDGET_S:-170}
-    CAP_FULL=40 CAP_LORA=45 SIDE_MIN=15 TESTS_MIN=30
+    CAP_FULL=40 CAP_LORA=45 SIDE_MIN=15 TESTS_MIN=30 CAP_DECODE=30
+    DECODE=(--device cpu --shape qwen-tiny --prompts 2 --generations 4 --completion-length 16 --repeats 1)
     FULL=(--shape qwen-tiny --prompts 2 --generations 4 --completion-length 16
         --batch-size 4 --grad-accum 2)
     LORA=(--shape qwen-tiny --lora 4 --prompts 2 --generations 4 --completion-length 16
@@ -202,10 +206,27 @@ echo "$DESC_FULL" >"$WORK/work-full.txt"
 echo "$DESC_LORA" >"$WORK/work-lora.txt"
 # what each side keeps for the phases after it: the suite's least, 10 s for the table, and
 # SIDE_MIN for each side still to come
-run_side full trl "$STEPS_FULL" "$CAP_FULL" $((TESTS_MIN + 10 + 3 * SIDE_MIN)) "${FULL[@]}"
-run_side full grpo "$STEPS_FULL" "$CAP_FULL" $((TESTS_MIN + 10 + 2 * SIDE_MIN)) "${FULL[@]}"
-run_side lora trl "$STEPS_LORA" "$CAP_LORA" $((TESTS_MIN + 10 + SIDE_MIN)) "${LORA[@]}"
-run_side lora grpo "$STEPS_LORA" "$CAP_LORA" $((TESTS_MIN + 10)) "${LORA[@]}"
+run_side full trl "$STEPS_FULL" "$CAP_FULL" $((TESTS_MIN + 10 + 3 * SIDE_MIN + 20)) "${FULL[@]}"
+run_side full grpo "$STEPS_FULL" "$CAP_FULL" $((TESTS_MIN + 10 + 2 * SIDE_MIN + 20)) "${FULL[@]}"
+run_side lora trl "$STEPS_LORA" "$CAP_LORA" $((TESTS_MIN + 10 + SIDE_MIN + 20)) "${LORA[@]}"
+run_side lora grpo "$STEPS_LORA" "$CAP_LORA" $((TESTS_MIN + 10 + 20)) "${LORA[@]}"
+
+# ---------------------------------------------------------------- 1b. the hf engine's decoding, both ways
+t=$(limit "$CAP_DECODE" $((TESTS_MIN + 10)))
+if [ "$t" -ge 20 ]; then
+    echo "== decoding: rollout.cuda_decoding eager vs graphs (limit $t s)"
+    timeout -k 10 "$t" "$PYTHON" benchmarks/cuda_decoding.py "${DECODE[@]}" \
+        --result "$WORK/decoding.json" >"$WORK/decoding.log" 2>&1
+    rc=$?
+    if [ $rc = 0 ]; then
+        grep -v '^RESULT ' "$WORK/decoding.log" | sed -n '/^== /,$p' | sed 's/^/   /'
+    else
+        echo "   rc $rc$( [ $rc = 124 ] && echo ", cut at its $t s limit"); its last lines ($WORK/decoding.log):"
+        tr '\r' '\n' <"$WORK/decoding.log" | grep -v '^\s*$' | tail -n 15 | sed 's/^/   | /'
+    fi
+else
+    echo "== decoding: skipped (${t} s left for it)"
+fi
 
 # ---------------------------------------------------------------- 2. make test-gpu's suite
 # As the Makefile's test-gpu (GRPO_TEST_DEVICE=cuda python -m pytest -q -p xdist -n N, the

@@ -54,10 +54,9 @@ def say(*parts, file=None, **kwargs) -> None:
 
 def _before_torch(cfg) -> None:
     """What must happen before torch allocates: huge pages for the CPU layer's tensors."""
-    if cfg.cpu.enabled:
-        from grpo.cpu.memory import use_huge_pages
+    from grpo.backends.device_layer import before_torch_allocates
 
-        use_huge_pages()
+    before_torch_allocates(cfg)
 
 
 def _quiet_transformers() -> None:

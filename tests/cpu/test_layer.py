@@ -1,5 +1,6 @@
 """The CPU speed layer is one seam (grpo.cpu.layer): the core trains without it, never importing
-grpo.cpu, and with it gives the same metrics to float tolerance; its settings live under cpu:.
+grpo.cpu, and with it gives the same metrics to float tolerance; its settings live under cpu:. A
+CPU run never loads the CUDA layer (grpo.cuda).
 
 The two runs are examples/tiny.yaml for 20 steps through the CLI, each in a fresh process (the
 layer-off one unable to import grpo.cpu at all), started side by side to keep the file fast."""
@@ -61,7 +62,8 @@ from grpo.cli import main
 
 code = main(["train", *sys.argv[3:]])
 cpu = sorted(m for m in sys.modules if m == "grpo.cpu" or m.startswith("grpo.cpu."))
-print("RESULT " + json.dumps({"code": code, "attempts": attempts, "cpu_modules": cpu}))
+cuda = sorted(m for m in sys.modules if m == "grpo.cuda" or m.startswith("grpo.cuda."))
+print("RESULT " + json.dumps({"code": code, "attempts": attempts, "cpu_modules": cpu, "cuda_modules": cuda}))
 """
 
 
@@ -108,6 +110,8 @@ def test_the_core_trains_without_ever_importing_grpo_cpu(runs):
     # and the layer-on run did go through the layer (else the comparison below would be vacuous)
     assert runs["on"]["code"] == 0, runs["on"]["stderr"][-3000:]
     assert "grpo.cpu.layer" in runs["on"]["cpu_modules"]
+    # the CUDA layer is chosen on CUDA alone: a CPU run never loads it, with or without the CPU's
+    assert off["cuda_modules"] == [] and runs["on"]["cuda_modules"] == []
 
 
 # Different but equivalent kernels: with the layer, oneDNN products (where grpo.cpu.kernels picks

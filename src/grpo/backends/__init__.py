@@ -7,8 +7,9 @@ decoding steps, clip gradients, count and gather over all ranks, and tidy up
 after an update. There are two: a single process on one device
 (`single.SingleProcess`) and data parallelism over torchrun's processes
 (`distributed.DataParallel`, the same plus the collectives), picked here at
-start-up from WORLD_SIZE. On the CPU both install the CPU speed layer
-(grpo.cpu.layer), the only place it is reached from.
+start-up from WORLD_SIZE. Both install the run's device layer (grpo.backends.device_layer:
+the CPU speed layer grpo.cpu, or grpo.cuda on a CUDA device), the only place those are reached
+from.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from grpo.config.errors import ConfigError
 from grpo.config.schema import Config
 from grpo.models.logprobs import OutputLayerKernels
+from grpo.rollout.base import DecodingLoop
 
 
 class Backend(Protocol):
@@ -45,9 +47,10 @@ class Backend(Protocol):
     def output_layer_kernels(self) -> OutputLayerKernels:
         """How the tiled output layer computes here (grpo.models.logprobs.OutputLayerKernels)."""
 
-    decoding: Callable | None
-    """`decoding(model, rows, max_length)`, a context yielding the `hf` engine's decoding steps
-    (grpo.rollout.hf.generate); None: transformers' modules."""
+    decoding: Callable | DecodingLoop | None
+    """How the `hf` engine decodes (grpo.backends.device_layer.Decoding): `decoding(model, rows,
+    max_length)`, a context yielding decoding steps for the engine's own loop, or a
+    grpo.rollout.base.DecodingLoop in its place; None: transformers' modules."""
 
     def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> float:
         """Clip all gradients to a global norm of max_norm (0: no clipping); the norm before clipping."""

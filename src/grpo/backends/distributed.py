@@ -59,10 +59,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from grpo.backends.device_layer import device_layer
 from grpo.backends.single import (
     SingleProcess,
     adamw,
-    cpu_layer,
     enable_checkpointing,
     resolve_device,
 )
@@ -102,7 +102,7 @@ class DataParallel(SingleProcess):
             self.device = torch.device("cpu")
         self.fsdp = cfg.training.sharding == "fsdp"
         self.bf16 = uses_bf16(cfg.training.bf16, self.device)
-        self.cpu = cpu_layer(cfg, self.device)
+        self.layer = device_layer(cfg, self.device)
         init_process_group(self.device.type)
         # on the CPU the collectives run on CPU tensors; with NCCL they must live on the GPU
         self._comm_device = self.device if self.device.type == "cuda" else torch.device("cpu")
@@ -121,9 +121,9 @@ class DataParallel(SingleProcess):
         self.broadcast_module(model)  # every rank shards the same weights
         model = shard_with_fsdp(model)
         if (
-            self.cpu is not None
+            self.layer is not None
         ):  # its compiled kernels only: the shards' modules stay as FSDP wraps them
-            self.cpu.install(model, swap_modules=False)
+            self.layer.install(model, swap_modules=False)
         return model
 
     def make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:

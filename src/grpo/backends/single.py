@@ -7,10 +7,11 @@ What it does for every device:
   the preallocated .grad (no out-of-place sum of the two gradients);
 - gradients are allocated once and zeroed in place; AdamW is the fused kernel.
 
-On the CPU, with cpu.enabled, it also installs the CPU speed layer
-(grpo.cpu.layer.CPULayer) and hands out what that layer provides: the output
-layer's kernels, the engine's decoding steps, and the memory release after
-each update. Without it, the same trainer runs plain PyTorch.
+It installs the run's device layer (grpo.backends.device_layer: grpo.cpu on the CPU
+with cpu.enabled, grpo.cuda on a CUDA device) and hands out what that layer provides: the
+output layer's kernels, the engine's decoding (the CPU's fused steps, CUDA's captured loop),
+and what follows each update (the CPU's memory release). Without one, the same trainer runs
+plain PyTorch.
 
 The data-parallel backend (grpo.backends.distributed) keeps all of them: it
 sums gradients after the backward passes, when the in-place output-layer and
@@ -23,6 +24,7 @@ import contextlib
 
 import torch
 
+from grpo.backends.device_layer import device_layer
 from grpo.config.errors import ConfigError
 from grpo.config.schema import Config
 from grpo.models.logprobs import OutputLayerKernels
@@ -38,16 +40,6 @@ def resolve_device(name: str) -> torch.device:
             "training.device: cuda requested but no CUDA device is available; use training.device=cpu"
         )
     return torch.device(name)
-
-
-def cpu_layer(cfg: Config, device: torch.device):
-    """The CPU speed layer for a run on `device` (grpo.cpu.layer.CPULayer), or None: not on the
-    CPU, or cpu.enabled is false. grpo.cpu is imported only here, and only when it is used."""
-    if device.type != "cpu" or not cfg.cpu.enabled:
-        return None
-    from grpo.cpu.layer import CPULayer
-
-    return CPULayer(cfg.cpu)
 
 
 def sparse_tied_embedding_gradient(model) -> None:
@@ -104,7 +96,12 @@ class SingleProcess:
         self.cfg = cfg
         self.device = resolve_device(cfg.training.device)
         self.bf16 = uses_bf16(cfg.training.bf16, self.device)
-        self.cpu = cpu_layer(cfg, self.device)
+        self.layer = device_layer(cfg, self.device)
+
+    @property
+    def cpu(self):
+        """The CPU layer (grpo.cpu.layer.CPULayer) when this run has it, else None."""
+        return self.layer if self.device.type == "cpu" else None
 
     @property
     def is_main(self) -> bool:
@@ -117,8 +114,8 @@ class SingleProcess:
             model = model.to(self.device)
         enable_checkpointing(model, self.cfg.training.gradient_checkpointing)
         sparse_tied_embedding_gradient(model)
-        if self.cpu is not None:
-            self.cpu.install(model)
+        if self.layer is not None:
+            self.layer.install(model)
         return model
 
     def make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -134,13 +131,13 @@ class SingleProcess:
 
     def output_layer_kernels(self) -> OutputLayerKernels:
         # the output weight's gradient goes straight into its preallocated .grad (make_optimizer)
-        if self.cpu is not None:
-            return self.cpu.output_layer_kernels(weight_grad_in_place=True)
+        if self.layer is not None:
+            return self.layer.output_layer_kernels(weight_grad_in_place=True)
         return OutputLayerKernels(weight_grad_in_place=True)
 
     @property
     def decoding(self):
-        return self.cpu.decoding if self.cpu is not None else None
+        return self.layer.decoding if self.layer is not None else None
 
     def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> float:
         if max_norm > 0:
@@ -195,5 +192,5 @@ class SingleProcess:
         return model
 
     def after_update(self) -> None:
-        if self.cpu is not None:
-            self.cpu.after_update()
+        if self.layer is not None:
+            self.layer.after_update()

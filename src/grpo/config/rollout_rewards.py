@@ -84,6 +84,15 @@ class RolloutConfig:
     (needs the vllm package; settings under rollout.vllm)."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """The `vllm` engine's settings (read only when rollout.engine is vllm)."""
+    cuda_decoding: str = "auto"
+    """How the `hf` engine decodes on a CUDA device (grpo.cuda): `graphs`, a loop of fixed shape
+    from a bf16 copy of the weights (LoRA merged in), each token step one replayed CUDA graph;
+    `eager`, transformers' modules step by step under autocast, as on any device; `auto`: graphs
+    where they apply and a self-check on the run's own model agrees with the eager step, else
+    eager, with one warning naming why. Off CUDA it changes nothing (`graphs` is refused there).
+    Both sample the same distribution from the same seeds; graphs keep bf16 between the products
+    where eager keeps float32, so their tokens part where that rounding decides one. The GPU
+    speed of graphs is unmeasured."""
     tools: list[str] = field(default_factory=list)
     """Functions the model may call during a completion, as 'module:function' or
     'path/to/file.py:function' names, as reward functions are given (type hints and a docstring
@@ -119,6 +128,14 @@ class RolloutConfig:
     def check(self, cfg: "Config", world_size: int = 1) -> None:
         registry.ROLLOUT_ENGINES.check(self.engine)
         self.vllm.check()
+        one_of("rollout.cuda_decoding", self.cuda_decoding, ("auto", "eager", "graphs"))
+        if self.cuda_decoding == "graphs" and (
+            self.engine != "hf" or cfg.training.sharding != "none"
+        ):
+            raise ConfigError(
+                "rollout.cuda_decoding=graphs is the hf engine's decoding of an unsharded model; "
+                "set rollout.cuda_decoding=auto, or rollout.engine=hf and training.sharding=none"
+            )
         self._check_tools()
         if self.engine == "vllm" and cfg.model.lora.quantize != "none":
             raise ConfigError(

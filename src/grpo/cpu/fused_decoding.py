@@ -47,8 +47,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from grpo.cpu import kernels
 from grpo.cpu.attention import grouped_attention
-from grpo.models import lora
-from grpo.models.logprobs import FSDP_METHOD
+from grpo.models import adapter_sublayers, merged_linear, plain_lora_linear, sharded_by_fsdp
 
 # config.model_type -> RMS-norm style: Gemma scales by (1 + w) and rounds after;
 # the Llama family rounds to the input dtype, then scales by w
@@ -61,9 +60,7 @@ def unsupported_reason(model) -> str | None:
     kind = getattr(config, "model_type", None)
     if kind not in NORM_STYLES:
         return f"architecture {kind!r}"
-    if (
-        getattr(model, FSDP_METHOD, None) is not None
-    ):  # its weights are whole only inside FSDP's gathers
+    if sharded_by_fsdp(model):  # its weights are whole only inside FSDP's gathers
         return "parameters sharded by FSDP"
     if getattr(config, "attn_logit_softcapping", None) is not None:
         return "attention logit soft-capping"
@@ -81,12 +78,11 @@ def unsupported_reason(model) -> str | None:
         if (
             attn is None
             or mlp is None
-            or not all(lora.plain_lora_linear(getattr(attn, n, None)) for n in names)
+            or not all(plain_lora_linear(getattr(attn, n, None)) for n in names)
         ):
             return "unexpected module layout (or a LoRA variant)"
         if not all(
-            lora.plain_lora_linear(getattr(mlp, n, None))
-            for n in ("gate_proj", "up_proj", "down_proj")
+            plain_lora_linear(getattr(mlp, n, None)) for n in ("gate_proj", "up_proj", "down_proj")
         ):
             return "unexpected MLP layout (or a LoRA variant)"
         if attn.o_proj.bias is not None or any(
@@ -106,7 +102,7 @@ def fused_decoding_applies(model, compute_dtype: torch.dtype) -> bool:
     transformers' modules decode without)."""
     if unsupported_reason(model) is not None:
         return False
-    adapters = lora.adapter_sublayers(model)  # merged into their layer's weight, never used alone
+    adapters = adapter_sublayers(model)  # merged into their layer's weight, never used alone
     if compute_dtype == torch.bfloat16:
         if not kernels.packing_available():
             return False
@@ -127,11 +123,11 @@ class _Product:
     the fast path, under bf16 autocast), or the layers' own weights in their dtype, one
     product each (float32 decoding: no copy; oneDNN for float32 on the CPU, and the output
     layer (`tall`) computed transposed, grpo.cpu.kernels.tall_linear_nt).
-    A LoRA layer contributes its merged weight W + scale * B @ A (grpo.models.lora.merged_linear)."""
+    A LoRA layer contributes its merged weight W + scale * B @ A (grpo.models.merged_linear)."""
 
     def __init__(self, layers: list, dtype: torch.dtype, rows: int, pack: bool, tall: bool = False):
         self.dtype, self.tall = dtype, tall
-        merged = [lora.merged_linear(m) for m in layers]
+        merged = [merged_linear(m) for m in layers]
         if pack:
             self.pieces = kernels.pack_weight(*_stacked(merged), dtype, rows)
             self.parts = None

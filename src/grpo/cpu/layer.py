@@ -12,14 +12,16 @@ A backend running on the CPU with `cpu.enabled` builds one `CPULayer` and asks i
                             oneDNN-packed weights)
     after_update()          the update's freed heap back to the OS before the next rollout
 
-Nothing else in grpo imports grpo.cpu: the training loop, the update, the log-probabilities
-and the engine take what the backend hands them, and without this layer they run plain
-PyTorch, with the same results to float tolerance (tests/cpu/test_layer.py).
+Nothing else in grpo imports grpo.cpu (the backends choose it in grpo.backends.device_layer):
+the training loop, the update, the log-probabilities and the engine take what the backend hands
+them, and without this layer they run plain PyTorch, with the same results to float tolerance
+(tests/cpu/test_layer.py). It uses only the public interfaces of grpo.rollout and grpo.models.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 
@@ -28,9 +30,8 @@ from grpo.config.training import CPUConfig
 from grpo.cpu import attention, compiled_norms, compiling, kernels, tile_math
 from grpo.cpu.fused_decoding import FusedDecoder, fused_decoding_applies, unsupported_reason
 from grpo.cpu.memory import release_free_memory
-from grpo.models import tiles
-from grpo.models.logprobs import OutputLayerKernels
-from grpo.rollout.hf import TransformersSteps
+from grpo.models import OutputLayerKernels
+from grpo.rollout import TransformersSteps
 
 TILE_ELEMENTS = 1 << 22
 """Logit elements per output-layer tile: a float32 tile of 16 MB stays mostly in cache across the
@@ -72,12 +73,12 @@ class CPULayer:
                 )
 
     def output_layer_kernels(self, weight_grad_in_place: bool) -> OutputLayerKernels:
-        return OutputLayerKernels(
-            tile=tile_math.COMPILED if self.compiled else tiles.EAGER,
+        kernels = OutputLayerKernels(
             product=onednn_product,
             tile_elements=TILE_ELEMENTS,
             weight_grad_in_place=weight_grad_in_place,
-        )
+        )  # the tiles' element-wise work eagerly, the default, unless it is compiled
+        return dataclasses.replace(kernels, tile=tile_math.COMPILED) if self.compiled else kernels
 
     def uses_fused_decoding(self, model: torch.nn.Module, compute_dtype: torch.dtype) -> bool:
         if self.cfg.decoding != "auto":

@@ -24,7 +24,10 @@ from types import SimpleNamespace
 import torch
 
 from grpo.cpu import compiling
-from grpo.models.tiles import accumulate, backward_tile, cast_into, forward_tile
+from grpo.models import TILE_DEFINITION
+
+forward_tile, backward_tile = TILE_DEFINITION.forward_tile, TILE_DEFINITION.backward_tile
+cast_into, accumulate = TILE_DEFINITION.cast_into, TILE_DEFINITION.accumulate
 
 
 def _scalars(softcap, temperature, device) -> tuple:

@@ -45,6 +45,16 @@ class OutputLayerKernels:
 
 PLAIN = OutputLayerKernels()
 
+TILE_DEFINITION = SimpleNamespace(
+    forward_tile=tiles.forward_tile,
+    backward_tile=tiles.backward_tile,
+    cast_into=tiles.cast_into,
+    accumulate=tiles.accumulate,
+)
+"""The element-wise work of a tile written as plain functions of tensors (grpo.models.tiles): what
+a device layer compiles into its own `OutputLayerKernels.tile` (grpo.cpu.tile_math), which must
+compute the same as `tiles.EAGER`, the default."""
+
 
 def vocab_block_size(rows: int, hidden: int, vocab: int, tile_elements: int) -> int:
     """Vocabulary entries per tile for `rows` tokens: within the tile budget both for the
@@ -407,6 +417,13 @@ def completion_logprobs(
 
 
 FSDP_METHOD = "grpo_completion_logprobs"
+
+
+def sharded_by_fsdp(model) -> bool:
+    """Whether FSDP shards `model`'s parameters (grpo.backends.distributed registered its logprobs
+    as `FSDP_METHOD`): its weights are whole only inside FSDP's gathers, so nothing may read them
+    outside a forward pass or keep copies of them."""
+    return getattr(model, FSDP_METHOD, None) is not None
 
 
 def _completion_logprobs(

@@ -9,7 +9,7 @@ new engine is one module with one class.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -17,6 +17,8 @@ from grpo.rollout.types import Rollout, SamplingParams, Seeds
 
 
 class RolloutEngine(Protocol):
+    """What the trainer and the evaluation generate with (see the module's docstring)."""
+
     eos_token_ids: list[int]
     pad_token_id: int
     device: torch.device
@@ -44,8 +46,10 @@ class RolloutEngine(Protocol):
 
 
 class DecodingSteps(Protocol):
-    """One way of running the model's forward pass while decoding (grpo.rollout.hf uses
-    transformers' modules and cache, or grpo.cpu.fused_decoding.FusedDecoder)."""
+    """One way of running the model's forward pass while decoding, inside the `hf` engine's own
+    loop (grpo.rollout.hf.TransformersSteps: transformers' modules and cache; a device layer may
+    hand the engine others, grpo.cpu's fused steps). A backend hands them over as
+    `decoding(model, rows, max_length)`, a context that yields them for one rollout."""
 
     def __call__(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
@@ -59,9 +63,33 @@ class DecodingSteps(Protocol):
         """Keep only the cached rows `rows` (finished completions leave the batch)."""
 
 
+@runtime_checkable
+class DecodingLoop(Protocol):
+    """A whole decoding loop that a backend's device layer hands the `hf` engine in place of the
+    engine's own (grpo.cuda's fixed-shape loop, replayed as CUDA graphs): the arguments and the
+    Rollout of grpo.rollout.hf.generate, the same tokens under the same seeds. It may decode some
+    rollouts with grpo.rollout.hf.generate itself (a model or a setting it does not cover). The
+    engine calls it inside its no-grad, eval-mode, compute-precision context."""
+
+    def generate(
+        self,
+        model: torch.nn.Module,
+        prompts: list[list[int]],
+        num_generations: int,
+        params: SamplingParams,
+        *,
+        eos_token_ids,
+        pad_token_id: int,
+        seeds: Seeds = None,
+        stop=None,
+    ) -> Rollout:
+        """`num_generations` completions of each prompt, as grpo.rollout.hf.generate."""
+
+
 def create_engine(name: str, model, tokenizer, cfg, decoding=None) -> RolloutEngine:
-    """The engine registered as `name` (rollout.engine), built for `model`. `decoding`: the
-    decoding steps the backend hands an engine that runs the policy module itself (`Backend.decoding`)."""
+    """The engine registered as `name` (rollout.engine), built for `model`. `decoding`: how the
+    backend's device layer decodes for an engine that runs the policy module itself
+    (`Backend.decoding`: a `DecodingSteps` context or a `DecodingLoop`; None: the engine's own)."""
     from grpo.registry import ROLLOUT_ENGINES
 
     return ROLLOUT_ENGINES.get(name)(model, tokenizer, cfg, decoding)

@@ -13,6 +13,8 @@ completions as the plain path (tests/rollout/test_hf.py).
 Each step is the model's own forward pass with transformers' cache (`plain_decoding`),
 or whatever decoding steps the backend hands the engine: on the CPU, grpo.cpu's fused
 steps, the same computation in fewer, larger operations (tests/cpu/test_fused_decoding.py).
+A backend may also hand it a whole loop (grpo.rollout.base.DecodingLoop: on CUDA, grpo.cuda's
+fixed-shape loop), which reuses this module's sampling so that it draws the same tokens.
 """
 
 from __future__ import annotations
@@ -24,10 +26,13 @@ import torch
 
 from grpo.models import logprobs
 from grpo.models.precision import bf16_autocast, uses_bf16
+from grpo.rollout.base import DecodingLoop
 from grpo.rollout.types import Rollout, SamplingParams, Seeds, prompt_seeds
 
 
 def left_pad(sequences: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists as (ids, mask) [n, longest] on the host, padded on the left (each prompt's
+    last token in the last column, where decoding continues)."""
     width = max(len(s) for s in sequences)
     ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long, device="cpu")
     mask = torch.zeros((len(sequences), width), dtype=torch.long, device="cpu")
@@ -38,15 +43,19 @@ def left_pad(sequences: list[list[int]], pad_token_id: int) -> tuple[torch.Tenso
     return ids, mask
 
 
-class NonFiniteProbabilities(ValueError):
-    """The model's next-token scores hold NaN or inf: its weights (or activations) are not finite."""
-
-
 _NON_FINITE = (
     "the model's next-token probabilities are NaN or inf, so no token can be sampled: its weights or "
     "activations are not finite. In training this means the updates diverged (lower training.learning_rate, "
     "keep training.max_grad_norm > 0); for a loaded model, its weights hold NaN or inf (load another checkpoint)"
 )
+
+
+class NonFiniteProbabilities(ValueError):
+    """The model's next-token scores hold NaN or inf: its weights (or activations) are not finite.
+    Raised with no argument, its message says what that means and what to do."""
+
+    def __init__(self, message: str = _NON_FINITE):
+        super().__init__(message)
 
 
 # Vocabulary entries per block of the two-level inverse-CDF sampler.
@@ -75,12 +84,29 @@ def sample_with_logprobs(
     A repetition penalty is applied to `logits` by the caller (`penalise_repetitions`), so the
     logprob is then the penalised distribution's, which the update does not apply: the
     mismatch metrics show the penalty, and a rollout correction weighs it out.
+    Raises NonFiniteProbabilities when a row's scores are not finite (`sample_unchecked`
+    is the same draw without that check).
     """
+    tokens, logprobs, finite = sample_unchecked(logits, params, generator, uniforms)
+    if not bool(finite.all()):
+        raise NonFiniteProbabilities(_NON_FINITE)
+    return tokens, logprobs
+
+
+def sample_unchecked(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """`sample_with_logprobs`'s draw, the same tokens and logprobs, with no check that reads the
+    device: (tokens [B], logprobs [B] or None, finite [B] bool: whether the row's scores could be
+    sampled at all). Nothing in it waits for the device, so it can run inside a captured
+    decoding step (grpo.cuda) whose caller looks at `finite` when it reads the device anyway. A
+    row that is not finite gets some token in range, never one past the vocabulary."""
     if params.temperature == 0:
         best, index = logits.max(dim=-1)
-        if bool(torch.isnan(best).any()):  # max and argmax pick a NaN when a row has one
-            raise NonFiniteProbabilities(_NON_FINITE)
-        return index, None
+        return index, None, ~torch.isnan(best)  # max and argmax pick a NaN when a row has one
     scores = logits.float()
     if params.temperature != 1.0:
         scores = scores / params.temperature
@@ -91,13 +117,13 @@ def sample_with_logprobs(
     )
     if not filtered:
         probs = torch.softmax(scores, dim=-1)
-        tokens = sample_from(probs, generator, uniforms)
+        tokens, finite = sample_from_unchecked(probs, generator, uniforms)
         # the probabilities at hand are the unfiltered ones: no second pass over the vocabulary
-        return tokens, torch.log(probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1))
+        return tokens, torch.log(probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)), finite
     log_total = torch.logsumexp(scores, dim=-1)
     # filters copies: `scores` stays whole
-    tokens = _sample_filtered(scores, params, generator, uniforms)
-    return tokens, scores.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - log_total
+    tokens, finite = _sample_filtered(scores, params, generator, uniforms)
+    return tokens, scores.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - log_total, finite
 
 
 def _sample_filtered(
@@ -105,9 +131,9 @@ def _sample_filtered(
     params: SamplingParams,
     generator: torch.Generator | None,
     uniforms: torch.Tensor | None,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A token per row from temperature-scaled scores [B, V] under top-k, top-p and min-p,
-    applied in that order (transformers' and vLLM's order)."""
+    applied in that order (transformers' and vLLM's order), and whether each row was finite."""
     if params.top_k and params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k, dim=-1).values[:, -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -123,7 +149,7 @@ def _sample_filtered(
         # the most likely token always stays: its probability is the row's maximum
         floor = params.min_p * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < floor, 0.0)
-    return sample_from(probs, generator, uniforms)
+    return sample_from_unchecked(probs, generator, uniforms)
 
 
 def penalise_repetitions(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -149,8 +175,23 @@ def sample_from(
     own uniform number. That is one reduction over the vocabulary instead of a
     cumulative sum over it (a sequential scan) or torch.multinomial, which draws a
     random number per vocabulary entry (measured: docs/performance.md). A zero-weight entry is
-    never drawn.
+    never drawn. Raises NonFiniteProbabilities for a row whose weights do not sum to a
+    positive finite number (`sample_from_unchecked` is the same draw without that check).
     """
+    index, finite = sample_from_unchecked(weights, generator, uniforms)
+    if not bool(finite.all()):
+        raise NonFiniteProbabilities(_NON_FINITE)
+    return index
+
+
+def sample_from_unchecked(
+    weights: torch.Tensor,
+    generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_from`'s draw with no check that reads the device: (index [B], finite [B] bool,
+    whether the row's weights sum to a positive finite number). The index of a row that is not
+    finite is some entry in range (its CDF cannot be searched), never one past the end."""
     B, V = weights.shape
     block = min(CDF_BLOCK, V)
     whole = V // block * block
@@ -160,8 +201,7 @@ def sample_from(
     block_cdf = totals.cumsum(-1)
     # one NaN or inf weight makes its row's total non-finite; searching such a CDF gives an index out of range
     total = block_cdf[:, -1]
-    if not bool((torch.isfinite(total) & (total > 0)).all()):
-        raise NonFiniteProbabilities(_NON_FINITE)
+    finite = torch.isfinite(total) & (total > 0)
     u = (
         uniforms
         if uniforms is not None
@@ -172,7 +212,8 @@ def sample_from(
     index = b * block + torch.arange(block, device=weights.device)
     inside = index < V
     local_cdf = (weights.gather(1, index.clamp(max=V - 1)) * inside).cumsum(-1)
-    return (b * block + first_exceeding(local_cdf, u[:, 1:])).squeeze(-1)
+    drawn = (b * block + first_exceeding(local_cdf, u[:, 1:])).squeeze(-1)
+    return drawn.clamp(max=V - 1), finite
 
 
 def first_exceeding(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -364,11 +405,11 @@ def _generate(
     done = torch.zeros(N, dtype=torch.bool, device=device)
     lengths = torch.zeros(N, dtype=torch.long, device=device)
     # the tokens each row holds so far, prompt included (its padding excluded), for the penalty
-    seen = None
-    if params.repetition_penalty != 1.0:
-        seen = torch.zeros(N, logits.shape[-1], dtype=torch.bool, device=device)
-        row, column = full_mask.nonzero(as_tuple=True)
-        seen[row, full_ids[row, column]] = True
+    seen = (
+        prompt_tokens_seen(full_ids, full_mask, logits.shape[-1])
+        if params.repetition_penalty != 1.0
+        else None
+    )
     active = torch.arange(N, device=device)  # batch row of each cache row
     alive = torch.ones(N, dtype=torch.bool, device=device)  # cache rows still generating
     attn = full_mask.clone()  # [cache rows, Lp + t]
@@ -412,9 +453,37 @@ def _generate(
         logits = steps(new.unsqueeze(-1), attn, next_pos.unsqueeze(-1))
         next_pos = next_pos + 1
 
+    return completed_rollout(
+        full_ids, full_mask, tokens, lengths, done, token_logprobs, pad_token_id
+    )
+
+
+def prompt_tokens_seen(full_ids: torch.Tensor, full_mask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[N, vocab] bool: the tokens each row's prompt holds (its padding excluded), where the
+    repetition penalty (`penalise_repetitions`) starts from."""
+    seen = torch.zeros(full_ids.shape[0], vocab, dtype=torch.bool, device=full_ids.device)
+    row, column = full_mask.nonzero(as_tuple=True)
+    seen[row, full_ids[row, column]] = True
+    return seen
+
+
+def completed_rollout(
+    full_ids: torch.Tensor,
+    full_mask: torch.Tensor,
+    tokens: torch.Tensor,
+    lengths: torch.Tensor,
+    done: torch.Tensor,
+    token_logprobs: torch.Tensor | None,
+    pad_token_id: int,
+) -> Rollout:
+    """The Rollout of a finished decoding loop: `tokens` [N, max_new_tokens] sampled (anything
+    past a row's length is ignored), `lengths` [N] of each completion, `done` [N] (ended by EOS or
+    a stop string: not truncated), `token_logprobs` [N, max_new_tokens] or None (greedy); the
+    completions cut to the longest, padded with `pad_token_id`."""
+    N = tokens.shape[0]
     width = int(lengths.max().item()) if N else 0
     tokens = tokens[:, :width]
-    steps = torch.arange(width, device=device).unsqueeze(0)
+    steps = torch.arange(width, device=tokens.device).unsqueeze(0)
     completion_mask = (steps < lengths.unsqueeze(1)).long()
     tokens = tokens.masked_fill(completion_mask == 0, pad_token_id)
     if token_logprobs is not None:
@@ -512,9 +581,11 @@ class TransformersEngine:
     """The `hf` rollout engine: generation with the policy module itself (no copy), with
     prefix sharing and compaction, in the compute precision of training.bf16.
 
-    `decoding`: the decoding steps the backend hands it (grpo.backends; on the CPU,
-    grpo.cpu.layer.CPULayer.decoding), else transformers' modules (`plain_decoding`). A model
-    whose `generate` was replaced on the object itself is sampled with that (`generate_with`).
+    `decoding`: what the backend's device layer hands it (grpo.backends): decoding steps for
+    its own loop (on the CPU, grpo.cpu.layer.CPULayer.decoding), or a whole loop
+    (grpo.rollout.base.DecodingLoop: on CUDA, grpo.cuda's); None: its own loop with
+    transformers' modules (`plain_decoding`). A model whose `generate` was replaced on the
+    object itself is sampled with that (`generate_with`).
     Because it decodes from the policy's own parameters (any decoding steps read them,
     or pack their copies, at the start of each rollout), an optimizer step needs no
     weight transfer: `sync_weights` has nothing to do, and neither have `sleep`/`wake`
@@ -543,6 +614,8 @@ class TransformersEngine:
                 replaced = vars(self.model).get("generate")
                 if callable(replaced):  # generate_with: the replacement samples
                     sampler = functools.partial(generate_with, replaced, device=self.device)
+                elif isinstance(self.decoding, DecodingLoop):
+                    sampler = functools.partial(self.decoding.generate, self.model)
                 else:
                     sampler = functools.partial(generate, self.model, decoding=self.decoding)
                 return sampler(
