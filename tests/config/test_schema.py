@@ -193,7 +193,7 @@ def test_registered_names_are_config_choices():
     with pytest.raises(ConfigError, match="is not one of grpo"):
         config.from_dict({}, ["algorithm.advantage_estimator=mine"])
     registry.ADVANTAGE_ESTIMATORS.register("mine")(
-        lambda rewards, group_size, *, scale_rewards: rewards * 0
+        lambda inputs: inputs.rewards * 0  # an estimator takes one AdvantageInputs
     )
     try:
         assert (

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from grpo.config import loading as config
+from grpo.config.errors import ConfigError
 from grpo.rewards.math_answer import MathAnswer, as_number, extract_answer, normalise_gold
 from grpo.rewards.reward_set import RewardSet
 
@@ -49,7 +50,7 @@ def test_forms_are_configurable():
     cfg = config.from_dict({"rewards": {"funcs": ["math_answer"], "math_forms": ["boxed"]}})
     (reward,) = RewardSet.from_config(cfg.rewards, 16, {"answer"}).funcs
     assert reward(["Answer: 2", "\\boxed{2}"], answer=[2, 2]) == [0.0, 1.0]
-    with pytest.raises(config.ConfigError, match="rewards.math_forms"):
+    with pytest.raises(ConfigError, match="rewards.math_forms"):
         config.from_dict({"rewards": {"math_forms": ["latex"]}})
 
 

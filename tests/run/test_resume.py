@@ -18,6 +18,7 @@ import yaml
 
 from grpo.cli import main
 from grpo.config import loading as config
+from grpo.config.errors import ConfigError
 from grpo.run import checkpoint, run_lock, runlog
 
 pytestmark = pytest.mark.usefixtures("quick")
@@ -109,7 +110,7 @@ def test_a_damaged_latest_checkpoint_is_passed_over_with_a_warning(
 
     for name in ("checkpoint-2", "checkpoint-4", "final"):
         (run / name / checkpoint.MANIFEST).unlink()
-    with pytest.raises(config.ConfigError, match="no intact checkpoint.*overwrite_output_dir"):
+    with pytest.raises(ConfigError, match="no intact checkpoint.*overwrite_output_dir"):
         checkpoint.latest_checkpoint(run)
 
 
@@ -203,7 +204,7 @@ def test_output_dir_that_is_a_file_is_a_clear_error(tmp_path, capsys, write_conf
     assert main(["train", str(path)]) == 2
     assert "is a file, not a directory" in capsys.readouterr().err
     with pytest.raises(
-        config.ConfigError, match=r"output_dir: .* is a file, not a directory; set output_dir"
+        ConfigError, match=r"output_dir: .* is a file, not a directory; set output_dir"
     ):
         runlog.check_output_dir(tmp_path / "run", overwrite=True)
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from grpo.config import loading as config
+from grpo.config.errors import ConfigError
 from grpo.models.tiny import tiny_model
 from grpo.training.trainer import Trainer
 
@@ -108,5 +109,5 @@ def test_restore_refuses_other_data(tokenizer, tmp_path, state_trainer):
     original = state_trainer(tokenizer, tmp_path / "a", [])
     original.train_step()
     saved = original.state_dict()
-    with pytest.raises(config.ConfigError, match="data.seed"):
+    with pytest.raises(ConfigError, match="data.seed"):
         state_trainer(tokenizer, tmp_path / "b", ["data.seed=5"], restore=saved)

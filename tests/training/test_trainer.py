@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from grpo.config import loading as config
+from grpo.config.errors import ConfigError
 from grpo.models.tiny import tiny_model
 from grpo.rollout import Rollout
 from grpo.training.batching import GenerationBatch, microbatches, minibatches
@@ -418,7 +419,7 @@ def test_refuses_to_overwrite_a_run(tokenizer, tmp_path, make_trainer):
     (run / "checkpoint-1").mkdir(parents=True)
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
     (run / ".grpo.lock").write_text("")  # what every run leaves in its directory
-    with pytest.raises(config.ConfigError, match="already holds a run"):
+    with pytest.raises(ConfigError, match="already holds a run"):
         make_trainer(tokenizer, tmp_path, ["training.max_steps=1"])
     trainer = make_trainer(
         tokenizer,
@@ -517,7 +518,7 @@ def test_a_registered_estimator_is_what_the_step_uses(tokenizer, tmp_path, make_
 
 
 def test_unknown_engine_fails_before_the_model_loads(tokenizer, tmp_path, make_trainer):
-    with pytest.raises(config.ConfigError, match="rollout.engine: 'sglang' is not one of hf"):
+    with pytest.raises(ConfigError, match="rollout.engine: 'sglang' is not one of hf"):
         make_trainer(tokenizer, tmp_path, ["rollout.engine=sglang"])
 
 

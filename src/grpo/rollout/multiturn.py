@@ -21,7 +21,7 @@ generated turn by turn:
 The completion trained on is the concatenation of the sampled turns and the appended tool
 results, exactly as those tokens were fed to the model: the sampled ids are never decoded and
 encoded again (they are decoded only to find the calls). `Rollout.tool_mask` marks the
-appended tokens: they get loss mask 0 (grpo.training.trainer.Trainer.score), so they count in
+appended tokens: they get loss mask 0 (grpo.training.scoring.score), so they count in
 no normaliser of the loss, and their sampling logprobs are 0 and never compared.
 
 The length budget: `rollout.max_completion_length` bounds the whole completion, turns and tool

@@ -88,6 +88,8 @@ RESUMABLE_CHANGES = (
     "model.cpu_kernels",
     "training.kernels",
     "rollout.decoding",
+    "rollout.cuda_decoding",  # how tokens are decoded on CUDA, not which: the same run
+    "health.",  # the checks read the run; they change nothing in it
 )
 
 
