@@ -27,6 +27,7 @@ import yaml
 from grpo import registry
 from grpo.config import safe_yaml
 from grpo.config.errors import ConfigError
+from grpo.config.health import HealthConfig
 
 MAX_INT = 2**63 - 1
 """The largest integer setting: what torch and NumPy hold in an int64 (a seed, a step count)."""
@@ -1108,6 +1109,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     cpu: CPUConfig = field(default_factory=CPUConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
 
     @property
     def epsilon_high(self) -> float:

@@ -340,6 +340,9 @@ class Trainer:
             repetition_penalty=r.repetition_penalty,
             min_new_tokens=r.min_new_tokens,
         )
+        from grpo.health.monitor import HealthMonitor  # the health checks' state across steps
+
+        self.health = HealthMonitor(cfg, is_main=self.backend.is_main)
         self._set_up_callbacks()
 
     def _set_up_callbacks(self) -> None:
@@ -715,6 +718,10 @@ class Trainer:
                         raise TrainingDiverged(f"{error}; {self._save_last_good()}") from error
                     self.trained_steps += 1
                     self.rewarded_steps += math.isfinite(metrics["reward"])
+                    # health/* into this step's row; a health.fail_on check stops the loop after it, saved
+                    metrics.update(
+                        self.health.observe(metrics, callbacks.state.log_history, callbacks.control)
+                    )
                     log.step(metrics)
                     history.append(metrics)
                     step = self.state.step
