@@ -42,9 +42,9 @@ class HealthConfig:
     zero_loss_tolerance: float = 1e-6
     """zero_loss: a logged loss within this of 0 counts as zero."""
     truncated_share: float = 1.0
-    """all_truncated: the share of completions cut at max_completion_length
-    (completions/clipped_ratio) at or above which a step counts as all truncated."""
-    entropy_floor: float = 0.02
+    """all_truncated (with algorithm.mask_truncated_completions): the share of completions cut at
+    max_completion_length (completions/clipped_ratio) at or above which nothing is trained."""
+    entropy_floor: float = 0.1
     """entropy_collapse: mean token entropy (nats) below which the policy is near-deterministic."""
     collapse_zero_spread_share: float = 0.9
     """entropy_collapse: fires only while at least this share of groups has zero reward spread

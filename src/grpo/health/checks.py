@@ -140,6 +140,10 @@ class View:
     """The held-out scores seen so far, in step order."""
     final: bool = False
     """The pass after the last step, with every evaluation of the run (the `after` one too)."""
+    check: str = ""
+    """The check reading it (set by the monitor)."""
+    firing: frozenset[str] = frozenset()
+    """The checks firing before this step."""
 
     @property
     def row(self) -> Row:
@@ -158,6 +162,11 @@ class View:
         if weights is None or len(weights) != len(names) or name not in names:
             return 1.0
         return weights[names.index(name)]
+
+    def needs(self, steps: int) -> int:
+        """The steps in a row a condition must hold: `steps` to fire, one to go on firing (a
+        check that fired stays until health.clear_after steps go by without it)."""
+        return 1 if self.check in self.firing else steps
 
     def trailing(self, holds: Callable[[Row], bool]) -> list[Row]:
         """The last steps in a row for which `holds` is true (oldest first; empty when this step's is false)."""
@@ -268,7 +277,7 @@ def no_learning_signal(view: View) -> Finding | None:
     constant over the whole batch."""
     limits = view.limits
     run = view.trailing(_at_least("frac_reward_zero_std", limits.zero_spread_share))
-    if len(run) < limits.patience:
+    if len(run) < view.needs(limits.patience):
         return None
     G, T = view.run.num_generations, view.run.temperature
     share = (
@@ -288,6 +297,11 @@ def no_learning_signal(view: View) -> Finding | None:
             f"{name} (always {g(num(view.row, f'rewards/{name}/mean'))})" for name in constant
         )
     fix = SIGNAL_FIXES.format(G=G, T=g(T))
+    if all(_at_least("completions/clipped_ratio", limits.truncated_share)(r) for r in run):
+        fix += (
+            f"; every completion is also cut at max_completion_length={view.run.max_completion_length}: "
+            "if the reward reads the end of the answer, raise it or end answers with rollout.stop_strings"
+        )
     best = max((r for _, r in view.rewards), default=None)
     if constant and reward is not None and reward == 0:
         fix = (
@@ -361,36 +375,25 @@ def zero_loss(view: View) -> Finding | None:
 
 def all_truncated(view: View) -> Finding | None:
     """Every completion (health.truncated_share of them) is cut at max_completion_length for
-    health.patience steps, and either masked (mask_truncated_completions: nothing is trained) or
-    scored alike in every group (the answers never finish)."""
+    health.patience steps while algorithm.mask_truncated_completions leaves cut completions out of
+    the loss: nothing is trained. (Cut completions that are trained on are not a fault in
+    themselves: a one-token answer is cut by design; when every group is also scored alike,
+    no_learning_signal says so.)"""
     limits, run = view.limits, view.run
+    if not run.mask_truncated_completions:
+        return None
     cut = view.trailing(_at_least("completions/clipped_ratio", limits.truncated_share))
-    if len(cut) < limits.patience:
+    if len(cut) < view.needs(limits.patience):
         return None
     length = run.max_completion_length
-    fix = (
-        f"raise rollout.max_completion_length (now {length}), end answers with rollout.stop_strings, "
-        "or ask for a shorter answer in the prompt"
-    )
-    evidence = f"completions/clipped_ratio {g(num(view.row, 'completions/clipped_ratio'))} over {_span(cut)}"
-    if run.mask_truncated_completions:
-        return Finding(
-            "error",
-            f"nothing is trained: every completion is cut at max_completion_length={length} and "
-            "algorithm.mask_truncated_completions leaves cut completions out of the loss",
-            evidence,
-            fix + "; or set algorithm.mask_truncated_completions: false",
-            explains=("no_learning_signal", "zero_loss"),
-        )
-    if not all(_at_least("frac_reward_zero_std", limits.zero_spread_share)(r) for r in cut):
-        return None  # cut, but scored apart: the reward reads what is there (a one-token answer)
     return Finding(
-        "warning",
-        f"every completion is cut at max_completion_length={length} and every group is scored alike: "
-        "the answers never finish, so there is nothing to tell apart",
-        evidence + f", frac_reward_zero_std {g(num(view.row, 'frac_reward_zero_std'))}",
-        fix,
-        explains=("no_learning_signal", "zero_loss"),
+        "error",
+        f"nothing is trained: every completion is cut at max_completion_length={length} and "
+        "algorithm.mask_truncated_completions leaves cut completions out of the loss",
+        f"completions/clipped_ratio {g(num(view.row, 'completions/clipped_ratio'))} over {_span(cut)}",
+        f"raise rollout.max_completion_length (now {length}), end answers with rollout.stop_strings, ask "
+        "for a shorter answer in the prompt, or set algorithm.mask_truncated_completions: false",
+        explains=("no_learning_signal", "zero_loss", "entropy_collapse", "entropy_blowup"),
     )
 
 
@@ -406,7 +409,7 @@ def reward_failing(view: View) -> Finding | None:
             return _missing(row, mean) or (num(row, errors) or 0) + (num(row, timeouts) or 0) > 0
 
         run = view.trailing(fails)
-        if len(run) >= limits.patience:
+        if len(run) >= view.needs(limits.patience):
             failing.append((name, run))
     if not failing:
         return None
@@ -455,7 +458,9 @@ def constant_reward(view: View) -> Finding | None:
         if view.weight(name) == 0:
             continue
         run = view.trailing(lambda r, name=name: num(r, f"rewards/{name}/std") == 0)
-        if len(run) >= limits.window and any((num(r, "reward_std") or 0) > 0 for r in run):
+        if len(run) >= view.needs(limits.window) and any(
+            (num(r, "reward_std") or 0) > 0 for r in run
+        ):
             constant.append((name, run))
     if not constant:
         return None
@@ -473,13 +478,22 @@ def constant_reward(view: View) -> Finding | None:
     )
 
 
+def _entropy(row: Row) -> float | None:
+    """The step's token entropy, None when no token was in the loss (every completion masked: the
+    update logs an entropy of exactly 0 and a gradient norm of 0)."""
+    entropy = num(row, "entropy")
+    if entropy == 0 and num(row, "grad_norm") == 0:
+        return None
+    return entropy
+
+
 def entropy_collapse(view: View) -> Finding | None:
     """Token entropy below health.entropy_floor for health.patience steps while at least
     health.collapse_zero_spread_share of the groups have zero reward spread: the policy samples
     the same completion for every try, so nothing is explored."""
     limits = view.limits
-    run = view.trailing(lambda r: (x := num(r, "entropy")) is not None and x < limits.entropy_floor)
-    if len(run) < limits.patience:
+    run = view.trailing(lambda r: (x := _entropy(r)) is not None and x < limits.entropy_floor)
+    if len(run) < view.needs(limits.patience):
         return None
     share = _mean(num(r, "frac_reward_zero_std") for r in run)
     if share is None or share < limits.collapse_zero_spread_share:
@@ -499,16 +513,18 @@ def entropy_collapse(view: View) -> Finding | None:
 
 
 def entropy_blowup(view: View) -> Finding | None:
-    """Token entropy above health.entropy_blowup_ratio times the run's early median for
-    health.patience steps: the policy is spreading toward noise."""
+    """Token entropy above health.entropy_blowup_ratio times the run's early median (at least
+    health.entropy_floor) for health.patience steps: the policy is spreading toward noise."""
     limits = view.limits
     if len(view.early) < limits.window or _step(view.row) <= _step(view.early[-1]):
         return None
-    base = _median(num(r, "entropy") for r in view.early)
+    base = _median(_entropy(r) for r in view.early)
     if base is None or base <= 0:
         return None
-    run = view.trailing(_above("entropy", limits.entropy_blowup_ratio * base))
-    if len(run) < limits.patience:
+    # against at least entropy_floor: a collapsed policy's entropy of 1e-10 tripling is no blow-up
+    high = limits.entropy_blowup_ratio * max(base, limits.entropy_floor)
+    run = view.trailing(lambda r: (x := _entropy(r)) is not None and x > high)
+    if len(run) < view.needs(limits.patience):
         return None
     return Finding(
         "warning",
@@ -526,7 +542,7 @@ def kl_runaway(view: View) -> Finding | None:
     with beta > 0, where kl is logged)."""
     limits = view.limits
     run = view.trailing(_above("kl", limits.kl_max))
-    if len(run) < limits.patience:
+    if len(run) < view.needs(limits.patience):
         return None
     return Finding(
         "warning",
@@ -542,7 +558,7 @@ def clip_ratio_high(view: View) -> Finding | None:
     health.patience steps: the update is pinned at the trust region's edge."""
     limits = view.limits
     run = view.trailing(_above("clip_ratio/region_mean", limits.clip_ratio_max))
-    if len(run) < limits.patience:
+    if len(run) < view.needs(limits.patience):
         return None
     return Finding(
         "warning",
@@ -557,7 +573,8 @@ def clip_ratio_high(view: View) -> Finding | None:
 
 def grad_norm_spike(view: View) -> Finding | None:
     """This step's gradient norm above health.grad_norm_spike_ratio times the median of the
-    health.window steps before it (steps with a zero norm, which trained nothing, left out)."""
+    health.window steps before it (steps with a zero norm, which trained nothing, left out; at
+    least half of them must remain)."""
     limits = view.limits
     now = num(view.row, "grad_norm")
     before = [
@@ -565,7 +582,7 @@ def grad_norm_spike(view: View) -> Finding | None:
         for r in view.rows[:-1][-limits.window :]
         if (x := num(r, "grad_norm")) is not None and x > 0
     ]
-    if now is None or len(before) < limits.window:
+    if now is None or len(before) < max(2, limits.window // 2):
         return None
     median = statistics.median(before)
     if now <= limits.grad_norm_spike_ratio * median:
@@ -746,7 +763,15 @@ def lr_too_large(view: View) -> Finding | None:
         f"learning_rate {g(lr)} at step {view.step}, grad_norm {g(num(view.row, 'grad_norm'))}"
         + (f", {int(skipped)} updates skipped so far" if skipped else ""),
         "lower training.learning_rate (fine-tuning uses 1e-6 to 1e-5, LoRA 1e-5 to 1e-3)",
-        explains=("grad_norm_spike", "entropy_blowup", "kl_runaway", "clip_ratio_high"),
+        explains=(
+            "grad_norm_spike",
+            "entropy_blowup",
+            "entropy_collapse",
+            "kl_runaway",
+            "clip_ratio_high",
+            "no_learning_signal",
+            "zero_loss",
+        ),
     )
 
 

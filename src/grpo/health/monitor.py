@@ -246,9 +246,10 @@ class HealthMonitor:
         """Each named check's finding at this step, those another one explains left out."""
         checks = dict(self.checks)
         found: dict[str, Finding] = {}
+        firing = frozenset(self.firing)
         for name in names:
             try:
-                finding = checks[name](view)
+                finding = checks[name](replace(view, check=name, firing=firing))
             except Exception as error:  # noqa: BLE001 - a broken check (a user's too) never stops training
                 if name not in self._broken:
                     self._broken.add(name)
