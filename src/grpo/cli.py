@@ -152,7 +152,8 @@ def _train(args: argparse.Namespace) -> int:
         if trainer.backend.is_main:
             say(
                 f"grpo: stopped by the health check {stopped.check} at step {stopped.step} (health.fail_on): "
-                f"{stopped.message}; saved in {trainer.saved}; the diagnosis: grpo doctor {cfg.output_dir}",
+                f"{stopped.message}; checkpoint-{stopped.step}/ and final/ are saved in {cfg.output_dir}; the "
+                f"diagnosis: grpo doctor {cfg.output_dir}",
                 file=sys.stderr,
             )
         return 5
