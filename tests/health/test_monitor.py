@@ -132,3 +132,16 @@ def test_held_out_scores_from_the_callbacks_log_history():
 def test_ranges():
     assert ranges([3, 4, 5, 9, 11, 12]) == "3–5, 9, 11–12"
     assert ranges([]) == ""
+
+
+def test_the_log_history_is_read_as_it_grows(history):
+    monitor = _monitor()
+    log_history: list[dict] = []
+    rows = history(3)
+    log_history.append({"eval_greedy/accuracy": 0.25, "step": 0})
+    monitor.observe(rows[0], log_history)
+    log_history += [{"reward": 0.5, "step": 1}, {"eval_greedy/accuracy": 0.5, "step": 1}]
+    monitor.observe(rows[1], log_history)
+    assert [(p.step, p.score) for p in monitor.evaluations] == [(0, 0.25), (1, 0.5)]
+    monitor.observe(rows[2], [{"eval_greedy/accuracy": 1.0, "step": 2}])  # another list: read afresh
+    assert [(p.step, p.score) for p in monitor.evaluations] == [(2, 1.0)]

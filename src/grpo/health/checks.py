@@ -16,6 +16,7 @@ step to step. docs/health.md is the user's page for each.
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from dataclasses import dataclass
@@ -258,7 +259,8 @@ def _reward_at(view: View, step: int) -> float | None:
     """The mean training reward of the `window` steps up to `step` (an evaluation's step); the
     run's first `window` steps for an evaluation before training."""
     n = view.limits.window
-    upto = [r for s, r in view.rewards if s <= step][-n:]
+    end = bisect.bisect_right(view.rewards, step, key=lambda pair: pair[0])  # in step order
+    upto = [r for _, r in view.rewards[max(0, end - n) : end]]
     return _mean(upto) if upto else _mean(r for _, r in view.rewards[:n])
 
 

@@ -99,13 +99,20 @@ def points_from_log_history(
     at optimizer steps: num_iterations per grpo step), under one decoding: greedy, else the first
     logged for the wording trained on."""
     found: dict[str, list[EvalPoint]] = {}
+    _scan(rows, num_iterations, found)
+    return one_decoding(found)
+
+
+def _scan(
+    rows: Sequence[Mapping[str, Any]], num_iterations: int, found: dict[str, list[EvalPoint]]
+) -> None:
+    """Adds the held-out scores of `rows` to `found` (decoding -> points)."""
     for row in rows:
         for key, value in row.items():
-            m = _EVAL_KEY.fullmatch(key)
+            m = _EVAL_KEY.fullmatch(key) if key.startswith("eval_") else None
             if m and isinstance(value, (int, float)) and not isinstance(value, bool):
                 step = int(row.get("step", 0)) // max(1, num_iterations)
                 found.setdefault(m.group(1), []).append(EvalPoint(step, float(value), m.group(1)))
-    return one_decoding(found)
 
 
 def one_decoding(found: dict[str, list[EvalPoint]]) -> list[EvalPoint]:
@@ -150,6 +157,9 @@ class HealthMonitor:
         self.episodes: list[Episode] = []
         self._misses: dict[str, int] = {}
         self._broken: set[str] = set()
+        self._history: Sequence[Mapping] | None = None
+        self._scanned = 0
+        self._found: dict[str, list[EvalPoint]] = {}
         self.stopped: Finding | None = None
         """The health.fail_on finding that stopped the run, if one did."""
 
@@ -165,11 +175,7 @@ class HealthMonitor:
         `control`; returns the `health/*` metrics to add to the step's."""
         if not self.limits.enabled:
             return {}
-        evaluations = (
-            points_from_log_history(log_history, self.facts.num_iterations)
-            if log_history is not None
-            else None
-        )
+        evaluations = self._evaluations_in(log_history) if log_history is not None else None
         stopped_before = self.stopped
         for line in self.step(metrics, evaluations):
             self._say(line)
@@ -182,6 +188,15 @@ class HealthMonitor:
                 control.should_save = True
                 control.should_training_stop = True
         return self.metrics()
+
+    def _evaluations_in(self, log_history: Sequence[Mapping]) -> list[EvalPoint]:
+        """The held-out scores of the callbacks' log_history, read from where the last call
+        stopped (it only grows; a shorter or other list is read again from its start)."""
+        if log_history is not self._history or len(log_history) < self._scanned:
+            self._history, self._scanned, self._found = log_history, 0, {}
+        _scan(log_history[self._scanned :], self.facts.num_iterations, self._found)
+        self._scanned = len(log_history)
+        return one_decoding(self._found)
 
     def metrics(self) -> dict[str, float]:
         """`health/<check>` (1 firing, 0 not) for every registered check, and `health/update_to_weight`."""
