@@ -145,3 +145,18 @@ def test_the_log_history_is_read_as_it_grows(history):
     assert [(p.step, p.score) for p in monitor.evaluations] == [(0, 0.25), (1, 0.5)]
     monitor.observe(rows[2], [{"eval_greedy/accuracy": 1.0, "step": 2}])  # another list: read afresh
     assert [(p.step, p.score) for p in monitor.evaluations] == [(2, 1.0)]
+
+
+def test_under_torchrun_the_held_out_check_never_stops_the_run(history):
+    from grpo.health.checks import EvalPoint
+
+    cfg = schema.from_dict({}, ["health.fail_on=[heldout_not_improving]"])
+    flat = [EvalPoint(0, 0.25), EvalPoint(20, 0.25)]
+    for world_size, stops in ((1, True), (2, False)):
+        # rank 0 holds the evaluations, the others none: only a decision no evaluation takes is alike
+        monitor, control = HealthMonitor(cfg, world_size=world_size), Control()
+        for row in history(22, reward=lambda s: 0.1 + 0.02 * s):
+            monitor.step(row, flat if row["step"] > 20 else [])
+        monitor.observe(history(23, reward=0.6)[-1], control=control)
+        assert "heldout_not_improving" in monitor.firing
+        assert (monitor.stopped is not None) == stops, world_size

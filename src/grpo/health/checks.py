@@ -777,5 +777,7 @@ def lr_too_large(view: View) -> Finding | None:
     )
 
 
-AT_END = ("heldout_not_improving",)
-"""The checks judged once more after the last step, with every evaluation (the `after` one too)."""
+READS_EVALUATIONS = ("heldout_not_improving",)
+"""The checks that read the held-out evaluations: judged once more after the last step, with every
+evaluation (the `after` one too); under torchrun only rank 0 holds the results, so they never
+stop a run of several processes (health.fail_on), which must stop on every rank at once."""

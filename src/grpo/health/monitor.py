@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
 from grpo.config.health import HealthConfig
-from grpo.health.checks import AT_END, EvalPoint, Finding, RunFacts, View
+from grpo.health.checks import READS_EVALUATIONS, EvalPoint, Finding, RunFacts, View
 from grpo.registry import HEALTH_CHECKS
 
 log = logging.getLogger(__name__)
@@ -132,19 +132,23 @@ class HealthMonitor:
         cfg: Any,
         *,
         is_main: bool = True,
+        world_size: int = 1,
         limits: HealthConfig | None = None,
         console: bool = True,
     ):
         """`cfg`: the run's Config (or a config as a dict, e.g. a run's config.yaml as read);
         `limits`: the health section to use (default: the config's). `is_main`: this process
         speaks (under torchrun every rank runs the checks on the same gathered metrics, rank 0
-        prints). `console`: print the transitions (False: keep them only, as `grpo doctor` does)."""
+        prints; `world_size`: how many, for health.fail_on's decision, which every rank must
+        take alike). `console`: print the transitions (False: keep them only, as `grpo doctor`
+        does)."""
         data = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg or {})
         self.limits = (
             limits if limits is not None else getattr(cfg, "health", None) or HealthConfig()
         )
         self.facts = RunFacts.from_config(data)
         self.speaks = is_main and console
+        self.world_size = world_size
         self.checks = [(name, HEALTH_CHECKS.get(name)) for name in HEALTH_CHECKS.names()]
         n = self.limits
         self.rows: collections.deque = collections.deque(
@@ -227,14 +231,16 @@ class HealthMonitor:
         return self._transitions(step, found)
 
     def finish(self, evaluations: Sequence[EvalPoint] | None = None) -> list[str]:
-        """After the last step: the checks of AT_END once more, with every evaluation of the run
+        """After the last step: the checks of READS_EVALUATIONS once more, with every evaluation of the run
         (the `after` one included); what they find is kept as firing at the last step."""
         if not self.rows:
             return []
         if evaluations is not None:
             self.evaluations = list(evaluations)
         step, lines = int(self.rows[-1]["step"]), []
-        found = self._run(self._view(final=True), [n for n in AT_END if n in dict(self.checks)])
+        found = self._run(
+            self._view(final=True), [n for n in READS_EVALUATIONS if n in dict(self.checks)]
+        )
         for name, finding in found.items():
             if name in self.firing:
                 continue
@@ -291,7 +297,9 @@ class HealthMonitor:
                 self.firing[name] = episode
                 self.episodes.append(episode)
                 lines.append(finding.line())
-                if name in self.limits.fail_on and self.stopped is None:
+                # every rank decides alike: only rank 0 holds the held-out results
+                stops = self.world_size == 1 or name not in READS_EVALUATIONS
+                if name in self.limits.fail_on and self.stopped is None and stops:
                     self.stopped = finding
             episode.last = finding
             episode.held.append(step)

@@ -342,7 +342,9 @@ class Trainer:
         )
         from grpo.health.monitor import HealthMonitor  # the health checks' state across steps
 
-        self.health = HealthMonitor(cfg, is_main=self.backend.is_main)
+        self.health = HealthMonitor(
+            cfg, is_main=self.backend.is_main, world_size=self.backend.world_size
+        )
         self._set_up_callbacks()
 
     def _set_up_callbacks(self) -> None:
