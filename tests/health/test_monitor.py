@@ -143,7 +143,9 @@ def test_the_log_history_is_read_as_it_grows(history):
     log_history += [{"reward": 0.5, "step": 1}, {"eval_greedy/accuracy": 0.5, "step": 1}]
     monitor.observe(rows[1], log_history)
     assert [(p.step, p.score) for p in monitor.evaluations] == [(0, 0.25), (1, 0.5)]
-    monitor.observe(rows[2], [{"eval_greedy/accuracy": 1.0, "step": 2}])  # another list: read afresh
+    monitor.observe(
+        rows[2], [{"eval_greedy/accuracy": 1.0, "step": 2}]
+    )  # another list: read afresh
     assert [(p.step, p.score) for p in monitor.evaluations] == [(2, 1.0)]
 
 

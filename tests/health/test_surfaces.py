@@ -137,3 +137,20 @@ def test_trl_users_get_the_checks_without_changing_their_script(tmp_path, caplog
     assert [row["health/no_learning_signal"] for row in steps] == [0, 0, 0, 0, 1, 1]
     rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["health/no_learning_signal"] == 1.0
+
+
+def test_a_run_resumes_with_other_health_settings_and_from_before_the_section(scripted_run):
+    from grpo.run.checkpoint import config_differences
+
+    now = schema.from_dict({}, ["health.patience=3"]).to_dict()
+    before = {
+        k: v for k, v in now.items() if k != "health"
+    }  # a checkpoint made before health: existed
+    assert config_differences(before, now) == []
+    trainer = scripted_run(["training.save_steps=2"], steps=2)
+    resumed = scripted_run(
+        ["training.save_steps=2", "health.fail_on=[no_learning_signal]"],
+        steps=4,
+        resume=trainer.log.dir / "checkpoint-2",
+    )
+    assert resumed.state.step == 4
