@@ -145,10 +145,9 @@ def _train(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 128 + trainer.stopped_by
+    # a check of health.fail_on fired: the loop stopped after that step, saved
     stopped = trainer.health.stopped
-    if (
-        stopped is not None
-    ):  # a check of health.fail_on fired: the loop stopped after that step, saved
+    if stopped is not None:
         if trainer.backend.is_main:
             say(
                 f"grpo: stopped by the health check {stopped.check} at step {stopped.step} (health.fail_on): "

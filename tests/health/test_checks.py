@@ -55,6 +55,17 @@ def test_no_learning_signal_between_prompts_says_each_prompt_is_always_or_never_
     assert "always or never" in found.fix
 
 
+def test_no_learning_signal_after_the_reward_rose_to_its_best_says_it_may_be_learned(
+    history, view_of
+):
+    rows = history(
+        20, reward=lambda s: min(1.0, 0.1 * s), frac_reward_zero_std=lambda s: float(s >= 10)
+    )
+    assert "the task is learned at this difficulty" in checks.no_learning_signal(view_of(rows)).fix
+    flat = history(20, reward=0.5, frac_reward_zero_std=1.0)  # never rose: not learned, constant
+    assert "learned" not in checks.no_learning_signal(view_of(flat)).fix
+
+
 def test_no_learning_signal_share_and_a_noisy_step(history, view_of):
     rows = history(6, frac_reward_zero_std=lambda s: 0.0 if s == 3 else 0.9)
     assert checks.no_learning_signal(view_of(rows)) is None

@@ -315,7 +315,8 @@ def no_learning_signal(view: View) -> Finding | None:
         reward is not None
         and best is not None
         and reward >= best
-        and len(view.rewards) > limits.window
+        and best
+        > (_mean(r for _, r in view.rewards[: limits.window]) or 0.0)  # it rose to get here
     ):
         fix = (
             "if the reward is at its best (it is the highest seen), the task is learned at this "
