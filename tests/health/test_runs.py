@@ -237,3 +237,22 @@ def test_the_diagnosis_of_the_run_directory_is_what_the_run_said(scripted_run):
     assert (
         "## Health" in report and "| heldout_not_improving | warning | fired at step 26" in report
     )
+
+
+def test_the_tiny_example_fires_no_warning(tmp_path, monkeypatch, capsys):
+    from pathlib import Path
+
+    from grpo.cli import main
+
+    monkeypatch.chdir(
+        Path(__file__).resolve().parents[2]
+    )  # its reward file is named from the repository
+    run = tmp_path / "tiny"
+    assert main(["train", "examples/tiny.yaml", f"output_dir={run}", "training.max_steps=120"]) == 0
+    assert main(["doctor", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "[note] zero_loss: noted at step 10" in out
+        and "[warning]" not in out
+        and "[error]" not in out
+    )
