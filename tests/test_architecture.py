@@ -1,5 +1,6 @@
 """The layout docs/architecture.md describes is the one in src/grpo: every module it names
-exists and every module is named there; the folders import each other without a circle; the
+exists and every module is named there; the folders import each other without a circle and
+only down the page's list of layers; the
 device layers (cpu/, cuda/) are reached only through the backends; each folder says its one
 job; and no docstring quotes a timing (measurements live in docs/performance.md, with their
 machine)."""
@@ -103,6 +104,48 @@ def test_only_the_backends_reach_the_device_layers():
     )
 
 
+def _layers() -> list[set[str]]:
+    """The page's list of layers, top to bottom: each line's folders and programs (`cli.py`,
+    `trl/`, `registry.py`), as the names `_folder` gives their modules."""
+    block = PAGE.read_text().split("## The layers", 1)[1].split("```", 2)[1]
+    layers = []
+    for line in block.strip().splitlines():
+        names = line.split("  ", 1)[0]
+        layers.append({n.strip().removesuffix("/").removesuffix(".py") for n in names.split(",")})
+    return layers
+
+
+def _upward_imports(layers: list[set[str]]) -> list[str]:
+    """The imports that go from a layer to one listed above it."""
+    rank = {name: i for i, names in enumerate(layers) for name in names}
+    modules = _modules()
+    return sorted(
+        f"{name} -> {target}"
+        for name, path in modules.items()
+        if _folder(name) in rank
+        for target in _imports(path, modules)
+        if _folder(target) in rank and rank[_folder(target)] < rank[_folder(name)]
+    )
+
+
+def test_imports_run_down_the_documented_layers():
+    """A module imports only its own layer's modules and those listed below it: the page's
+    order is the code's."""
+    layers = _layers()
+    listed = set().union(*layers)
+    folders = {_folder(name) for name in _modules()} - {"grpo", "__main__"}
+    unlisted = sorted(folders - listed)
+    assert not unlisted, f"docs/architecture.md's layer list does not name {unlisted}"
+    upward = _upward_imports(layers)
+    assert not upward, f"imports that go up docs/architecture.md's layer list: {upward}"
+
+
+def test_the_order_check_sees_an_upward_import():
+    """Listed bottom to top, the layers' imports all go up: the check is not vacuous."""
+    upward = _upward_imports(list(reversed(_layers())))
+    assert any(line.startswith("grpo.training.") for line in upward)
+
+
 def test_each_folder_says_its_one_job_and_the_top_level_stays_small():
     for init in SRC.rglob("__init__.py"):
         assert ast.get_docstring(ast.parse(init.read_text())), (
@@ -113,8 +156,8 @@ def test_each_folder_says_its_one_job_and_the_top_level_stays_small():
         for p in SRC.iterdir()
         if p.name not in ("__pycache__",) and (p.suffix == ".py" or p.is_dir())
     ]
-    # the layers of docs/architecture.md (cpu/ and cuda/ beside each other) and the programs
-    assert len(top) <= 17, f"src/grpo has {len(top)} top-level names: {sorted(top)}"
+    # the layers of docs/architecture.md (cpu/ and cuda/ beside each other, health/) and the programs
+    assert len(top) <= 18, f"src/grpo has {len(top)} top-level names: {sorted(top)}"
 
 
 TIMING = re.compile(r"\b\d+\.\d+\s?s\b|\b\d+(?:\.\d+)?\s?(?:ms|us|µs|GB/s|GFLOP/s|MB/s)(?!\w)")

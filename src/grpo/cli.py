@@ -1,4 +1,4 @@
-"""`grpo train | eval | report | export | config show | init`."""
+"""`grpo train | eval | report | doctor | export | config show | init`."""
 
 from __future__ import annotations
 
@@ -144,6 +144,17 @@ def _train(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 128 + trainer.stopped_by
+    # a check of health.fail_on fired: the loop stopped after that step, saved
+    stopped = trainer.health.stopped
+    if stopped is not None:
+        if trainer.backend.is_main:
+            say(
+                f"grpo: stopped by the health check {stopped.check} at step {stopped.step} (health.fail_on): "
+                f"{stopped.message}; checkpoint-{stopped.step}/ and final/ are saved in {cfg.output_dir}; the "
+                f"diagnosis: grpo doctor {cfg.output_dir}",
+                file=sys.stderr,
+            )
+        return 5
     if trainer.trained_steps and not trainer.rewarded_steps:
         say(
             f"grpo: no reward was computed in any step (every reward call failed or returned None), so nothing "
@@ -261,6 +272,38 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    """The health checks over a run directory (finished or running): what fired, when, the fix.
+    Exit 0: no warning or error; 1: one fired; 2: not a run directory."""
+    from grpo.health.diagnosis import NotDiagnosable, diagnose_run
+    from grpo.run.run_lock import is_a_run
+
+    path = Path(args.run_dir).expanduser()
+    fix = "pass the output_dir of a `grpo train` run (it holds metrics.jsonl)"
+    if not path.is_dir():
+        say(f"grpo: doctor: {path} is not a directory; {fix}", file=sys.stderr)
+        return 2
+    if not (is_a_run(path) or (path / "metrics.jsonl").is_file()):
+        say(
+            f"grpo: doctor: {path} is not a run directory (no metrics.jsonl, run lock or checkpoint); {fix}",
+            file=sys.stderr,
+        )
+        return 2
+    for override in args.overrides:
+        if not override.startswith("health."):
+            raise ConfigError(
+                f"grpo doctor: {override!r}: only the health section's thresholds may be changed here "
+                "(health.KEY=VALUE, e.g. health.patience=3)"
+            )
+    try:
+        diagnosis = diagnose_run(path, args.overrides)
+    except NotDiagnosable as e:
+        say(f"grpo: doctor: {e}", file=sys.stderr)
+        return 2
+    say(diagnosis.text())
+    return 1 if diagnosis.problems else 0
+
+
 def _config_show(args: argparse.Namespace) -> int:
     from grpo.config import loading as config
     from grpo.config.docs import commented_yaml
@@ -359,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
         const=LATEST,
         metavar="PATH",
         help="continue a run exactly: from output_dir's latest checkpoint, or from PATH (a checkpoint "
-        "or run directory). Exit codes: 0 done, 2 config error, 3 diverged, 130 SIGINT, 143 SIGTERM",
+        "or run directory). Exit codes: 0 done, 2 config error, 3 diverged, 4 no reward computed, 5 stopped "
+        "by health.fail_on, 130 SIGINT, 143 SIGTERM",
     )
     train.set_defaults(run=_train)
     ev = sub.add_parser(
@@ -376,6 +420,20 @@ def main(argv: list[str] | None = None) -> int:
     report = sub.add_parser("report", help="plots and a markdown report of a run directory")
     report.add_argument("run_dir", help="the run's output_dir (holds metrics.jsonl)")
     report.set_defaults(run=_report)
+    doctor = sub.add_parser(
+        "doctor",
+        help="why a run is (not) learning: the health checks over a run directory (docs/health.md)",
+        description="The health checks replayed over a finished or running run's metrics.jsonl, "
+        "eval.jsonl and config: each check that fired, its steps, evidence and fix. Exit 0: no "
+        "warning or error; 1: one fired; 2: not a run directory.",
+    )
+    doctor.add_argument("run_dir", help="the run's output_dir (holds metrics.jsonl)")
+    doctor.add_argument(
+        "overrides",
+        nargs="*",
+        help="health.KEY=VALUE thresholds to judge with, e.g. health.patience=3",
+    )
+    doctor.set_defaults(run=_doctor)
     export = sub.add_parser(
         "export", help="a checkpoint as a model directory: the merged model or the LoRA adapter"
     )

@@ -238,3 +238,29 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 IMPORTANCE_LEVELS = ("token", "sequence")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 DECODING = ("auto", "fused", "plain")
+HEALTH_CHECKS = Registry(
+    "health.fail_on",
+    {
+        name: f"grpo.health.checks:{name}"
+        for name in (
+            "no_learning_signal",
+            "zero_loss",
+            "all_truncated",
+            "reward_failing",
+            "constant_reward",
+            "entropy_collapse",
+            "entropy_blowup",
+            "kl_runaway",
+            "clip_ratio_high",
+            "grad_norm_spike",
+            "nonfinite_updates",
+            "heldout_not_improving",
+            "length_hacking",
+            "reward_tradeoff",
+            "lr_too_small",
+            "lr_too_large",
+        )
+    },
+)
+"""fn(view: grpo.health.checks.View) -> grpo.health.checks.Finding | None, run on every step in
+this order; see grpo.health.checks and docs/health.md."""

@@ -56,6 +56,10 @@ SECTIONS: dict[str, tuple[str, str]] = {
         "the console line, sample completions, trackers (tensorboard, wandb, trackio)",
         "logging.report_to=[wandb]",
     ),
+    "health": (
+        "health checks on every step (docs/health.md): their thresholds, and fail_on to stop a run when one fires",
+        "health.fail_on=[no_learning_signal]",
+    ),
 }
 
 

@@ -22,6 +22,7 @@ from grpo.config.errors import ConfigError
 from grpo.config.model_data import DataConfig, ModelConfig
 from grpo.config.rollout_rewards import RewardsConfig, RolloutConfig
 from grpo.config.training import CPUConfig, EvalConfig, LoggingConfig, TrainingConfig
+from grpo.config.health import HealthConfig
 
 
 @dataclass
@@ -39,6 +40,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     cpu: CPUConfig = field(default_factory=CPUConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
 
     @property
     def epsilon_high(self) -> float:

@@ -85,6 +85,7 @@ RESUMABLE_CHANGES = (
     "cpu.",
     "logging.",
     "eval.",
+    "health.",  # the checks read the metrics; they change nothing trained (and older runs have none)
     "model.cpu_kernels",
     "training.kernels",
     "rollout.decoding",
@@ -835,7 +836,7 @@ def load_checkpoint(path: Path, cfg) -> Checkpoint:
             f"--resume {path}: the checkpoint was made with another config; these keys differ: "
             + ", ".join(f"{k} (saved {a!r}, now {b!r})" for k, a, b in differing)
             + "; set them back to resume (only training.max_steps, training.save_steps, training.save_total_limit, "
-            "cpu.*, logging.* and eval.* may change), or start a new run in another output_dir"
+            "cpu.*, logging.*, eval.* and health.* may change), or start a new run in another output_dir"
         )
     try:
         state = _usable_state(path, verified=True)

@@ -7,6 +7,7 @@ Reads from the run directory:
     metrics.jsonl   required: one JSON object per step (written by the trainer)
     config.yaml     optional: the resolved config (model, task, key settings)
     eval.jsonl      optional: grpo.training.evaluate results (before/after table, accuracy vs step)
+                    and, with the metrics and config, the health checks' section (grpo.health)
     samples.jsonl   optional: {"step", "prompt", "completion", "reward"} per line
 
 Plots are drawn with matplotlib's object API (no pyplot, no global backend
@@ -524,6 +525,19 @@ def _summary(run_dir: Path, config: dict[str, Any], metrics: list[dict[str, Any]
     return lines
 
 
+def _health(
+    metrics: list[dict[str, Any]], eval_results: list[EvalResult], config: dict[str, Any]
+) -> list[str]:
+    """The health checks replayed over the run (grpo.health.diagnosis, as `grpo doctor` does):
+    the steps each fired, what it found and the fix."""
+    from grpo.health.diagnosis import diagnose
+
+    lines = diagnose(metrics, [r.to_dict() for r in eval_results], config).markdown()
+    while lines and not lines[-1]:
+        lines.pop()
+    return lines
+
+
 def _first_last(metrics: list[dict[str, Any]]) -> list[str]:
     n = len(metrics)
     k = max(1, round(0.1 * n))
@@ -750,6 +764,7 @@ def build_report(run_dir: str | Path, plots_apart: bool = False) -> Path:
             "",
         ]
     lines += _summary(run_dir, config, metrics) + [""]
+    lines += _health(metrics, eval_results, config) + [""]
 
     before, after = latest(eval_results, "before"), latest(eval_results, "after")
     if before or after:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from grpo.config.schema import Config
+from grpo.health.monitor import HealthMonitor
 from grpo.run import checkpoint, faults
 from grpo.run.eval_results import EvalResult
 from grpo.run.stop_signals import StopSignals
@@ -66,6 +67,9 @@ class Trainer:
             """The last checkpoint this trainer wrote."""
             self.trained_steps = self.rewarded_steps = 0
             """Steps `train` ran, and those in which some completion got a reward."""
+            b = parts.backend
+            self.health = HealthMonitor(parts.cfg, is_main=b.is_main, world_size=b.world_size)
+            """The health checks across steps (grpo.health): health/* metrics, console, fail_on."""
             self.callbacks.configure(
                 parts.cfg, parts.num_prompts, len(parts.task.train_rows), parts.backend.is_main
             )
@@ -207,12 +211,8 @@ class Trainer:
             faults.reached("logged")
             signum = self._stop_signal(stop)  # under torchrun a collective: asked where it decides
             # last, so that a checkpoint's step has all its logs: resuming cuts them back to it
-            save_steps = cfg.training.save_steps
-            if (
-                (save_steps and step_done % save_steps == 0)
-                or signum
-                or callbacks.control.should_save
-            ):
+            periodic = cfg.training.save_steps and step_done % cfg.training.save_steps == 0
+            if periodic or signum or callbacks.control.should_save:
                 self.save(self.log.dir / f"checkpoint-{step_done}")
                 if self.backend.is_main:
                     checkpoint.prune(self.log.dir, cfg.training.save_total_limit)
@@ -230,6 +230,9 @@ class Trainer:
         the control on_step_end left."""
         self.trained_steps += 1
         self.rewarded_steps += math.isfinite(metrics["reward"])
+        # health/* into this step's row; a health.fail_on check stops the loop after it, saved
+        c = self.callbacks
+        metrics.update(self.health.observe(metrics, c.state.log_history, c.control))
         self.log.step(metrics)
         history.append(metrics)
         self.sync_run_state()
@@ -258,7 +261,7 @@ class Trainer:
         return True
 
     def _stop_signal(self, stop: StopSignals) -> int | None:
-        """The signal that stops the run, if any rank has had one: every rank stops after the same step."""
+        """Any rank's stopping signal: every rank stops after the same step."""
         return max(s or 0 for s in self.backend.all_gather_object(stop.signum)) or None
 
     def sync_run_state(self) -> None:

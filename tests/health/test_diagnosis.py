@@ -1,0 +1,144 @@
+"""A run directory's diagnosis (`grpo doctor`, report.md's Health section): what it reads, how
+it reads a run still being written, and the command's answers and refusals."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from grpo.cli import main
+from grpo.health.diagnosis import diagnose, diagnose_run, eval_points, read_run
+from grpo.run.eval_results import EvalResult
+
+
+def _write_run(directory, rows, evaluations=(), config=None, lock=True):
+    directory.mkdir(parents=True, exist_ok=True)
+    if lock:
+        (directory / ".grpo.lock").write_text("1 host\n")
+    (directory / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if evaluations:
+        (directory / "eval.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evaluations))
+    if config is not None:
+        import yaml
+
+        (directory / "config.yaml").write_text(yaml.safe_dump(config))
+    return directory
+
+
+def test_doctor_on_a_run_that_had_no_signal(tmp_path, history, capsys):
+    run = _write_run(tmp_path / "run", history(12, frac_reward_zero_std=lambda s: float(s >= 3)))
+    assert main(["doctor", str(run)]) == 1
+    out = capsys.readouterr().out
+    assert f"{run}: 12 steps logged (steps 1–12), 0 held-out evaluations" in out
+    assert "[warning] no_learning_signal: fired at step 7, still firing at the end" in out
+    assert "  evidence: frac_reward_zero_std 1 over 5 steps (steps 3–7)" in out
+    assert "  fix: " in out and "15 other checks fired nothing" in out
+
+
+def test_doctor_on_a_healthy_run_exits_0(tmp_path, history, capsys):
+    run = _write_run(tmp_path / "run", history(30, reward=lambda s: 0.2 + 0.01 * s))
+    assert main(["doctor", str(run)]) == 0
+    assert "no health check fired (16 checks" in capsys.readouterr().out
+
+
+def test_doctor_judges_with_the_thresholds_given(tmp_path, history, capsys):
+    run = _write_run(tmp_path / "run", history(12, frac_reward_zero_std=lambda s: float(s >= 3)))
+    assert main(["doctor", str(run), "health.patience=2"]) == 1
+    assert "fired at step 4" in capsys.readouterr().out
+    assert main(["doctor", str(run), "training.max_steps=3"]) == 2
+    assert "only the health section's thresholds" in capsys.readouterr().err
+    assert main(["doctor", str(run), "health.patience=0"]) == 2
+    assert "grpo: config error: health.patience: must be in [1, 10000]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "make, said",
+    [
+        (lambda d: d, "is not a run directory"),  # an empty directory
+        (lambda d: d / "missing", "is not a directory"),
+        (lambda d: (d / "file").write_text("x") and d / "file", "is not a directory"),
+        (lambda d: (d / ".grpo.lock").write_text("") or d, "has logged no step yet"),
+    ],
+    ids=["empty", "missing", "a file", "a run before its first step"],
+)
+def test_doctor_refuses_what_is_not_a_run_in_one_line(tmp_path, capsys, make, said):
+    path = make(tmp_path)
+    assert main(["doctor", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    (line,) = captured.err.splitlines()
+    assert line.startswith("grpo: doctor: ") and said in line
+
+
+def test_a_run_being_written_is_read_as_far_as_it_goes(tmp_path, history):
+    rows = history(6)
+    run = _write_run(tmp_path / "run", rows, lock=False)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(
+            json.dumps({**rows[0], "step": 1, "reward": 0.9}) + "\n"
+        )  # step 1 again: a resumed run
+        f.write('{"step": 7, "rew')  # cut short
+    metrics, _, config = read_run(run)
+    assert [r["step"] for r in metrics] == [1, 2, 3, 4, 5, 6] and metrics[0]["reward"] == 0.9
+    assert config == {}
+    assert diagnose_run(run).steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_the_held_out_score_is_the_one_the_results_report(tmp_path):
+    results = [
+        EvalResult("before", 0, 0.0, 4, {"correct": [1, 4], "formatted": [2, 4]}, 0.3),
+        EvalResult("before", 0, 1.0, 4, {"correct": [3, 4]}, 0.3),
+        EvalResult("step 5", 5, 0.0, 4, {"passed": [2, 4]}, 0.1),
+        EvalResult("step 9", 9, 0.0, 4, {}, 0.7),
+        EvalResult("step 9", 9, 0.0, 4, {"correct": [4, 4]}, 0.7, wording=2),
+    ]
+    points = eval_points([r.to_dict() for r in results])
+    greedy = [r for r in results if r.temperature == 0 and r.wording == 1]
+    assert [(p.step, p.score, p.decoding) for p in points] == [
+        (r.step, r.accuracy, "greedy") for r in greedy
+    ]
+    assert (
+        eval_points(
+            [{"step": 3, "temperature": 1.0, "n": 2, "counts": {}, "mean_reward": math.nan}]
+        )
+        == []
+    )
+
+
+def test_the_after_evaluation_is_judged_after_the_last_step(history):
+    rows = history(30, reward=lambda s: 0.1 + 0.02 * s)
+    evaluations = [
+        EvalResult("before", 0, 0.0, 4, {"correct": [1, 4]}, 0.0).to_dict(),
+        EvalResult("after", 30, 0.0, 4, {"correct": [1, 4]}, 0.0).to_dict(),
+    ]
+    diagnosis = diagnose(rows, evaluations)
+    (episode,) = diagnosis.episodes
+    assert (episode.check, episode.at_end, episode.fired_at) == ("heldout_not_improving", True, 30)
+    assert "after the last step (30), with every evaluation" in diagnosis.text()
+
+
+def test_the_runs_own_health_section_is_used(history):
+    rows = history(12, frac_reward_zero_std=lambda s: float(s >= 3))
+    assert diagnose(rows, config={"health": {"patience": 8}}).episodes[0].fired_at == 10
+    # a section written by another version (an unknown key): the defaults
+    assert diagnose(rows, config={"health": {"no_such_key": 1}}).episodes[0].fired_at == 7
+
+
+def test_the_report_has_a_health_section(tmp_path, history):
+    from grpo.run.report import build_report
+
+    run = _write_run(tmp_path / "run", history(12, frac_reward_zero_std=lambda s: float(s >= 3)))
+    text = build_report(run, plots_apart=True).read_text()
+    section = text[text.index("## Health") : text.index("## Training reward")]
+    assert (
+        "| no_learning_signal | warning | fired at step 7, still firing at the end | 7–12 |"
+        in section
+    )
+    assert "**no_learning_signal** (warning, step 7)" in section and "Fix: " in section
+    quiet = _write_run(tmp_path / "quiet", history(12))
+    assert (
+        "No health check fired over the 12 logged steps"
+        in build_report(quiet, plots_apart=True).read_text()
+    )
