@@ -19,10 +19,10 @@ from typing import Any
 from grpo.config.algorithm import AlgorithmConfig
 from grpo.config.checks import all_finite
 from grpo.config.errors import ConfigError
+from grpo.config.health import HealthConfig
 from grpo.config.model_data import DataConfig, ModelConfig
 from grpo.config.rollout_rewards import RewardsConfig, RolloutConfig
 from grpo.config.training import CPUConfig, EvalConfig, LoggingConfig, TrainingConfig
-from grpo.config.health import HealthConfig
 
 
 @dataclass
