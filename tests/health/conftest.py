@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from grpo.config import schema
+from grpo.config import loading
 from grpo.config.health import HealthConfig
 from grpo.health.checks import RunFacts, View
 from grpo.models.tiny import tiny_model
@@ -82,7 +82,7 @@ def scripted_run(toy_config, tokenizer, tmp_path, first_char_correct, caplog):
     def run(overrides=(), reward_funcs=None, prepare=None, steps=30, **kwargs):
         from grpo.training.trainer import Trainer
 
-        cfg = schema.from_dict(
+        cfg = loading.from_dict(
             {**copy.deepcopy(toy_config), "output_dir": str(tmp_path / "run")},
             [f"training.max_steps={steps}", *overrides],
         )
@@ -90,7 +90,7 @@ def scripted_run(toy_config, tokenizer, tmp_path, first_char_correct, caplog):
         if prepare is not None:
             with torch.no_grad():
                 prepare(model)
-        trainer = Trainer(
+        trainer = Trainer.from_config(
             cfg,
             model=model,
             tokenizer=tokenizer,

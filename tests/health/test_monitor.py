@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import logging
 
-from grpo.config import schema
+from grpo.config import loading
 from grpo.health.monitor import HealthMonitor, points_from_log_history, ranges
 from grpo.registry import HEALTH_CHECKS
 from grpo.training.callbacks import Control
 
 
 def _monitor(*overrides):
-    return HealthMonitor(schema.from_dict({}, list(overrides)))
+    return HealthMonitor(loading.from_dict({}, list(overrides)))
 
 
 def test_fires_once_holds_and_clears_after_quiet_steps_with_one_line_each(history, caplog):
@@ -101,7 +101,7 @@ def test_disabled_runs_nothing(history):
 
 
 def test_a_process_that_does_not_speak_still_decides(history, caplog):
-    monitor = HealthMonitor(schema.from_dict({}), is_main=False)
+    monitor = HealthMonitor(loading.from_dict({}), is_main=False)
     with caplog.at_level(logging.WARNING, logger="grpo.health.monitor"):
         for row in history(5, frac_reward_zero_std=1.0):
             monitor.observe(row)
@@ -152,7 +152,7 @@ def test_the_log_history_is_read_as_it_grows(history):
 def test_under_torchrun_the_held_out_check_never_stops_the_run(history):
     from grpo.health.checks import EvalPoint
 
-    cfg = schema.from_dict({}, ["health.fail_on=[heldout_not_improving]"])
+    cfg = loading.from_dict({}, ["health.fail_on=[heldout_not_improving]"])
     flat = [EvalPoint(0, 0.25), EvalPoint(20, 0.25)]
     for world_size, stops in ((1, True), (2, False)):
         # rank 0 holds the evaluations, the others none: only a decision no evaluation takes is alike

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from grpo.cli import main
-from grpo.config import schema
+from grpo.config import loading
 from grpo.config.errors import ConfigError
 from grpo.registry import HEALTH_CHECKS
 
@@ -19,14 +19,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_fail_on_is_checked_against_the_registered_checks():
-    assert schema.from_dict(
+    assert loading.from_dict(
         {}, ["health.fail_on=[no_learning_signal,kl_runaway]"]
     ).health.fail_on == [
         "no_learning_signal",
         "kl_runaway",
     ]
     with pytest.raises(ConfigError) as error:
-        schema.from_dict({}, ["health.fail_on=[no_learning_signal,no_signal]"])
+        loading.from_dict({}, ["health.fail_on=[no_learning_signal,no_signal]"])
     message = str(error.value)
     assert message.startswith(
         "health.fail_on[1]: 'no_signal' is not one of no_learning_signal, zero_loss"
@@ -50,7 +50,7 @@ def test_fail_on_is_checked_against_the_registered_checks():
 )
 def test_a_bad_health_value_is_refused_by_name(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-        schema.from_dict({}, [override])
+        loading.from_dict({}, [override])
 
 
 def test_config_show_and_help_document_the_section(capsys):
@@ -142,7 +142,7 @@ def test_trl_users_get_the_checks_without_changing_their_script(tmp_path, caplog
 def test_a_run_resumes_with_other_health_settings_and_from_before_the_section(scripted_run):
     from grpo.run.checkpoint import config_differences
 
-    now = schema.from_dict({}, ["health.patience=3"]).to_dict()
+    now = loading.from_dict({}, ["health.patience=3"]).to_dict()
     before = {
         k: v for k, v in now.items() if k != "health"
     }  # a checkpoint made before health: existed

@@ -75,11 +75,6 @@ class HealthConfig:
     """lr_too_large: a learning rate above this multiple of weight_scale (each step would move
     a typical weight by five times its size)."""
 
-    def __post_init__(self) -> None:
-        # config/schema.py's `validate` runs a fixed list of sections; this one checks itself as it
-        # is built, so a bad value is refused at load time all the same
-        self.check()
-
     def check(self, cfg=None, world_size: int = 1) -> None:
         for i, name in enumerate(self.fail_on):
             if name not in registry.HEALTH_CHECKS:

@@ -79,5 +79,6 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         cfg.eval,
         cfg.logging,
         cfg.cpu,
+        cfg.health,
     ):
         section.check(cfg, world_size)

@@ -158,12 +158,12 @@ def _score(row: Mapping[str, Any]) -> float | None:
 def health_config(config: Mapping[str, Any], overrides: Sequence[str] = ()) -> HealthConfig:
     """The run's health section (its defaults where the run has none), with `overrides`
     (health.key=value) applied; an override the section refuses is a ConfigError."""
-    from grpo.config import schema
+    from grpo.config import loading
 
     section = config.get("health") if isinstance(config, Mapping) else None
     section = section if isinstance(section, Mapping) else {}
     try:
-        return schema.from_dict({"health": dict(section)}, list(overrides)).health
+        return loading.from_dict({"health": dict(section)}, list(overrides)).health
     except ConfigError:
         if overrides:
             raise
