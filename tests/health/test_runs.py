@@ -54,10 +54,14 @@ def _assert_fired(trainer, fired, check, step, *in_the_line):
 
 
 def test_the_toy_task_learning_fires_nothing_but_the_zero_loss_note(scripted_run, fired):
+    """The note is recorded (health/zero_loss, doctor, the report) and not said on the console:
+    a healthy run prints no health line."""
     trainer = scripted_run()
     assert fired(trainer) == ({}, {"zero_loss"})
-    (line,) = trainer.console
-    assert "[note] zero_loss at step 10: the logged loss is 0 by construction" in line
+    assert trainer.console == []
+    (episode,) = trainer.health.episodes
+    assert episode.fired_at == 10
+    assert "the logged loss is 0 by construction" in episode.first.line()
 
 
 def test_constant_rewards_have_no_learning_signal(scripted_run, fired):

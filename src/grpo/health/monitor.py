@@ -10,7 +10,8 @@ metrics: `health/<check>` is 1 while the check is firing, 0 otherwise, and
 typical weight, relative to its size: what the learning-rate checks compare). A check fires at
 the first step it finds something and clears after health.clear_after steps without it (a
 note, which explains how the run is built, never clears); each
-transition is one console line (a logging warning), never a line per step. A finding that
+transition of a warning or an error is one console line (a logging warning), never a line per
+step; a note is said by `grpo doctor` and report.md only. A finding that
 explains another (all_truncated explains no_learning_signal) is reported alone.
 
 `log_history` (the callbacks' state.log_history) carries the held-out evaluations' rows
@@ -296,7 +297,8 @@ class HealthMonitor:
                 episode = Episode(name, finding.severity, finding, finding, step)
                 self.firing[name] = episode
                 self.episodes.append(episode)
-                lines.append(finding.line())
+                if finding.severity != "note":  # a note answers a question; the console stays quiet
+                    lines.append(finding.line())
                 # every rank decides alike: only rank 0 holds the held-out results
                 stops = self.world_size == 1 or name not in READS_EVALUATIONS
                 if name in self.limits.fail_on and self.stopped is None and stops:
