@@ -80,9 +80,15 @@ def test_every_completion_cut_and_masked_trains_nothing(scripted_run, fired):
     "reward, said",
     [
         (lambda completions, **kw: [None] * len(completions), "returns None for every completion"),
+        (
+            lambda completions, **kw: [
+                None if i % 4 else x for i, x in enumerate(graded(completions))
+            ],
+            "returns None for most completions",
+        ),
         (lambda completions, **kw: 1 / 0, "raises"),
     ],
-    ids=["all None", "raises"],
+    ids=["all None", "None for three in four", "raises"],
 )
 def test_a_reward_function_that_gives_nothing(scripted_run, fired, reward, said):
     trainer = scripted_run(reward_funcs={"broken": reward}, steps=8)

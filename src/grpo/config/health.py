@@ -41,6 +41,9 @@ class HealthConfig:
     at or above which a step carries no learning signal; 1.0: every group."""
     zero_loss_tolerance: float = 1e-6
     """zero_loss: a logged loss within this of 0 counts as zero."""
+    reward_missing_share: float = 0.5
+    """reward_failing: the share of a batch's completions a reward function gives no reward
+    (rewards/<f>/missing: it returned None, or its call failed) above which it is failing."""
     truncated_share: float = 1.0
     """all_truncated (with algorithm.mask_truncated_completions): the share of completions cut at
     max_completion_length (completions/clipped_ratio) at or above which nothing is trained."""
@@ -90,6 +93,7 @@ class HealthConfig:
                 )
         for key in (
             "zero_spread_share",
+            "reward_missing_share",
             "truncated_share",
             "collapse_zero_spread_share",
             "length_cap_share",

@@ -401,15 +401,20 @@ def all_truncated(view: View) -> Finding | None:
 
 
 def reward_failing(view: View) -> Finding | None:
-    """A reward function that fails (raises or times out: rewards/<f>/errors, /timeouts) or
-    scores no completion at all (rewards/<f>/mean missing: it returned None for every one), in
+    """A reward function that fails (raises or times out: rewards/<f>/errors, /timeouts), or
+    gives no reward to more than health.reward_missing_share of the batch (rewards/<f>/missing;
+    a run logged before that metric: rewards/<f>/mean missing, None for every completion), in
     each of health.patience steps."""
     limits, failing = view.limits, []
     for name in view.reward_names():
-        mean, errors, timeouts = (f"rewards/{name}/{k}" for k in ("mean", "errors", "timeouts"))
+        mean, errors, timeouts, missing = (
+            f"rewards/{name}/{k}" for k in ("mean", "errors", "timeouts", "missing")
+        )
 
-        def fails(row: Row, mean=mean, errors=errors, timeouts=timeouts) -> bool:
-            return _missing(row, mean) or (num(row, errors) or 0) + (num(row, timeouts) or 0) > 0
+        def fails(row: Row, mean=mean, errors=errors, timeouts=timeouts, missing=missing) -> bool:
+            unscored = (num(row, missing) or 0) > limits.reward_missing_share
+            failed = (num(row, errors) or 0) + (num(row, timeouts) or 0) > 0
+            return _missing(row, mean) or unscored or failed
 
         run = view.trailing(fails)
         if len(run) >= view.needs(limits.patience):
@@ -421,7 +426,12 @@ def reward_failing(view: View) -> Finding | None:
         errors = sum(num(r, f"rewards/{name}/errors") or 0 for r in run)
         timeouts = sum(num(r, f"rewards/{name}/timeouts") or 0 for r in run)
         scored_none = all(_missing(r, f"rewards/{name}/mean") for r in run)
-        what = "no completion scored" if scored_none else "some completions unscored"
+        share = max(num(r, f"rewards/{name}/missing") or 0 for r in run)
+        what = (
+            "no completion scored"
+            if scored_none
+            else f"up to {share:.0%} of completions unscored (None or a failed call)"
+        )
         parts.append(
             f"{name}: {what} over {_span(run)}, {int(errors)} failed calls, {int(timeouts)} timed out"
         )
@@ -433,8 +443,9 @@ def reward_failing(view: View) -> Finding | None:
             )
         if not errors and not timeouts:
             fixes.append(
-                f"{name} returns None for every completion: None means 'does not apply'; return a number "
-                "(0.0 for a wrong answer) where it should score"
+                f"{name} returns None for {'every' if scored_none else 'most'} completion"
+                f"{'' if scored_none else 's'}: None means 'does not apply'; return a number (0.0 for a "
+                "wrong answer) where it should score"
             )
     weighted = any(view.weight(name) != 0 for name, _ in failing)
     return Finding(

@@ -128,6 +128,8 @@ def batch_metrics(
         column = batch.rewards_per_func[:, k]
         m[f"rewards/{name}/mean"] = nanmean(column)
         m[f"rewards/{name}/std"] = float(algorithm.nan_std(column, dim=0))
+        # the share of completions it gave no reward (None, or a failed call): what health reads
+        m[f"rewards/{name}/missing"] = float(torch.isnan(column).float().mean())
         m[f"rewards/{name}/failures"] = failures[name]
         for kind, count in (step_failures or {}).get(name, {}).items():
             m[f"rewards/{name}/{kind}"] = count
