@@ -275,7 +275,8 @@ def _report(args: argparse.Namespace) -> int:
 def _doctor(args: argparse.Namespace) -> int:
     """The health checks over a run directory (finished or running): what fired, when, the fix.
     Exit 0: no warning or error; 1: one fired; 2: not a run directory."""
-    from grpo.health.diagnosis import NotDiagnosable, diagnose_run
+    from grpo.run.doctor import diagnose_run
+    from grpo.run.run_files import RunFileError
     from grpo.run.run_lock import is_a_run
 
     path = Path(args.run_dir).expanduser()
@@ -297,7 +298,7 @@ def _doctor(args: argparse.Namespace) -> int:
             )
     try:
         diagnosis = diagnose_run(path, args.overrides)
-    except NotDiagnosable as e:
+    except RunFileError as e:
         say(f"grpo: doctor: {e}", file=sys.stderr)
         return 2
     say(diagnosis.text())

@@ -9,8 +9,10 @@ import math
 import pytest
 
 from grpo.cli import main
-from grpo.health.diagnosis import diagnose, diagnose_run, eval_points, read_run
+from grpo.health.diagnosis import diagnose
+from grpo.run.doctor import diagnose_run, eval_points
 from grpo.run.eval_results import EvalResult
+from grpo.run.run_files import read_config, read_metrics
 
 
 def _write_run(directory, rows, evaluations=(), config=None, lock=True):
@@ -80,7 +82,7 @@ def test_a_run_being_written_is_read_as_far_as_it_goes(tmp_path, history):
             json.dumps({**rows[0], "step": 1, "reward": 0.9}) + "\n"
         )  # step 1 again: a resumed run
         f.write('{"step": 7, "rew')  # cut short
-    metrics, _, config = read_run(run)
+    metrics, config = read_metrics(run), read_config(run)
     assert [r["step"] for r in metrics] == [1, 2, 3, 4, 5, 6] and metrics[0]["reward"] == 0.9
     assert config == {}
     assert diagnose_run(run).steps == [1, 2, 3, 4, 5, 6]
@@ -94,26 +96,21 @@ def test_the_held_out_score_is_the_one_the_results_report(tmp_path):
         EvalResult("step 9", 9, 0.0, 4, {}, 0.7),
         EvalResult("step 9", 9, 0.0, 4, {"correct": [4, 4]}, 0.7, wording=2),
     ]
-    points = eval_points([r.to_dict() for r in results])
+    points = eval_points(results)
     greedy = [r for r in results if r.temperature == 0 and r.wording == 1]
     assert [(p.step, p.score, p.decoding) for p in points] == [
         (r.step, r.accuracy, "greedy") for r in greedy
     ]
-    assert (
-        eval_points(
-            [{"step": 3, "temperature": 1.0, "n": 2, "counts": {}, "mean_reward": math.nan}]
-        )
-        == []
-    )
+    assert eval_points([EvalResult("step 3", 3, 1.0, 2, {}, math.nan)]) == []
 
 
 def test_the_after_evaluation_is_judged_after_the_last_step(history):
     rows = history(30, reward=lambda s: 0.1 + 0.02 * s)
     evaluations = [
-        EvalResult("before", 0, 0.0, 4, {"correct": [1, 4]}, 0.0).to_dict(),
-        EvalResult("after", 30, 0.0, 4, {"correct": [1, 4]}, 0.0).to_dict(),
+        EvalResult("before", 0, 0.0, 4, {"correct": [1, 4]}, 0.0),
+        EvalResult("after", 30, 0.0, 4, {"correct": [1, 4]}, 0.0),
     ]
-    diagnosis = diagnose(rows, evaluations)
+    diagnosis = diagnose(rows, eval_points(evaluations))
     (episode,) = diagnosis.episodes
     assert (episode.check, episode.at_end, episode.fired_at) == ("heldout_not_improving", True, 30)
     assert "after the last step (30), with every evaluation" in diagnosis.text()
@@ -142,3 +139,60 @@ def test_the_report_has_a_health_section(tmp_path, history):
         "No health check fired over the 12 logged steps"
         in build_report(quiet, plots_apart=True).read_text()
     )
+
+
+@pytest.mark.parametrize(
+    "spoil, said",
+    [
+        (lambda run: (run / "metrics.jsonl").write_text('{"step": "abc"}\n'), "not a step number"),
+        (lambda run: (run / "metrics.jsonl").write_text("[" * 200_000 + "\n"), "nested too deeply"),
+        (
+            lambda run: (run / "metrics.jsonl").write_text('{"step": 1}\nnot json\n{"step": 2}\n'),
+            ":2: not valid JSON",
+        ),
+    ],
+    ids=["a step that is not one", "deep nesting", "a broken line inside"],
+)
+def test_doctor_refuses_a_spoilt_log_in_one_line(tmp_path, history, capsys, spoil, said):
+    run = _write_run(tmp_path / "run", history(3))
+    spoil(run)
+    assert main(["doctor", str(run)]) == 2
+    captured = capsys.readouterr()
+    (line,) = captured.err.splitlines()
+    assert line.startswith("grpo: doctor: ") and "metrics.jsonl" in line and said in line
+
+
+def test_doctor_refuses_a_log_larger_than_it_reads(tmp_path, history, capsys, monkeypatch):
+    from grpo.run import run_files
+
+    run = _write_run(tmp_path / "run", history(3))
+    monkeypatch.setattr(run_files, "MAX_LOG_BYTES", 100)
+    assert main(["doctor", str(run)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "metrics.jsonl" in line and "more than the 100 read back" in line
+
+
+def test_a_spoilt_config_or_evaluation_row_is_read_as_far_as_it_makes_sense(tmp_path, history):
+    evaluations = [
+        {
+            "label": "step 5",
+            "step": "abc",
+            "temperature": 0.0,
+            "n": 4,
+            "counts": {},
+            "mean_reward": 0.1,
+        },
+        {
+            "label": "step 6",
+            "step": 6,
+            "temperature": [1],
+            "n": 4,
+            "counts": {},
+            "mean_reward": 0.1,
+        },
+        EvalResult("step 7", 7, 0.0, 4, {"correct": [1, 4]}, 0.1).to_dict(),
+    ]
+    config = {"algorithm": {"num_iterations": "abc", "beta": [1]}, "rewards": {"weights": ["x"]}}
+    run = _write_run(tmp_path / "run", history(8), evaluations, config)
+    diagnosis = diagnose_run(run)
+    assert diagnosis.evaluations == 1 and diagnosis.steps == list(range(1, 9))

@@ -245,7 +245,7 @@ def test_fail_on_stops_the_run_after_the_step_with_a_checkpoint(scripted_run):
 
 
 def test_the_diagnosis_of_the_run_directory_is_what_the_run_said(scripted_run):
-    from grpo.health.diagnosis import diagnose_run
+    from grpo.run.doctor import diagnose_run
 
     trainer = scripted_run(["eval.every=5"], reward_funcs={"ones": ones}, steps=27)
     live = [(e.check, e.fired_at, e.cleared_at, e.first.evidence) for e in trainer.health.episodes]

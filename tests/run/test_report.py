@@ -13,7 +13,8 @@ pytest.importorskip("matplotlib")
 from grpo.config import loading as config_module  # noqa: E402
 from grpo.config.schema import Config  # noqa: E402
 from grpo.run.eval_results import EvalResult, append_results  # noqa: E402
-from grpo.run.report import ReportError, build_report, figures, read_metrics  # noqa: E402
+from grpo.run.report import ReportError, build_report, figures  # noqa: E402
+from grpo.run.run_files import read_metrics  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 BASE_PLOTS = {

@@ -97,32 +97,48 @@ class RunFacts:
         """From a config as a dict (`Config.to_dict()`, or a run's config.yaml as read): missing
         keys take the defaults."""
 
-        def get(section: str, key: str, default: Any) -> Any:
+        def value(section: str, key: str) -> Any:
             node = data.get(section) if isinstance(data, Mapping) else None
-            value = node.get(key, default) if isinstance(node, Mapping) else default
-            return default if value is None and default is not None else value
+            return node.get(key) if isinstance(node, Mapping) else None
+
+        def get(section: str, key: str, default: Any) -> Any:
+            # a run directory's config is untrusted: a value of another type is the default's
+            found = value(section, key)
+            if isinstance(default, float) and _number(found):
+                return float(found)
+            same = isinstance(found, type(default)) and not (
+                isinstance(found, bool) and not isinstance(default, bool)
+            )
+            return found if same else default
 
         model = data.get("model") if isinstance(data, Mapping) else None
         lora = model.get("lora") if isinstance(model, Mapping) else None
         lora_rank = lora.get("r", 0) if isinstance(lora, Mapping) else 0
-        dtype = get("model", "dtype", "float32")
-        weights = get("rewards", "weights", None)
+        weights = value("rewards", "weights")
+        weighted = isinstance(weights, list) and all(_number(w) for w in weights)
         return cls(
-            num_iterations=int(get("algorithm", "num_iterations", 1)),
-            beta=float(get("algorithm", "beta", 0.0)),
-            entropy_coef=float(get("algorithm", "entropy_coef", 0.0)),
-            advantage_estimator=str(get("algorithm", "advantage_estimator", "grpo")),
-            policy_loss=str(get("algorithm", "policy_loss", "clipped")),
-            loss_type=str(get("algorithm", "loss_type", "dapo")),
-            mask_truncated_completions=bool(get("algorithm", "mask_truncated_completions", False)),
-            dynamic_sampling=bool(get("algorithm", "dynamic_sampling", False)),
-            max_completion_length=int(get("rollout", "max_completion_length", 512)),
-            num_generations=int(get("rollout", "num_generations", 8)),
-            temperature=float(get("rollout", "temperature", 1.0)),
-            max_grad_norm=float(get("training", "max_grad_norm", 1.0)),
-            reward_weights=tuple(float(w) for w in weights) if isinstance(weights, list) else None,
-            weight_dtype="float32" if isinstance(lora_rank, int) and lora_rank > 0 else str(dtype),
+            num_iterations=get("algorithm", "num_iterations", 1),
+            beta=get("algorithm", "beta", 0.0),
+            entropy_coef=get("algorithm", "entropy_coef", 0.0),
+            advantage_estimator=get("algorithm", "advantage_estimator", "grpo"),
+            policy_loss=get("algorithm", "policy_loss", "clipped"),
+            loss_type=get("algorithm", "loss_type", "dapo"),
+            mask_truncated_completions=get("algorithm", "mask_truncated_completions", False),
+            dynamic_sampling=get("algorithm", "dynamic_sampling", False),
+            max_completion_length=get("rollout", "max_completion_length", 512),
+            num_generations=get("rollout", "num_generations", 8),
+            temperature=get("rollout", "temperature", 1.0),
+            max_grad_norm=get("training", "max_grad_norm", 1.0),
+            reward_weights=tuple(float(w) for w in weights) if weighted else None,
+            weight_dtype="float32"
+            if _number(lora_rank) and lora_rank > 0
+            else get("model", "dtype", "float32"),
         )
+
+
+def _number(x: Any) -> bool:
+    """A finite int or float that is not a bool."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from grpo.run.run_files import MAX_LOG_BYTES, RunFileError
+
 NUM_SAMPLES = 3
 """(prompt, completion, ...) examples kept in each EvalResult."""
 
@@ -116,16 +118,50 @@ def append_results(path: str | Path, results: list[EvalResult]) -> None:
 
 
 def read_results(path: str | Path) -> list[EvalResult]:
-    """Every EvalResult in an eval.jsonl, in file order (blank or broken lines skipped)."""
+    """Every EvalResult in an eval.jsonl, in file order: blank or broken lines, and rows whose
+    numbers are not an evaluation's (a directory from anywhere is read back), skipped; a file
+    larger than run_files.MAX_LOG_BYTES is a RunFileError."""
+    path = Path(path)
+    if path.stat().st_size > MAX_LOG_BYTES:
+        raise RunFileError(
+            f"{path}: more than the {MAX_LOG_BYTES:,} bytes read back; it is not an eval.jsonl grpo wrote"
+        )
     out = []
-    for line in Path(path).read_text().splitlines():
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         if not line.strip():
             continue
         try:
-            out.append(EvalResult.from_dict(json.loads(line)))
-        except (json.JSONDecodeError, TypeError, KeyError):
+            data = json.loads(line)
+            result = EvalResult.from_dict(data) if _plausible(data) else None
+        except (ValueError, RecursionError, TypeError, KeyError):
             continue
+        if result is not None:
+            out.append(result)
     return out
+
+
+def _plausible(data: Any) -> bool:
+    """A row with an evaluation's types: whole step, wording and n, a finite temperature, counts
+    of [count, total] whole numbers."""
+
+    def whole(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    if not isinstance(data, dict):
+        return False
+    temperature, counts = data.get("temperature"), data.get("counts", {})
+    return (
+        all(whole(data.get(k, 1)) for k in ("step", "n", "wording"))
+        and "step" in data
+        and isinstance(temperature, (int, float))
+        and not isinstance(temperature, bool)
+        and math.isfinite(temperature)
+        and isinstance(counts, dict)
+        and all(
+            isinstance(c, list) and len(c) == 2 and all(whole(x) for x in c)
+            for c in counts.values()
+        )
+    )
 
 
 def latest(results: list[EvalResult], label: str) -> list[EvalResult]:

@@ -26,7 +26,6 @@ go to plots/render.log. `grpo report RUN_DIR` draws them in its own process.
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 import os
 import subprocess
@@ -44,6 +43,7 @@ from grpo.run.eval_results import (
     latest,
     read_results,
 )
+from grpo.run.run_files import RunFileError, read_config, read_jsonl, read_metrics
 
 DPI = 100
 SMOOTH_FRACTION = 20
@@ -62,63 +62,8 @@ HEADLINE = [
 ]
 
 
-class ReportError(ValueError):
-    """The run directory cannot be reported on; the message says why and what to do."""
-
-
-# --------------------------------------------------------------------------
-# Reading
-# --------------------------------------------------------------------------
-
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    rows = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ReportError(f"{path}:{number}: not valid JSON ({e.msg})") from None
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
-
-
-def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """Per-step metrics sorted by step; a step logged twice (a resumed run) keeps its last record."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        raise ReportError(
-            f"{path} does not exist: build_report needs the metrics.jsonl that `grpo train` writes into its "
-            f"output_dir; pass the run directory (output_dir), not a checkpoint or config path"
-        )
-    rows = _read_jsonl(path)
-    if not rows:
-        raise ReportError(
-            f"{path} is empty: no training step has been logged yet; run `grpo train` first"
-        )
-    by_step: dict[int, dict[str, Any]] = {}
-    for i, row in enumerate(rows):
-        by_step[int(row.get("step", i + 1))] = row
-    return [dict(by_step[s], step=s) for s in sorted(by_step)]
-
-
-def _read_config(run_dir: Path) -> dict[str, Any]:
-    # config.resolved.yaml: the run's own, beside a config.yaml of the user's (grpo.run.runlog)
-    path = run_dir / "config.resolved.yaml"
-    if not path.is_file():
-        path = run_dir / "config.yaml"
-    if not path.is_file():
-        return {}
-    from grpo.config import safe_yaml
-    from grpo.config.errors import ConfigError
-
-    try:
-        data = safe_yaml.read(path, "run config")
-    except ConfigError:
-        return {}
-    return data if isinstance(data, dict) else {}
+ReportError = RunFileError
+"""The run directory cannot be reported on; the message says why and what to do."""
 
 
 def _values(metrics: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -528,11 +473,12 @@ def _summary(run_dir: Path, config: dict[str, Any], metrics: list[dict[str, Any]
 def _health(
     metrics: list[dict[str, Any]], eval_results: list[EvalResult], config: dict[str, Any]
 ) -> list[str]:
-    """The health checks replayed over the run (grpo.health.diagnosis, as `grpo doctor` does):
+    """The health checks replayed over the run (grpo.health.diagnosis, as `grpo doctor` does: grpo.run.doctor):
     the steps each fired, what it found and the fix."""
     from grpo.health.diagnosis import diagnose
+    from grpo.run.doctor import eval_points
 
-    lines = diagnose(metrics, [r.to_dict() for r in eval_results], config).markdown()
+    lines = diagnose(metrics, eval_points(eval_results), config).markdown()
     while lines and not lines[-1]:
         lines.pop()
     return lines
@@ -609,7 +555,7 @@ def _samples(run_dir: Path, per_end: int = 3) -> list[str]:
     path = run_dir / "samples.jsonl"
     if not path.is_file():
         return []
-    rows = [r for r in _read_jsonl(path) if "completion" in r]
+    rows = [r for r in read_jsonl(path) if "completion" in r]
     if not rows:
         return []
     steps = sorted({r.get("step", 0) for r in rows})
@@ -740,7 +686,7 @@ def build_report(run_dir: str | Path, plots_apart: bool = False) -> Path:
     metrics = read_metrics(run_dir)
     drawn = _draws_plots() if plots_apart else bool(_matplotlib())
     # without plots_apart, _matplotlib() failed early, before writing anything, when it is missing
-    config = _read_config(run_dir)
+    config = read_config(run_dir)
     eval_results = _eval_results(run_dir)
 
     if not drawn:
