@@ -65,7 +65,7 @@ def _warnings(caplog):
 
 
 def test_a_faithful_graph_is_captured_once_per_shape_and_decodes_the_engines_tokens(
-    tiny, prompts, tokenizer, engine_rollout, caplog
+    tiny, prompts, tokenizer, engine_rollout, caplog, assert_same_greedy
 ):
     model = tiny("llama")
     captures = Captures()
@@ -88,7 +88,12 @@ def test_a_faithful_graph_is_captured_once_per_shape_and_decodes_the_engines_tok
         (longer, [list(range(4, 24))] * 3, SAMPLED, [1, 2, 3]),
         (greedy, prompts, SamplingParams(12, 0), [1, 2, 3]),
     ):
-        assert _same(ours, engine_rollout(model, prompt_rows, 2, params, seeds=seeds))
+        theirs = engine_rollout(model, prompt_rows, 2, params, seeds=seeds)
+        if params.temperature == 0:  # two code paths: equal but for ties within rounding
+            assert_same_greedy(model, ours, theirs, atol=1e-5)
+        else:  # a sampled token differs only at a uniform within rounding of a CDF step
+            # (tests/cuda/test_fixed_shape.py's docstring), which these seeds do not draw
+            assert _same(ours, theirs)
 
 
 @pytest.mark.parametrize(

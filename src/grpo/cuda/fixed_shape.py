@@ -245,8 +245,13 @@ class FixedShapeLoop:
                 self.slot,
             )
         for (k, v), keys, values in zip(layers, self.kv.keys, self.kv.values):
+            # every slot the prompt does not fill is zeroed, the completion's too: a masked slot
+            # gets probability 0, but a NaN or inf left there by an earlier rollout would still
+            # reach the output (0 x NaN), in this shape's every later rollout
             keys[:, :, :start].zero_()
             values[:, :, :start].zero_()
+            keys[:, :, self.prompt_slots :].zero_()
+            values[:, :, self.prompt_slots :].zero_()
             keys[:, :, start : self.prompt_slots].copy_(k.repeat_interleave(G, 0))
             values[:, :, start : self.prompt_slots].copy_(v.repeat_interleave(G, 0))
         if self.logits is None:
