@@ -72,13 +72,15 @@ def test_a_faithful_graph_is_captured_once_per_shape_and_decodes_the_engines_tok
     decoding = GraphedDecoding("auto", capture=captures, bucket=8, keep=2)
     with caplog.at_level(logging.WARNING):
         first = _rollout(decoding, model, prompts, tokenizer)
+        assert captures.count == 0  # a shape's first rollout is the engine's: it may not recur
         again = _rollout(decoding, model, prompts, tokenizer, seeds=(4, 5, 6))
         shorter = _rollout(decoding, model, prompts[:1] * 3, tokenizer)  # fits the same slots
         assert captures.count == 1
         longer = _rollout(decoding, model, [list(range(4, 24))] * 3, tokenizer)  # 20 > 16 slots
         assert captures.count == 2
+        _rollout(decoding, model, prompts, tokenizer, params=SamplingParams(12, 0))
         greedy = _rollout(decoding, model, prompts, tokenizer, params=SamplingParams(12, 0))
-        assert captures.count == 3  # other sampling settings: another graph
+        assert captures.count == 3  # other sampling settings: another graph, when they recur
     assert _warnings(caplog) == [] and decoding.fallback is None
     assert len(decoding.loops) == decoding.keep  # the oldest shape's loop was let go
     for ours, prompt_rows, params, seeds in (
@@ -163,6 +165,7 @@ def test_the_engine_decodes_with_the_layers_loop_under_its_autocast(tiny, prompt
     layer.decoding.capture = Captures()
     cfg = loading.from_dict({}, ["training.device=cpu"])
     engine = TransformersEngine(model, tokenizer, cfg, decoding=layer.decoding)
+    engine.generate(prompts, 2, SAMPLED, seeds=[1, 2, 3])  # a shape's first: the engine's loop
     out = engine.generate(prompts, 2, SAMPLED, seeds=[1, 2, 3])
     assert layer.decoding.capture.count == 1 and out.sampling_logprobs is not None
     assert layer.decoding.weights.model.model.embed_tokens.weight.dtype == torch.float32

@@ -6,8 +6,10 @@ replayed for every token, behind a self-check; anything it cannot trust decodes 
 (`rollout.cuda_decoding`):
 
 - `eager`: the engine's own loop, transformers' modules under autocast, as before;
-- `auto`: the captured loop where it applies, else the engine's own loop, with one warning that
-  names the reason, after which the whole run decodes the engine's way;
+- `auto`: the captured loop where it applies, from a shape's second rollout on (its first is the
+  engine's: a shape that never recurs, as a multi-turn run's later turns mostly do not, is never
+  captured), else the engine's own loop, with one warning that names the reason, after which the
+  whole run decodes the engine's way;
 - `graphs`: the captured loop, and an error instead of the fallback.
 
 A graph is captured per shape (rows, prompt slots, max new tokens, sampling settings; prompt
@@ -39,6 +41,8 @@ from grpo.rollout import Rollout, SamplingParams, StopStrings, generate
 log = logging.getLogger(__name__)
 
 MODES = ("auto", "eager", "graphs")
+SHAPES_REMEMBERED = 64
+"""How many once-seen shapes `auto` remembers (a multi-turn run meets many)."""
 """rollout.cuda_decoding's choices."""
 WARMUP_STEPS = 2
 """Eager token steps on a side stream before a capture (lazy initialisation, library handles)."""
@@ -133,6 +137,8 @@ class GraphedDecoding:
         self.check_every, self.check_steps, self.keep = check_every, check_steps, keep
         self.weights = weights.DecodingCopy()
         self.loops: OrderedDict[tuple, tuple[FixedShapeLoop, Callable]] = OrderedDict()
+        self.seen: OrderedDict[tuple, None] = OrderedDict()
+        """Shapes decoded once the engine's way, to be captured if they come again."""
         self.fallback: str | None = None
         """Why this run decodes the engine's way (set once, with the one warning)."""
 
@@ -163,6 +169,8 @@ class GraphedDecoding:
         reason = weights.unsupported_reason(model) or fixed_shape.unsupported_reason(
             model, width + params.max_new_tokens
         )
+        if reason is None and self._first_sight(len(prompts) * num_generations, params):
+            return generate(*args, **kwargs)
         if reason is None:
             try:
                 return self._decode(
@@ -217,6 +225,22 @@ class GraphedDecoding:
                 full_ids, full_mask = loop.start(prompts, G, seeds)
             loop.run(replay, stop)
             return loop.finish(full_ids, full_mask)
+
+    def _first_sight(self, rows: int, params: SamplingParams) -> bool:
+        """In `auto`, whether this shape (rows, sampling settings) is new: it is decoded the
+        engine's way and remembered, and captured when it comes again. A training or evaluation
+        rollout recurs every step; a multi-turn run's later turns (fewer rows, fewer tokens each
+        turn) mostly do not, and capturing each would cost more than it saves."""
+        if self.mode != "auto":
+            return False
+        shape = (rows, params)
+        if shape in self.seen or any(key[:2] == shape for key in self.loops):
+            self.seen.pop(shape, None)
+            return False
+        self.seen[shape] = None
+        while len(self.seen) > SHAPES_REMEMBERED:
+            self.seen.popitem(last=False)
+        return True
 
     def _held(self, key: tuple, width: int):
         """The held (loop, replay) of this shape if its prompt slots take `width` tokens; else
