@@ -333,11 +333,15 @@ def _group_loss(run, batch, G: int) -> tuple:
     if algorithm.needs_values(estimator):  # no critic's values here: the group baseline
         estimator = algorithm.grpo_advantages
     rewards = batch.rewards
-    advantages = (
-        estimator(algorithm.AdvantageInputs(rewards, G, cfg.algorithm.scale_rewards))
-        if G > 1
-        else torch.zeros_like(rewards)
+    inputs = algorithm.AdvantageInputs(
+        rewards,
+        G,
+        cfg.algorithm.scale_rewards,
+        rewards_per_func=batch.rewards_per_func,
+        reward_weights=run.rewards.weights,
     )
+    # through the run's aggregation, as training computes them (GDPO: per function first)
+    advantages = run.aggregation(inputs, estimator) if G > 1 else torch.zeros_like(rewards)
     advantages = torch.nan_to_num(advantages.float(), nan=0.0)
     everyone = torch.arange(len(batch), device="cpu")
     run.model.eval()
