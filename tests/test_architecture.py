@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import re
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,6 +86,49 @@ def test_folders_import_each_other_without_a_circle():
         f"{a} -> {b}" for a, targets in edges.items() for b in targets if reaches(b, a, {b})
     )
     assert not circles, f"folders that import each other in a circle: {circles}"
+
+
+def _module_cycles(folder: str) -> list[list[str]]:
+    """Import cycles among the modules of one folder, every import counted (lazy ones and those
+    under TYPE_CHECKING too: a cycle a type checker follows is still a tangle to a reader)."""
+    modules = _modules()
+    inside = {name: path for name, path in modules.items() if _folder(name) == folder}
+    edges = {
+        name: {t for t in _imports(path, modules) if t in inside and t != name}
+        for name, path in inside.items()
+    }
+    cycles, done = [], set()
+
+    def visit(node: str, path: list[str]) -> None:
+        for nxt in sorted(edges[node]):
+            if nxt in path:
+                cycles.append(path[path.index(nxt) :] + [nxt])
+            elif nxt not in done:
+                visit(nxt, path + [nxt])
+        done.add(node)
+
+    for name in sorted(inside):
+        if name not in done:
+            visit(name, [name])
+    return cycles
+
+
+def test_training_and_config_modules_import_each_other_without_a_circle():
+    for folder in ("training", "config"):
+        cycles = _module_cycles(folder)
+        assert not cycles, f"{folder}/ has import cycles: {[' -> '.join(c) for c in cycles]}"
+
+
+def test_the_module_cycle_check_sees_a_cycle(tmp_path, monkeypatch):
+    """The check above can fail: two modules of a folder written to import each other."""
+    package = tmp_path / "grpo" / "loop"
+    package.mkdir(parents=True)
+    (package / "a.py").write_text("from grpo.loop.b import x\n")
+    (package / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from grpo.loop.a import y\n"
+    )
+    monkeypatch.setattr(sys.modules[__name__], "SRC", tmp_path / "grpo")
+    assert _module_cycles("loop") == [["grpo.loop.a", "grpo.loop.b", "grpo.loop.a"]]
 
 
 def test_only_the_backends_reach_the_device_layers():

@@ -228,7 +228,7 @@ def test_loss_and_gradient_match_trl(loss_type, level, beta, config):
         LossSettings(
             loss_type=loss_type,
             params=PolicyLossParams(
-                epsilon_low=eps_low,
+                epsilon=eps_low,
                 epsilon_high=eps_high,
                 delta=delta,
                 importance_sampling_level=level,

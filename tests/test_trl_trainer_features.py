@@ -153,7 +153,7 @@ def test_a_trl_users_script(tmp_path, chat_template):
     trainer, recorder, metrics = namespace["trainer"], namespace["recorder"], namespace["metrics"]
     events = recorder.events
     # the prompts the model continued were rendered with the script's template variables
-    prompt = tokenizer.decode(trainer.trainer.prompts(namespace["train_rows"][:1])[0])
+    prompt = tokenizer.decode(trainer.trainer.sampler.prompts(namespace["train_rows"][:1])[0])
     assert prompt.endswith("<think></think>") == bool(chat_template)
     # stopped by the callback after the second step of five, then ended as a run ends
     assert [e for e in events if e[0] == "step_end"] == [("step_end", 1), ("step_end", 2)]

@@ -22,7 +22,6 @@ from grpo.rewards.arithmetic import arithmetic_format
 from grpo.rewards.execution import RewardExecutor
 from grpo.rewards.reward_set import RewardSet, resolve
 from grpo.sandbox.counts import record
-from grpo.training import step as training_step
 from grpo.training.trainer import Trainer
 
 REWARDS = """
@@ -406,11 +405,11 @@ def test_training_goes_on_whatever_the_rewards_do(
     trainer.train_step = lambda: (result := step(), batches.append(result[1]))[0]
     trainer.log.report = lambda: None  # its plots are not the subject here, and take seconds
     # each step's batch has 2 sandbox outcomes, as a code reward records them
-    collect = training_step.collect_batch
+    collect = trainer.phases.collect
     monkeypatch.setattr(
-        training_step,
-        "collect_batch",
-        lambda run, timer=None: (record("killed"), record("killed"), collect(run, timer))[-1],
+        trainer.phases,
+        "collect",
+        lambda step, timer=None: (record("killed"), record("killed"), collect(step, timer))[-1],
     )
     record("killed")  # one before training: not the first step's
     start = time.monotonic()

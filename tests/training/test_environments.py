@@ -12,7 +12,6 @@ import torch
 from grpo.config import loading
 from grpo.config.errors import ConfigError
 from grpo.models.tiny import tiny_model
-from grpo.training.scoring import score
 
 INCREMENT = '<tool_call>{"name": "increment", "arguments": {"step": 2}}</tool_call>'
 
@@ -87,8 +86,8 @@ def test_each_completion_calls_its_own_environment_which_scores_it(
     forced = ForcedCalls(trainer.engine.inner, tool_tokenizer, INCREMENT)
     trainer.engine.inner = forced
     rows = trainer.task.train_rows[:2]
-    rollout, context = trainer.sample(rows, 2, trainer.sampling, [5, 6])
-    episodes = context["episodes"]
+    generated = trainer.sample(rows, 2, trainer.sampling, [5, 6])
+    rollout, episodes = generated.rollout, generated.episodes
     # one instance per completion, each reset with its row, and each called once
     instances = [e.environment for e in episodes]
     assert len({id(e) for e in instances}) == 4
@@ -98,7 +97,7 @@ def test_each_completion_calls_its_own_environment_which_scores_it(
     prompt = tool_tokenizer.decode(forced.asked[0][0])
     assert prompt.startswith("T:increment;") and "Count!<eos>A:" in prompt
     assert rollout.messages[0][1] == {"role": "tool", "name": "increment", "content": "2"}
-    batch = score(trainer.parts, rows, rollout, episodes=episodes)
+    batch = trainer.phases.collect.scoring(generated)
     assert batch.rewards_per_func[:, 1].tolist() == [2.0, 2.0, 2.0, 2.0]
     # the prompts the reward functions get are those the model saw
     assert batch.prompts[0][-1]["content"].endswith(" Count!")
@@ -127,8 +126,8 @@ def test_environments_by_name_offer_only_their_own_tools(
     assert trainer.rewards.names == ["correct", "Counter"]
     forced = ForcedCalls(trainer.engine.inner, tool_tokenizer, INCREMENT)
     trainer.engine.inner = forced
-    rollout, context = trainer.sample(rows, 2, trainer.sampling, [1, 2])
-    episodes = context["episodes"]
+    generated = trainer.sample(rows, 2, trainer.sampling, [1, 2])
+    rollout, episodes = generated.rollout, generated.episodes
     prompts = [tool_tokenizer.decode(ids) for ids in forced.asked[0]]
     assert prompts[0].startswith("T:increment;") and prompts[1].startswith("T:shout;")
     # `environment` chose the instance and is not passed to reset
@@ -137,7 +136,7 @@ def test_environments_by_name_offer_only_their_own_tools(
     # the echo rows' call to increment is not theirs to make: answered with an error
     assert rollout.messages[0][1]["content"] == "2"
     assert rollout.messages[2][1]["content"].startswith("error: no tool named 'increment'")
-    batch = score(trainer.parts, rows, rollout, episodes=episodes)
+    batch = trainer.phases.collect.scoring(generated)
     rewards = batch.rewards_per_func[:, 1].tolist()
     assert rewards[:2] == [2.0, 2.0] and all(r != r for r in rewards[2:])  # NaN: not scored
 
@@ -170,8 +169,8 @@ def test_different_observations_in_a_group_are_sampled_one_by_one(
 
     def run():
         Dealer.dealt = 0
-        rollout, context = trainer.sample(rows, 2, trainer.sampling, [8, 9])
-        return rollout, [e.observation for e in context["episodes"]]
+        generated = trainer.sample(rows, 2, trainer.sampling, [8, 9])
+        return generated.rollout, [e.observation for e in generated.episodes]
 
     first, observations = run()
     assert observations == [" card 1", " card 2", " card 3", " card 4"]

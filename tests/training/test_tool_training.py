@@ -13,8 +13,6 @@ import torch
 from grpo.models import logprobs
 from grpo.models.tiny import tiny_model
 from grpo.training.metrics import Outcome
-from grpo.training.scoring import score
-from grpo.training.update import batch_logprobs, policy_update
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "1 + 2"}}</tool_call>'
 
@@ -56,19 +54,20 @@ def test_the_loss_and_its_gradient_ignore_tool_result_logits(
 ):
     trainer = _tool_trainer(make_trainer, tool_tokenizer, tmp_path, ForcedCalls)
     rows = trainer.task.train_rows[:2]
-    rollout = trainer.engine.generate(trainer.prompts(rows), 2, trainer.sampling, [3, 4])
-    batch = score(trainer.parts, rows, rollout)
+    batch = trainer.phases.collect.scoring(trainer.sample(rows, 2, trainer.sampling, [3, 4]))
+    rollout = batch.rollout
     tool = rollout.tool_mask.bool()
     assert tool.any() and not batch.loss_mask[tool].any()
     assert batch.loss_mask[~tool].sum() == rollout.completion_mask[~tool].sum()
-    batch.advantages = torch.tensor([1.0, -0.5, 0.25, -0.75])
+    advantages = torch.tensor([1.0, -0.5, 0.25, -0.75])
 
-    model, state = trainer.model, trainer.state
+    model = trainer.model
     weights = copy.deepcopy(model.state_dict())
     hidden_states = logprobs.completion_hidden_states
     # the policy that sampled, a little off the current one: the loss's value then depends on the
     # log-probs too (on one pass with old = current, only its gradient does)
-    old_logp = batch_logprobs(model, batch, trainer.cfg, trainer.backend) - 0.05
+    update = trainer.phases.update
+    old_logp = update.forward.batch(model, batch) - 0.05
 
     def loss_and_gradient(positions: torch.Tensor | None):
         """The update's loss and gradient, with noise added to the final hidden states that
@@ -93,16 +92,7 @@ def test_the_loss_and_its_gradient_ignore_tool_result_logits(
         if positions is not None:
             monkeypatch.setattr(logprobs, "completion_hidden_states", perturbed)
         try:
-            stats = policy_update(
-                model,
-                state.optimizer,
-                state.scheduler,
-                batch,
-                old_logp,
-                None,
-                trainer.cfg,
-                trainer.backend,
-            )
+            stats = update(batch, advantages, old_logp, None)
         finally:
             monkeypatch.setattr(logprobs, "completion_hidden_states", hidden_states)
         assert positions is None or fired
@@ -187,7 +177,7 @@ def test_trls_calculator_example_runs_through_grpo(
     )
     assert trainer.config.rollout.max_tool_calls == 2
     # the prompt offers the tool, as the chat template writes it
-    assert tool_tokenizer.decode(trainer.trainer.prompts(dataset[:1])[0]).startswith(
+    assert tool_tokenizer.decode(trainer.trainer.sampler.prompts(dataset[:1])[0]).startswith(
         "T:calculator;"
     )
     trainer.trainer.engine.inner = ForcedCalls(trainer.trainer.engine.inner, tool_tokenizer, CALL)
@@ -205,7 +195,7 @@ def test_trls_calculator_example_runs_through_grpo(
     prompt_ids, ids, tool_mask, completions, logprobs, extra, images, tool_images = (
         trainer._generate(prompts)
     )
-    assert prompt_ids == [trainer.trainer.prompts(dataset[:1])[0]] * 2
+    assert prompt_ids == [trainer.trainer.sampler.prompts(dataset[:1])[0]] * 2
     assert [len(m) for m in tool_mask] == [len(c) for c in ids] == [len(lp) for lp in logprobs]
     call = tool_tokenizer(CALL, add_special_tokens=False)["input_ids"]
     for row, mask in zip(ids, tool_mask):
@@ -253,11 +243,11 @@ def test_the_python_tool_runs_the_models_code_in_the_sandbox_during_training(
     code = '<tool_call>{"name": "python", "arguments": {"code": "print(6 * 7)"}}</tool_call>'
     trainer.engine.inner = ForcedCalls(trainer.engine.inner, tool_tokenizer, code)
     # the prompt offers it
-    assert tool_tokenizer.decode(trainer.prompts(trainer.task.train_rows[:1])[0]).startswith(
-        "T:python;"
-    )
+    assert tool_tokenizer.decode(
+        trainer.sampler.prompts(trainer.task.train_rows[:1])[0]
+    ).startswith("T:python;")
     rows = trainer.task.train_rows[:2]
-    rollout = trainer.engine.generate(trainer.prompts(rows), 2, trainer.sampling, [1, 2])
+    rollout = trainer.engine.generate(trainer.sampler.prompts(rows), 2, trainer.sampling, [1, 2])
     for ids, mask, tool in zip(rollout.completion_ids, rollout.completion_mask, rollout.tool_mask):
         assert tool_tokenizer.decode(ids[tool.bool()]) == "<eos><tool>42</tool>A:"
         assert tool_tokenizer.decode(ids[mask.bool()]).startswith(code + "<eos><tool>42</tool>A:")
@@ -370,7 +360,7 @@ def test_tools_named_in_the_config_run_in_forked_processes(
     assert [s["function"]["name"] for s in trainer.engine.schemas] == ["calculator"]
     trainer.engine.inner = ForcedCalls(trainer.engine.inner, tool_tokenizer, CALL)
     rows = trainer.task.train_rows[:2]
-    rollout = trainer.engine.generate(trainer.prompts(rows), 2, trainer.sampling, [5, 6])
+    rollout = trainer.engine.generate(trainer.sampler.prompts(rows), 2, trainer.sampling, [5, 6])
     results = [turns[1]["content"] for turns in rollout.messages]
     assert all(r.startswith("3 from ") for r in results)
     assert str(os.getpid()) not in {r.split()[-1] for r in results}  # not this process

@@ -513,7 +513,7 @@ def test_a_registered_estimator_is_what_the_step_uses(tokenizer, tmp_path, make_
     finally:
         ADVANTAGE_ESTIMATORS.unregister("zero_test")
     assert seen == [((32,), 16, "none")]
-    assert torch.equal(batch.advantages, torch.zeros(32))
+    assert torch.equal(trainer.phases.advantages(batch, None), torch.zeros(32))
     assert metrics["loss"] == 0.0 and metrics["grad_norm"] == 0.0
 
 

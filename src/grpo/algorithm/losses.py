@@ -49,6 +49,7 @@ import torch
 
 from grpo.algorithm.correction import RolloutCorrection, correction_weights, mismatch_stats
 from grpo.algorithm.entropy import entropy_bonus
+from grpo.config.algorithm import AlgorithmConfig
 from grpo.registry import IMPORTANCE_LEVELS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
 
 ENTROPY_MASK_SCOPES = ("completion", "batch")
@@ -293,10 +294,12 @@ def aggregate_loss(
 # --------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class PolicyLossParams:
-    """The settings a policy loss reads (algorithm.epsilon, epsilon_high, delta,
-    importance_sampling_level, sapo_temperature_pos, sapo_temperature_neg).
+@dataclass(eq=False)
+class PolicyLossParams(AlgorithmConfig):
+    """The settings a policy loss reads: the `algorithm:` section's own fields, by their names
+    (grpo.config.algorithm.AlgorithmConfig declares each once, with its default and meaning), with
+    `epsilon_high` resolved (None: epsilon) and `epsilon_low`, TRL's name for `epsilon`. A new
+    loss setting is one field of that section; `of` carries it here.
 
     What each registered loss reads:
       clipped: epsilon_low, epsilon_high (the clip range [1 - eps_low, 1 + eps_high]), delta,
@@ -308,19 +311,22 @@ class PolicyLossParams:
       vespo:   vespo_k_pos, vespo_lambda_pos (A >= 0), vespo_k_neg, vespo_lambda_neg (A < 0); its
                ratio is always the sequence's product of token ratios (importance_sampling_level
                is not read); epsilon_low / epsilon_high only for its clip statistics
-    The SAPO temperatures' and the VESPO parameters' defaults are TRL 1.16's.
     """
 
-    epsilon_low: float = 0.2
-    epsilon_high: float = 0.2
-    delta: float | None = None
-    importance_sampling_level: str = "token"
-    sapo_temperature_pos: float = 1.0
-    sapo_temperature_neg: float = 1.05
-    vespo_k_pos: float = 2.0
-    vespo_lambda_pos: float = 3.0
-    vespo_k_neg: float = 3.0
-    vespo_lambda_neg: float = 2.0
+    __hash__ = object.__hash__  # a default argument below: hashable by identity
+
+    def __post_init__(self):
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon
+
+    @property
+    def epsilon_low(self) -> float:
+        return self.epsilon
+
+    @classmethod
+    def of(cls, section: AlgorithmConfig) -> "PolicyLossParams":
+        """The section's settings, every field by its name."""
+        return cls(**{f.name: getattr(section, f.name) for f in dataclasses.fields(section)})
 
 
 @POLICY_LOSSES.register("clipped")
@@ -706,6 +712,25 @@ class LossSettings:
     kl_bias_correction: bool = False
     correction: RolloutCorrection | None = None
     off_policy_mask_threshold: float | None = None
+
+    @classmethod
+    def of(cls, a: AlgorithmConfig) -> "LossSettings":
+        """The `algorithm:` section's loss settings (rollout_correction `token_truncate` is level
+        token, mode truncate; none: no correction)."""
+        correction = None
+        if a.rollout_correction != "none":
+            level, mode = a.rollout_correction.split("_")
+            correction = RolloutCorrection(level=level, mode=mode, cap=a.rollout_correction_cap)
+        return cls(
+            objective=a.policy_loss,
+            loss_type=a.loss_type,
+            params=PolicyLossParams.of(a),
+            beta=a.beta,
+            kl_estimator=a.kl_estimator,
+            kl_bias_correction=a.kl_bias_correction,
+            correction=correction,
+            off_policy_mask_threshold=a.off_policy_mask_threshold,
+        )
 
 
 def policy_loss(

@@ -5,15 +5,11 @@ checks its own fields."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from grpo import registry
-from grpo.config.checks import one_of, positive
+from grpo.config.checks import WholeConfig, one_of, positive
 from grpo.config.errors import ConfigError
 from grpo.config.presets import PRESETS
-
-if TYPE_CHECKING:
-    from grpo.config.schema import Config
 
 ROLLOUT_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
@@ -135,7 +131,7 @@ class AlgorithmConfig:
     max_sampling_rounds: int = 4
     """Most generation rounds per step when dynamic_sampling is on."""
 
-    def check(self, cfg: "Config", world_size: int = 1) -> None:
+    def check(self, cfg: WholeConfig, world_size: int = 1) -> None:
         if self.preset is not None:
             one_of("algorithm.preset", self.preset, tuple(PRESETS))
         registry.ADVANTAGE_ESTIMATORS.check(self.advantage_estimator)

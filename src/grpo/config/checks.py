@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-from typing import Any
+from typing import Any, Protocol
 
 from grpo.config import safe_yaml
 from grpo.config.errors import ConfigError
@@ -60,3 +60,25 @@ def all_finite(node: Any, prefix: str = "") -> None:
                 raise ConfigError(
                     f"{where}: must be a finite number, got {v}; set it to a number (NaN and inf are not settings)"
                 )
+
+
+class WholeConfig(Protocol):
+    """The whole config as a section's `check` reads it: the other sections by name, for the
+    fields that depend on them. grpo.config.schema.Config is one; naming it here (not importing
+    it) keeps the sections below the schema that holds them, with no import cycle."""
+
+    model: Any
+    data: Any
+    rollout: Any
+    rewards: Any
+    algorithm: Any
+    training: Any
+    eval: Any
+    logging: Any
+    cpu: Any
+    health: Any
+
+    @property
+    def epsilon_high(self) -> float: ...
+
+    def generation_batch_size(self, world_size: int = 1) -> int: ...

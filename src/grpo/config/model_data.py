@@ -4,14 +4,11 @@ with its rows; each section checks its own fields (`check`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from grpo import registry
-from grpo.config.checks import one_of, positive
+from grpo.config.checks import WholeConfig, one_of, positive
 from grpo.config.errors import ConfigError
-
-if TYPE_CHECKING:
-    from grpo.config.schema import Config
 
 MAX_ROWS = 1_000_000
 """The most rows the built-in arithmetic task makes (the seed's run uses 4,000)."""
@@ -34,7 +31,7 @@ class LoraConfig:
     """none | 4bit | 8bit: hold the frozen base model quantized through bitsandbytes
     (QLoRA). CUDA with the bitsandbytes package only; needs r > 0."""
 
-    def check(self, cfg: "Config") -> None:
+    def check(self, cfg: WholeConfig) -> None:
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 0:
             raise ConfigError(
                 f"model.lora.r: must be an integer >= 0 (0 turns LoRA off), got {self.r!r}"
@@ -63,7 +60,7 @@ class LoraConfig:
         if self.quantize != "none":
             self._check_quantize(cfg)
 
-    def _check_quantize(self, cfg: "Config") -> None:
+    def _check_quantize(self, cfg: WholeConfig) -> None:
         import importlib.util
 
         fix = "set model.lora.quantize: none (LoRA on an unquantized base runs everywhere)"
@@ -116,7 +113,7 @@ class ModelConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters (peft) instead of training every weight; QLoRA with `quantize`."""
 
-    def check(self, cfg: "Config", world_size: int = 1) -> None:
+    def check(self, cfg: WholeConfig, world_size: int = 1) -> None:
         one_of("model.dtype", self.dtype, ("float32", "bfloat16", "float16"))
         self.lora.check(cfg)
 
@@ -204,7 +201,7 @@ class DataConfig:
     the rows' own order, epoch after epoch (TRL's shuffle_dataset=False)."""
     arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
 
-    def check(self, cfg: "Config", world_size: int = 1) -> None:
+    def check(self, cfg: WholeConfig, world_size: int = 1) -> None:
         registry.TASKS.check(self.task)
         one_of("data.chat_template", self.chat_template, ("auto", "never"))
         if self.task == "arithmetic":

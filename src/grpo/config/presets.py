@@ -4,12 +4,10 @@ the line a run starts with (`describe_preset`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from grpo.config.checks import WholeConfig
 from grpo.config.rollout_rewards import TASK_REWARDS, RolloutConfig
-
-if TYPE_CHECKING:
-    from grpo.config.schema import Config
 
 
 def _fifth_of_completion_length(data: dict[str, Any]) -> int | None:
@@ -114,7 +112,7 @@ def apply_task_rewards(data: dict[str, Any]) -> None:
         data["rewards"] = {**(rewards or {}), "funcs": list(TASK_REWARDS[task])}
 
 
-def describe_preset(cfg: Config) -> str | None:
+def describe_preset(cfg: WholeConfig) -> str | None:
     """One line for the start of a run: the preset and the values its keys resolved to,
     those set apart from the preset marked as overridden."""
     name = cfg.algorithm.preset

@@ -7,15 +7,19 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from grpo import registry
 from grpo.config import safe_yaml
-from grpo.config.checks import MAX_MIB, MAX_PROCESSES, MAX_SECONDS, one_of, positive, within
+from grpo.config.checks import (
+    MAX_MIB,
+    MAX_PROCESSES,
+    MAX_SECONDS,
+    WholeConfig,
+    one_of,
+    positive,
+    within,
+)
 from grpo.config.errors import ConfigError
-
-if TYPE_CHECKING:
-    from grpo.config.schema import Config
 
 MAX_WORKERS_PER_CORE = 4
 """rewards.workers above this many per core only adds processes that wait for a core."""
@@ -125,7 +129,7 @@ class RolloutConfig:
     or environment names mapped to such names, each row's `environment` column choosing its
     own (grpo.rollout.environments, docs/agents.md)."""
 
-    def check(self, cfg: "Config", world_size: int = 1) -> None:
+    def check(self, cfg: WholeConfig, world_size: int = 1) -> None:
         registry.ROLLOUT_ENGINES.check(self.engine)
         self.vllm.check()
         one_of("rollout.cuda_decoding", self.cuda_decoding, ("auto", "eager", "graphs"))
@@ -317,7 +321,7 @@ class RewardsConfig:
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     """Where the code rewards run model-written programs."""
 
-    def check(self, cfg: "Config", world_size: int = 1) -> None:
+    def check(self, cfg: WholeConfig, world_size: int = 1) -> None:
         # an empty rewards.funcs is refused where the reward set is built (RewardSet.from_config):
         # an environment may score its own rollouts
         if self.weights is not None and len(self.weights) != len(self.funcs):

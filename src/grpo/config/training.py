@@ -5,15 +5,11 @@ own fields."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from grpo import registry
 from grpo.config import safe_yaml
-from grpo.config.checks import one_of, positive
+from grpo.config.checks import WholeConfig, one_of, positive
 from grpo.config.errors import ConfigError
-
-if TYPE_CHECKING:
-    from grpo.config.schema import Config
 
 
 @dataclass
@@ -65,7 +61,7 @@ class TrainingConfig:
     parameters, gradients and optimizer state are sharded over the ranks with FSDP2
     (`fully_shard` per decoder layer), gathered whole for each rollout."""
 
-    def check(self, cfg: "Config", world_size: int = 1) -> None:
+    def check(self, cfg: WholeConfig, world_size: int = 1) -> None:
         one_of("training.lr_scheduler_type", self.lr_scheduler_type, registry.LR_SCHEDULES)
         one_of("training.sharding", self.sharding, ("none", "fsdp"))
         if self.sharding == "fsdp":
@@ -106,7 +102,7 @@ class TrainingConfig:
         positive("training.max_consecutive_skips", self.max_consecutive_skips)
 
 
-def _check_fsdp(cfg: "Config", world_size: int) -> None:
+def _check_fsdp(cfg: WholeConfig, world_size: int) -> None:
     """What FSDP sharding does not cover yet, refused with the way out."""
     refused = [
         (cfg.model.lora.r > 0, "model.lora.r > 0 (LoRA)", "set model.lora.r=0"),
@@ -165,7 +161,7 @@ class CPUConfig:
     where it applies (a supported architecture with cpu.kernels, in bf16, or in float32 without a
     LoRA adapter), plain elsewhere."""
 
-    def check(self, cfg: "Config", world_size: int = 1) -> None:
+    def check(self, cfg: WholeConfig, world_size: int = 1) -> None:
         one_of("cpu.compile", self.compile, ("auto", "compiled", "eager"))
         one_of("cpu.decoding", self.decoding, registry.DECODING)
 
@@ -192,7 +188,7 @@ class EvalConfig:
     reported as "wording 2", "wording 3", ...: a gain that holds on a wording never trained on
     is not an artefact of one prompt."""
 
-    def check(self, cfg: "Config", world_size: int = 1) -> None:
+    def check(self, cfg: WholeConfig, world_size: int = 1) -> None:
         for i, instruction in enumerate(self.instructions):
             if "{expression}" not in instruction:
                 raise ConfigError(
@@ -221,7 +217,7 @@ class LoggingConfig:
     """Extra trackers: tensorboard, wandb, trackio (imported only when listed)."""
     run_name: str | None = None
 
-    def check(self, cfg: "Config", world_size: int = 1) -> None:
+    def check(self, cfg: WholeConfig, world_size: int = 1) -> None:
         positive("logging.log_every", self.log_every)
         positive("logging.sample_every", self.sample_every, allow_zero=True)
         for name in self.report_to:

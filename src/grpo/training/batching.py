@@ -1,7 +1,7 @@
 """The generation batch, and how it is cut into minibatches and micro-batches.
 
-A generation batch is every completion of one step with its rewards and
-advantages. The update walks it in minibatches (one optimizer step per
+A generation batch is every completion of one step with its rewards (the
+advantages phase computes their advantages from it, grpo.training.advantages). The update walks it in minibatches (one optimizer step per
 `gradient_accumulation_steps` of them, as in TRL) and computes each minibatch
 in micro-batches bounded by a token budget, so activation memory stays bounded
 whatever the batch size. Both splits keep a group's completions together (the
@@ -34,8 +34,6 @@ class GenerationBatch:
     loss_mask: torch.Tensor  # [N, T] completion tokens that count in the loss
     sampling_rounds: int = 1
     zero_std_groups_kept: int = 0
-    # [N], or [N, T] for gae: the step's advantages phase sets them
-    advantages: torch.Tensor | None = None
     # the columns reward functions logged (log_extra): one value per completion, None where absent
     extra_columns: dict[str, list] = field(default_factory=dict)
 
@@ -54,7 +52,6 @@ class GenerationBatch:
             self.rewards_per_func[rows],
             self.rewards[rows],
             self.loss_mask[rows],
-            advantages=self.advantages[rows] if self.advantages is not None else None,
             extra_columns={c: [v[i] for i in idx] for c, v in self.extra_columns.items()},
         )
 

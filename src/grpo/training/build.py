@@ -27,8 +27,9 @@ train() starts).
 
 from __future__ import annotations
 
+import functools
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -49,20 +50,32 @@ from grpo.tasks import Task, load_task
 from grpo.tasks.data import PromptEncoder, Row, check_columns
 from grpo.tasks.scorers import AnswerScorer, RewardScorer, has_integer_answers
 from grpo.training import sampling
-from grpo.training.critic import Critic
+from grpo.training.advantages import Advantages
+from grpo.training.collect import Collector
+from grpo.training.critic import Critic, CriticPhase
 from grpo.training.evaluate import Evaluator
+from grpo.training.forward import Forward, Split
+from grpo.training.metrics import StepMetrics
 from grpo.training.output_dir import OutputDir
-from grpo.training.reference import create_reference
-from grpo.training.state import TrainState
-from grpo.training.update import Skips
+from grpo.training.reference import Reference, ReferencePhase, create_reference
+from grpo.training.sampling import Sampler
+from grpo.training.saving import Saver
+from grpo.training.scoring import Scoring
+from grpo.training.source import InProcessSource, PromptDraw
+from grpo.training.state import TrainState, trainer_state
+from grpo.training.step import Phases
+from grpo.training.update import PolicyUpdate, Skips, loss_settings
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class RunParts:
-    """Everything a run is made of, built by `build_parts`; the step (grpo.training.step) and the
-    loop (grpo.training.trainer) run them."""
+    """What a run is made of, built by `build_parts`: the phases the step runs (`phases`), and
+    what the loop around it reads (grpo.training.trainer): the config's schedule, the backend,
+    output_dir's claim, the run log, the task, the policy and its tokenizer, the train state,
+    the rewards, the reference and the critic, the step's metrics, the checkpoints' writer and
+    the held-out evaluation."""
 
     cfg: Config
     backend: Any
@@ -72,39 +85,32 @@ class RunParts:
     """The checkpoint this run continues, or None."""
     log: RunLog
     task: Task
-    tool_functions: list
-    """The tools passed in (rollout.tools' are the engine's too)."""
-    environments: Any
-    """The rollouts' environments (grpo.rollout.environments), or None."""
-    rollout_func: Callable | None
-    rewards: RewardSet
     model: torch.nn.Module
     """The policy, as the backend prepared it (with LoRA: the adapted transformers model)."""
     tokenizer: Any
-    reference: Any
+    state: TrainState
+    rewards: RewardSet
+    reference: Reference
     """The KL reference (grpo.training.reference); `enabled` False when beta is 0."""
     critic: Critic | None
     """PPO's critic, for an estimator that needs values; else None."""
-    estimator: Callable
-    """The registered advantage estimator (algorithm.advantage_estimator)."""
-    aggregation: Callable
-    """The registered multi-objective aggregation (algorithm.multi_objective_aggregation)."""
-    engine: Any
-    prompts: PromptEncoder
-    skips: Skips
-    """Skipped non-finite updates, in a row and in all."""
-    state: TrainState
+    environments: Any
+    """The rollouts' environments (grpo.rollout.environments), or None."""
+    tool_functions: list
+    """The tools passed in (rollout.tools' are the engine's too)."""
+    sampler: Sampler
+    """The generate phase (the source's, and the evaluations' and TRL's generation step's)."""
+    phases: Phases
+    metrics: StepMetrics
+    saver: Saver
     evaluator: Evaluator | None
     """The held-out evaluation when the config schedules one (else made on first use)."""
     num_prompts: int
     """Groups per step, over all ranks."""
-    shard: slice
-    """This rank's groups of each round: every rank draws the same prompts and seeds, and keeps these."""
-    sampling: SamplingParams
-    episodes: list = field(default_factory=list)
-    """The last batch's episodes: each completion's environment (TRL's trainer.environments)."""
-    caller: Any = None
-    """What a rollout_func gets as its trainer: the Trainer that runs these parts (it sets this)."""
+
+    @property
+    def source(self):
+        return self.phases.source
 
 
 def build_parts(
@@ -173,7 +179,12 @@ def _build(cfg: Config, backend, output_dir, resumed, restore, **given) -> RunPa
         cfg.training.max_consecutive_skips, **(restore.get("skips", {}) if restore else {})
     )
     state = _train_state(cfg, backend, model, task, restore)
-    num_prompts, shard = _groups(cfg, backend)
+    sampler = sampling.Sampler(
+        engine, prompts, tokenizer, model, environments, given["rollout_func"]
+    )
+    phases = build_phases(
+        cfg, backend, task, model, state, rewards, reference, critic, sampler, estimator, skips
+    )
     parts = RunParts(
         cfg=cfg,
         backend=backend,
@@ -181,28 +192,110 @@ def _build(cfg: Config, backend, output_dir, resumed, restore, **given) -> RunPa
         resumed=resumed,
         log=run_log,
         task=task,
-        tool_functions=given["tools"],
-        environments=environments,
-        rollout_func=given["rollout_func"],
-        rewards=rewards,
         model=model,
         tokenizer=tokenizer,
+        state=state,
+        rewards=rewards,
         reference=reference,
         critic=critic,
-        estimator=estimator,
-        aggregation=MULTI_OBJECTIVE_AGGREGATIONS.get(cfg.algorithm.multi_objective_aggregation),
-        engine=engine,
-        prompts=prompts,
-        skips=skips,
-        state=state,
+        environments=environments,
+        tool_functions=given["tools"],
+        sampler=sampler,
+        phases=phases,
+        metrics=StepMetrics(
+            backend,
+            rewards,
+            engine,
+            prompts,
+            state,
+            cfg.rollout.num_generations,
+            cfg.algorithm.dynamic_sampling,
+        ),
+        saver=Saver(
+            cfg, backend, run_log.dir, model, tokenizer, state, rewards, skips, reference, critic
+        ),
         evaluator=None,
-        num_prompts=num_prompts,
-        shard=shard,
-        sampling=_sampling_params(cfg),
+        num_prompts=phases.collect.num_prompts,
     )
     if _wants_eval(cfg):
-        parts.evaluator = Evaluator.of(parts)
+        parts.evaluator = evaluator_of(parts)
     return parts
+
+
+def build_phases(
+    cfg: Config, backend, task, model, state, rewards, reference, critic, sampler, estimator, skips
+) -> Phases:
+    """The step's phases, each holding the settings it reads, resolved here once."""
+    a, r, t = cfg.algorithm, cfg.rollout, cfg.training
+    G = r.num_generations
+    forward = Forward(
+        backend,
+        Split(t.per_device_train_batch_size, G, t.microbatch_tokens),
+        r.temperature,
+        t.logprob_chunk_size,
+    )
+    num_prompts, shard = _groups(cfg, backend)
+    draw = PromptDraw(task.train_rows, state.sampler, state.generator, num_prompts, shard)
+    source = InProcessSource(draw, sampler, _sampling_params(cfg), G, backend, model)
+    progress = functools.partial(trainer_state, state, a.num_iterations, t.max_steps)
+    scoring = Scoring(rewards, G, a.mask_truncated_completions, critic is not None, progress)
+    collect = Collector(
+        source,
+        scoring,
+        backend,
+        num_prompts,
+        shard.start,
+        a.dynamic_sampling,
+        a.max_sampling_rounds,
+        sampler.engine.pad_token_id,
+    )
+    advantages = Advantages(
+        estimator,
+        MULTI_OBJECTIVE_AGGREGATIONS.get(a.multi_objective_aggregation),
+        G,
+        a.scale_rewards,
+        rewards.weights,
+        a.gamma,
+        a.lam,
+        a.whiten_advantages,
+        backend,
+    )
+    update = PolicyUpdate(
+        model,
+        state.optimizer,
+        state.scheduler,
+        skips,
+        state.entropy,
+        forward,
+        a,
+        loss_settings(a),
+        t.max_grad_norm,
+        r.max_completion_length,
+        r.engine,
+    )
+    critic_phase = None
+    if critic is not None:
+        critic_phase = CriticPhase(
+            critic, forward, a.gamma, a.lam, a.value_clip, a.num_iterations, t.max_grad_norm
+        )
+    reference_phase = ReferencePhase(
+        model, reference, forward, a.num_iterations, a.ref_sync_steps, a.ref_sync_alpha
+    )
+    return Phases(collect, reference_phase, advantages, update, critic_phase)
+
+
+def evaluator_of(parts: RunParts) -> Evaluator:
+    """The held-out evaluation of a run: its engine, the task's held-out rows and scorer, the
+    run's rewards."""
+    return Evaluator(
+        parts.cfg,
+        parts.sampler.engine,
+        parts.tokenizer,
+        parts.task.eval_rows,
+        parts.task.scorer,
+        parts.rewards,
+        parts.backend,
+    )
 
 
 def _rewards(cfg: Config, backend, columns, reward_funcs, restore, environments) -> RewardSet:

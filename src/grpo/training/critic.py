@@ -12,8 +12,8 @@ that predicts completion token t gives V_t, through grpo.models.logprobs'
 completion_hidden_states, prompt shared per group), in the same autocast. The
 update's math is grpo.algorithm.values: GAE, the clipped value loss.
 
-    values   V [N, T] of a batch before the update, no gradient (`batch_values`)
-    critic   num_iterations passes of its own optimizer toward GAE's returns (`critic_update`)
+    values   V [N, T] of a batch before the update, no gradient (`CriticPhase.values`)
+    critic   num_iterations passes of its own optimizer toward GAE's returns (`CriticPhase.update`)
 """
 
 from __future__ import annotations
@@ -22,15 +22,15 @@ import contextlib
 import copy
 import logging
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from grpo import algorithm
-from grpo.config.schema import Config
 from grpo.models.logprobs import _decoder, completion_hidden_states
 from grpo.training.batching import GenerationBatch
-from grpo.training.update import split, trim_left
+from grpo.training.forward import Forward, trim_left
 
 log = logging.getLogger(__name__)
 
@@ -115,80 +115,100 @@ class Critic:
         return sum(p.numel() for p in self.model.parameters())
 
 
-def rows_values(
-    value_model, batch: GenerationBatch, rows: torch.Tensor, cfg: Config, backend, grad: bool
-) -> torch.Tensor:
-    """V [len(rows), width] of the completions `rows` under the critic, width = their longest."""
-    ro = batch.rollout
-    prompt_ids, prompt_mask = trim_left(ro.prompt_ids[rows], ro.prompt_mask[rows])
-    width = max(1, int(ro.completion_mask[rows].sum(-1).max()))
-    context = contextlib.nullcontext() if grad else torch.no_grad()
-    with context, backend.autocast():
-        return value_model.values(
-            prompt_ids,
-            prompt_mask,
-            ro.completion_ids[rows, :width],
-            ro.completion_mask[rows, :width],
+@dataclass
+class CriticPhase:
+    """The values and critic phases of a step: the critic's values of a batch before the update,
+    and its own passes toward GAE's returns after it. It holds what they read: the critic, the
+    batch's split and the backend (`forward`: the policy's, for the same minibatches), gae's
+    gamma and lambda, the value clip, the passes (algorithm.num_iterations) and the gradient clip."""
+
+    critic: Critic
+    forward: Forward
+    gamma: float
+    lam: float
+    value_clip: float | None
+    num_iterations: int
+    max_grad_norm: float
+
+    def rows_values(self, model, batch: GenerationBatch, rows: torch.Tensor, grad: bool):
+        """V [len(rows), width] of the completions `rows` under the critic, width = their longest."""
+        ro = batch.rollout
+        prompt_ids, prompt_mask = trim_left(ro.prompt_ids[rows], ro.prompt_mask[rows])
+        width = max(1, int(ro.completion_mask[rows].sum(-1).max()))
+        context = contextlib.nullcontext() if grad else torch.no_grad()
+        with context, self.forward.backend.autocast():
+            return model.values(
+                prompt_ids,
+                prompt_mask,
+                ro.completion_ids[rows, :width],
+                ro.completion_mask[rows, :width],
+            )
+
+    def values(self, batch: GenerationBatch) -> torch.Tensor:
+        """V [N, T] of every completion position before the update (GAE's values, the value
+        clip's centre)."""
+        model = self.critic.model
+        out = torch.zeros(
+            len(batch), batch.rollout.completion_ids.shape[1], device=self.forward.backend.device
         )
+        model.eval()
+        try:
+            for pieces in self.forward.split(batch):
+                for rows in pieces:
+                    values = self.rows_values(model, batch, rows, grad=False)
+                    out[rows, : values.shape[1]] = values
+        finally:
+            model.train()
+        return out
 
-
-def batch_values(value_model, batch: GenerationBatch, cfg: Config, backend) -> torch.Tensor:
-    """V [N, T] of every completion position before the update (GAE's values, the value clip's centre)."""
-    out = torch.zeros(len(batch), batch.rollout.completion_ids.shape[1], device=backend.device)
-    value_model.eval()
-    try:
-        for pieces in split(batch, cfg):
-            for rows in pieces:
-                values = rows_values(value_model, batch, rows, cfg, backend, grad=False)
-                out[rows, : values.shape[1]] = values
-    finally:
-        value_model.train()
-    return out
-
-
-def critic_update(
-    critic: Critic, batch: GenerationBatch, old_values: torch.Tensor, cfg: Config, backend
-) -> dict[str, float]:
-    """num_iterations passes of the critic's own optimizer over the batch toward GAE's returns
-    (from `old_values`, its values before the update): the clipped value loss, a mean over every
-    counted token of the batch (so the split does not change it)."""
-    a, model = cfg.algorithm, critic.model
-    returns = algorithm.gae_returns(
-        batch.rewards.to(old_values.device),
-        old_values,
-        batch.rollout.completion_mask.to(old_values.device),
-        a.gamma,
-        a.lam,
-    )
-    pieces = split(batch, cfg)
-    num_tokens = max(1.0, backend.sum(batch.loss_mask.sum().item()))
-    losses, grad_norms = [], []
-    model.train()
-    for _ in range(a.num_iterations):
-        critic.optimizer.zero_grad(set_to_none=True)
-        pass_loss = 0.0
-        for minibatch in pieces:
-            for rows in minibatch:
-                values = rows_values(model, batch, rows, cfg, backend, grad=True)
-                width = values.shape[1]
-                mask = batch.loss_mask[rows, :width].to(values.device)
-                per_token = algorithm.clipped_value_loss(
-                    values, old_values[rows, :width], returns[rows, :width], mask, a.value_clip
+    def update(self, batch: GenerationBatch, old_values: torch.Tensor) -> dict[str, float]:
+        """num_iterations passes of the critic's own optimizer over the batch toward GAE's
+        returns (from `old_values`, its values before the update): the clipped value loss, a mean
+        over every counted token of the batch (so the split does not change it)."""
+        critic, backend = self.critic, self.forward.backend
+        model = critic.model
+        returns = algorithm.gae_returns(
+            batch.rewards.to(old_values.device),
+            old_values,
+            batch.rollout.completion_mask.to(old_values.device),
+            self.gamma,
+            self.lam,
+        )
+        pieces = self.forward.split(batch)
+        num_tokens = max(1.0, backend.sum(batch.loss_mask.sum().item()))
+        losses, grad_norms = [], []
+        model.train()
+        for _ in range(self.num_iterations):
+            critic.optimizer.zero_grad(set_to_none=True)
+            pass_loss = 0.0
+            for minibatch in pieces:
+                for rows in minibatch:
+                    values = self.rows_values(model, batch, rows, grad=True)
+                    width = values.shape[1]
+                    mask = batch.loss_mask[rows, :width].to(values.device)
+                    per_token = algorithm.clipped_value_loss(
+                        values,
+                        old_values[rows, :width],
+                        returns[rows, :width],
+                        mask,
+                        self.value_clip,
+                    )
+                    loss = (per_token * mask).sum() / num_tokens
+                    loss.backward()
+                    pass_loss += loss.item()
+            pass_loss = backend.sum(pass_loss)
+            backend.reduce_gradients(model)
+            # the norm before clipping
+            grad_norm = backend.clip_grad_norm(model, self.max_grad_norm)
+            if math.isfinite(pass_loss) and math.isfinite(grad_norm):
+                critic.optimizer.step()
+            else:
+                log.warning(
+                    "critic update skipped: loss %s, gradient norm %s", pass_loss, grad_norm
                 )
-                loss = (per_token * mask).sum() / num_tokens
-                loss.backward()
-                pass_loss += loss.item()
-        pass_loss = backend.sum(pass_loss)
-        backend.reduce_gradients(model)
-        # the norm before clipping
-        grad_norm = backend.clip_grad_norm(model, cfg.training.max_grad_norm)
-        if math.isfinite(pass_loss) and math.isfinite(grad_norm):
-            critic.optimizer.step()
-        else:
-            log.warning("critic update skipped: loss %s, gradient norm %s", pass_loss, grad_norm)
-        losses.append(pass_loss)
-        grad_norms.append(grad_norm)
-    return _critic_metrics(batch, old_values, returns, losses, grad_norms, backend)
+            losses.append(pass_loss)
+            grad_norms.append(grad_norm)
+        return _critic_metrics(batch, old_values, returns, losses, grad_norms, backend)
 
 
 def _critic_metrics(batch, old_values, returns, losses, grad_norms, backend) -> dict[str, float]:

@@ -36,6 +36,7 @@ from grpo.rollout.types import prompt_seeds
 from grpo.run.eval_results import ACCURACY_COUNTS, NUM_SAMPLES, EvalResult
 from grpo.tasks.data import Row, encode_prompts, is_conversational, reworded
 from grpo.training.metrics import nanmean
+from grpo.training.sampling import decode_completions
 
 # --------------------------------------------------------------------------
 # Generation and scoring
@@ -100,12 +101,9 @@ def evaluate(
             rollout = engine.generate(
                 local_ids[start : start + batch_size], 1, params, seeds[start : start + batch_size]
             )
-            batch_ids = [
-                c[m.bool()].tolist()
-                for c, m in zip(rollout.completion_ids.cpu(), rollout.completion_mask.cpu())
-            ]
+            batch_ids, batch_texts = decode_completions(rollout, tokenizer)
             ids += batch_ids
-            texts += tokenizer.batch_decode(batch_ids, skip_special_tokens=True)
+            texts += batch_texts
             truncated += rollout.truncated.cpu().tolist()
             if progress is not None:
                 progress.update(1)
@@ -193,20 +191,6 @@ class Evaluator:
         self.scorer, self.reward_set, self.backend = scorer, reward_set, backend
         self.max_new_tokens = e.max_completion_length or cfg.rollout.max_completion_length
 
-    @classmethod
-    def of(cls, run) -> "Evaluator":
-        """The evaluation of a run's parts (grpo.training.build.RunParts): its engine, the task's
-        held-out rows and scorer, the run's rewards."""
-        return cls(
-            run.cfg,
-            run.engine,
-            run.tokenizer,
-            run.task.eval_rows,
-            run.task.scorer,
-            run.rewards,
-            run.backend,
-        )
-
     @property
     def num_batches(self) -> int:
         """Generation batches of one evaluation (every wording and temperature), on this rank."""
@@ -276,7 +260,7 @@ def group_evaluation(trainer, rows: list[Row], num_generations: int) -> dict[str
         raise ConfigError("group evaluation: no held-out rows")
     if num_generations < 1:
         raise ConfigError(f"num_generations_eval: must be > 0, got {num_generations}")
-    run, G = trainer.parts, num_generations
+    run, G = trainer, num_generations
     per_batch = max(1, run.cfg.eval.batch_size // G)
     sums: dict[str, list[float]] = {}
     generator = torch.Generator().manual_seed(run.cfg.eval.seed)
@@ -298,13 +282,11 @@ def group_evaluation(trainer, rows: list[Row], num_generations: int) -> dict[str
 def _group_metrics(run, rows: list[Row], G: int, seeds) -> list[tuple[str, float]]:
     """One batch of group_evaluation: its completions' metrics and the objective's loss."""
     from grpo.training.metrics import Outcome, batch_metrics
-    from grpo.training.sampling import generate
-    from grpo.training.scoring import score
 
-    cfg = run.cfg
+    cfg, phases = run.cfg, run.phases
     with run.backend.generation(run.model):
-        rollout, context = generate(run, rows, G, run.sampling, seeds)
-    batch = score(run, rows, rollout, num_generations=G, **context)
+        generated = run.sampler(rows, G, run.sampling, seeds)
+    batch = phases.collect.scoring(generated, num_generations=G)
     logged = run.rewards.take_logged_metrics()  # what the reward functions logged
     loss, stats, mask = _group_loss(run, batch, G)
     metrics = batch_metrics(
@@ -326,10 +308,9 @@ def _group_loss(run, batch, G: int) -> tuple:
     """The run's objective on a scored batch at ratio 1, its groups' advantages from the
     estimator; (loss, its statistics, the loss mask)."""
     from grpo import algorithm
-    from grpo.training.update import loss_settings, rows_logprobs
 
-    cfg = run.cfg
-    estimator = run.estimator
+    cfg, phases = run.cfg, run.phases
+    estimator = phases.advantages.estimator
     if algorithm.needs_values(estimator):  # no critic's values here: the group baseline
         estimator = algorithm.grpo_advantages
     rewards = batch.rewards
@@ -341,16 +322,18 @@ def _group_loss(run, batch, G: int) -> tuple:
         reward_weights=run.rewards.weights,
     )
     # through the run's aggregation, as training computes them (GDPO: per function first)
-    advantages = run.aggregation(inputs, estimator) if G > 1 else torch.zeros_like(rewards)
+    aggregation = phases.advantages.aggregation
+    advantages = aggregation(inputs, estimator) if G > 1 else torch.zeros_like(rewards)
     advantages = torch.nan_to_num(advantages.float(), nan=0.0)
     everyone = torch.arange(len(batch), device="cpu")
     run.model.eval()
-    logp, _ = rows_logprobs(run.model, batch, everyone, cfg, run.backend, grad=False)
+    forward = phases.update.forward
+    logp, _ = forward.rows(run.model, batch, everyone, grad=False)
     width = logp.shape[1]
     ref_logp = None
     if run.reference.enabled:
         with run.reference.module() as reference:
-            ref_logp, _ = rows_logprobs(reference, batch, everyone, cfg, run.backend, grad=False)
+            ref_logp, _ = forward.rows(reference, batch, everyone, grad=False)
     mask = batch.loss_mask[:, :width].to(logp.device)
     with torch.no_grad():
         loss, stats = algorithm.policy_loss(
@@ -358,26 +341,23 @@ def _group_loss(run, batch, G: int) -> tuple:
             None,
             advantages.to(logp.device),
             mask,
-            loss_settings(cfg),
+            phases.update.settings,
             algorithm.LossNormalisers(max_completion_length=cfg.rollout.max_completion_length),
             ref_logp=ref_logp.float() if ref_logp is not None else None,
         )
     return loss, stats, mask
 
 
-def held_out_evaluation(run, label: str) -> list[EvalResult]:
-    """The run's held-out evaluation (`run.evaluator`, made on first use when the config
-    schedules none) with the policy whole for generating; its results go to eval.jsonl."""
-    if run.evaluator is None and run.task.eval_rows:  # asked for outside the schedule
-        run.evaluator = Evaluator.of(run)
-    if run.evaluator is None:
-        raise ConfigError(
-            "evaluation needs held-out rows (data.arithmetic.num_eval > 0 or data.eval_file)"
-        )
-    ev, step = run.evaluator, run.state.step
-    with run.backend.generation(run.model):
-        return run.log.evaluation(
-            label, step, len(ev.rows), ev.num_batches, lambda progress: ev(label, step, progress)
+def held_out_evaluation(evaluator, run_log, backend, model, step: int, label: str):
+    """A run's held-out evaluation (`evaluator`) at `step`, with the policy whole for generating
+    (the backend's generation context); its results go to eval.jsonl through `run_log`."""
+    with backend.generation(model):
+        return run_log.evaluation(
+            label,
+            step,
+            len(evaluator.rows),
+            evaluator.num_batches,
+            lambda progress: evaluator(label, step, progress),
         )
 
 

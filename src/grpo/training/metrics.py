@@ -7,16 +7,13 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from grpo import algorithm
 from grpo.sandbox import take_counts
 from grpo.training.batching import GenerationBatch
-
-if TYPE_CHECKING:
-    from grpo.training.build import RunParts
 
 
 class PhaseTimer:
@@ -141,72 +138,86 @@ def batch_metrics(
     return m
 
 
-def start_step_counts(run: RunParts) -> None:
-    """The step's sandbox and reward-failure counts are its own, not those of the set-up's checks
-    or an evaluation between steps; so are what its reward functions log and its tool calls."""
-    take_counts()
-    run.rewards.step_failures()
-    run.rewards.take_logged_metrics()
-    take_tool_counts = getattr(run.engine, "take_counts", None)
-    if take_tool_counts is not None:
-        take_tool_counts()
+@dataclass
+class StepMetrics:
+    """A step's metrics, from what it reads: the backend (every rank's counts), the reward set
+    (names, failures, what the functions logged), the engine (its tools' counts, if it has tools),
+    the prompt encoder (truncated prompts), the train state (step, tokens, learning rate), G and
+    whether dynamic sampling runs."""
 
+    backend: Any
+    rewards: Any
+    engine: Any
+    prompts: Any
+    state: Any
+    num_generations: int
+    dynamic_sampling: bool
 
-def step_metrics(
-    run: RunParts, batch: GenerationBatch, update_stats: dict, timer: PhaseTimer
-) -> dict[str, float]:
-    """The step's metrics over every rank (the update's come reduced already); the phases'
-    times are this rank's. Counts the step's tokens into the run's (`tokens_seen`)."""
-    ro, b, r = batch.rollout, run.backend, run.rewards
-    tokens = int(b.sum(int(ro.completion_mask.sum() + ro.prompt_mask.sum())))
-    run.state.tokens_seen += tokens
-    logged = _mean_over_ranks(b.all_gather_object(r.take_logged_metrics()))
-    tools = _tool_metrics(run)
-    # the counts of every rank: the run's reward failures, the step's, the sandbox's, truncated prompts
-    failures, step_failures, sandbox, truncated = (
-        sum_counts(parts)
-        for parts in zip(
-            *b.all_gather_object(
-                (
-                    dict(r.failures),
-                    r.step_failures(),
-                    take_counts(),
-                    {"prompts": run.prompts.take_truncated()},
+    def start(self) -> None:
+        """The step's sandbox and reward-failure counts are its own, not those of the set-up's
+        checks or an evaluation between steps; so are what its reward functions log and its tool
+        calls."""
+        take_counts()
+        self.rewards.step_failures()
+        self.rewards.take_logged_metrics()
+        take_tool_counts = getattr(self.engine, "take_counts", None)
+        if take_tool_counts is not None:
+            take_tool_counts()
+
+    def __call__(
+        self, batch: GenerationBatch, update_stats: dict, timer: PhaseTimer
+    ) -> dict[str, float]:
+        """The step's metrics over every rank (the update's come reduced already); the phases'
+        times are this rank's. Counts the step's tokens into the run's (`tokens_seen`)."""
+        ro, b, r, state = batch.rollout, self.backend, self.rewards, self.state
+        tokens = int(b.sum(int(ro.completion_mask.sum() + ro.prompt_mask.sum())))
+        state.tokens_seen += tokens
+        logged = _mean_over_ranks(b.all_gather_object(r.take_logged_metrics()))
+        tools = self._tool_metrics()
+        # the counts of every rank: the run's reward failures, the step's, the sandbox's, truncated prompts
+        failures, step_failures, sandbox, truncated = (
+            sum_counts(parts)
+            for parts in zip(
+                *b.all_gather_object(
+                    (
+                        dict(r.failures),
+                        r.step_failures(),
+                        take_counts(),
+                        {"prompts": self.prompts.take_truncated()},
+                    )
                 )
             )
         )
-    )
-    metrics = {
-        "step": run.state.step,
-        **batch_metrics(
-            Outcome.of(batch, b),
-            run.cfg.rollout.num_generations,
-            r.names,
-            failures,
-            run.cfg.algorithm.dynamic_sampling,
-            step_failures,
-            sandbox,
-        ),
-        **update_stats,
-        "prompts/truncated": truncated["prompts"],
-        **tools,
-        "learning_rate": run.state.scheduler.get_last_lr()[0],
-        "num_tokens": run.state.tokens_seen,
-        **timer.metrics(tokens),
-    }
-    # what the reward functions logged (log_metric); a name of grpo's own metrics keeps grpo's
-    return {**metrics, **{name: v for name, v in logged.items() if name not in metrics}}
+        metrics = {
+            "step": state.step,
+            **batch_metrics(
+                Outcome.of(batch, b),
+                self.num_generations,
+                r.names,
+                failures,
+                self.dynamic_sampling,
+                step_failures,
+                sandbox,
+            ),
+            **update_stats,
+            "prompts/truncated": truncated["prompts"],
+            **tools,
+            "learning_rate": state.scheduler.get_last_lr()[0],
+            "num_tokens": state.tokens_seen,
+            **timer.metrics(tokens),
+        }
+        # what the reward functions logged (log_metric); a name of grpo's own metrics keeps grpo's
+        return {**metrics, **{name: v for name, v in logged.items() if name not in metrics}}
 
+    def _tool_metrics(self) -> dict[str, float]:
+        """The tools' metrics since the last step (grpo.rollout.tools.tool_metrics), over every
+        rank; none without tools."""
+        take = getattr(self.engine, "take_counts", None)
+        if take is None:
+            return {}
+        from grpo.rollout.tools import tool_metrics
 
-def _tool_metrics(run: RunParts) -> dict[str, float]:
-    """The tools' metrics since the last step (grpo.rollout.tools.tool_metrics), over every rank;
-    none without tools."""
-    take = getattr(run.engine, "take_counts", None)
-    if take is None:
-        return {}
-    from grpo.rollout.tools import tool_metrics
-
-    return tool_metrics(sum_counts(run.backend.all_gather_object(take())))
+        return tool_metrics(sum_counts(self.backend.all_gather_object(take())))
 
 
 def _mean_over_ranks(parts: list[dict[str, float]]) -> dict[str, float]:
@@ -219,14 +230,19 @@ def _mean_over_ranks(parts: list[dict[str, float]]) -> dict[str, float]:
 
 
 def summary_row(
-    history: list[dict], runtime: float, steps: int, cfg, world_size: int
+    history: list[dict],
+    runtime: float,
+    steps: int,
+    *,
+    num_iterations: int,
+    samples_per_step: int,
+    log_every: int,
 ) -> dict[str, Any]:
     """transformers' closing row: train_loss (the mean of the steps' losses), the speeds over this
     train() call's optimizer steps (`steps` grpo steps of num_iterations each), total_flos (not
     counted by grpo: always 0); and, as TRL's does, the mean of each metric over the steps since
     the last logging_steps boundary (none when the last step is on one)."""
-    optimizer_steps = steps * cfg.algorithm.num_iterations
-    samples_per_step, every = cfg.generation_batch_size(world_size), cfg.logging.log_every
+    optimizer_steps, every = steps * num_iterations, log_every
     losses = [r["loss"] for r in history if math.isfinite(r.get("loss", math.nan))]
     row: dict[str, Any] = {}
     if every and history and history[-1]["step"] % every:

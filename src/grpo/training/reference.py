@@ -25,12 +25,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from dataclasses import dataclass
 from typing import Any, Iterator, Protocol
 
 import torch
 
 from grpo.config.algorithm import AlgorithmConfig
 from grpo.models import lora
+from grpo.training.batching import GenerationBatch
+from grpo.training.forward import Forward
 
 
 class Reference(Protocol):
@@ -160,3 +163,32 @@ def create_reference(
     if lora.is_adapted(policy):
         return FrozenAdapter(policy, restore) if cfg.ref_sync_steps else AdapterDisabled(policy)
     return FrozenCopy(policy, restore)
+
+
+@dataclass
+class ReferencePhase:
+    """The reference phase of a step, and the reference's refresh after it: log pi_old (only
+    with num_iterations > 1: else the update takes its own, detached) and log pi_ref (only with a
+    reference: beta > 0) of a batch, without gradients, by `forward`; every `sync_steps` steps
+    (algorithm.ref_sync_steps; None: never) the reference replaced by, or blended at `alpha`
+    with, the policy."""
+
+    policy: torch.nn.Module
+    reference: Reference
+    forward: Forward
+    num_iterations: int
+    sync_steps: int | None
+    alpha: float
+
+    def __call__(self, batch: GenerationBatch) -> tuple:
+        old_logp = self.forward.batch(self.policy, batch) if self.num_iterations > 1 else None
+        ref_logp = None
+        if self.reference.enabled:
+            with self.reference.module() as reference:
+                ref_logp = self.forward.batch(reference, batch)
+        return old_logp, ref_logp
+
+    def after_step(self, step: int) -> None:
+        """`step` steps are done: the reference is refreshed when a sync is due."""
+        if self.sync_steps and step % self.sync_steps == 0:
+            self.reference.sync(self.policy, self.alpha)

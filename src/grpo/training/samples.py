@@ -4,23 +4,28 @@ functions logged (log_extra); with tools, the tool results set apart in the text
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from grpo.training.batching import GenerationBatch
 
-if TYPE_CHECKING:
-    from grpo.training.build import RunParts
 
-
-def log_samples(run: RunParts, step: int, batch: GenerationBatch) -> None:
-    """A few of the step's completions (from every rank's groups, in rank order) to samples.jsonl."""
-    names = run.rewards.names
+def log_samples(
+    run_log,
+    backend,
+    tokenizer,
+    reward_names: list[str],
+    num_generations: int,
+    step: int,
+    batch: GenerationBatch,
+) -> None:
+    """A few of the step's completions (from every rank's groups, in rank order, one per group of
+    `num_generations`) to samples.jsonl (`run_log`, grpo.run.runlog.RunLog), each with its reward
+    functions' columns."""
+    names = reward_names
     texts = batch.completion_texts
     if batch.rollout.tool_mask is not None:  # the tool results set apart
         from grpo.rollout.multiturn import marked_texts
 
-        texts = marked_texts(run.tokenizer, batch.rollout)
-    parts = run.backend.all_gather_object(
+        texts = marked_texts(tokenizer, batch.rollout)
+    parts = backend.all_gather_object(
         (
             batch.prompts,
             texts,
@@ -34,12 +39,12 @@ def log_samples(run: RunParts, step: int, batch: GenerationBatch) -> None:
     extra = {}  # log_extra's columns, None for the completions of a rank that logged none
     for column in dict.fromkeys(c for part in parts for c in part[4]):
         extra[column] = [x for part in parts for x in part[4].get(column, [None] * len(part[0]))]
-    run.log.samples(
+    run_log.samples(
         step,
         prompts,
         texts,
         rewards,
-        run.cfg.rollout.num_generations,
+        num_generations,
         reward_columns=columns,
         extra_columns=extra,
     )

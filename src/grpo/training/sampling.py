@@ -8,20 +8,18 @@ Three ways, set up from the config and the Python API's arguments:
   which offers that environment's tools (grpo.rollout.environments);
 - a rollout_func the user wrote (grpo.rollout.custom), in place of the engine.
 
-`generate` is the phase on a run's parts (grpo.training.build.RunParts); `sample` the same
-from the parts it uses.
+`Sampler` is the phase, built once with what it reads; it decodes the completions once
+(`decode_completions`) for the rewards, the evaluation and TRL's generation step.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import Callable
 
 from grpo.config.schema import Config
-from grpo.rollout import SamplingParams, create_engine
-from grpo.tasks.data import Row
-
-if TYPE_CHECKING:
-    from grpo.training.build import RunParts
+from grpo.rollout import Rollout, SamplingParams, create_engine
+from grpo.tasks.data import PromptEncoder, Row
 
 
 def configured_tools(cfg: Config, passed: list) -> dict:
@@ -82,67 +80,87 @@ def rollout_limits(engine, model, params: SamplingParams) -> dict:
     }
 
 
-def sample(
-    rows: list[Row],
-    G: int,
-    params: SamplingParams,
-    seeds,
-    *,
-    engine,
-    prompts,
-    environments=None,
-    rollout_func=None,
-    caller=None,
-    model=None,
-) -> tuple:
-    """G completions of each row's prompt: the rollout, and what grpo.training.scoring.score needs beside it
-    (keyword arguments). `prompts`: the PromptEncoder. With `environments`, each completion's
-    own is reset first and its calls go to it: `episodes`. With a `rollout_func`, the rollout is
-    its own, called with `caller` as the trainer, and what else it returned goes to the reward
-    functions: `columns`."""
-    if rollout_func is not None:
-        from grpo.rollout.custom import read_output
+@dataclass
+class Generated:
+    """What the generate phase hands the rewards phase: the rows, their rollout (G completions
+    each, group-major), each completion's token ids and text (decoded once, here), and beside
+    them `episodes` (each completion's environment, grpo.rollout.environments) or `columns`
+    (values per completion a rollout_func returned, given to the reward functions as dataset
+    columns are)."""
 
-        prompts_each = [row["prompt"] for row in rows for _ in range(G)]
-        rollout, columns = read_output(
-            rollout_func(prompts_each, caller),
-            len(prompts_each),
-            **rollout_limits(engine, model, params),
-        )
-        # read on the host, trained on the model's device
-        return rollout.to(next(model.parameters()).device), {"columns": columns}
-    if environments is None:
-        return engine.generate(prompts(rows), G, params, seeds), {}
-    from grpo.rollout.environments import with_observation
-
-    episodes = environments.start(rows, G)
-    ids: list = [None] * len(episodes)
-    for name, schemas in environments.schemas.items():
-        mine = [i for i, episode in enumerate(episodes) if episode.name == name]
-        if not mine:
-            continue
-        observed = [with_observation(rows[i // G], episodes[i].observation) for i in mine]
-        for i, tokens in zip(mine, prompts(observed, tools=schemas)):
-            ids[i] = tokens
-    rollout = engine.generate(ids, G, params, seeds, episodes=episodes)
-    return rollout, {"episodes": episodes}
+    rows: list[Row]
+    rollout: Rollout
+    ids: list[list[int]]
+    texts: list[str]
+    episodes: list | None = None
+    columns: dict[str, list] | None = None
 
 
-def generate(run: RunParts, rows: list[Row], G: int, params: SamplingParams, seeds) -> tuple:
-    """`sample` with the run's engine, prompts, environments and rollout_func (called with
-    `run.caller` as its trainer); the episodes, when there are environments, kept as the
-    run's last (`run.episodes`: TRL's trainer.environments)."""
-    rollout, context = sample(
-        rows,
-        G,
-        params,
-        seeds,
-        engine=run.engine,
-        prompts=run.prompts,
-        environments=run.environments,
-        rollout_func=run.rollout_func,
-        caller=run.caller,
-        model=run.model,
-    )
-    run.episodes = context.get("episodes", run.episodes)
-    return rollout, context
+def decode_completions(rollout: Rollout, tokenizer) -> tuple[list[list[int]], list[str]]:
+    """Each completion's token ids (its mask's) and its text, special tokens left out: what the
+    reward functions, the scorers and TRL's generation step read."""
+    ids = [
+        c[m.bool()].tolist()
+        for c, m in zip(rollout.completion_ids.cpu(), rollout.completion_mask.cpu())
+    ]
+    return ids, tokenizer.batch_decode(ids, skip_special_tokens=True)
+
+
+@dataclass
+class Sampler:
+    """The generate phase: G completions of each row's prompt, by one of three ways (see the
+    module's docstring), decoded. It holds what it reads: the engine, the prompt encoder, the
+    tokenizer, the environments, a rollout_func (called with `caller` as its trainer; the
+    Trainer that runs the run sets it), the policy (a rollout_func's output is checked against
+    its vocabulary and placed on its device); and keeps the last batch's episodes (TRL's
+    trainer.environments)."""
+
+    engine: object
+    prompts: PromptEncoder
+    tokenizer: object
+    model: object
+    environments: object = None
+    rollout_func: Callable | None = None
+    caller: object = None
+    episodes: list = field(default_factory=list)
+
+    def __call__(self, rows: list[Row], G: int, params: SamplingParams, seeds) -> Generated:
+        """G completions of each row's prompt, decoded; with environments, each completion's own
+        is reset first and its calls go to it (`episodes`, kept as the last batch's)."""
+        rollout, extra = self._rollout(rows, G, params, seeds)
+        if extra.get("episodes") is not None:
+            self.episodes = extra["episodes"]
+        ids, texts = decode_completions(rollout, self.tokenizer)
+        return Generated(rows, rollout, ids, texts, **extra)
+
+    def _rollout(self, rows: list[Row], G: int, params: SamplingParams, seeds) -> tuple:
+        if self.rollout_func is not None:
+            from grpo.rollout.custom import read_output
+
+            prompts_each = [row["prompt"] for row in rows for _ in range(G)]
+            rollout, columns = read_output(
+                self.rollout_func(prompts_each, self.caller),
+                len(prompts_each),
+                **rollout_limits(self.engine, self.model, params),
+            )
+            # read on the host, trained on the model's device
+            return rollout.to(next(self.model.parameters()).device), {"columns": columns}
+        if self.environments is None:
+            return self.engine.generate(self.prompts(rows), G, params, seeds), {}
+        return self._environment_rollout(rows, G, params, seeds)
+
+    def _environment_rollout(self, rows: list[Row], G: int, params: SamplingParams, seeds):
+        from grpo.rollout.environments import with_observation
+
+        environments = self.environments
+        episodes = environments.start(rows, G)
+        ids: list = [None] * len(episodes)
+        for name, schemas in environments.schemas.items():
+            mine = [i for i, episode in enumerate(episodes) if episode.name == name]
+            if not mine:
+                continue
+            observed = [with_observation(rows[i // G], episodes[i].observation) for i in mine]
+            for i, tokens in zip(mine, self.prompts(observed, tools=schemas)):
+                ids[i] = tokens
+        rollout = self.engine.generate(ids, G, params, seeds, episodes=episodes)
+        return rollout, {"episodes": episodes}

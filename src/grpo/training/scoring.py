@@ -12,62 +12,63 @@ reward at all (its advantage would be the critic's own error).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from grpo import algorithm
+from grpo.rewards.reward_set import RewardSet
 from grpo.tasks.data import Row, is_conversational
 from grpo.training.batching import GenerationBatch
-from grpo.training.state import trainer_state
-
-if TYPE_CHECKING:
-    from grpo.training.build import RunParts
+from grpo.training.sampling import Generated
 
 
-def score(
-    run: RunParts,
-    rows: list[Row],
-    rollout,
-    num_generations: int | None = None,
-    episodes=None,
-    columns: dict[str, list] | None = None,
-) -> GenerationBatch:
-    """The rewards of a rollout of `rows` (one group of G per row, G = `num_generations` or
-    rollout.num_generations), and the tokens the loss counts. `episodes` (grpo.training.sampling):
-    each completion's environment; its prompt is the row's with the environment's observation,
-    and the reward functions get the environments. `columns`: values per completion a
-    rollout_func returned, given to the reward functions as dataset columns are."""
-    G = num_generations or run.cfg.rollout.num_generations
-    ids = [
-        c[m.bool()].tolist()
-        for c, m in zip(rollout.completion_ids.cpu(), rollout.completion_mask.cpu())
-    ]
-    texts = run.tokenizer.batch_decode(ids, skip_special_tokens=True)
-    group_rows, environments = _completion_rows(rows, G, episodes, columns)
-    prompts = [row["prompt"] for row in group_rows]
-    # with tools, a conversational row's completion is its turns and tool results, as in TRL
-    messages = rollout.messages or [None] * len(texts)
-    completions = [
-        (turns or [{"role": "assistant", "content": text}]) if is_conversational(row) else text
-        for row, text, turns in zip(group_rows, texts, messages)
-    ]
-    rewards_per_func = run.rewards.score(
-        prompts, completions, ids, group_rows, trainer_state(run.state, run.cfg), environments
-    )
-    rewards = algorithm.combine_rewards(rewards_per_func, run.rewards.weights)
-    return GenerationBatch(
-        group_rows,
-        prompts,
-        completions,
-        texts,
-        rollout,
-        rewards_per_func,
-        rewards,
-        loss_mask(rollout, rewards, run.cfg.algorithm.mask_truncated_completions, run.critic),
-        # the columns its reward functions logged (log_extra), for the completions table
-        extra_columns=run.rewards.last_extra,
-    )
+@dataclass
+class Scoring:
+    """The rewards phase: `rewards` (the run's reward functions and weights) on a generated
+    batch's decoded completions, with `progress()` (what TRL gives reward functions as
+    `trainer_state`), and the loss mask (`mask_truncated`: algorithm.mask_truncated_completions;
+    `with_critic`: a completion without any reward leaves the loss)."""
+
+    rewards: RewardSet
+    num_generations: int
+    mask_truncated: bool
+    with_critic: bool
+    progress: Callable[[], object]
+
+    def __call__(self, generated: Generated, num_generations: int | None = None) -> GenerationBatch:
+        """The rewards of `generated` (one group of G per row, G = `num_generations` or the
+        run's), and the tokens the loss counts. With episodes, each completion's prompt is the
+        row's with its environment's observation, and the reward functions get the environments."""
+        G = num_generations or self.num_generations
+        rollout, texts = generated.rollout, generated.texts
+        group_rows, environments = _completion_rows(
+            generated.rows, G, generated.episodes, generated.columns
+        )
+        prompts = [row["prompt"] for row in group_rows]
+        # with tools, a conversational row's completion is its turns and tool results, as in TRL
+        messages = rollout.messages or [None] * len(texts)
+        completions = [
+            (turns or [{"role": "assistant", "content": text}]) if is_conversational(row) else text
+            for row, text, turns in zip(group_rows, texts, messages)
+        ]
+        rewards_per_func = self.rewards.score(
+            prompts, completions, generated.ids, group_rows, self.progress(), environments
+        )
+        rewards = algorithm.combine_rewards(rewards_per_func, self.rewards.weights)
+        return GenerationBatch(
+            group_rows,
+            prompts,
+            completions,
+            texts,
+            rollout,
+            rewards_per_func,
+            rewards,
+            loss_mask(rollout, rewards, self.mask_truncated, self.with_critic),
+            # the columns its reward functions logged (log_extra), for the completions table
+            extra_columns=self.rewards.last_extra,
+        )
 
 
 def _completion_rows(rows: list[Row], G: int, episodes, columns) -> tuple[list[Row], list | None]:
@@ -88,7 +89,9 @@ def _completion_rows(rows: list[Row], G: int, episodes, columns) -> tuple[list[R
     return group_rows, environments
 
 
-def loss_mask(rollout, rewards: torch.Tensor, mask_truncated: bool, critic) -> torch.Tensor:
+def loss_mask(
+    rollout, rewards: torch.Tensor, mask_truncated: bool, with_critic: bool
+) -> torch.Tensor:
     """[N, T] the completion tokens the loss counts (see the module's docstring)."""
     mask = rollout.completion_mask.clone()
     if rollout.tool_mask is not None:  # tool results were not sampled: no loss on them
@@ -96,6 +99,6 @@ def loss_mask(rollout, rewards: torch.Tensor, mask_truncated: bool, critic) -> t
     if mask_truncated:
         mask[rollout.truncated] = 0
     # with a critic: a completion without a reward (every function failed) leaves the loss
-    if critic is not None:
+    if with_critic:
         mask[~torch.isfinite(rewards).to(mask.device)] = 0
     return mask

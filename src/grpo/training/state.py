@@ -158,13 +158,13 @@ class TrainState:
         }
 
 
-def trainer_state(state: TrainState, cfg: Config) -> SimpleNamespace:
+def trainer_state(state: TrainState, num_iterations: int, max_steps: int) -> SimpleNamespace:
     """What TRL passes reward functions as `trainer_state`, under its attribute names: optimizer
     steps (a grpo step is num_iterations of them) and the fractional epoch. A SimpleNamespace,
     so it pickles to reward functions in worker processes."""
-    mu, sampler = cfg.algorithm.num_iterations, state.sampler
+    mu, sampler = num_iterations, state.sampler
     return SimpleNamespace(
         global_step=state.step * mu,
-        max_steps=cfg.training.max_steps * mu,
+        max_steps=max_steps * mu,
         epoch=sampler.epoch + sampler.position / sampler.num_rows,
     )

@@ -20,25 +20,68 @@ from grpo.health.monitor import HealthMonitor
 from grpo.run import checkpoint, faults
 from grpo.run.eval_results import EvalResult
 from grpo.run.stop_signals import StopSignals
-from grpo.training import saving, step
+from grpo.training import step
 from grpo.training.batching import GenerationBatch
-from grpo.training.build import RunParts, build_parts, check_environment_rows
+from grpo.training.build import RunParts, build_parts, check_environment_rows, evaluator_of
 from grpo.training.callbacks import Callbacks
 from grpo.training.evaluate import eval_metrics, held_out_evaluation
-from grpo.training.metrics import PhaseTimer, start_step_counts, step_metrics, summary_row
+from grpo.training.metrics import PhaseTimer, summary_row
 from grpo.training.samples import log_samples
-from grpo.training.sampling import generate
+from grpo.training.sampling import Generated
 from grpo.training.state import trainer_state
 from grpo.training.update import TrainingDiverged
 
 __all__ = ["Trainer", "eval_metrics"]
 
-_PARTS = frozenset(RunParts.__dataclass_fields__)
+
+def _part(name: str, doc: str) -> property:
+    """A run part the trainer shows under its own name (read-only: parts are built, not swapped)."""
+    return property(lambda self: getattr(self.parts, name), doc=doc)
 
 
 class Trainer:
-    """Runs a run's parts: the loop, its evaluations and checkpoints. The parts are the trainer's
-    attributes too (trainer.model, trainer.engine, trainer.state, ...: `RunParts`' fields)."""
+    """Runs a run's parts: the loop, its evaluations and checkpoints. The parts most code reads
+    are shown as the trainer's own attributes (below); the rest are `trainer.parts`'."""
+
+    cfg = _part("cfg", "The run's config.")
+    backend = _part("backend", "The device and processes (grpo.backends).")
+    model = _part("model", "The policy, as the backend prepared it.")
+    tokenizer = _part("tokenizer", "The policy's tokenizer.")
+    state = _part("state", "The train state: step, optimizer, scheduler, random streams.")
+    task = _part("task", "The task: training and held-out rows, the scorer.")
+    log = _part("log", "The run directory's log (grpo.run.runlog.RunLog).")
+    rewards = _part("rewards", "The reward set (grpo.rewards.reward_set.RewardSet).")
+    reference = _part("reference", "The KL reference (grpo.training.reference).")
+    critic = _part("critic", "PPO's critic, or None.")
+    environments = _part("environments", "The rollouts' environments, or None.")
+    output_dir = _part("output_dir", "The claim on output_dir.")
+    resumed = _part("resumed", "The checkpoint this run continues, or None.")
+    sampler = _part("sampler", "The generate phase (grpo.training.sampling.Sampler).")
+    phases = _part("phases", "The step's phases (grpo.training.step.Phases).")
+    tool_functions = _part(
+        "tool_functions", "The tools passed in (rollout.tools' are the engine's)."
+    )
+    evaluator = _part("evaluator", "The held-out evaluation, or None before its first use.")
+
+    @property
+    def skips(self):
+        """Skipped non-finite updates, in a row and in all (grpo.training.update.Skips)."""
+        return self.phases.update.skips
+
+    @property
+    def engine(self):
+        """The rollout engine the run generates with."""
+        return self.parts.sampler.engine
+
+    @property
+    def sampling(self):
+        """The training rollouts' sampling settings (grpo.rollout.SamplingParams)."""
+        return self.parts.source.params
+
+    @property
+    def episodes(self) -> list:
+        """The last batch's episodes: each completion's environment (TRL's trainer.environments)."""
+        return self.parts.sampler.episodes
 
     def __init__(
         self,
@@ -56,8 +99,8 @@ class Trainer:
                 f"Trainer(parts) takes a run's parts (grpo.training.build.build_parts), got "
                 f"{type(parts).__name__}; from a config: Trainer.from_config(cfg, ...)"
             )
-        vars(self)["parts"] = parts
-        parts.caller = self  # a rollout_func is called with the trainer
+        self.parts = parts
+        parts.sampler.caller = self  # a rollout_func is called with the trainer
         try:
             self.callbacks = Callbacks.of(callbacks, parts.cfg)
             self.extra_evaluation = extra_evaluation
@@ -105,35 +148,25 @@ class Trainer:
             raise
         return cls(parts, callbacks=callbacks, extra_evaluation=extra_evaluation)
 
-    def __getattr__(self, name: str) -> Any:  # only for names the trainer itself lacks
-        if name in _PARTS:
-            return getattr(vars(self)["parts"], name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _PARTS:
-            setattr(self.parts, name, value)
-        else:
-            object.__setattr__(self, name, value)
-
     def train_step(self) -> tuple[dict[str, float], GenerationBatch]:
         """One GRPO step (grpo.training.step); returns its metrics and its generation batch."""
         timer = PhaseTimer()
-        start_step_counts(self.parts)
-        stats, batch = step.train_step(self.parts, timer)
-        return step_metrics(self.parts, batch, stats, timer), batch
+        self.parts.metrics.start()
+        stats, batch = step.train_step(self.phases, self.state.step, timer)
+        self.state.step += 1
+        return self.parts.metrics(batch, stats, timer), batch
 
     def collect_batch(self, timer: PhaseTimer | None = None) -> GenerationBatch:
         """The next scored generation batch (grpo.training.collect), as a step collects it."""
-        return step.collect_batch(self.parts, timer)
+        return self.phases.collect(self.state.step, timer)
 
     def update(self, batch: GenerationBatch, timer: PhaseTimer | None = None) -> dict[str, float]:
         """The update half of a step on `batch` (grpo.training.step.update), without the sync."""
-        return step.update(self.parts, batch, timer)
+        return step.update(self.phases, batch, timer or PhaseTimer())
 
-    def sample(self, rows: list, G: int, params, seeds) -> tuple:
-        """G completions of each row's prompt (grpo.training.sampling.generate)."""
-        return generate(self.parts, rows, G, params, seeds)
+    def sample(self, rows: list, G: int, params, seeds) -> Generated:
+        """G completions of each row's prompt, decoded (grpo.training.sampling.Sampler)."""
+        return self.sampler(rows, G, params, seeds)
 
     def check_environment_rows(self) -> None:
         """With several environments, that every training row names one (grpo.training.build)."""
@@ -171,7 +204,16 @@ class Trainer:
                 if not self._finish(before, epoch, stop):
                     return history
                 runtime, steps = time.monotonic() - started, self.state.step - first_step
-                self.log_row(summary_row(history, runtime, steps, cfg, self.backend.world_size))
+                self.log_row(
+                    summary_row(
+                        history,
+                        runtime,
+                        steps,
+                        num_iterations=cfg.algorithm.num_iterations,
+                        samples_per_step=cfg.generation_batch_size(self.backend.world_size),
+                        log_every=cfg.logging.log_every,
+                    )
+                )
                 callbacks.fire("on_train_end")
         finally:
             self.rewards.close()  # no reward worker process outlives training
@@ -197,7 +239,7 @@ class Trainer:
             try:
                 metrics, batch = self.train_step()
             except TrainingDiverged as error:  # the last good state saved, if it can be
-                saved, done = saving.save_last_good(self.parts)
+                saved, done = self.parts.saver.save_last_good()
                 self.saved = saved or self.saved
                 raise TrainingDiverged(f"{error}; {done}") from error
             control = self._log_step(metrics, batch, history)
@@ -240,13 +282,14 @@ class Trainer:
         self.log_row(metrics)
         every, done = self.cfg.logging.sample_every, self.state.step
         if every and (done == 1 or done % every == 0):
-            log_samples(self.parts, done, batch)
+            names, G = self.rewards.names, self.cfg.rollout.num_generations
+            log_samples(self.log, self.backend, self.tokenizer, names, G, done, batch)
         return control
 
     def _finish(self, before: list[EvalResult] | None, epoch: int, stop: StopSignals) -> bool:
         """final/, then (unless a signal came during its save) the "after" evaluation and the
         epoch's end; whether training finished."""
-        self.saved = saving.save_final(self.parts, self.saved)
+        self.saved = self.parts.saver.save_final(self.saved)
         self.callbacks.fire("on_save")
         signum = self._stop_signal(stop)
         if signum:  # came during the save: the evaluation after is left to a resumed run
@@ -266,7 +309,8 @@ class Trainer:
 
     def sync_run_state(self) -> None:
         """The callbacks' view of where training is (TRL's units)."""
-        progress = trainer_state(self.state, self.cfg)
+        a, t = self.cfg.algorithm, self.cfg.training
+        progress = trainer_state(self.state, a.num_iterations, t.max_steps)
         self.callbacks.progress(progress.global_step, progress.epoch, self.state.tokens_seen)
 
     def log_row(self, row: dict[str, Any]) -> None:
@@ -275,7 +319,11 @@ class Trainer:
 
     def evaluate(self, label: str) -> list[EvalResult]:
         """Held-out evaluation (greedy and sampled, as configured); results go to eval.jsonl."""
-        return held_out_evaluation(self.parts, label)
+        if self.parts.evaluator is None and self.task.eval_rows:  # asked for outside the schedule
+            self.parts.evaluator = evaluator_of(self.parts)
+        return held_out_evaluation(
+            self.parts.evaluator, self.log, self.backend, self.model, self.state.step, label
+        )
 
     def _evaluate_and_log(self, label: str) -> list[EvalResult]:
         """`evaluate(label)`, and its `eval_...` row for the callbacks (log_history, on_evaluate):
@@ -291,9 +339,9 @@ class Trainer:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything besides the policy's weights that continues this run exactly (`restore=`)."""
-        return saving.state_dict(self.parts)
+        return self.parts.saver.state_dict()
 
     def save(self, directory: Path) -> Path:
         """A checkpoint of this step (grpo.training.saving.save)."""
-        self.saved = saving.save(self.parts, directory)
+        self.saved = self.parts.saver.save(directory)
         return self.saved

@@ -11,6 +11,7 @@ delegates to it, with TRL's attributes over it.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import partial
@@ -250,24 +251,22 @@ class GRPOTrainer:
         logprobs, extra_fields, images, tool_images): lists per completion; tool_mask 1 on the
         model's tokens and 0 on tool results (None without them); images None and tool_images
         empty (grpo trains text models)."""
-        from grpo.rollout.custom import read_output, require_keys
+        from grpo.rollout.custom import require_keys
         from grpo.rollout.types import prompt_seeds
-        from grpo.training import sampling
 
         prompts = copy.deepcopy(prompts)
+        t = self.trainer
         if self.rollout_func is not None:
+            # TRL's first check, before anything of the run is read; the sampler reads the rest
             output = self.rollout_func(prompts, self)
-            require_keys(output)  # TRL's first check, before anything of the run is read
-            t = self.trainer
-            rollout, extra = read_output(
-                output, len(prompts), **sampling.rollout_limits(t.engine, t.model, t.sampling)
-            )
+            require_keys(output)
+            sampler = dataclasses.replace(t.sampler, rollout_func=lambda *_: output)
         else:
-            t = self.trainer
-            rows = [{"prompt": prompt} for prompt in prompts]
-            with t.backend.generation(t.model):
-                rollout, context = t.sample(rows, 1, t.sampling, prompt_seeds(None, len(rows)))
-            extra = {}
+            sampler = t.sampler
+        rows = [{"prompt": prompt} for prompt in prompts]
+        with t.backend.generation(t.model):
+            generated = sampler(rows, 1, t.sampling, prompt_seeds(None, len(rows)))
+        rollout, extra = generated.rollout, generated.columns or {}
         return trl_generation(rollout, prompts, extra, self.trainer.tokenizer) + (None, [])
 
     @property
