@@ -193,6 +193,7 @@ def step_metrics(
         "learning_rate": run.state.scheduler.get_last_lr()[0],
         "num_tokens": run.state.tokens_seen,
         **timer.metrics(tokens),
+        **_engine_metrics(run),
     }
     # what the reward functions logged (log_metric); a name of grpo's own metrics keeps grpo's
     return {**metrics, **{name: v for name, v in logged.items() if name not in metrics}}
@@ -207,6 +208,13 @@ def _tool_metrics(run: RunParts) -> dict[str, float]:
     from grpo.rollout.tools import tool_metrics
 
     return tool_metrics(sum_counts(run.backend.all_gather_object(take())))
+
+
+def _engine_metrics(run: RunParts) -> dict[str, float]:
+    """What the engine measured since the last step (`take_metrics`: the server engine's
+    time/weight_sync and weight_sync/bytes); none for an engine without it."""
+    take = getattr(run.engine, "take_metrics", None)
+    return take() if take is not None else {}
 
 
 def _mean_over_ranks(parts: list[dict[str, float]]) -> dict[str, float]:
