@@ -198,6 +198,7 @@ def _eval(args: argparse.Namespace) -> int:
     from grpo.models.loading import context_length, load_model_and_tokenizer
     from grpo.rewards.reward_set import RewardSet
     from grpo.rollout import create_engine
+    from grpo.run import run_writes
     from grpo.run.eval_results import append_results, format_table
     from grpo.run.progress import bar
     from grpo.tasks import load_task
@@ -263,7 +264,7 @@ def _eval(args: argparse.Namespace) -> int:
     table = format_table(before, after)
     say(table)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "eval_table.md").write_text(table + "\n")
+    run_writes.replace_file(out, run_writes.EVAL_TABLE, table + "\n")  # never through a link
     say(f"wrote {out / 'eval.jsonl'} and {out / 'eval_table.md'}")
     return 0
 
