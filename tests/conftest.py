@@ -382,3 +382,48 @@ def save_tool_model():
     directory/model (returned), with its tool in directory/mytools.py (`mytools.py:lookup` in a
     config beside it); see _save_tool_model."""
     return _save_tool_model
+
+
+# ---------------------------------------------------------------- a generation server (grpo serve)
+
+SERVE_KEY = "a-test-secret"
+"""The shared secret of the tests' generation servers (GRPO_SERVE_API_KEY)."""
+
+SERVED_TINY = {
+    "model": {"name": "tiny", "tiny_hidden_size": 32, "tiny_num_layers": 1},
+    "data": {
+        "chat_template": "never",
+        "arithmetic": {
+            "operands": [[1, 4], [1, 4]],
+            "operators": ["+"],
+            "instruction": "{expression}=",
+            "num_train": 200,
+            "num_eval": 4,
+        },
+    },
+    "rollout": {"num_generations": 4, "max_completion_length": 3, "temperature": 0.9},
+    "rewards": {"isolation": "thread"},
+}
+"""The config a served run and its server share (the tests add rewards, steps and output_dir)."""
+
+
+@pytest.fixture
+def serve_in_thread(monkeypatch):
+    """serve_in_thread(config dict=SERVED_TINY, port=0) -> grpo.serve.http.Serving: `grpo serve
+    --engine hf` for that config in a thread of this process (its model loads in milliseconds
+    here, where a fresh process spends seconds importing), with SERVE_KEY, which
+    GRPO_SERVE_API_KEY is set to for the trainer; each one is shut down at the test's end."""
+    from grpo.serve import hf
+
+    monkeypatch.setenv("GRPO_SERVE_API_KEY", SERVE_KEY)
+    started = []
+
+    def start(data=None, port=0):
+        cfg = loading.from_dict(copy.deepcopy(data or SERVED_TINY))
+        serving = hf.start(cfg, "127.0.0.1", port, SERVE_KEY).start_thread()
+        started.append(serving)
+        return serving
+
+    yield start
+    for serving in started:
+        serving.shutdown()

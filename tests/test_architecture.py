@@ -201,7 +201,8 @@ def test_each_folder_says_its_one_job_and_the_top_level_stays_small():
         if p.name not in ("__pycache__",) and (p.suffix == ".py" or p.is_dir())
     ]
     # the layers of docs/architecture.md (cpu/ and cuda/ beside each other, health/) and the programs
-    assert len(top) <= 18, f"src/grpo has {len(top)} top-level names: {sorted(top)}"
+    # (cli.py, trl/, serve/)
+    assert len(top) <= 19, f"src/grpo has {len(top)} top-level names: {sorted(top)}"
 
 
 TIMING = re.compile(r"\b\d+\.\d+\s?s\b|\b\d+(?:\.\d+)?\s?(?:ms|us|µs|GB/s|GFLOP/s|MB/s)(?!\w)")

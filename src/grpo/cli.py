@@ -1,4 +1,4 @@
-"""`grpo train | eval | report | doctor | export | config show | init`."""
+"""`grpo train | eval | report | doctor | export | config show | init | serve`."""
 
 from __future__ import annotations
 
@@ -103,6 +103,7 @@ def _train(args: argparse.Namespace) -> int:
     cfg = config.load(args.config, args.overrides)
     _before_torch(cfg)
     _quiet_transformers()
+    from grpo.rollout.server_http import ServerError
     from grpo.run.checkpoint import SaveFailed
     from grpo.run.stop_signals import Interrupted
     from grpo.training.trainer import Trainer
@@ -119,6 +120,13 @@ def _train(args: argparse.Namespace) -> int:
     except TrainingDiverged as e:  # non-finite updates or weights: a clean stop, with the reason
         say(f"grpo: training stopped: {e}\nrun directory: {cfg.output_dir}", file=sys.stderr)
         return 3
+    except ServerError as e:  # the generation server is gone or stalled (rollout.engine: server)
+        say(
+            f"grpo: training stopped: {e}; the latest checkpoint in {cfg.output_dir} (if any) is intact; "
+            f"continue with: {again}",
+            file=sys.stderr,
+        )
+        return 6
     except Interrupted as stop:
         say(
             f"grpo: stopped at once by a second {signal.Signals(stop.signum).name}; the latest checkpoint "
@@ -190,6 +198,7 @@ def _eval(args: argparse.Namespace) -> int:
     from grpo.models.loading import context_length, load_model_and_tokenizer
     from grpo.rewards.reward_set import RewardSet
     from grpo.rollout import create_engine
+    from grpo.run import run_writes
     from grpo.run.eval_results import append_results, format_table
     from grpo.run.progress import bar
     from grpo.tasks import load_task
@@ -255,7 +264,7 @@ def _eval(args: argparse.Namespace) -> int:
     table = format_table(before, after)
     say(table)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "eval_table.md").write_text(table + "\n")
+    run_writes.replace_file(out, run_writes.EVAL_TABLE, table + "\n")  # never through a link
     say(f"wrote {out / 'eval.jsonl'} and {out / 'eval_table.md'}")
     return 0
 
@@ -383,6 +392,16 @@ def _train_help() -> str:
     return "\n".join(lines)
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from grpo.serve import command
+
+    key = command.api_key(args.api_key)
+    cfg = command.config_of(args.model, args.overrides)
+    _before_torch(cfg)
+    _quiet_transformers()
+    return command.run(cfg, args.engine, args.host, args.port, key, say)
+
+
 def main(argv: list[str] | None = None) -> int:
     _escape_log_lines()
     parser = argparse.ArgumentParser(
@@ -404,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="PATH",
         help="continue a run exactly: from output_dir's latest checkpoint, or from PATH (a checkpoint "
         "or run directory). Exit codes: 0 done, 2 config error, 3 diverged, 4 no reward computed, 5 stopped "
-        "by health.fail_on, 130 SIGINT, 143 SIGTERM",
+        "by health.fail_on, 6 the generation server stopped (rollout.engine: server), 130 SIGINT, 143 SIGTERM",
     )
     train.set_defaults(run=_train)
     ev = sub.add_parser(
@@ -468,11 +487,33 @@ def main(argv: list[str] | None = None) -> int:
     )
     init.add_argument("--force", action="store_true", help="overwrite the file if it exists")
     init.set_defaults(run=_init)
+    serve = sub.add_parser(
+        "serve",
+        help="a generation server for rollout.engine: server (docs/scaling.md)",
+        description="Serves a model for trainers with rollout.engine: server: prompts in, completions "
+        "out, weights streamed in after each step. Every endpoint but /health takes the shared secret "
+        "(GRPO_SERVE_API_KEY, or --api-key).",
+    )
+    serve.add_argument(
+        "model", help="a grpo config file (its model section is served) or what model.name takes"
+    )
+    serve.add_argument("overrides", nargs="*", help="section.key=value, e.g. training.bf16=false")
+    serve.add_argument("--engine", default="hf", help="hf: grpo's own engine (the one built)")
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="the address to bind (default 127.0.0.1)"
+    )
+    serve.add_argument(
+        "--port", type=int, default=8000, help="the port (default 8000; 0: a free one)"
+    )
+    serve.add_argument(
+        "--api-key", help="the shared secret (better: the environment variable GRPO_SERVE_API_KEY)"
+    )
+    serve.set_defaults(run=_serve)
     # overrides may come after an option too (`grpo eval CFG --checkpoint DIR key=val`): argparse's
     # intermixed parsing does not work with subcommands, so the key=value words it leaves are taken here
     args, extra = parser.parse_known_args(argv)
     if extra:
-        if args.command not in ("train", "eval") or any(
+        if args.command not in ("train", "eval", "serve") or any(
             x.startswith("-") or "=" not in x for x in extra
         ):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -214,7 +214,11 @@ LOSS_AGGREGATIONS = Registry(
 
 ROLLOUT_ENGINES = Registry(
     "rollout.engine",
-    {"hf": "grpo.rollout.hf:TransformersEngine", "vllm": "grpo.rollout.vllm:VLLMEngine"},
+    {
+        "hf": "grpo.rollout.hf:TransformersEngine",
+        "vllm": "grpo.rollout.vllm:VLLMEngine",
+        "server": "grpo.rollout.server:ServerEngine",
+    },
 )
 """A grpo.rollout.base.RolloutEngine class, built as cls(model, tokenizer, cfg, decoding) (grpo.rollout.base.create_engine)."""
 

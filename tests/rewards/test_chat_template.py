@@ -1,6 +1,6 @@
 """Chat templates rendered within limits (grpo.rewards.chat_template): exactly what transformers
-renders, for the project's templates and the ones TRL ships; a template past its time, output or
-memory limit refused naming its file; the worker shared, restarted after a kill, and kept by a
+renders, for the project's templates and the ones TRL ships (and the same errors, refused); a
+template past its time, output or memory limit refused naming its file; the worker shared, restarted after a kill, and kept by a
 fork to its parent."""
 
 import json
@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from grpo.config.errors import ConfigError
 from grpo.models.tiny import char_tokenizer
 from grpo.rewards import chat_template
-from grpo.rewards.chat_template import TemplateRefused, render, render_ids
+from grpo.rewards.chat_template import TemplateFailed, TemplateRefused, render, render_ids
 from grpo.tasks.data import MAX_PROMPT_CHARS
 
 try:
@@ -85,10 +86,14 @@ def _real_templates() -> list[tuple[str, str]]:
 
 
 def _outcome(fn, *args, **kwargs):
+    """("ok", result), or the error: the template's own, as transformers raises it or as grpo
+    refuses it (TemplateFailed, which keeps its type and its message on one line)."""
     try:
         return ("ok", fn(*args, **kwargs))
-    except Exception as e:  # the template's own refusal: the same either way
-        return ("raised", type(e).__name__, str(e))
+    except TemplateFailed as e:
+        return ("raised", e.error_type, e.detail)
+    except Exception as e:
+        return ("raised", type(e).__name__, " ".join(str(e).split()))
 
 
 @pytest.mark.parametrize("name", [n for n, _ in _real_templates()] + ["tool template"])
@@ -201,13 +206,11 @@ def test_a_refusal_names_the_file_the_template_came_from(tmp_path):
         render(loaded, [[{"role": "user", "content": "hi"}]])
 
 
-def test_a_templates_own_error_is_raised_as_transformers_raises_it():
-    import jinja2
-
+def test_a_templates_own_error_is_refused_with_its_message():
     tok = _tokenizer("{{ raise_exception('only user messages') }}")
-    with pytest.raises(jinja2.exceptions.TemplateError, match="only user messages"):
+    with pytest.raises(TemplateFailed, match="with its own error: 'only user messages'"):
         render(tok, [[{"role": "user", "content": "hi"}]])
-    with pytest.raises(ValueError, match="empty conversation"):
+    with pytest.raises(ConfigError, match="a chat prompt with no messages cannot be rendered"):
         render(tok, [[]])
 
 

@@ -256,6 +256,11 @@ RESOLVED_HEADER = (
 be grpo's (grpo.run.runlog.resolved_config_path); YAML reads it as a comment."""
 
 
+def dumps(cfg: Config) -> str:
+    """Every key of `cfg` as YAML, under RESOLVED_HEADER; `load` reads it back."""
+    return RESOLVED_HEADER + "\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
 def save(cfg: Config, path: str | Path) -> None:
-    """Every key of `cfg` as YAML at `path`, under RESOLVED_HEADER; `load` reads it back."""
-    Path(path).write_text(RESOLVED_HEADER + "\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    """`dumps(cfg)` at `path` (a run directory's copy is written by grpo.run.run_writes)."""
+    Path(path).write_text(dumps(cfg))

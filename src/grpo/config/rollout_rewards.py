@@ -55,6 +55,61 @@ class VLLMConfig:
 
 
 @dataclass
+class ServerConfig:
+    """Settings of the `server` rollout engine (rollout.engine: server, grpo.rollout.server): a
+    generation server (`grpo serve`) that the trainer sends prompts to and, after each optimizer
+    step, streams its weights to. Its shared secret is read from the environment variable
+    GRPO_SERVE_API_KEY, never from a config file."""
+
+    url: str = "http://127.0.0.1:8000"
+    """The server's base URL (TRL's vllm_server_base_url), as `grpo serve` prints it."""
+    timeout: float = 240.0
+    """Seconds to wait for the server to answer at start, and for it to come back when it stops
+    answering mid-run (TRL's vllm_server_timeout); then the run stops with one line naming it."""
+    request_timeout: float = 600.0
+    """Seconds one generation request may take, all of it (TRL's request_timeout)."""
+    weight_sync_timeout: float = 600.0
+    """Seconds each step of a weight push may take: the handshake, the transfer, the finish
+    (TRL's weight_sync_timeout)."""
+    group_port: int = 0
+    """The port the trainer opens for the weight-transfer group the server joins (TRL's
+    vllm_group_port); 0: a free port."""
+    bucket_mb: int = 64
+    """MiB of weights sent per transfer: tensors are packed into buckets of this size, so at most
+    one bucket (or one tensor larger than it) is held for the push at a time."""
+
+    def check(self) -> None:
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(self.url) if isinstance(self.url, str) and len(self.url) <= 2048 else None
+        if parts is None or parts.scheme != "http" or not parts.hostname or parts.query:
+            raise ConfigError(
+                f"rollout.server.url: {safe_yaml.shown(self.url)} is not an http://HOST:PORT URL; write e.g. "
+                "http://127.0.0.1:8000 (what `grpo serve` prints)"
+            )
+        try:
+            port = parts.port  # urlsplit checks it on reading
+        except ValueError:
+            port = -1
+        if port is not None and not 0 < port < 65536:
+            raise ConfigError(
+                f"rollout.server.url: {safe_yaml.shown(self.url)} has a bad port; write e.g. http://127.0.0.1:8000"
+            )
+        for key in ("timeout", "request_timeout", "weight_sync_timeout"):
+            value = getattr(self, key)
+            if not 0 < value <= MAX_SECONDS:
+                raise ConfigError(
+                    f"rollout.server.{key}: seconds in (0, {MAX_SECONDS}], got {value}"
+                )
+        if not 0 <= self.group_port <= 65535:
+            raise ConfigError(
+                f"rollout.server.group_port: a port in [1, 65535], or 0 for a free one; got {self.group_port}"
+            )
+        if not 1 <= self.bucket_mb <= 4096:
+            raise ConfigError(f"rollout.server.bucket_mb: MiB in [1, 4096], got {self.bucket_mb}")
+
+
+@dataclass
 class RolloutConfig:
     num_generations: int = 8
     """G: completions sampled per prompt (one group)."""
@@ -85,9 +140,13 @@ class RolloutConfig:
     engine: str = "hf"
     """Generation engine (grpo.registry.ROLLOUT_ENGINES): `hf`, transformers' model with
     grpo's prefix sharing and compaction; `vllm`, a vLLM engine in the training process
-    (needs the vllm package; settings under rollout.vllm)."""
+    (needs the vllm package; settings under rollout.vllm); `server`, a generation server
+    started with `grpo serve` (settings under rollout.server)."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """The `vllm` engine's settings (read only when rollout.engine is vllm)."""
+    server: ServerConfig = field(default_factory=ServerConfig)
+    """The `server` engine's settings (read only when rollout.engine is server): where
+    `grpo serve` listens and how long each exchange with it may take."""
     cuda_decoding: str = "auto"
     """How the `hf` engine decodes on a CUDA device (grpo.cuda): `graphs`, a loop of fixed shape
     from a bf16 copy of the weights (LoRA merged in), each token step one replayed CUDA graph;
@@ -122,6 +181,11 @@ class RolloutConfig:
     """process: each call in a forked process, killed at the timeout (a tool that crashes or calls
     os._exit costs only its call); thread: in a thread of the training process (cheaper; a hung
     call's thread is left running, a tool that ends the process ends the run)."""
+    tool_memory_mb: int = 1024
+    """Memory limit of each process-isolated tool call, in MiB past what its process shares with
+    the trainer when it forks (RLIMIT_DATA, as rewards.worker_memory_mb: each process of the
+    call); a tool that allocates past it gets an error as that call's result (MemoryError),
+    counted in tools/failure_frequency; 0 = no limit. Calls in threads have none."""
     environment: str | dict[str, str] | None = None
     """TRL's environment_factory: 'module:Factory' or 'path/to/file.py:Factory' (a class or a
     function returning an environment: an object with reset(**row) whose public methods are the
@@ -132,6 +196,7 @@ class RolloutConfig:
     def check(self, cfg: WholeConfig, world_size: int = 1) -> None:
         registry.ROLLOUT_ENGINES.check(self.engine)
         self.vllm.check()
+        self.server.check()
         one_of("rollout.cuda_decoding", self.cuda_decoding, ("auto", "eager", "graphs"))
         if self.cuda_decoding == "graphs" and (
             self.engine != "hf" or cfg.training.sharding != "none"
@@ -146,6 +211,14 @@ class RolloutConfig:
                 f"rollout.engine: vllm pushes the policy's merged weights into vLLM, which cannot be done for "
                 f"a quantized base (model.lora.quantize={cfg.model.lora.quantize}); set model.lora.quantize: none, "
                 "or rollout.engine: hf"
+            )
+        if self.engine == "server" and (
+            cfg.model.lora.quantize != "none" or cfg.training.sharding != "none"
+        ):
+            raise ConfigError(
+                "rollout.engine: server pushes the policy's whole (merged) weights from rank 0, which is not "
+                f"built for a quantized base (model.lora.quantize={cfg.model.lora.quantize}) or sharded training "
+                f"(training.sharding={cfg.training.sharding}) yet; set them to none, or rollout.engine: hf"
             )
         if self.engine == "vllm" and world_size > 1:
             raise ConfigError(
@@ -212,6 +285,10 @@ class RolloutConfig:
         if not 1 <= self.tool_output_chars <= MAX_TOOL_OUTPUT_CHARS:
             raise ConfigError(
                 f"rollout.tool_output_chars: must be in [1, {MAX_TOOL_OUTPUT_CHARS:,}], got {self.tool_output_chars}"
+            )
+        if not 0 <= self.tool_memory_mb <= MAX_MIB:
+            raise ConfigError(
+                f"rollout.tool_memory_mb: must be in [0, {MAX_MIB}] MiB (0 = no limit), got {self.tool_memory_mb}"
             )
         if self.tool_isolation not in ("process", "thread"):
             raise ConfigError(

@@ -1,5 +1,7 @@
-"""Chat templates rendered within limits: a time limit and an output limit per rendering, and a
-memory limit, in a worker process that is killed when a rendering overruns.
+"""Chat templates rendered within limits: a time limit and an output limit per rendering, a time
+limit for a whole set of renderings, a memory limit, and a size limit for the template, in a
+worker process that is killed when a rendering overruns; every failure of a template refused
+with one line that names the template's file and the fix.
 
 A model directory is untrusted input and its chat template is code: Jinja's sandboxed
 environment (what transformers compiles templates with) stops a template from reaching
@@ -11,11 +13,22 @@ multi-turn rollout, grpo.rollout.multiturn; a reward model's texts, grpo.rewards
 and a rendering past a limit is refused with a ConfigError (`TemplateRefused`) naming the
 file the template came from and the limit:
 
-- time: MAX_SECONDS per rendering (one conversation);
+- size: MAX_TEMPLATE_CHARS characters for a template (refused before it is ever sent; the
+  prompt encoder checks it when it is built, `check_size`);
+- time: MAX_SECONDS per rendering (one conversation), and TOTAL_SECONDS for one set of
+  renderings (a `Budget`): each call of `render` has its own, and set-up's renderings of every
+  training and held-out prompt share one, so a template just under MAX_SECONDS per prompt
+  cannot stall set-up for rows x MAX_SECONDS; a set that runs longer than PROGRESS_AFTER
+  seconds shows a progress bar;
 - output: MAX_RENDERED_CHARS characters per rendering, four times the most a row's prompt
   may have (grpo.tasks.data.MAX_PROMPT_CHARS): the template's own text around the largest
   prompt allowed has that much room, and nothing beyond it could fit any model's context;
 - memory: MEMORY_MB MiB for the process that renders (RLIMIT_DATA).
+
+A template that fails by itself (its `raise_exception(...)`, an undefined name, a syntax error,
+recursion without end, `1/0`, what the sandbox forbids) is refused the same way
+(`TemplateFailed`), with the template's own message and line and the fix for that kind of
+failure, never as the exception Jinja raised: that would end a run with a traceback.
 
 Why a worker process. In-process Jinja cannot be bounded in time: a `for` loop over
 `messages` or over a string's characters, nested a few deep, runs without any call or output
@@ -41,16 +54,19 @@ apply_chat_template(tokenize=True) does with its text), so the ids are the same.
 The trainer's side of a request: a batch of conversations (cut so that a request carries at
 most BATCH_CHARS characters of messages and a reply at most as many of output), one reply per
 batch, so the cost of the round trip is per batch. The worker checks each rendering's time
-after each piece it writes and when it ends, and sends a short "alive" message after a
-rendering whenever HEARTBEAT seconds have passed without one; the trainer waits at most
-MAX_SECONDS + HEARTBEAT + SLACK for each message, and kills the worker when none comes (a
-loop that writes nothing): a rendering that runs past its limit is stopped at most
-HEARTBEAT + SLACK seconds after it. The next rendering starts a new worker.
+(against the earlier of its own deadline and the budget's) after each piece it writes and when
+it ends, and sends a short "alive" message with its count after a rendering whenever HEARTBEAT
+seconds have passed without one (the progress bar's updates); the trainer waits at most
+MAX_SECONDS + HEARTBEAT + SLACK for each message (less when the budget has less left), and
+kills the worker when none comes (a loop that writes nothing): a rendering that runs past its
+limit is stopped at most HEARTBEAT + SLACK seconds after it. The next rendering starts a new
+worker.
 
 What is not bounded: a tokenizer whose class has its own apply_chat_template (not
 transformers' Jinja, e.g. mistral-common's) and arguments of apply_chat_template other than
-tools, documents and chat_template are rendered in-process, as before; plain-text prompts
-and a tokenizer without a template cost nothing new (no worker is started).
+tools, documents and chat_template are rendered in-process, as before (their failures are
+refused as the worker's are); plain-text prompts and a tokenizer without a template cost
+nothing new (no worker is started).
 """
 
 from __future__ import annotations
@@ -58,16 +74,27 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from grpo.config.errors import ConfigError
 from grpo.rewards.worker import Worker
 
 MAX_SECONDS = 5.0
 """The most one rendering (one conversation) may take, in seconds."""
+TOTAL_SECONDS = 300.0
+"""The most one set of renderings may take together, in seconds (a `Budget`): set-up's prompts
+(every training and held-out row's, for the start-up context check) or one call of `render`
+(a step's prompts, an evaluation's). Real templates render a prompt in well under a
+millisecond (Qwen2.5's, some 30 microseconds through the renderer: docs/untrusted-input.md)."""
+PROGRESS_AFTER = 2.0
+"""Seconds a call of `render` runs before it shows a progress bar."""
+MAX_TEMPLATE_CHARS = 1 << 20
+"""The longest chat template accepted, in characters. Real ones are under 100,000 (the 72 TRL
+1.16 ships: at most 19,572); a larger one would be sent to the renderer with every request."""
 MAX_RENDERED_CHARS = 4 << 20
 """The most characters one rendering may write: four times grpo.tasks.data.MAX_PROMPT_CHARS."""
 MEMORY_MB = 512
@@ -84,10 +111,39 @@ STARTUP_SECONDS = 120.0
 
 _IN_TRAINER = frozenset({"tools", "documents", "chat_template"})
 """apply_chat_template's own arguments `render` handles; any other one is rendered in-process."""
+_OTHER_TEMPLATE = (
+    "use a model whose template renders these prompts, or give the tokenizer a chat template you trust "
+    "(data.chat_template=never renders prompts as plain text)"
+)
+"""The fix every refusal offers last: another template, or none."""
 
 
 class TemplateRefused(ConfigError):
-    """A chat template that ran past a limit (time, output, memory) or whose renderer died."""
+    """A chat template refused: past a limit (size, time, output, memory), its renderer died, or
+    it failed by itself (TemplateFailed). Its message is one line naming the template's file."""
+
+
+class TemplateFailed(TemplateRefused):
+    """A chat template that failed by itself: `kind` is "raised" (its raise_exception), "undefined",
+    "syntax", "recursion", "sandbox" or "error" (any other exception, `error_type` its name);
+    `detail` is the template's own message and `line` the template's line (None if unknown)."""
+
+    def __init__(self, message: str, kind: str, error_type: str, detail: str, line: int | None):
+        super().__init__(message)
+        self.kind, self.error_type, self.detail, self.line = kind, error_type, detail, line
+
+
+class Budget:
+    """The time a set of renderings may still take (TOTAL_SECONDS in all), and what it has rendered;
+    `what` names the set in a refusal. Every call of `render` spends one of its own unless it is
+    given one (set-up's: grpo.tasks.data.PromptEncoder)."""
+
+    def __init__(self, what: str = "one batch of prompts"):
+        self.seconds, self.what = TOTAL_SECONDS, what
+        self.spent, self.rendered = 0.0, 0
+
+    def left(self) -> float:
+        return self.seconds - self.spent
 
 
 # ---------------------------------------------------------------------- the trainer's side
@@ -101,9 +157,21 @@ def render(
     **kwargs: Any,
 ) -> list[str]:
     """`tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=..., **kwargs)`
-    for each conversation `c`, each rendering bounded (module docstring). `add_generation_prompt`
-    may be one flag per conversation. Raises TemplateRefused past a limit, and what the template
-    itself raised (a TemplateError, say) as apply_chat_template would."""
+    for each conversation `c`, each rendering and all of them together bounded (module
+    docstring). `add_generation_prompt` may be one flag per conversation. Raises TemplateRefused
+    past a limit and TemplateFailed where the template fails by itself."""
+    return render_within(Budget(), tokenizer, conversations, add_generation_prompt, kwargs)
+
+
+def render_within(
+    budget: Budget,
+    tokenizer,
+    conversations: Sequence[list[dict]],
+    add_generation_prompt: bool | Sequence[bool] = False,
+    template_kwargs: dict | None = None,
+) -> list[str]:
+    """`render`, spending `budget` (shared by several calls: set-up's); the template's variables
+    as a dict, so that no name of this function's can take one's place."""
     conversations = list(conversations)
     flags = (
         [bool(add_generation_prompt)] * len(conversations)
@@ -116,18 +184,22 @@ def render(
         )
     if not conversations:
         return []
+    kwargs = dict(template_kwargs or {})
     if not _bounded(tokenizer) or set(kwargs) & _apply_arguments() - _IN_TRAINER:
-        return [
-            tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=f, **kwargs)
-            for c, f in zip(conversations, flags)
-        ]
-    kwargs = dict(kwargs)
+        return _in_process(tokenizer, conversations, flags, kwargs)
     tools, documents = kwargs.pop("tools", None), kwargs.pop("documents", None)
-    template = tokenizer.get_chat_template(kwargs.pop("chat_template", None), tools)
+    given = kwargs.pop("chat_template", None)
+    template = _chosen_template(tokenizer, given, tools)
+
+    def where() -> str:  # reads the model's files: only to refuse
+        return _source(tokenizer, template, given)
+
+    _check_length(template, where)
     for c in conversations:
         if isinstance(c, (list, tuple)) and not c:
-            raise ValueError(
-                "Cannot apply chat template to an empty conversation. Provide at least one message."
+            raise ConfigError(
+                "a chat prompt with no messages cannot be rendered with a chat template; give each "
+                'prompt at least one message, e.g. [{"role": "user", "content": "..."}]'
             )
     if tools is not None:  # functions as their schemas, as render_jinja_template makes them
         from transformers.utils import get_json_schema
@@ -136,24 +208,31 @@ def render(
     variables = {**tokenizer.special_tokens_map, **kwargs}
     texts: list[str] = []
     with _SHARED.lock:
-        while len(texts) < len(conversations):
-            start = len(texts)
-            end, size = start, 0
-            while end < len(conversations) and (end == start or size < BATCH_CHARS):
-                size += _size(conversations[end])
-                end += 1
-            request = (
-                template,
-                conversations[start:end],
-                flags[start:end],
-                tools,
-                documents,
-                variables,
-            )
-            for result in _SHARED.ask(request):
-                if result[0] != "ok":
-                    _fail(result, tokenizer, template)
-                texts.append(result[1])
+        _SHARED.start()  # before the progress bar's clock starts: starting is not rendering
+        with _Progress(len(conversations)) as progress:
+            while len(texts) < len(conversations):
+                start = len(texts)
+                end, size = start, 0
+                while end < len(conversations) and (end == start or size < BATCH_CHARS):
+                    size += _size(conversations[end])
+                    end += 1
+                request = (
+                    template,
+                    conversations[start:end],
+                    flags[start:end],
+                    tools,
+                    documents,
+                    variables,
+                )
+                results = _SHARED.ask(
+                    request, budget, lambda n, start=start: progress.show(start + n)
+                )
+                for result in results:
+                    if result[0] != "ok":
+                        raise _refusal(result, where(), budget)
+                    texts.append(result[1])
+                    budget.rendered += 1
+                progress.show(len(texts))
     return texts
 
 
@@ -166,6 +245,59 @@ def render_ids(
         0
     ]
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def check_size(tokenizer, template_kwargs: dict | None = None) -> None:
+    """Every chat template the tokenizer has (and one given as data.chat_template_kwargs'
+    chat_template) within MAX_TEMPLATE_CHARS; else TemplateRefused naming its file. At set-up,
+    so that a template too large is refused before any rendering."""
+    own = getattr(tokenizer, "chat_template", None)
+    templates = list(own.values()) if isinstance(own, dict) else [own]
+    given = (template_kwargs or {}).get("chat_template")
+    if isinstance(given, str) and not (isinstance(own, dict) and given in own):
+        templates.append(given)
+    for template in templates:
+        if isinstance(template, str):
+            _check_length(template, lambda t=template: _source(tokenizer, t, given))
+
+
+def _check_length(template: str, where: Callable[[], str]) -> None:
+    if len(template) > MAX_TEMPLATE_CHARS:
+        raise TemplateRefused(
+            f"the chat template of {where()} is {len(template):,} characters, more than the "
+            f"{MAX_TEMPLATE_CHARS:,} a chat template may have (real ones are under 100,000); "
+            f"{_OTHER_TEMPLATE}"
+        )
+
+
+def _chosen_template(tokenizer, given, tools) -> str:
+    """The template apply_chat_template would render (`get_chat_template`), or a ConfigError where
+    the tokenizer has none of that name."""
+    try:
+        return tokenizer.get_chat_template(given, tools)
+    except ValueError as error:
+        raise ConfigError(
+            f"the chat templates of the tokenizer {_name(tokenizer)!r}: {_one_line(str(error))}; "
+            "name one of the tokenizer's templates in data.chat_template_kwargs' chat_template, or set "
+            "data.chat_template=never to render prompts as plain text"
+        ) from None
+
+
+def _in_process(tokenizer, conversations: list, flags: list[bool], kwargs: dict) -> list[str]:
+    """apply_chat_template itself (no time bound: module docstring), its failures refused as the
+    worker's are."""
+    texts = []
+    for c, f in zip(conversations, flags):
+        try:
+            texts.append(
+                tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=f, **kwargs)
+            )
+        except ConfigError:
+            raise
+        except Exception as error:
+            subject = f"the chat template of the tokenizer {_name(tokenizer)!r}"
+            raise _failed(_fault(error), subject) from None
+    return texts
 
 
 def _bounded(tokenizer) -> bool:
@@ -209,33 +341,174 @@ def _size(conversation) -> int:
     return total + 16
 
 
-def _fail(result: tuple, tokenizer, template: str):
+class _Progress:
+    """A tqdm bar over a call's conversations, made only once the call has run PROGRESS_AFTER
+    seconds (a fast call makes none and prints nothing); on stdout, redrawn at most every 10 s
+    when that is not a terminal, as grpo.run.progress draws its bars."""
+
+    def __init__(self, total: int):
+        self.total, self.bar, self.began = total, None, time.monotonic()
+
+    def __enter__(self) -> "_Progress":
+        return self
+
+    def show(self, done: int) -> None:
+        if self.bar is None:
+            if time.monotonic() - self.began < PROGRESS_AFTER:
+                return
+            from tqdm.auto import tqdm
+
+            stream = sys.stdout
+            self.bar = tqdm(
+                total=self.total,
+                initial=done,
+                desc="chat template",
+                unit="prompt",
+                file=stream,
+                mininterval=0.1 if getattr(stream, "isatty", lambda: False)() else 10.0,
+                dynamic_ncols=True,
+                smoothing=0,
+            )
+        elif done > self.bar.n:
+            self.bar.update(done - self.bar.n)
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+# ---------------------------------------------------------------------- refusals
+
+
+_WITHIN = (
+    "use a model whose template renders within the limit, or give the tokenizer a chat template you "
+    "trust (data.chat_template=never renders prompts as plain text)"
+)
+"""The fix a refusal past a limit offers."""
+
+
+def _refusal(result: tuple, subject: str, budget: Budget) -> TemplateRefused:
+    """The refusal for a worker's result other than ("ok", text); `subject` names the template."""
     kind = result[0]
-    if kind == "error":  # the template's own error, raised as apply_chat_template would raise it
-        raise result[1]
-    where = template_source(tokenizer, template)
-    fix = (
-        "use a model whose template renders within the limit, or give the tokenizer a chat template you "
-        "trust (data.chat_template=never renders prompts as plain text)"
-    )
+    if kind == "error":
+        return _failed(result[1], subject)
     if kind == "timeout":
-        raise TemplateRefused(
-            f"the chat template of {where} took over {MAX_SECONDS:g} s to render one prompt (a loop without "
-            f"end?); {fix}"
+        return TemplateRefused(
+            f"{subject} took over {MAX_SECONDS:g} s to render one prompt (a loop without end?); {_WITHIN}"
+        )
+    if kind == "over budget":
+        each = (
+            f"{budget.spent / budget.rendered:.2g} s each" if budget.rendered else "none finished"
+        )
+        return TemplateRefused(
+            f"{subject} took over {budget.seconds:g} s in all to render {budget.what} "
+            f"({budget.rendered:,} prompts rendered, {each}; real templates take under a millisecond "
+            f"a prompt); {_WITHIN}"
         )
     if kind == "too long":
-        raise TemplateRefused(
-            f"the chat template of {where} wrote more than {MAX_RENDERED_CHARS:,} characters for one prompt "
-            f"(four times the most a prompt may have); {fix}"
+        return TemplateRefused(
+            f"{subject} wrote more than {MAX_RENDERED_CHARS:,} characters for one prompt (four times "
+            f"the most a prompt may have); {_WITHIN}"
         )
     if kind == "memory":
-        raise TemplateRefused(
-            f"the chat template of {where} needed more than the {MEMORY_MB} MiB its renderer may use to render "
-            f"one prompt; {fix}"
+        return TemplateRefused(
+            f"{subject} needed more than the {MEMORY_MB} MiB its renderer may use to render one "
+            f"prompt; {_WITHIN}"
         )
-    raise TemplateRefused(
-        f"the process rendering the chat template of {where} ended while rendering a prompt ({result[1]}); {fix}"
+    return TemplateRefused(
+        f"the process rendering {subject} ended while rendering a prompt ({result[1]}); {_WITHIN}"
     )
+
+
+def _failed(fault: tuple, subject: str) -> TemplateFailed:
+    """The refusal of a template that failed by itself, from `_fault`'s description of its error."""
+    kind, error_type, detail, line = fault
+    at = f" at line {line}" if line else ""
+    fix = f"correct the template{at}, or {_OTHER_TEMPLATE}"
+    if kind == "raised":
+        message = (
+            f"{subject} refused a prompt{at} with its own error: {detail!r}; make the prompts what "
+            f"the template accepts (its message says what), or "
+            f"{_OTHER_TEMPLATE}"
+        )
+    elif kind == "undefined":
+        name = detail[1 : -len("' is undefined")] if _is_undefined_name(detail) else None
+        variable = (
+            f"if {name!r} is a variable the template expects, give it in data.chat_template_kwargs "
+            f"(e.g. data.chat_template_kwargs.{name}=...); else "
+            if name
+            else ""
+        )
+        message = f"{subject} uses a name it does not define{at} ({detail}); {variable}{fix}"
+    elif kind == "syntax":
+        message = f"{subject} is not valid Jinja{at} ({detail}); {fix}"
+    elif kind == "recursion":
+        message = f"{subject} recursed without end{at} (a macro that calls itself: {detail}); {fix}"
+    elif kind == "sandbox":
+        message = (
+            f"{subject} did what Jinja's sandbox forbids{at} ({detail}): a template may not change "
+            f"its inputs or reach Python's internals; {fix}"
+        )
+    else:
+        message = f"{subject} failed{at} with {error_type}: {detail}; {fix}"
+    return TemplateFailed(message, kind, error_type, detail, line)
+
+
+def _is_undefined_name(detail: str) -> bool:
+    """Whether an UndefinedError's message is Jinja's "'NAME' is undefined" for a plain name."""
+    name = detail[1 : -len("' is undefined")]
+    return detail.startswith("'") and detail.endswith("' is undefined") and name.isidentifier()
+
+
+def _fault(error: BaseException) -> tuple[str, str, str, int | None]:
+    """A template's exception as plain values (it crosses the worker's pipe whole): its kind (see
+    TemplateFailed), its type's name, its message on one line, and the template's line where
+    Jinja says (a syntax error's own, else the last frame of the compiled template)."""
+    kind = "recursion" if isinstance(error, RecursionError) else "error"
+    try:
+        from jinja2 import exceptions, sandbox
+
+        if isinstance(error, exceptions.TemplateSyntaxError):
+            kind = "syntax"
+        elif isinstance(error, sandbox.SecurityError):
+            kind = "sandbox"
+        elif isinstance(error, exceptions.UndefinedError):
+            kind = "undefined"
+        elif type(error) is exceptions.TemplateError:  # what transformers' raise_exception raises
+            kind = "raised"
+    except ImportError:
+        pass
+    line = getattr(error, "lineno", None) if kind == "syntax" else None
+    frame = error.__traceback__
+    while frame is not None and kind != "syntax":
+        if frame.tb_frame.f_code.co_filename == "<template>":  # Jinja's rewritten frames
+            line = frame.tb_lineno
+        frame = frame.tb_next
+    message = str(error).split("\n")[0] if kind == "syntax" else str(error)
+    return kind, type(error).__name__, _one_line(message), line if isinstance(line, int) else None
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    """`text` on one line (its whitespace runs as single spaces), cut at `limit` characters."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _source(tokenizer, template: str, given: Any) -> str:
+    """The template named for a refusal: a template given as data.chat_template_kwargs'
+    chat_template by that key, else by the file it came from (`template_source`)."""
+    own = getattr(tokenizer, "chat_template", None)
+    if (
+        isinstance(given, str)
+        and given == template
+        and not (isinstance(own, dict) and given in own)
+    ):
+        return "the chat template given as data.chat_template_kwargs.chat_template"
+    return f"the chat template of {template_source(tokenizer, template)}"
+
+
+def _name(tokenizer) -> str:
+    return str(getattr(tokenizer, "name_or_path", "") or "") or "(built in memory)"
 
 
 def template_source(tokenizer, template: str) -> str:
@@ -313,22 +586,35 @@ class _Renderer:
                 f"the chat template renderer did not start within {STARTUP_SECONDS:.0f} s (exit code {code})"
             )
 
-    def ask(self, request: tuple) -> list[tuple]:
-        """The results of one request, a prefix of its conversations; the last one may be a failure."""
+    def start(self) -> None:
+        """A live worker: this one, or a new one in place of one that died or was killed."""
         if self.worker is not None and not self.worker.alive():
             self.close()
         if self.worker is None:
             self._start()
-        conn = self.worker.conn
+
+    def ask(self, request: tuple, budget: Budget, alive: Callable[[int], None]) -> list[tuple]:
+        """The results of one request, a prefix of its conversations; the last one may be a failure.
+        The time it takes (not the worker's start) is spent from `budget`; `alive` is told how many
+        of the request's conversations are rendered whenever the worker says."""
+        self.start()
+        if budget.left() <= 0:
+            return [("over budget",)]
+        conn, began = self.worker.conn, time.monotonic()
+        end = began + budget.left()
         try:
-            conn.send(("render", MAX_SECONDS, MAX_RENDERED_CHARS, BATCH_CHARS, *request))
+            conn.send(
+                ("render", MAX_SECONDS, end - began, MAX_RENDERED_CHARS, BATCH_CHARS, *request)
+            )
             while True:
-                if not conn.poll(MAX_SECONDS + HEARTBEAT + SLACK):
+                wait = min(MAX_SECONDS, max(0.0, end - time.monotonic())) + HEARTBEAT + SLACK
+                if not conn.poll(wait):
                     self.close()  # a rendering that writes nothing and never ends
-                    return [("timeout",)]
+                    return [("over budget",) if time.monotonic() >= end else ("timeout",)]
                 message = conn.recv()
                 if message[0] == "done":
                     return message[1]
+                alive(message[1])
         except (EOFError, OSError):
             code = self.worker.kill()
             self.worker = None
@@ -336,6 +622,8 @@ class _Renderer:
         except BaseException:
             self.close()  # interrupted mid-request (Ctrl-C): its reply must not answer the next
             raise
+        finally:
+            budget.spent += time.monotonic() - began
 
 
 _SHARED = _Renderer()
@@ -382,6 +670,7 @@ def _render_all(
     conn,
     ctu,
     seconds,
+    total_seconds,
     max_chars,
     reply_chars,
     template,
@@ -392,13 +681,15 @@ def _render_all(
     variables,
 ):
     """("ok", text) for each conversation rendered, in order, until the first failure: ("timeout",),
-    ("too long",), ("memory",) or ("error", the exception); or until the reply holds reply_chars."""
+    ("over budget",) (all of them past `total_seconds`), ("too long",), ("memory",) or ("error",
+    `_fault` of the template's exception); or until the reply holds reply_chars."""
+    end = time.monotonic() + total_seconds
     try:
         compiled = ctu._compile_jinja_template(template)
     except MemoryError:
         return [("memory",)]
     except Exception as e:
-        return [("error", _portable(e))]
+        return [("error", _fault(e))]
     deadline = [0.0]
 
     def bounded_render(*args, **kwargs) -> str:  # Template.render, streamed and bounded
@@ -421,7 +712,8 @@ def _render_all(
     results, total, said = [], 0, time.monotonic()
     for conversation, flag in zip(conversations, flags):
         start = time.monotonic()
-        deadline[0] = start + seconds
+        deadline[0] = min(start + seconds, end)
+        slow = ("over budget",) if end < start + seconds else ("timeout",)
         try:
             chat = normalize(conversation) if normalize is not None else conversation
             rendered, _ = ctu.render_jinja_template(
@@ -435,13 +727,13 @@ def _render_all(
             if time.monotonic() > deadline[0]:
                 raise _TooSlow
         except _TooSlow:
-            return [*results, ("timeout",)]
+            return [*results, slow]
         except _TooLong:
             return [*results, ("too long",)]
         except MemoryError:
             return [*results, ("memory",)]
         except Exception as e:
-            return [*results, ("error", _portable(e))]
+            return [*results, ("error", _fault(e))]
         results.append(("ok", rendered[0]))
         total += len(rendered[0])
         if total >= reply_chars:
@@ -450,17 +742,3 @@ def _render_all(
             conn.send(("alive", len(results)))
             said = time.monotonic()
     return results
-
-
-def _portable(error: Exception) -> Exception:
-    """The template's exception if it survives pickling whole (jinja2's TemplateError does), else a
-    ValueError with its type and message."""
-    import pickle
-
-    try:
-        copy = pickle.loads(pickle.dumps(error))
-        if type(copy) is type(error) and str(copy) == str(error):
-            return error
-    except Exception:
-        pass
-    return ValueError(f"{type(error).__name__}: {str(error)[:2000]}")

@@ -86,6 +86,17 @@ class DecodingLoop(Protocol):
         """`num_generations` completions of each prompt, as grpo.rollout.hf.generate."""
 
 
+def preflight(cfg) -> None:
+    """What the configured engine checks before the policy is loaded (an engine class's optional
+    `preflight(cfg)`: the `server` engine's server answers), so that a run that cannot generate
+    fails in seconds, not after the model loads."""
+    from grpo.registry import ROLLOUT_ENGINES
+
+    check = getattr(ROLLOUT_ENGINES.get(cfg.rollout.engine), "preflight", None)
+    if check is not None:
+        check(cfg)
+
+
 def create_engine(name: str, model, tokenizer, cfg, decoding=None) -> RolloutEngine:
     """The engine registered as `name` (rollout.engine), built for `model`. `decoding`: how the
     backend's device layer decodes for an engine that runs the policy module itself

@@ -104,6 +104,8 @@ class ToolRendering:
             return False
         try:
             ids = self._render(self._conversation([ToolResult("probe", _PROBE)]), True)
+        except chat_template.TemplateFailed:  # it refuses tool messages: the default rendering
+            return False
         except ConfigError:  # a template past its limits: refused, not passed over
             raise
         except Exception:  # a template that refuses tool messages: the default rendering

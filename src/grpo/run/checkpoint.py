@@ -90,6 +90,7 @@ RESUMABLE_CHANGES = (
     "training.kernels",
     "rollout.decoding",
     "rollout.cuda_decoding",  # how tokens are decoded on CUDA, not which: the same run
+    "rollout.server.",  # where the generation server listens and how long to wait for it
     "health.",  # the checks read the run; they change nothing in it
 )
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from grpo.run import run_writes
 from grpo.run.run_files import MAX_LOG_BYTES, RunFileError
 
 NUM_SAMPLES = 3
@@ -110,9 +111,10 @@ def decoding_name(temperature: float) -> str:
 
 
 def append_results(path: str | Path, results: list[EvalResult]) -> None:
+    """`results` appended to a run directory's eval.jsonl, never through a link (run_writes)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as f:
+    with run_writes.open_append(path.parent, path.name) as f:
         for r in results:
             f.write(json.dumps(r.to_dict()) + "\n")
 

@@ -12,7 +12,9 @@ Reads from the run directory:
 
 Plots are drawn with matplotlib's object API (no pyplot, no global backend
 change; PNGs are rendered by Agg), one figure per quantity, 100 dpi, each PNG
-written under a temporary name and renamed, so a PNG is never seen half-written.
+written under a temporary name and renamed, so a PNG is never seen half-written. Every
+write goes through grpo.run.run_writes: a link where report.md or plots/ goes is refused
+(ReportError) before anything is drawn, and nothing is written through a link.
 
 At the end of a run (`RunLog.report`) report.md is written at once and the plots
 are drawn apart (`build_report(run_dir, plots_apart=True)`): by a fresh Python
@@ -35,6 +37,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+from grpo.run import run_writes
 from grpo.run.eval_results import (
     ACCURACY_COUNTS,
     COLUMN_NAMES,
@@ -606,7 +609,7 @@ def _eval_samples(before: list[EvalResult], after: list[EvalResult]) -> list[str
     return (["### Held-out examples", ""] + lines) if lines else []
 
 
-PLOTS_DIR = "plots"
+PLOTS_DIR = run_writes.PLOTS
 RENDERING = ".rendering"
 """In plots/ while a renderer started by `build_report(plots_apart=True)` draws: its PID."""
 RENDER_LOG = "render.log"
@@ -621,14 +624,16 @@ def _render_plots(
     run_dir: Path, metrics: list[dict[str, Any]], eval_results: list[EvalResult]
 ) -> list[str]:
     """Draws plots/<name>.png for each of `plot_names` (each under a temporary name, then
-    renamed); the names drawn."""
-    plots_dir = run_dir / PLOTS_DIR
-    plots_dir.mkdir(exist_ok=True)
+    renamed, never through a link: run_writes); the names drawn."""
+    run_writes.make_directory(run_dir, PLOTS_DIR)
     names = plot_names(metrics, eval_results)
     for name in names:
-        tmp = plots_dir / f".{name}.png.tmp-{os.getpid()}"
-        _figure(name, metrics, eval_results).savefig(tmp, dpi=DPI, format="png")
-        os.replace(tmp, plots_dir / f"{name}.png")
+        figure = _figure(name, metrics, eval_results)
+        run_writes.replace_file(
+            run_dir,
+            f"{PLOTS_DIR}/{name}.png",
+            lambda f, figure=figure: figure.savefig(f, dpi=DPI, format="png"),
+        )
     return names
 
 
@@ -644,11 +649,10 @@ def start_renderer(run_dir: str | Path) -> subprocess.Popen:
     fresh interpreter, exec'd: nothing of this process's state (CUDA, threads, locks) is copied
     into Python code that runs."""
     run_dir = Path(run_dir)
-    plots_dir = run_dir / PLOTS_DIR
-    plots_dir.mkdir(exist_ok=True)
-    (plots_dir / RENDER_LOG).unlink(missing_ok=True)
-    marker = plots_dir / RENDERING
-    marker.write_text("")
+    run_writes.make_directory(run_dir, PLOTS_DIR)
+    run_writes.remove(run_dir, f"{PLOTS_DIR}/{RENDER_LOG}")
+    marker = f"{PLOTS_DIR}/{RENDERING}"
+    run_writes.replace_file(run_dir, marker, "")
     source = str(Path(__file__).resolve().parents[2])  # the directory grpo is imported from
     path = os.environ.get("PYTHONPATH")
     env = {**os.environ, "PYTHONPATH": source + (os.pathsep + path if path else "")}
@@ -663,9 +667,9 @@ def start_renderer(run_dir: str | Path) -> subprocess.Popen:
             start_new_session=True,
         )
     except OSError:
-        marker.unlink(missing_ok=True)
+        run_writes.remove(run_dir, marker)
         raise
-    marker.write_text(f"{process.pid}\n")
+    run_writes.replace_file(run_dir, marker, f"{process.pid}\n")
     return process
 
 
@@ -683,6 +687,10 @@ def build_report(run_dir: str | Path, plots_apart: bool = False) -> Path:
         raise ReportError(
             f"run directory {run_dir} does not exist; pass the output_dir of a `grpo train` run"
         )
+    try:  # before anything is read or drawn: the report never writes through a link
+        run_writes.check_run_names(run_dir, (run_writes.REPORT, PLOTS_DIR))
+    except run_writes.UnsafeRunPath as refusal:
+        raise ReportError(str(refusal)) from None
     metrics = read_metrics(run_dir)
     drawn = _draws_plots() if plots_apart else bool(_matplotlib())
     # without plots_apart, _matplotlib() failed early, before writing anything, when it is missing
@@ -745,10 +753,7 @@ def build_report(run_dir: str | Path, plots_apart: bool = False) -> Path:
         lines += [f"![{name}](plots/{name}.png)", "", f"*{PLOT_CAPTIONS.get(name, name)}*", ""]
     lines += _samples(run_dir)
 
-    path = run_dir / "report.md"
-    tmp = path.with_name(f".report.md.tmp-{os.getpid()}")
-    tmp.write_text("\n".join(lines).rstrip() + "\n")
-    os.replace(tmp, path)
+    path = run_writes.replace_file(run_dir, run_writes.REPORT, "\n".join(lines).rstrip() + "\n")
     if drawn and plots_apart and written:
         try:
             start_renderer(run_dir)
@@ -764,11 +769,17 @@ def main(argv: list[str] | None = None) -> int:
         render_plots(run_dir)
         return 0
     except Exception:  # noqa: BLE001 - nobody waits on this process: the log says what went wrong
-        (run_dir / PLOTS_DIR).mkdir(parents=True, exist_ok=True)
-        (run_dir / PLOTS_DIR / RENDER_LOG).write_text(traceback.format_exc())
+        failure = traceback.format_exc()
+        try:  # into the run's own plots/ only: where that is a link, the failure goes unlogged
+            run_writes.replace_file(run_dir, f"{PLOTS_DIR}/{RENDER_LOG}", failure)
+        except (OSError, run_writes.UnsafeRunPath):
+            pass
         return 1
     finally:
-        (run_dir / PLOTS_DIR / RENDERING).unlink(missing_ok=True)
+        try:
+            run_writes.remove(run_dir, f"{PLOTS_DIR}/{RENDERING}")
+        except (OSError, run_writes.UnsafeRunPath):
+            pass
 
 
 if __name__ == "__main__":

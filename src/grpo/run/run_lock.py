@@ -15,6 +15,10 @@ a run may hold it (a run that locked a deleted file and one that locked its repl
 would both go on); only a failed start removes the directory it created, lock file
 included, and a start that finds its locked file gone takes the new one instead.
 
+The lock file is opened with O_NOFOLLOW: a link planted in its place is refused, naming it,
+never followed (its target would be truncated). Before the claim, `check_claimable` refuses a
+link under any name a run writes (grpo.run.run_writes).
+
 Within one process the trainers of one directory share its lock (a GRPOTrainer replaces
 its trainer by one that resumes); a forked child does not share its parent's claim: a
 claim there is refused while the parent holds the directory.
@@ -25,8 +29,8 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-import re
 import socket
+import stat
 import tempfile
 import time
 import weakref
@@ -34,8 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from grpo.config.errors import ConfigError
+from grpo.run import run_writes
 
-LOCK = ".grpo.lock"
+LOCK = run_writes.LOCK
 
 
 @dataclass
@@ -95,12 +100,11 @@ def _let_go(key: Path, abandoned: bool) -> None:
     os.close(held.fd)
 
 
-RUN_FILES = frozenset(
-    {"config.yaml", "metrics.jsonl", "samples.jsonl", "eval.jsonl", "report.md", "plots", "final"}
-)
-"""The names a run writes in output_dir, besides checkpoint-N/ and the lock (config.yaml is left
-alone when grpo did not write it: grpo.run.runlog.resolved_config_path)."""
-_CHECKPOINT = re.compile(r"checkpoint-\d+")
+_KEPT_FOR_RUNS = frozenset(run_writes.RUN_NAMES) - {run_writes.CONFIG, LOCK}
+"""The names a run writes in output_dir (grpo.run.run_writes, the list its writers take their
+names from), less the two a user's folder may hold: config.yaml (left alone when grpo did not
+write it: grpo.run.runlog.resolved_config_path) and the lock (which makes the folder a run)."""
+_CHECKPOINT = run_writes.CHECKPOINT
 _SHOWN = 5
 """Entries of a directory named in a refusal (then how many more)."""
 
@@ -126,10 +130,17 @@ def check_claimable(output_dir: str | Path, overwrite: bool) -> None:
     """Refuses an output_dir that holds something other than a grpo run, before anything is
     written there: absent, empty and a run are fine; anything else (a home directory, a folder of
     the user's files, the folder of the config itself) only with `overwrite`, and then only when
-    none of the names a run writes is taken, so that no file grpo did not write is replaced."""
+    none of the names a run writes is taken, so that no file grpo did not write is replaced. In
+    any directory, a link under a name a run writes is refused (run_writes.check_run_names)."""
     directory = Path(output_dir)
-    if not directory.is_dir() or is_a_run(directory):
+    if not directory.is_dir():
         return
+    if not is_a_run(directory):
+        _check_not_a_run(directory, overwrite)
+    run_writes.check_run_names(directory)
+
+
+def _check_not_a_run(directory: Path, overwrite: bool) -> None:
     with os.scandir(directory) as entries:
         names = sorted(e.name + ("/" if e.is_dir() else "") for e in entries)
     if not names:
@@ -141,9 +152,7 @@ def check_claimable(output_dir: str | Path, overwrite: bool) -> None:
             "these (none of them is changed)"
         )
     taken = [
-        n
-        for n in names
-        if n.rstrip("/") in RUN_FILES - {"config.yaml"} or _CHECKPOINT.fullmatch(n.rstrip("/"))
+        n for n in names if n.rstrip("/") in _KEPT_FOR_RUNS or _CHECKPOINT.fullmatch(n.rstrip("/"))
     ]
     if taken:
         raise ConfigError(
@@ -170,7 +179,7 @@ def claim(output_dir: str | Path) -> RunLock:
         _check_writable(directory)
         path = directory / LOCK
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = _open_lock(directory)
         except FileNotFoundError:
             continue
         except OSError as e:
@@ -183,7 +192,7 @@ def claim(output_dir: str | Path) -> RunLock:
                 raise _unwritable(directory, e) from e
             raise ConfigError(_in_use(directory, path)) from None
         try:
-            if os.fstat(fd).st_ino != os.stat(path).st_ino:
+            if os.fstat(fd).st_ino != os.stat(path, follow_symlinks=False).st_ino:
                 raise FileNotFoundError(path)
         except FileNotFoundError:
             os.close(fd)
@@ -198,6 +207,24 @@ def claim(output_dir: str | Path) -> RunLock:
 
 
 _HELD = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+
+
+def _open_lock(directory: Path) -> int:
+    """The lock file, opened (created if absent) for reading and writing as a regular file of the
+    run's own: a link there is refused, never followed (its target would be truncated)."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(directory / LOCK, flags, 0o644)
+    except OSError as error:
+        if error.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+            run_writes.check_run_names(directory, (LOCK,))  # says what is there
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        run_writes.check_run_names(directory, (LOCK,))
+        raise OSError(errno.EINVAL, "not a regular file", str(directory / LOCK))
+    os.set_blocking(fd, True)
+    return fd
 
 
 def _lock(fd: int, kind: int) -> None:
@@ -221,8 +248,8 @@ def check_not_in_use(directory: str | Path) -> None:
     if held is not None and held.pid == os.getpid():
         return
     path = directory / LOCK
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:  # never through a link, nor waiting on a pipe
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return  # no lock file (or none to read): no run has claimed it
     try:
@@ -266,9 +293,10 @@ def _unwritable(directory: Path, error: OSError) -> ConfigError:
 
 
 def _in_use(directory: Path, path: Path) -> str:
-    try:
-        pid, _, host = path.read_text().strip().partition(" ")
-    except OSError:
+    try:  # the lock file of a run that holds it: one short line, read without following a link
+        text = (run_writes.read_own(directory, LOCK, 300) or b"").decode("utf-8", "replace")
+        pid, _, host = text.strip().partition(" ")
+    except (OSError, run_writes.UnsafeRunPath):
         pid, host = "", ""
     who = f"process {pid}" if pid else "another process"
     if host and host != socket.gethostname():

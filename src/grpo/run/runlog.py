@@ -12,6 +12,10 @@
       .grpo.lock             held by the run using the directory (grpo.run.run_lock), taken
                              before anything here is read or changed
 
+Every name above is in grpo.run.run_writes.RUN_NAMES and written through it: whole files
+replaced atomically, logs appended with O_NOFOLLOW, never through a link (a link under one of
+these names is refused at start-up, config.yaml's aside: that one is the user's).
+
 The trackers of `logging.report_to` get the same numbers as metrics.jsonl.
 Only the main process writes (is_main); the others keep quiet.
 """
@@ -20,7 +24,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Callable
 
@@ -29,11 +32,11 @@ from grpo.config.errors import ConfigError
 from grpo.config.presets import describe_preset
 from grpo.config.safe_yaml import escaped
 from grpo.config.schema import Config
-from grpo.run import checkpoint
+from grpo.run import checkpoint, run_writes
 from grpo.run.eval_results import EvalResult, append_results, format_table
 from grpo.run.progress import TrainProgress, bar
 
-RUN_LOGS = ("metrics.jsonl", "samples.jsonl", "eval.jsonl")
+RUN_LOGS = (run_writes.METRICS, run_writes.SAMPLES, run_writes.EVAL)
 
 
 def check_output_dir(output_dir: Path, overwrite: bool, resuming: bool = False) -> None:
@@ -52,44 +55,44 @@ def check_output_dir(output_dir: Path, overwrite: bool, resuming: bool = False) 
         )
 
 
-RESOLVED_ELSEWHERE = "config.resolved.yaml"
+RESOLVED_ELSEWHERE = run_writes.RESOLVED_CONFIG
 
 
 def resolved_config_path(run_dir: Path) -> Path:
     """Where the run's resolved config goes: config.yaml, unless a config.yaml is there that grpo
-    did not write (it has not grpo's first line: the config given on the command line, kept in
-    output_dir by its user), which is never replaced; then config.resolved.yaml."""
-    path = run_dir / "config.yaml"
+    did not write (not a regular file starting with grpo's first line: the config given on the
+    command line, kept in output_dir by its user, or a link to any file, another run's config
+    included), which is never replaced; then config.resolved.yaml."""
+    header = config_module.RESOLVED_HEADER + "\n"
     try:
-        with open(path, "rb") as f:
-            first = f.readline(len(config_module.RESOLVED_HEADER) + 1)
-    except FileNotFoundError:
-        return path
-    except OSError:
-        return run_dir / RESOLVED_ELSEWHERE
-    return (
-        path
-        if first.decode("utf-8", "replace").rstrip("\n") == config_module.RESOLVED_HEADER
-        else run_dir / RESOLVED_ELSEWHERE
+        first = run_writes.read_own(run_dir, run_writes.CONFIG, len(header.encode()))
+    except (OSError, run_writes.UnsafeRunPath):
+        first = b""
+    if first is None:
+        return run_dir / run_writes.CONFIG
+    return run_dir / (
+        run_writes.CONFIG
+        if first.decode("utf-8", "replace") == header
+        else run_writes.RESOLVED_CONFIG
     )
 
 
-def cut_back(path: Path, step: int, keep=lambda row: True) -> None:
-    """Keeps the rows of a .jsonl up to `step` (and `keep`): a resumed run writes the later ones
-    again. A last line cut short by a crash does not parse and goes too."""
-    if not path.is_file():
+def cut_back(run_dir: Path, name: str, step: int, keep=lambda row: True) -> None:
+    """Keeps the rows of run_dir/name, a .jsonl, up to `step` (and `keep`): a resumed run writes
+    the later ones again. A last line cut short by a crash does not parse and goes too."""
+    data = run_writes.read_own(run_dir, name)
+    if data is None:
         return
     kept = []
-    for line in path.read_text().splitlines():
+    for line in data.decode("utf-8", "replace").splitlines():
         try:
             row = json.loads(line)
         except ValueError:
             continue
-        if row.get("step", 0) <= step and keep(row):
+        if isinstance(row, dict) and row.get("step", 0) <= step and keep(row):
             kept.append(line + "\n")
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(kept))
-    os.replace(tmp, path)  # a crash here leaves the old file whole, to be cut back again
+    # a crash while this is written leaves the old file whole, to be cut back again
+    run_writes.replace_file(run_dir, name, "".join(kept))
 
 
 def _step_of(path: Path) -> float:
@@ -126,12 +129,14 @@ class RunLog:
         from grpo.run.trackers import Trackers
 
         self.dir.mkdir(parents=True, exist_ok=True)
+        run_writes.check_run_names(self.dir)  # as at the claim: nothing is written through a link
         checkpoint.remove_leftovers(self.dir)
+        run_writes.remove_temporaries(self.dir)
         if self.resume is None:
             if self.cfg.overwrite_output_dir:
                 checkpoint.remove_checkpoints(checkpoint.checkpoints(self.dir))
             for name in RUN_LOGS:
-                (self.dir / name).unlink(missing_ok=True)
+                run_writes.remove(self.dir, name)
         else:
             step = self.resume.step
             found = checkpoint.checkpoints(self.dir)
@@ -145,12 +150,13 @@ class RunLog:
                     f"removing {', '.join(p.name for p in later)} (after the checkpoint resumed from)"
                 )
                 checkpoint.remove_checkpoints(later)
-            cut_back(self.dir / "metrics.jsonl", step)
-            cut_back(self.dir / "samples.jsonl", step)
+            cut_back(self.dir, run_writes.METRICS, step)
+            cut_back(self.dir, run_writes.SAMPLES, step)
             # a run resumed at its last step evaluates "after" again (the first try may have been cut short)
             redone = self.cfg.eval.after and step == self.cfg.training.max_steps
             cut_back(
-                self.dir / "eval.jsonl",
+                self.dir,
+                run_writes.EVAL,
                 step,
                 keep=lambda row: not (redone and row.get("label") == "after"),
             )
@@ -160,12 +166,12 @@ class RunLog:
                 f"{self.dir / 'config.yaml'} was not written by grpo (your config?): left as it is, "
                 f"the resolved config goes to {config_path.name}"
             )
-        config_module.save(self.cfg, config_path)
+        run_writes.replace_file(self.dir, config_path.name, config_module.dumps(self.cfg))
         preset = describe_preset(self.cfg)
         if preset:  # what the preset resolved to, so a run's algorithm is never a guess
             self._print(preset)
         self.trackers = Trackers.from_config(self.cfg)
-        self._metrics = open(self.dir / "metrics.jsonl", "a")
+        self._metrics = run_writes.open_append(self.dir, run_writes.METRICS)
 
     def start_training(self, step: int) -> None:
         """The training bar, from `step` (its ETA counts the steps trained from here)."""
@@ -208,7 +214,7 @@ class RunLog:
             return
         table = []
         try:
-            with open(self.dir / "samples.jsonl", "a") as f:
+            with run_writes.open_append(self.dir, run_writes.SAMPLES) as f:
                 for i in range(0, min(len(texts), per_step * group_size), group_size):
                     prompt = (
                         prompts[i][-1]["content"] if isinstance(prompts[i], list) else prompts[i]
@@ -264,7 +270,7 @@ class RunLog:
         with bar(num_batches, f"eval {label}", "batch") as progress:
             results = run(progress)
         self._print(format_table(results))
-        append_results(self.dir / "eval.jsonl", results)
+        append_results(self.dir / run_writes.EVAL, results)
         if self.trackers is not None:
             logged = {}
             for r in results:
@@ -283,10 +289,14 @@ class RunLog:
         does not wait for them."""
         if not self.is_main:
             return
-        from grpo.run.report import RENDERING, build_report
+        from grpo.run.report import RENDERING, ReportError, build_report
 
-        path = build_report(self.dir, plots_apart=True)
-        drawing = (self.dir / "plots" / RENDERING).is_file()
+        try:
+            path = build_report(self.dir, plots_apart=True)
+        except ReportError as error:  # the run is over and saved: said, not raised
+            self._print(f"grpo: no report written: {error}")
+            return
+        drawing = (self.dir / run_writes.PLOTS / RENDERING).is_file()
         self._print(f"report: {path}" + (" (its plots are being drawn apart)" if drawing else ""))
 
     def close(self) -> None:

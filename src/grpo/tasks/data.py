@@ -341,18 +341,20 @@ def render_prompts(
     use_chat_template: bool,
     few_shot: str | None,
     template_kwargs: dict | None = None,
+    budget: chat_template.Budget | None = None,
 ) -> list[tuple[str, bool]]:
     """`render_prompt` of each prompt, the chat ones rendered together (one request to the
-    template's renderer for the batch)."""
+    template's renderer for the batch), within `budget`'s time in all (a fresh one's if None)."""
     templated = bool(use_chat_template and getattr(tokenizer, "chat_template", None))
     chats = [i for i, p in enumerate(prompts) if templated and isinstance(p, list)]
     out: list[tuple[str, bool]] = [("", False)] * len(prompts)
     if chats:
-        texts = chat_template.render(
+        texts = chat_template.render_within(
+            budget or chat_template.Budget(),
             tokenizer,
             [prompts[i] for i in chats],
-            add_generation_prompt=True,
-            **(template_kwargs or {}),
+            True,
+            template_kwargs,
         )
         for i, text in zip(chats, texts):
             out[i] = (text, True)
@@ -528,6 +530,10 @@ class PromptEncoder:
         self.truncated = 0
         """Prompts truncated since `take_truncated` last asked."""
         self._warned = False
+        self._setup = chat_template.Budget("the prompts of set-up (the training and held-out rows)")
+        """The time rendering every row's prompt at set-up may take in all (`check_fits`)."""
+        if use_chat_template:  # a template too large is refused before anything renders
+            chat_template.check_size(tokenizer, template_kwargs)
 
     def __call__(self, rows: list[Row], tools: list[dict] | None = None) -> list[list[int]]:
         """`tools`: the tool schemas these prompts offer, in place of template_kwargs' (an
@@ -575,6 +581,7 @@ class PromptEncoder:
             self.use_chat_template,
             self.few_shot,
             self.template_kwargs,
+            self._setup,
         )
         suspects = [i for i, (text, _) in enumerate(rendered) if len(text.encode()) + 8 > budget]
         if not suspects:

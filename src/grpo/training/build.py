@@ -44,6 +44,7 @@ from grpo.models.lora import apply_lora
 from grpo.registry import ADVANTAGE_ESTIMATORS, MULTI_OBJECTIVE_AGGREGATIONS
 from grpo.rewards.reward_set import RewardSet
 from grpo.rollout import SamplingParams, create_engine
+from grpo.rollout.base import preflight
 from grpo.run import checkpoint
 from grpo.run.runlog import RunLog
 from grpo.tasks import Task, load_task
@@ -158,6 +159,7 @@ def _build(cfg: Config, backend, output_dir, resumed, restore, **given) -> RunPa
     """`build_parts`' work once output_dir is claimed, in the order of the module's docstring."""
     if restore is not None:
         _check_same_world_size(restore.get("world_size", 1), backend.world_size)
+    preflight(cfg)  # the engine's own checks (a generation server answers) before any loading
     run_log = RunLog(cfg, backend.is_main, resume=resumed)
     task, columns = _task_and_columns(cfg, given["train_rows"], given["eval_rows"])
     tools = sampling.configured_tools(cfg, given["tools"])
