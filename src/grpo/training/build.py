@@ -283,7 +283,7 @@ def build_phases(
     reference_phase = ReferencePhase(
         model, reference, forward, a.num_iterations, a.ref_sync_steps, a.ref_sync_alpha
     )
-    return Phases(collect, reference_phase, advantages, update, critic_phase)
+    return Phases(source, collect, reference_phase, advantages, update, critic_phase)
 
 
 def evaluator_of(parts: RunParts) -> Evaluator:

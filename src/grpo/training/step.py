@@ -26,6 +26,7 @@ from grpo.training.collect import Collector
 from grpo.training.critic import CriticPhase
 from grpo.training.metrics import PhaseTimer
 from grpo.training.reference import ReferencePhase
+from grpo.training.source import RolloutSource
 from grpo.training.update import PolicyUpdate
 
 
@@ -33,15 +34,13 @@ from grpo.training.update import PolicyUpdate
 class Phases:
     """A run's phases, built once (grpo.training.build.build_phases)."""
 
+    source: RolloutSource
+    """Where the completions come from; the collector pulls from it, the sync tells it."""
     collect: Collector
     reference: ReferencePhase
     advantages: Advantages
     update: PolicyUpdate
     critic: CriticPhase | None
-
-    @property
-    def source(self):
-        return self.collect.source
 
 
 def train_step(p: Phases, step: int, timer: PhaseTimer) -> tuple[dict[str, float], GenerationBatch]:
