@@ -258,3 +258,44 @@ def test_two_ranks_and_one_server_are_two_ranks_in_process(serve_in_thread, tmp_
     assert served.app.version == 5
     digest = weight_transfer.checksum(served.app.tensors.items())["digest"]
     assert digest == weight_transfer.checksum(expected.items())["digest"]
+
+
+def test_trls_server_mode_trains_through_grpo_serve(serve_in_thread, tmp_path):
+    """TRL's script with use_vllm=True, vllm_mode="server" and vllm_server_base_url: the facade's
+    server engine generates through the server and pushes each step's weights to it."""
+    from grpo import GRPOConfig, GRPOTrainer
+    from grpo.models.tiny import char_tokenizer, tiny_model
+    from grpo.rollout.server import weights_checksum
+
+    served = serve_in_thread()
+    tokenizer = char_tokenizer()
+
+    def first_digit(completions, **kwargs):
+        return [float(c[:1].isdigit()) for c in completions]
+
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "trl"),
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_url=served.url,
+        vllm_group_port=0,  # TRL's 51216 may be taken by a test beside this one
+        num_generations=4,
+        per_device_train_batch_size=8,
+        max_completion_length=3,
+        max_steps=2,
+        bf16=False,
+        report_to="none",
+        grpo_overrides=["rewards.isolation=thread"],
+    )
+    trainer = GRPOTrainer(
+        model=tiny_model(tokenizer, hidden_size=32, num_layers=1, seed=2),
+        processing_class=tokenizer,
+        args=args,
+        train_dataset=[{"prompt": f"{a}+{b}="} for a in range(1, 5) for b in range(1, 5)],
+        reward_funcs=first_digit,
+    )
+    assert trainer.config.rollout.engine == "server"
+    assert trainer.train().global_step == 2
+    assert served.app.version == 3  # the start's push and one after each step
+    digest = weight_transfer.checksum(served.app.tensors.items())["digest"]
+    assert digest == weights_checksum(trainer.model)["digest"]

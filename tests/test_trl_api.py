@@ -253,6 +253,12 @@ CHANGES = {
     "vllm_importance_sampling_correction": (False, {"use_vllm": True}),
     "vllm_importance_sampling_mode": ("token_truncate", {"use_vllm": True}),
     "vllm_importance_sampling_clip_max": (2.0, {"use_vllm": True}),
+    "vllm_mode": ("server", {"use_vllm": True}),
+    "vllm_server_base_url": ("http://127.0.0.1:9", {"use_vllm": True, "vllm_mode": "server"}),
+    "vllm_server_host": ("127.0.0.1", {"use_vllm": True, "vllm_mode": "server"}),
+    "vllm_server_port": (9000, {"use_vllm": True, "vllm_mode": "server"}),
+    "vllm_server_timeout": (60.0, {"use_vllm": True, "vllm_mode": "server"}),
+    "vllm_group_port": (5000, {"use_vllm": True, "vllm_mode": "server"}),
     "scale_rewards": (False, {}),
     "importance_sampling_level": ("sequence", {}),
     "num_iterations": (2, {}),
@@ -410,10 +416,10 @@ def test_refused_and_ignored_fields():
         GRPOConfig(cast_lm_head_to_fp32=True)
     with pytest.raises(TypeError, match="`not_a_field`"):
         GRPOConfig(not_a_field=1)
-    with pytest.warns(UserWarning, match="vllm_server_port"):
-        args = GRPOConfig(use_vllm=True, vllm_server_port=9000)
+    with pytest.warns(UserWarning, match="vllm_max_model_length"):
+        args = GRPOConfig(use_vllm=True, vllm_max_model_length=9000)
     # use_vllm is grpo's vllm engine
-    assert args.ignored == {"vllm_server_port": 9000} and args.use_vllm
+    assert args.ignored == {"vllm_max_model_length": 9000} and args.use_vllm
     with pytest.raises(ConfigError, match="generation_batch_size"):
         GRPOConfig(generation_batch_size=32).to_config(10)
     with warnings.catch_warnings():
@@ -895,7 +901,14 @@ def test_vllm_fields_map_onto_the_vllm_engine_and_trls_correction():
     )
     plain = GRPOConfig().to_config(num_rows=100)
     assert (plain.rollout.engine, plain.algorithm.rollout_correction) == ("hf", "none")
-    with pytest.raises(ConfigError, match="vllm_mode='server'.*colocated"):
-        GRPOConfig(vllm_mode="server").to_config(num_rows=100)
+    with pytest.raises(ConfigError, match="vllm_mode='remote': colocate .* or server"):
+        GRPOConfig(vllm_mode="remote").to_config(num_rows=100)
+    # TRL's server mode is grpo's server engine, at vllm_server_base_url or host and port
+    served = GRPOConfig(
+        use_vllm=True, vllm_mode="server", vllm_server_host="10.0.0.2", vllm_server_timeout=30
+    ).to_config(num_rows=100)
+    assert (served.rollout.engine, served.rollout.server.url) == ("server", "http://10.0.0.2:8000")
+    assert (served.rollout.server.timeout, served.rollout.server.group_port) == (30.0, 51216)
+    assert served.algorithm.rollout_correction == "sequence_mask"  # TRL corrects there too
     with pytest.raises(ConfigError, match="vllm_importance_sampling_clip_min"):
         GRPOConfig(use_vllm=True, vllm_importance_sampling_clip_min=0.5).to_config(num_rows=100)

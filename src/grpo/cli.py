@@ -285,7 +285,7 @@ def _doctor(args: argparse.Namespace) -> int:
     """The health checks over a run directory (finished or running): what fired, when, the fix.
     Exit 0: no warning or error; 1: one fired; 2: not a run directory."""
     from grpo.run.doctor import diagnose_run
-    from grpo.run.run_files import RunFileError
+    from grpo.run.run_files import RunFileError, exists
     from grpo.run.run_lock import is_a_run
 
     path = Path(args.run_dir).expanduser()
@@ -293,7 +293,7 @@ def _doctor(args: argparse.Namespace) -> int:
     if not path.is_dir():
         say(f"grpo: doctor: {path} is not a directory; {fix}", file=sys.stderr)
         return 2
-    if not (is_a_run(path) or (path / "metrics.jsonl").is_file()):
+    if not (is_a_run(path) or exists(path / "metrics.jsonl")):  # one that is a link: read, refused
         say(
             f"grpo: doctor: {path} is not a run directory (no metrics.jsonl, run lock or checkpoint); {fix}",
             file=sys.stderr,

@@ -85,7 +85,8 @@ def test_a_run_being_written_is_read_as_far_as_it_goes(tmp_path, history):
     metrics, config = read_metrics(run), read_config(run)
     assert [r["step"] for r in metrics] == [1, 2, 3, 4, 5, 6] and metrics[0]["reward"] == 0.9
     assert config == {}
-    assert diagnose_run(run).steps == [1, 2, 3, 4, 5, 6]
+    diagnosis = diagnose_run(run)
+    assert (diagnosis.logged, diagnosis.span) == (6, (1, 6))
 
 
 def test_the_held_out_score_is_the_one_the_results_report(tmp_path):
@@ -195,4 +196,4 @@ def test_a_spoilt_config_or_evaluation_row_is_read_as_far_as_it_makes_sense(tmp_
     config = {"algorithm": {"num_iterations": "abc", "beta": [1]}, "rewards": {"weights": ["x"]}}
     run = _write_run(tmp_path / "run", history(8), evaluations, config)
     diagnosis = diagnose_run(run)
-    assert diagnosis.evaluations == 1 and diagnosis.steps == list(range(1, 9))
+    assert diagnosis.evaluations == 1 and (diagnosis.logged, diagnosis.span) == (8, (1, 8))

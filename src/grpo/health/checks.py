@@ -17,6 +17,7 @@ step to step. docs/health.md is the user's page for each.
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 import statistics
 from dataclasses import dataclass
@@ -175,10 +176,16 @@ class View:
         return [k[len("rewards/") : -len("/mean")] for k in self.row if _is_reward_mean(k)]
 
     def weight(self, name: str) -> float:
+        return self._weights.get(name, 1.0)
+
+    @functools.cached_property
+    def _weights(self) -> dict[str, float]:
+        """Each reward function's weight, found once per view: a check asks for every function's,
+        and a search per call made a row of K functions cost K^2."""
         names, weights = self.reward_names(), self.run.reward_weights
-        if weights is None or len(weights) != len(names) or name not in names:
-            return 1.0
-        return weights[names.index(name)]
+        if weights is None or len(weights) != len(names):
+            return {}
+        return dict(zip(names, weights))
 
     def needs(self, steps: int) -> int:
         """The steps in a row a condition must hold: `steps` to fire, one to go on firing (a

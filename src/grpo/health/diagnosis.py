@@ -13,7 +13,7 @@ end-of-run pass with every score: the same findings the run printed, and those o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from grpo.config.errors import ConfigError
 from grpo.config.health import HealthConfig
@@ -27,7 +27,10 @@ class Diagnosis:
     """The checks' findings over a run's logged steps."""
 
     episodes: list[Episode]
-    steps: list[int]
+    logged: int
+    """How many steps were replayed."""
+    span: tuple[int, int] | None = None
+    """The first and last step replayed (None: none)."""
     evaluations: int = 0
     run_dir: str | None = None
     checks: tuple[str, ...] = field(default_factory=lambda: HEALTH_CHECKS.names())
@@ -40,9 +43,9 @@ class Diagnosis:
     def text(self) -> str:
         """The diagnosis as `grpo doctor` prints it."""
         where = f"{self.run_dir}: " if self.run_dir else ""
-        span = f" (steps {self.steps[0]}–{self.steps[-1]})" if self.steps else ""
+        span = f" (steps {self.span[0]}–{self.span[1]})" if self.span else ""
         lines = [
-            f"{where}{len(self.steps)} steps logged{span}, {self.evaluations} held-out evaluations"
+            f"{where}{self.logged} steps logged{span}, {self.evaluations} held-out evaluations"
         ]
         if not self.episodes:
             lines.append(
@@ -67,7 +70,7 @@ class Diagnosis:
         lines = ["## Health", ""]
         if not self.episodes:
             lines.append(
-                f"No health check fired over the {len(self.steps)} logged steps ({len(self.checks)} checks: "
+                f"No health check fired over the {self.logged} logged steps ({len(self.checks)} checks: "
                 "see docs/health.md, or `grpo doctor` on this directory)."
             )
             return lines
@@ -131,28 +134,39 @@ def health_config(config: Mapping[str, Any], overrides: Sequence[str] = ()) -> H
 
 
 def diagnose(
-    metrics: Sequence[Mapping[str, Any]],
+    metrics: Iterable[Mapping[str, Any]],
     points: Sequence[EvalPoint] = (),
     config: Mapping[str, Any] | None = None,
     overrides: Sequence[str] = (),
     run_dir: str | None = None,
 ) -> Diagnosis:
-    """The checks replayed over the step rows of metrics.jsonl (in step order), each step seeing
-    the held-out scores (of one decoding, grpo.health.monitor.one_decoding) logged before it,
-    then the end-of-run pass."""
+    """The checks replayed over the step rows of metrics.jsonl, consumed as they come (any
+    iterable; what is held is the monitor's: its window of recent steps and each step's reward,
+    never the rows), each step
+    seeing the held-out scores (of one decoding, grpo.health.monitor.one_decoding) logged before
+    it, then the end-of-run pass. The rows come in step order (grpo.run.run_files.read_metrics
+    sorts them); a row without a whole step, or whose step is not after the one before it, is
+    passed over."""
     config = config or {}
     monitor = HealthMonitor(config, limits=health_config(config, overrides), console=False)
-    rows = sorted((r for r in metrics if isinstance(r.get("step"), int)), key=lambda r: r["step"])
     points = sorted(points, key=lambda p: p.step)
     seen = 0  # the scores logged before the row's step
-    for row in rows:
-        while seen < len(points) and points[seen].step < row["step"]:
+    logged, first, last = 0, None, None
+    for row in metrics:
+        step = row.get("step")
+        if type(step) is not int or (last is not None and step <= last):
+            continue
+        before = seen
+        while seen < len(points) and points[seen].step < step:
             seen += 1
-        monitor.step(row, points[:seen])
+        # the scores are handed over when there are new ones (None: the monitor keeps its own)
+        monitor.step(row, points[:seen] if seen != before or logged == 0 else None)
+        logged, first, last = logged + 1, step if first is None else first, step
     monitor.finish(points)
     return Diagnosis(
         monitor.episodes,
-        [r["step"] for r in rows],
+        logged,
+        None if first is None else (first, last),
         len(points),
         run_dir,
         tuple(n for n, _ in monitor.checks),

@@ -315,16 +315,24 @@ def main(fd: int) -> None:
     else:
         _exit_when_closed(fd)
     if start["memory_mb"]:
-        import resource
-
-        limit = start["memory_mb"] << 20
-        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+        limit_memory(start["memory_mb"] << 20)
     if start["capture"]:
         # a call's prints reach the pipe before the call ends
         sys.stdout.reconfigure(line_buffering=True)
     module, name = start["target"].split(":")
     getattr(importlib.import_module(module), name)(conn, **start["kwargs"])
     _flush_output()
+
+
+def limit_memory(limit: int) -> None:
+    """Limits the memory this process writes to, and each process it starts, to `limit` bytes
+    (RLIMIT_DATA: private writable memory, not the address space reserved, which CUDA and some
+    allocators reserve by the terabyte); an allocation past it fails in the call that made it
+    (MemoryError in Python). A reward worker's limit, and a forked tool call's
+    (grpo.rollout.tools)."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
 
 
 def serve(

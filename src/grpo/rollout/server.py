@@ -136,6 +136,7 @@ class ServerEngine:
         self.version = 0
         """The version of the weights the server holds for this run (0: none pushed yet)."""
         self.group = self.store = self.instance = None
+        self.scratch = weight_transfer.Scratch()  # one bucket, kept from push to push
         self.metrics: dict[str, float] = {}
         self.model_id = self._check_model()
         self._push_and_wait()
@@ -353,7 +354,11 @@ class ServerEngine:
             try:
                 sent.append(
                     weight_transfer.send(
-                        self.group, _weights(self.model), self.metas, self.bucket_bytes
+                        self.group,
+                        _weights(self.model),
+                        self.metas,
+                        self.bucket_bytes,
+                        self.scratch,
                     )
                 )
             except BaseException as error:  # noqa: BLE001 (re-raised below, in the caller's thread)

@@ -27,6 +27,18 @@ only that call. With `thread`, calls run in daemon threads of the training proce
 and a hung call is abandoned (its thread is left running), but a tool that calls os._exit
 or crashes the interpreter ends the run, and what it prints goes to the run's output.
 
+What a forked call may not do: before the tool runs, its process installs
+grpo.sandbox.signal_guard's seccomp filter, made in the trainer right before the fork, so no
+process of the call can signal, trace or limit a process that existed then (the trainer, its
+threads and process group, what started it, what it started): a tool's SIGTERM to the trainer
+fails in the tool (PermissionError) instead of stopping the run. A batch's calls that run in
+threads start before its forks, so that no thread the trainer starts escapes the filter. Where
+there is no filter (not Linux, an unknown architecture, no seccomp) calls run without it, and
+a warning says so once. Its memory: RLIMIT_DATA (grpo.rewards.worker.limit_memory, as a
+reward worker's) at the data the child shares with the trainer when it forks plus
+`rollout.tool_memory_mb` MiB, so that an allocation past that fails in the tool (MemoryError,
+the call's error result) whatever the trainer's own size.
+
 What a forked call starts ends with it: the child leads a session of its own and is a child
 subreaper (grpo.rewards.worker's helpers, as a reward worker's keeper), so whatever the tool
 starts, a daemon that double-forks into a session of its own included, stays its descendant;
@@ -58,6 +70,7 @@ import inspect
 import json
 import os
 import re
+import resource  # imported before any fork: a forked call limits its memory with it
 import sys
 import threading
 import time
@@ -65,8 +78,16 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from grpo.config.errors import ConfigError
+from grpo.config.rollout_rewards import RolloutConfig
 from grpo.registry import load_callable
-from grpo.rewards.worker import can_reap_orphans, kill_tree, reap_children, set_child_subreaper
+from grpo.rewards.worker import (
+    can_reap_orphans,
+    kill_tree,
+    limit_memory,
+    reap_children,
+    set_child_subreaper,
+)
+from grpo.sandbox.signal_guard import SignalGuard
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 """The default call format's tags (a JSON object with `name` and `arguments` between them)."""
@@ -367,13 +388,63 @@ def _touched_cuda(exc: BaseException) -> bool:
     return False
 
 
-def _forked_error(exc: BaseException, limit: int) -> dict:
+def _forked_error(exc: BaseException, limit: int, memory_mb: int = 0) -> dict:
     """A forked call's error payload; torch's forked-CUDA error with its fix first (so that the
-    output cap keeps it) and flagged for the trainer's warning."""
+    output cap keeps it) and flagged for the trainer's warning; a MemoryError under the call's
+    memory limit names the limit."""
     if _touched_cuda(exc):
         text = f"error: {type(exc).__name__}: {FORKED_CUDA_FIX}: {exc}"
         return {"error": _as_text(text, limit), "cuda": True}
+    if isinstance(exc, MemoryError) and memory_mb:
+        text = (
+            f"error: MemoryError: the call went past its memory limit, {memory_mb} MiB beyond what "
+            f"it shares with the trainer (rollout.tool_memory_mb) {exc}"
+        )
+        return {"error": _as_text(text.rstrip(), limit)}
     return {"error": _error(exc, limit)}
+
+
+def _limit_forked_memory(memory_mb: int) -> None:
+    """In a forked call: RLIMIT_DATA (grpo.rewards.worker.limit_memory, a reward worker's limit)
+    at the data this process holds now, the trainer's as the fork copied it, plus `memory_mb`
+    MiB, so that the limit counts what the call allocates, whatever the trainer's size. Left as
+    it is where /proc cannot say that size, or a lower limit is already set."""
+    held = _data_bytes()
+    if held is None:
+        return
+    limit = held + (memory_mb << 20)
+    hard = resource.getrlimit(resource.RLIMIT_DATA)[1]
+    if hard != resource.RLIM_INFINITY and hard < limit:
+        return
+    limit_memory(limit)
+
+
+def _data_bytes() -> int | None:
+    """This process's data size (VmData in /proc/self/status: what RLIMIT_DATA counts), or None."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmData:"):
+                    return int(line.split()[1]) << 10  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+_unguarded_warned = False
+
+
+def _warn_unguarded(reason: str) -> None:
+    global _unguarded_warned
+    if not _unguarded_warned:
+        _unguarded_warned = True
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "grpo: process-isolated tool calls run without the filter that keeps them from "
+            "signalling the trainer (%s): a tool can stop the run here",
+            reason,
+        )
 
 
 def _warn_forked_cuda(name: str) -> None:
@@ -392,10 +463,16 @@ def _warn_forked_cuda(name: str) -> None:
 
 class ToolRunner:
     """Runs calls against `tools` with `timeout` seconds each and results cut to `max_chars`
-    characters, in forked processes (`isolation` "process") or daemon threads ("thread")."""
+    characters, in forked processes (`isolation` "process") or daemon threads ("thread"); a
+    forked call may write `memory_mb` MiB past what it shares with the trainer (0: no limit)."""
 
     def __init__(
-        self, tools: dict[str, Tool], timeout: float, max_chars: int, isolation: str = "process"
+        self,
+        tools: dict[str, Tool],
+        timeout: float,
+        max_chars: int,
+        isolation: str = "process",
+        memory_mb: int = RolloutConfig.tool_memory_mb,
     ):
         if isolation not in ("process", "thread"):
             raise ConfigError(f"rollout.tool_isolation: process or thread, got {isolation!r}")
@@ -405,6 +482,7 @@ class ToolRunner:
             max_chars,
             isolation,
         )
+        self.memory_mb = memory_mb
 
     def check(self, call: ToolCall, tools: dict[str, Tool] | None = None) -> ToolResult | None:
         """The answer to a call that cannot run (unparsed, unknown tool, wrong arguments); None if it
@@ -442,17 +520,26 @@ class ToolRunner:
         pending = [i for i in pending if results[i] is None]
         for start in range(0, len(pending), MAX_PARALLEL):
             chunk = pending[start : start + MAX_PARALLEL]
-            waits = []
-            for i in chunk:
+            waits = {}
+            forked = []
+            for i in chunk:  # threads first: what forks then may not signal them either
                 tool = toolsets[i][calls[i].name]
                 if tool.own_isolation:  # bounded by its own timeout: a moment to report it
-                    waits.append(self._thread(tool.function, calls[i].arguments, OWN_GRACE))
+                    waits[i] = self._thread(tool.function, calls[i].arguments, OWN_GRACE)
                 elif self.isolation == "thread":
-                    waits.append(self._thread(tool.function, calls[i].arguments))
+                    waits[i] = self._thread(tool.function, calls[i].arguments)
                 else:
-                    waits.append(self._fork(tool.function, calls[i].arguments))
-            for i, wait in zip(chunk, waits):
-                results[i] = wait(calls[i].name)
+                    forked.append(i)
+            if forked:
+                # the processes (and threads) the chunk's forks may not signal: those that exist
+                # now; the trainer starts none of its own before they end
+                guard = SignalGuard.prepare()
+                for i in forked:
+                    waits[i] = self._fork(
+                        toolsets[i][calls[i].name].function, calls[i].arguments, guard
+                    )
+            for i in chunk:
+                results[i] = waits[i](calls[i].name)
         return results  # type: ignore[return-value]
 
     # each launcher starts a call and returns `wait(name) -> ToolResult`, which waits at most until
@@ -482,11 +569,12 @@ class ToolRunner:
 
         return wait
 
-    def _fork(self, function, arguments):
+    def _fork(self, function, arguments, guard: SignalGuard):
         # The child runs the function and this module's text and JSON helpers, then os._exit: no
         # torch, and no collection of the trainer's garbage, so a trainer that initialised CUDA
         # may fork it (the module docstring says more).
         can_reap_orphans()  # prctl looked up here, not by the child (a lookup after a fork may hang)
+        memory_mb = self.memory_mb
         read, write = os.pipe()
         started = time.monotonic()
         pid = os.fork()
@@ -502,15 +590,22 @@ class ToolRunner:
                 # descendants), end with the call
                 os.setsid()
                 set_child_subreaper(True)
-                devnull = os.open(os.devnull, os.O_WRONLY)
-                os.dup2(devnull, 1)
-                os.dup2(devnull, 2)
+                devnull = os.open(os.devnull, os.O_RDWR)
+                for fd in (0, 1, 2):  # nothing of the trainer's terminal, in or out
+                    os.dup2(devnull, fd)
                 # Python-level streams may not write to those descriptors (a captured console)
                 sys.stdout = sys.stderr = open(os.devnull, "w")
+                if memory_mb:
+                    _limit_forked_memory(memory_mb)
+                # from here on no process of the call can signal or trace one that existed before
+                # it (grpo.sandbox.signal_guard): the trainer, its workers, what started it
+                unguarded = None if guard.install() else guard.reason
                 try:
                     payload = {"result": _as_text(_invoke(function, arguments), self.max_chars)}
                 except BaseException as error:
-                    payload = _forked_error(error, self.max_chars)
+                    payload = _forked_error(error, self.max_chars, memory_mb)
+                if unguarded:
+                    payload["unguarded"] = unguarded
                 data = json.dumps(payload).encode()
                 # what the call started ends before its result is given (and no longer holds
                 # the pipe open)
@@ -549,6 +644,8 @@ class ToolRunner:
                 _end_call(pid)
             status = _reap(pid)
             seconds = time.monotonic() - started
+            if payload is not None and payload.get("unguarded"):
+                _warn_unguarded(payload["unguarded"])
             if timed_out:
                 return ToolResult(name, self._timeout_text(), True, True, seconds)
             if payload is None:

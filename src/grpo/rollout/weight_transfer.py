@@ -127,15 +127,30 @@ def _broadcast(group, tensor: torch.Tensor) -> None:
     group.broadcast([tensor], options).wait()
 
 
+class Scratch:
+    """One bucket's buffer, kept from push to push (a fresh one each time costs its pages again)."""
+
+    def __init__(self):
+        self.buffer = torch.empty(0, dtype=torch.uint8, device="cpu")
+
+    def take(self, size: int) -> torch.Tensor:
+        if self.buffer.numel() < size:
+            self.buffer = torch.empty(size, dtype=torch.uint8, device="cpu")
+        return self.buffer[:size]
+
+
 def send(
     group,
     weights: Iterable[tuple[str, torch.Tensor]],
     metas: list[TensorMeta],
     bucket_bytes: int,
+    scratch: Scratch | None = None,
 ) -> int:
-    """Broadcast `weights` (the tensors `metas` announced, in that order) bucket by bucket;
-    the bytes sent. A tensor that is not the one announced raises ValueError before it is sent."""
+    """Broadcast `weights` (the tensors `metas` announced, in that order) bucket by bucket, packed
+    in `scratch`; the bytes sent. A tensor that is not the one announced raises ValueError
+    before it is sent."""
     iterator: Iterator[tuple[str, torch.Tensor]] = iter(weights)
+    scratch = scratch or Scratch()
     sent = 0
     for bucket in plan_buckets(metas, bucket_bytes):
         staged = []
@@ -148,8 +163,8 @@ def send(
             staged.append(as_bytes(tensor).cpu())
         if len(staged) == 1 and bucket.size == staged[0].numel():
             buffer = staged[0]  # alone in its bucket: sent as it is, no copy
-        else:
-            buffer = torch.zeros(bucket.size, dtype=torch.uint8, device="cpu")
+        else:  # the alignment's padding bytes are sent as they are: nothing reads them
+            buffer = scratch.take(bucket.size)
             for offset, data in zip(bucket.offsets, staged):
                 buffer[offset : offset + data.numel()] = data
         _broadcast(group, buffer)
@@ -162,12 +177,15 @@ def receive(
     metas: list[TensorMeta],
     bucket_bytes: int,
     load: Callable[[str, torch.Tensor], None],
+    scratch: Scratch | None = None,
 ) -> int:
-    """Receive the buckets of a push announced by `metas`, calling `load(name, tensor)` for each
-    tensor as its bucket lands (the tensor is a view of the bucket: copy it); the bytes received."""
+    """Receive the buckets of a push announced by `metas` into `scratch`, calling `load(name,
+    tensor)` for each tensor as its bucket lands (the tensor is a view of the bucket: copy it);
+    the bytes received."""
+    scratch = scratch or Scratch()
     received = 0
     for bucket in plan_buckets(metas, bucket_bytes):
-        buffer = torch.empty(bucket.size, dtype=torch.uint8, device="cpu")
+        buffer = scratch.take(bucket.size)
         _broadcast(group, buffer)
         for i, offset in zip(bucket.indices, bucket.offsets):
             meta = metas[i]

@@ -3,25 +3,26 @@
     diagnosis = diagnose_run("runs/grpo")     # metrics.jsonl, eval.jsonl, the run's config
     print(diagnosis.text())
 
-The files are read by grpo.run.run_files (bounded; a running run's unterminated last line
-skipped; anything else refused with a RunFileError naming the file) and grpo.run.eval_results;
-the checks are grpo.health's, as the training loop runs them.
+The files are read by grpo.run.run_files' one bounded reader (regular files only, opened
+without blocking, read in time, streamed, numbers range-checked; anything it refuses is a
+RunFileError naming the file) and grpo.run.eval_results; the checks are grpo.health's, as the
+training loop runs them.
 """
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from grpo.health.checks import EvalPoint
 from grpo.health.diagnosis import Diagnosis, diagnose
 from grpo.health.monitor import one_decoding
 from grpo.run.eval_results import EvalResult, read_results
-from grpo.run.run_files import read_config, read_metrics
+from grpo.run.run_files import exists, read_config, read_metrics
 
 
-def eval_points(results: Sequence[EvalResult]) -> list[EvalPoint]:
+def eval_points(results: Iterable[EvalResult]) -> list[EvalPoint]:
     """The held-out scores the checks read: each result's accuracy (EvalResult.accuracy) under one
     decoding (greedy on the wording trained on, else the first logged; monitor.one_decoding)."""
     found: dict[str, list[EvalPoint]] = {}
@@ -34,9 +35,10 @@ def eval_points(results: Sequence[EvalResult]) -> list[EvalPoint]:
 
 def diagnose_run(run_dir: str | Path, overrides: Sequence[str] = ()) -> Diagnosis:
     """The health checks over a run directory's logs (RunFileError when it has logged no step, or
-    a file is not one grpo writes)."""
+    a file is not one grpo writes). What is held: each step's numbers (read_metrics) and each
+    evaluation (read_results); the replay holds none of the rows it consumes."""
     run_dir = Path(run_dir)
     metrics = read_metrics(run_dir)
     evaluations = run_dir / "eval.jsonl"
-    results = read_results(evaluations) if evaluations.is_file() else []
-    return diagnose(metrics, eval_points(results), read_config(run_dir), overrides, str(run_dir))
+    points = eval_points(read_results(evaluations)) if exists(evaluations) else []
+    return diagnose(metrics, points, read_config(run_dir), overrides, str(run_dir))

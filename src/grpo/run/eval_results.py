@@ -9,10 +9,10 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from grpo.run import run_writes
-from grpo.run.run_files import MAX_LOG_BYTES, RunFileError
+from grpo.run.run_files import json_lines
 
 NUM_SAMPLES = 3
 """(prompt, completion, ...) examples kept in each EvalResult."""
@@ -119,50 +119,70 @@ def append_results(path: str | Path, results: list[EvalResult]) -> None:
             f.write(json.dumps(r.to_dict()) + "\n")
 
 
+def iter_results(path: str | Path) -> Iterator[EvalResult]:
+    """Every EvalResult in an eval.jsonl, in file order, streamed through grpo.run.run_files'
+    reader (a file that is there but not a regular file, cannot be read or is larger than
+    run_files.MAX_LOG_BYTES is a RunFileError); blank or broken lines, lines longer than
+    run_files.MAX_LINE_BYTES, integers beyond run_files.MAX_INTEGER and rows whose values are
+    not an evaluation's (`_plausible`: a directory from anywhere is read back) passed over.
+    Each result keeps its first sample only (what the report shows)."""
+    for _, data in json_lines(path, strict=False):
+        if _plausible(data):
+            data["samples"] = data.get("samples", [])[:1]
+            yield EvalResult.from_dict(data)
+
+
 def read_results(path: str | Path) -> list[EvalResult]:
-    """Every EvalResult in an eval.jsonl, in file order: blank or broken lines, and rows whose
-    numbers are not an evaluation's (a directory from anywhere is read back), skipped; a file
-    larger than run_files.MAX_LOG_BYTES is a RunFileError."""
-    path = Path(path)
-    if path.stat().st_size > MAX_LOG_BYTES:
-        raise RunFileError(
-            f"{path}: more than the {MAX_LOG_BYTES:,} bytes read back; it is not an eval.jsonl grpo wrote"
-        )
-    out = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        if not line.strip():
-            continue
-        try:
-            data = json.loads(line)
-            result = EvalResult.from_dict(data) if _plausible(data) else None
-        except (ValueError, RecursionError, TypeError, KeyError):
-            continue
-        if result is not None:
-            out.append(result)
-    return out
+    """`iter_results`, an evaluation logged twice (the same label, step, wording and temperature:
+    a resumed run's) kept once, its last record, in the order of the last records."""
+    kept: dict[tuple[Any, ...], EvalResult] = {}
+    for r in iter_results(path):
+        key = (r.label, r.step, r.setting)
+        kept.pop(key, None)
+        kept[key] = r
+    return list(kept.values())
+
+
+def _number(x: Any, finite: bool = False) -> bool:
+    return type(x) in (int, float) and (not finite or math.isfinite(x))
+
+
+def _whole(x: Any) -> bool:
+    return type(x) is int
 
 
 def _plausible(data: Any) -> bool:
-    """A row with an evaluation's types: whole step, wording and n, a finite temperature, counts
-    of [count, total] whole numbers."""
-
-    def whole(x: Any) -> bool:
-        return isinstance(x, int) and not isinstance(x, bool)
-
+    """A row with an evaluation's types, as EvalResult and the report read them: a text label; a
+    whole step, wording and n; a finite temperature; a mean reward that is a number (NaN: no
+    reward); counts of [count, total] whole numbers; each reward function's mean a number or
+    null; the mean length and clipped ratio numbers; samples a list of objects. (A key an
+    earlier eval.jsonl lacks takes its default; rows of before counts were generic are read.)"""
     if not isinstance(data, dict):
         return False
-    temperature, counts = data.get("temperature"), data.get("counts", {})
+    if "counts" not in data and "correct" in data:  # eval.jsonl written before counts were generic
+        old = (data.get("correct"), data.get("n"), data.get("formatted", 0))
+        old += (data.get("correct_among_formatted", 0),)
+        if not all(_whole(x) for x in old):
+            return False
+    counts, rewards = data.get("counts", {}), data.get("rewards", {})
+    samples = data.get("samples", [])
     return (
-        all(whole(data.get(k, 1)) for k in ("step", "n", "wording"))
-        and "step" in data
-        and isinstance(temperature, (int, float))
-        and not isinstance(temperature, bool)
-        and math.isfinite(temperature)
+        all(k in data for k in ("label", "step", "temperature", "n", "mean_reward"))
+        and ("counts" in data or "correct" in data)
+        and isinstance(data.get("label"), str)
+        and all(_whole(data.get(k, 1)) for k in ("step", "n", "wording"))
+        and _number(data.get("temperature"), finite=True)
+        and _number(data.get("mean_reward"))
+        and all(_number(data.get(k, 0.0)) for k in ("mean_length", "clipped_ratio"))
         and isinstance(counts, dict)
         and all(
-            isinstance(c, list) and len(c) == 2 and all(whole(x) for x in c)
+            isinstance(c, list) and len(c) == 2 and all(_whole(x) for x in c)
             for c in counts.values()
         )
+        and isinstance(rewards, dict)
+        and all(v is None or _number(v) for v in rewards.values())
+        and isinstance(samples, list)
+        and all(isinstance(x, dict) for x in samples)
     )
 
 

@@ -46,7 +46,7 @@ from grpo.run.eval_results import (
     latest,
     read_results,
 )
-from grpo.run.run_files import RunFileError, read_config, read_jsonl, read_metrics
+from grpo.run.run_files import RunFileError, exists, iter_jsonl, read_config, read_metrics
 
 DPI = 100
 SMOOTH_FRACTION = 20
@@ -554,30 +554,37 @@ def _one_line(text: Any, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def _first_and_last_samples(
+    path: Path, per_end: int
+) -> tuple[tuple[int, list[dict]], tuple[int, list[dict]]] | None:
+    """The first `per_end` sample rows (with a completion) of the first step and of the last,
+    streamed from samples.jsonl: only those are held. A row whose step is not a whole number
+    is passed over (one without a step is step 0)."""
+    first: tuple[int, list[dict]] | None = None
+    last: tuple[int, list[dict]] | None = None
+    for _, row in iter_jsonl(path):
+        step = row.get("step", 0)
+        if "completion" not in row or type(step) is not int:
+            continue
+        if first is None or step < first[0]:
+            first = (step, [])
+        if last is None or step > last[0]:
+            last = (step, [])
+        for end in (first, last):
+            if end[0] == step and len(end[1]) < per_end:
+                end[1].append(row)
+    return None if first is None else (first, last)
+
+
 def _samples(run_dir: Path, per_end: int = 3) -> list[str]:
     path = run_dir / "samples.jsonl"
-    if not path.is_file():
+    found = _first_and_last_samples(path, per_end) if exists(path) else None
+    if found is None:
         return []
-    rows = [r for r in read_jsonl(path) if "completion" in r]
-    if not rows:
-        return []
-    steps = sorted({r.get("step", 0) for r in rows})
-    first_step, last_step = steps[0], steps[-1]
-    sections = [
-        (
-            "Start of training",
-            [r for r in rows if r.get("step", 0) == first_step][:per_end],
-            first_step,
-        )
-    ]
+    (first_step, first_rows), (last_step, last_rows) = found
+    sections = [("Start of training", first_rows, first_step)]
     if last_step != first_step:
-        sections.append(
-            (
-                "End of training",
-                [r for r in rows if r.get("step", 0) == last_step][:per_end],
-                last_step,
-            )
-        )
+        sections.append(("End of training", last_rows, last_step))
     lines = ["## Sample completions", ""]
     for title, chosen, step in sections:
         lines += [f"### {title} (step {step})", ""]
@@ -616,8 +623,10 @@ RENDER_LOG = "render.log"
 
 
 def _eval_results(run_dir: Path) -> list[EvalResult]:
+    """eval.jsonl's results (grpo.run.eval_results.read_results); [] when there is none (one that
+    is there but cannot be read is a ReportError naming it)."""
     path = run_dir / "eval.jsonl"
-    return read_results(path) if path.is_file() else []
+    return read_results(path) if exists(path) else []
 
 
 def _render_plots(

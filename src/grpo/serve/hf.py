@@ -96,6 +96,7 @@ class HFServer:
         """The version a push under way will hold once finished."""
         self.updating = False
         self.group = None
+        self.scratch = weight_transfer.Scratch()  # one bucket, kept from push to push
         self.lock = threading.Lock()
         """Held by a generation or a push: one at a time touches the weights."""
         self.tensors = dict(served.model.state_dict(keep_vars=True))
@@ -242,7 +243,7 @@ class HFServer:
             try:
                 with torch.no_grad():
                     received = weight_transfer.receive(
-                        self.group, metas, info["bucket"], self._load
+                        self.group, metas, info["bucket"], self._load, self.scratch
                     )
             except Exception as error:
                 self.group = None  # a failed collective leaves the group unusable

@@ -58,7 +58,9 @@ def tool_engine(cfg: Config, tools: dict, model, tokenizer, decoding):
     inner = create_engine(
         r.engine, model, tokenizer, ToolEngine.inner_config(cfg, tokenizer), decoding
     )
-    runner = ToolRunner(tools, r.tool_timeout, r.tool_output_chars, r.tool_isolation)
+    runner = ToolRunner(
+        tools, r.tool_timeout, r.tool_output_chars, r.tool_isolation, r.tool_memory_mb
+    )
     return ToolEngine(
         inner,
         tokenizer,

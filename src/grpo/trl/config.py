@@ -88,7 +88,8 @@ class _Fields:
     # generation with vLLM (grpo's `vllm` engine, colocated in the training process)
     use_vllm: bool = False
     vllm_mode: str = "colocate"
-    """Only colocate: grpo's vllm engine runs in the training process (no server)."""
+    """colocate: grpo's vllm engine in the training process; server: grpo's server engine
+    (rollout.engine: server) against a generation server, `grpo serve`."""
     vllm_enable_sleep_mode: bool = False
     vllm_gpu_memory_utilization: float = 0.3
     vllm_importance_sampling_correction: bool = True
@@ -97,6 +98,15 @@ class _Fields:
     vllm_importance_sampling_clip_max: float | None = 3.0
     vllm_importance_sampling_clip_min: float | None = None
     """Only None (grpo's correction has an upper bound only)."""
+    vllm_server_base_url: str | None = None
+    """With vllm_mode='server': the server's URL (rollout.server.url); None:
+    http://vllm_server_host:vllm_server_port."""
+    vllm_server_host: str = "0.0.0.0"
+    vllm_server_port: int = 8000
+    vllm_server_timeout: float = 240.0
+    """Seconds to wait for the server (rollout.server.timeout)."""
+    vllm_group_port: int = 51216
+    """The weight-transfer group's port (rollout.server.group_port)."""
     """Taken over the tokens of one forward pass, as TRL does (algorithm.entropy_mask_scope=batch)."""
     scale_rewards: str | bool = "group"
     importance_sampling_level: str = "token"
@@ -275,10 +285,10 @@ class GRPOConfig(_Fields):
                 "GRPOConfig.disable_dropout=True is not implemented; build the model with dropout 0 "
                 "(e.g. from_pretrained(name, attention_dropout=0.0)) and pass it"
             )
-        if self.vllm_mode != "colocate":
+        if self.vllm_mode not in ("colocate", "server"):
             raise ConfigError(
-                f"GRPOConfig.vllm_mode={self.vllm_mode!r}: grpo's vllm engine runs colocated in the training process "
-                "(no vLLM server); use vllm_mode='colocate' (TRL's default)"
+                f"GRPOConfig.vllm_mode={self.vllm_mode!r}: colocate (grpo's vllm engine in the training process) "
+                "or server (a generation server started with `grpo serve`)"
             )
         if (
             self.use_vllm
@@ -328,6 +338,18 @@ def _correction(a: GRPOConfig) -> str:
         if a.use_vllm and a.vllm_importance_sampling_correction
         else "none"
     )
+
+
+def _served(a: GRPOConfig) -> bool:
+    """TRL's server mode: generation by a server (grpo's `server` engine)."""
+    return a.use_vllm and a.vllm_mode == "server"
+
+
+def _server_url(a: GRPOConfig):
+    """TRL's server address: vllm_server_base_url, else host and port (only in server mode)."""
+    if not _served(a):
+        return _UNSET
+    return a.vllm_server_base_url or f"http://{a.vllm_server_host}:{a.vllm_server_port}"
 
 
 def _warmup(a: GRPOConfig, n) -> int:
@@ -395,6 +417,19 @@ MAPPING: dict[str, tuple[str, Callable[[GRPOConfig, int | None], Any] | None]] =
         ),
     ),
     "use_vllm": ("rollout.engine", lambda a, n: "vllm" if a.use_vllm else "hf"),
+    # vllm_mode='server': grpo's server engine against `grpo serve` (after use_vllm: it wins)
+    "vllm_mode": ("rollout.engine", lambda a, n: "server" if _served(a) else _UNSET),
+    "vllm_server_base_url": ("rollout.server.url", lambda a, n: _server_url(a)),
+    "vllm_server_host": ("rollout.server.url", lambda a, n: _server_url(a)),
+    "vllm_server_port": ("rollout.server.url", lambda a, n: _server_url(a)),
+    "vllm_server_timeout": (
+        "rollout.server.timeout",
+        lambda a, n: a.vllm_server_timeout if _served(a) else _UNSET,
+    ),
+    "vllm_group_port": (
+        "rollout.server.group_port",
+        lambda a, n: a.vllm_group_port if _served(a) else _UNSET,
+    ),
     # the vllm engine's settings, set only when it is used (the engine's own defaults otherwise)
     "vllm_enable_sleep_mode": (
         "rollout.vllm.sleep_mode",
@@ -504,7 +539,6 @@ CHECKED_ONLY = (
     "steps_per_generation",
     "disable_dropout",
     "optim",
-    "vllm_mode",
     "vllm_importance_sampling_clip_min",
     "grpo_overrides",
     "num_generations_eval",
@@ -567,11 +601,6 @@ def _generation_key(name: str, value) -> str | None:
 NO_EFFECT = {
     # generation servers and kernels grpo does not have; its own engine generates
     "vllm_model_impl",
-    "vllm_server_base_url",
-    "vllm_server_host",
-    "vllm_server_port",
-    "vllm_server_timeout",
-    "vllm_group_port",
     "vllm_max_model_length",
     "vllm_tensor_parallel_size",
     "vllm_importance_sampling_cap",
