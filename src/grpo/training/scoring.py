@@ -19,7 +19,7 @@ import torch
 from grpo import algorithm
 from grpo.tasks.data import Row, is_conversational
 from grpo.training.batching import GenerationBatch
-from grpo.training.state import trainer_state
+from grpo.training.state import reward_seed, trainer_state
 
 if TYPE_CHECKING:
     from grpo.training.build import RunParts
@@ -53,7 +53,13 @@ def score(
         for row, text, turns in zip(group_rows, texts, messages)
     ]
     rewards_per_func = run.rewards.score(
-        prompts, completions, ids, group_rows, trainer_state(run.state, run.cfg), environments
+        prompts,
+        completions,
+        ids,
+        group_rows,
+        trainer_state(run.state, run.cfg),
+        environments,
+        seed=reward_seed(run.state, run.cfg, run.backend.rank),  # reproducible draws
     )
     rewards = algorithm.combine_rewards(rewards_per_func, run.rewards.weights)
     return GenerationBatch(
