@@ -57,6 +57,17 @@ to whichever worker is free, and a replaced worker starts afresh. A
 function that needs one state for the whole run belongs in the trainer
 (`runs_in_process = True`, and then bounds itself).
 
+Seeds: a batch scored with a seed (grpo.training.state.reward_seed: training.seed, the step,
+the prompt order's position, the rank) makes each call draw reproducibly from Python's `random`
+and NumPy's global stream. A worker seeds both before each call from the batch's seed, the
+function's index and its chunk's first completion (grpo.rewards.worker.call_seed), so which
+worker gets a chunk does not matter; the chunks themselves follow `rewards.workers` (0: the
+cores), so the same draws need the same number of workers. The functions in threads share the
+trainer's streams: they are seeded once per batch before the threads start, so one such function
+that draws from them draws the same numbers in every run, while several that draw at the same
+time interleave their draws as the threads are scheduled (a function that owns a
+`random.Random(seed)`, or runs in a worker, is reproducible whatever runs beside it).
+
 Each call's outcome is a `Call`: "ok" with its rewards, "error" (it raised,
 called sys.exit, ran out of its memory, returned anything but one real
 number or None per completion, or could not be loaded in the worker),
@@ -209,13 +220,18 @@ class RewardExecutor:
                 )
         self._output.flush()
 
-    def __call__(self, inputs: dict[str, list], n: int) -> list[list[Call]]:
-        threads = {
-            k: self._start_thread(k, inputs, n)
-            for k in range(len(self.funcs))
-            if k not in self._pickled
-        }
-        calls = self._run_in_workers(inputs, n)
+    def __call__(
+        self, inputs: dict[str, list], n: int, seed: int | None = None
+    ) -> list[list[Call]]:
+        """`seed` (None: none): the batch's seed; each call draws from Python's and NumPy's global
+        streams seeded from it (module docstring: Seeds)."""
+        in_threads = [k for k in range(len(self.funcs)) if k not in self._pickled]
+        if (
+            seed is not None and in_threads
+        ):  # once, before any of them starts: they share the streams
+            reward_worker.seed_streams(reward_worker.call_seed(seed, -1, 0))
+        threads = {k: self._start_thread(k, inputs, n) for k in in_threads}
+        calls = self._run_in_workers(inputs, n, seed)
         for k, finish in threads.items():
             calls[k] = [finish()]
         self._output.flush()  # what the batch's calls printed, once
@@ -280,7 +296,9 @@ class RewardExecutor:
 
     # ------------------------------------------------------------------ worker processes
 
-    def _run_in_workers(self, inputs: dict[str, list], n: int) -> dict[int, list[Call]]:
+    def _run_in_workers(
+        self, inputs: dict[str, list], n: int, seed: int | None = None
+    ) -> dict[int, list[Call]]:
         ks = list(self._pickled)
         calls: dict[int, list[Call]] = {k: [] for k in ks}
         if not ks or n == 0:
@@ -293,7 +311,7 @@ class RewardExecutor:
         while pending or any(w.task for w in self._workers):
             for w in list(self._workers):
                 if w.ready and w.task is None and pending:
-                    self._send(w, pending, inputs)
+                    self._send(w, pending, inputs, seed)
             waiting = [w for w in self._workers if w.task or not w.ready]
             if not waiting:  # every worker failed to start
                 for k, a, b in pending:
@@ -314,7 +332,9 @@ class RewardExecutor:
     def _spawn(self) -> "_Worker":
         return _Worker(self._pickled, self._module_files, self._main, self.memory_mb, self._output)
 
-    def _send(self, w: "_Worker", pending: deque, inputs: dict[str, list]) -> None:
+    def _send(
+        self, w: "_Worker", pending: deque, inputs: dict[str, list], seed: int | None = None
+    ) -> None:
         k, a, b = task = pending.popleft()
         try:
             w.conn.send(
@@ -326,6 +346,7 @@ class RewardExecutor:
                         if key not in IN_PROCESS_INPUTS
                     },
                     b - a,
+                    None if seed is None else reward_worker.call_seed(seed, k, a),
                 )
             )
         except OSError:  # it died while idle (killed from outside): not this chunk's fault

@@ -26,6 +26,7 @@ arguments, as TRL's does.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import logging
 from collections import Counter, defaultdict
@@ -231,6 +232,8 @@ class RewardSet:
     _seen: Counter = field(default_factory=Counter, init=False, repr=False, compare=False)
     _trainer_state: object = field(default=None, init=False, repr=False, compare=False)
     _logged: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _seed_given: int = field(default=0, init=False, repr=False, compare=False)
+    _seed_uses: int = field(default=-1, init=False, repr=False, compare=False)
     last_extra: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     """The log_extra columns of the last batch scored: one value per completion (None where no
     function logged one)."""
@@ -333,13 +336,17 @@ class RewardSet:
         rows: list[dict],
         trainer_state: object = None,
         environments: list | None = None,
+        seed: int | None = None,
     ) -> torch.Tensor:
         """[N, K] rewards, NaN where missing. `rows` are the dataset rows, one per completion.
         `trainer_state` (TRL's keyword: global_step, max_steps, epoch) goes to every function; left
         out (an evaluation), the last one given; none is passed before any was. `environments`
         (one per completion, grpo.rollout.environments) goes to the functions that run in the
-        trainer's process (RewardExecutor)."""
+        trainer's process (RewardExecutor). `seed`: what the calls draw from (RewardExecutor's
+        Seeds; a training batch's, grpo.training.state.reward_seed); left out (an evaluation), or
+        given again, the last one given counted on by the batches scored since (0 before any)."""
         self._trainer_state = trainer_state if trainer_state is not None else self._trainer_state
+        batch_seed = self._batch_seed(seed)
         columns = {key: [r.get(key) for r in rows] for key in rows[0] if key != "prompt"}
         inputs = {
             "prompts": prompts,
@@ -355,7 +362,7 @@ class RewardSet:
         out = torch.full((n, len(self.funcs)), float("nan"), device="cpu")
         extra: dict[str, list] = {}
         failed = torch.zeros(n, dtype=torch.bool, device="cpu")
-        for k, calls in enumerate(self.executor(inputs, n)):
+        for k, calls in enumerate(self.executor(inputs, n, batch_seed)):
             for call in calls:
                 if call.status == "ok":
                     out[call.start : call.stop, k] = torch.tensor(
@@ -374,6 +381,18 @@ class RewardSet:
             if seen & (seen - 1) == 0:  # 1, 2, 4, 8, ...: a warning that fades
                 _warn_unscored(unscored, inputs)
         return out
+
+    def _batch_seed(self, seed: int | None) -> int:
+        """This batch's seed: a new `seed` as given; the batches after it (an evaluation's, without
+        one, or given the same again) get it counted on, so no two batches draw alike."""
+        if seed is not None and seed != self._seed_given:
+            self._seed_given, self._seed_uses = seed, 0
+        else:
+            self._seed_uses += 1
+        if self._seed_uses == 0:
+            return self._seed_given
+        key = f"{self._seed_given}+{self._seed_uses}".encode()
+        return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
 
     def _keep_logs(self, call: Call, extra: dict[str, list], n: int) -> None:
         """A call's log_metric values (at most MAX_LOGGED_NAMES names a step) and log_extra columns

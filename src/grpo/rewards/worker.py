@@ -62,6 +62,7 @@ time until it is told to stop or the trainer goes away.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import inspect
@@ -69,6 +70,7 @@ import math
 import numbers
 import os
 import pickle
+import random
 import select
 import signal
 import socket
@@ -299,6 +301,32 @@ def _brief(v: Any) -> str:
     return text if len(text) <= 200 else text[:200] + "..."
 
 
+# ---------------------------------------------------------------------- seeding a call
+
+
+def call_seed(batch_seed: int, function: int, start: int) -> int:
+    """The seed of one reward call: the batch's seed (grpo.training.state.reward_seed), the
+    function's index in the reward set and the first completion of its chunk (-1, 0: the calls in
+    the trainer's threads), hashed to 32 bits, the range NumPy takes. Which worker runs the call
+    does not enter it, so the same call draws the same numbers whichever worker is free."""
+    key = f"{batch_seed}:{function}:{start}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little")
+
+
+def seed_streams(seed: int) -> None:
+    """Python's `random` and NumPy's global stream seeded with `seed` (NumPy imported for it when
+    installed and not yet imported: a function may import it inside its call)."""
+    random.seed(seed)
+    numpy = sys.modules.get("numpy")
+    if numpy is None and importlib.util.find_spec("numpy") is not None:
+        try:
+            import numpy
+        except Exception:  # noqa: BLE001 - e.g. beyond the worker's memory limit: left unseeded
+            numpy = None
+    if numpy is not None:
+        numpy.random.seed(seed)
+
+
 # ---------------------------------------------------------------------- the worker's side
 
 
@@ -341,7 +369,9 @@ def serve(
     module_files: dict[str, str],
     main_script: tuple[str, str | None] | None,
 ) -> None:
-    """A reward worker's loop: messages (k, inputs, n) -> ("ok", rewards) | ("error", traceback).
+    """A reward worker's loop: messages (k, inputs, n, seed) -> ("ok", rewards) | ("error",
+    traceback); with a seed, Python's and NumPy's global streams are seeded with it before the call
+    (`seed_streams`).
     `main_script` (path, module name under -m) is loaded as `__mp_main__` first when a function
     comes from the trainer's main script."""
     module_errors = ""
@@ -372,11 +402,13 @@ def serve(
             return
         if message is None:
             return
-        k, inputs, n = message
+        k, inputs, n, seed = message
         if k in failed:
             reply = ("error", failed[k])
         else:
             try:
+                if seed is not None:
+                    seed_streams(seed)
                 reply = ("ok", call_reward_logged(loaded[k], inputs, n))
             except (
                 BaseException

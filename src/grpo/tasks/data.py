@@ -111,23 +111,63 @@ def reworded(rows: list[Row], instruction: str) -> list[Row]:
 
 
 def _check_prompt(prompt: Any, where: str, column: str) -> None:
-    if isinstance(prompt, str):
-        return
-    if (
-        isinstance(prompt, list)
-        and prompt
-        and all(
-            isinstance(m, dict)
-            and isinstance(m.get("role"), str)
-            and isinstance(m.get("content"), str)
-            for m in prompt
-        )
-    ):
+    problem = _prompt_problem(prompt)
+    if problem is None:
         return
     raise ConfigError(
         f"{where}: column '{column}' must be a string or a list of messages "
-        f'like [{{"role": "user", "content": "..."}}], got {str(prompt)[:80]!r}'
+        f'like [{{"role": "user", "content": "..."}}], got {problem}'
     )
+
+
+def _kind(value: Any) -> str:
+    """A value as an error names it, on one line: its type and its start."""
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        shown = repr(value[:60] + ("..." if len(value) > 60 else ""))
+    else:  # an array's text may span lines
+        shown = " ".join(str(value).split())
+        shown = shown if len(shown) <= 60 else shown[:60] + "..."
+    return f"{type(value).__name__} {shown}"
+
+
+def _prompt_problem(prompt: Any) -> str | None:
+    """What makes `prompt` neither text nor a list of chat messages (None: it is one)."""
+    if isinstance(prompt, str):
+        return None
+    if not isinstance(prompt, list):
+        return _kind(prompt)
+    if not prompt:
+        return "an empty list"
+    for i, message in enumerate(prompt):
+        if not isinstance(message, dict):
+            return f"a list whose item {i} is {_kind(message)}, not a message"
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                value = "no " + key if key not in message else f"a {key} of {_kind(message[key])}"
+                return f"a list whose message {i} has {value}, not text"
+    return None
+
+
+MAX_COLUMNS_SHOWN = 20
+"""Columns a row's error names (a row may have thousands)."""
+
+
+def checked_prompt_row(row: Row, where: str, prompt_column: str, fix: str) -> Row:
+    """`row` (a dict) with its prompt, a string or a list of chat messages, under `prompt`: the one
+    check of a row's prompt, for the JSONL task's lines and the TRL facade's datasets alike. A row
+    without `prompt_column` is a ConfigError naming `where`, the row's columns and `fix`; a prompt
+    of another kind (a number, null, a message whose content is not text) one naming `where`
+    and the form a prompt takes."""
+    if prompt_column not in row:
+        columns = sorted(str(column) for column in row)
+        shown = columns[:MAX_COLUMNS_SHOWN] + (["..."] if len(columns) > MAX_COLUMNS_SHOWN else [])
+        raise ConfigError(f"{where}: no '{prompt_column}' column (has {shown}); {fix}")
+    _check_prompt(row[prompt_column], where, prompt_column)
+    if prompt_column != "prompt":
+        row["prompt"] = row.pop(prompt_column)
+    return row
 
 
 MAX_LINE_BYTES = 16 << 20
@@ -229,14 +269,9 @@ def read_jsonl(path: str | Path, prompt_column: str) -> list[Row]:
                 raise ConfigError(
                     f"{where}: expected a JSON object per line, got {type(row).__name__}"
                 )
-            if prompt_column not in row:
-                raise ConfigError(
-                    f"{where}: no '{prompt_column}' column (has {sorted(row)}); add it or set data.prompt_column"
-                )
-            _check_prompt(row[prompt_column], where, prompt_column)
-            if prompt_column != "prompt":
-                row["prompt"] = row.pop(prompt_column)
-            rows.append(row)
+            rows.append(
+                checked_prompt_row(row, where, prompt_column, "add it or set data.prompt_column")
+            )
     if not rows:
         raise ConfigError(f"{path}: no rows")
     return rows

@@ -63,7 +63,7 @@ from grpo.training.sampling import Sampler
 from grpo.training.saving import Saver
 from grpo.training.scoring import Scoring
 from grpo.training.source import InProcessSource, PromptDraw
-from grpo.training.state import TrainState, trainer_state
+from grpo.training.state import TrainState, reward_seed, trainer_state
 from grpo.training.step import Phases
 from grpo.training.update import PolicyUpdate, Skips, loss_settings
 
@@ -240,7 +240,8 @@ def build_phases(
     draw = PromptDraw(task.train_rows, state.sampler, state.generator, num_prompts, shard)
     source = InProcessSource(draw, sampler, _sampling_params(cfg), G, backend, model)
     progress = functools.partial(trainer_state, state, a.num_iterations, t.max_steps)
-    scoring = Scoring(rewards, G, a.mask_truncated_completions, critic is not None, progress)
+    seed = functools.partial(reward_seed, state, cfg, backend.rank)
+    scoring = Scoring(rewards, G, a.mask_truncated_completions, critic is not None, progress, seed)
     collect = Collector(
         source,
         scoring,

@@ -36,6 +36,8 @@ class Scoring:
     mask_truncated: bool
     with_critic: bool
     progress: Callable[[], object]
+    reward_seed: Callable[[], int]
+    """The seed the batch's reward calls draw from (grpo.training.state.reward_seed)."""
 
     def __call__(self, generated: Generated, num_generations: int | None = None) -> GenerationBatch:
         """The rewards of `generated` (one group of G per row, G = `num_generations` or the
@@ -54,7 +56,13 @@ class Scoring:
             for row, text, turns in zip(group_rows, texts, messages)
         ]
         rewards_per_func = self.rewards.score(
-            prompts, completions, generated.ids, group_rows, self.progress(), environments
+            prompts,
+            completions,
+            generated.ids,
+            group_rows,
+            self.progress(),
+            environments,
+            seed=self.reward_seed(),  # reproducible draws
         )
         rewards = algorithm.combine_rewards(rewards_per_func, self.rewards.weights)
         return GenerationBatch(

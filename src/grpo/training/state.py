@@ -6,7 +6,9 @@ adaptive controller moves), and every random stream a step draws from
 (Python's, NumPy's, torch's CPU and CUDA generators, and the generator that
 samples completions). `state_dict()` captures them all; building a TrainState
 with `restore=` that dict continues the run exactly: the same next prompts,
-the same next samples, the same next update (tests/training/test_state.py).
+the same next samples, the same next update (tests/training/test_state.py). A fresh run seeds
+Python's, NumPy's and torch's global streams with training.seed, as TRL's set_seed does; the
+reward calls draw from seeds of their own (`reward_seed`), derived from the state restored here.
 
 State is restored through set-up: the optimizer and the sampler get their
 saved state as they are built, before anything uses them.
@@ -14,6 +16,7 @@ saved state as they are built, before anything uses them.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 from dataclasses import dataclass
@@ -69,6 +72,28 @@ def restore_rng(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def seed_global_streams(seed: int) -> None:
+    """training.seed into the process's global random streams, as TRL's set_seed puts its seed:
+    Python's `random`, NumPy's global stream (when installed), torch's CPU and CUDA generators.
+    A resumed run then sets them to the checkpoint's (`restore_rng`)."""
+    random.seed(seed)
+    numpy = _numpy()
+    if numpy is not None:
+        numpy.random.seed(seed)
+    torch.manual_seed(seed)  # every CUDA device's too
+
+
+def reward_seed(state: "TrainState", cfg: Config, rank: int = 0) -> int:
+    """The seed a batch's reward calls draw from (grpo.rewards.reward_set.RewardSet.score): derived
+    from training.seed, the step, the prompt order's position (which moves with each round of a
+    step's dynamic sampling) and the rank, all of which a resumed run restores, so a reward that
+    draws from `random` or `numpy.random` draws the same numbers in a fresh run, a resumed one and
+    the uninterrupted one."""
+    sampler = state.sampler
+    key = f"grpo-rewards:{cfg.training.seed}:{state.step}:{sampler.epoch}:{sampler.position}:{rank}"
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+
+
 @dataclass
 class EntropyControl:
     """The entropy bonus's coefficient as the run has moved it (algorithm.use_adaptive_entropy),
@@ -122,7 +147,7 @@ class TrainState:
                 t.lr_scheduler_type, i, total_updates, t.warmup_steps
             ),
         )
-        torch.manual_seed(t.seed)
+        seed_global_streams(t.seed)
         # host-side: the seeds are host integers, drawn without a device sync, and a run on any
         # device draws the same ones (its checkpoint's generator state too)
         generator = torch.Generator(device="cpu").manual_seed(t.seed)

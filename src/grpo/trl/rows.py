@@ -20,17 +20,40 @@ def is_dataset_dict(dataset) -> bool:
     return isinstance(dataset, dict)  # DatasetDict and IterableDatasetDict are dicts
 
 
-def rows_of(dataset, what: str) -> list[dict]:
+PROMPT_FIX = (
+    "a TRL dataset holds each prompt in a 'prompt' column (text, or chat messages): add one, or "
+    "rename the column that holds them (dataset.rename_column(NAME, 'prompt'))"
+)
+
+
+def checked(rows: list[dict], what: str, default_prompt: bool = False) -> list[dict]:
+    """`rows` with each prompt checked by the check the CLI's JSONL task makes of its lines
+    (grpo.tasks.data.checked_prompt_row): a row without a `prompt`, or whose prompt is neither
+    text nor a list of chat messages, is a ConfigError naming `what` and the row. With
+    `default_prompt` (an environment sets each task) a row without one gets TRL's default first."""
+    from grpo.tasks.data import checked_prompt_row
+
+    if default_prompt:
+        rows = with_default_prompt(rows)
+    return [
+        checked_prompt_row(
+            row, f"GRPOTrainer: {what}, row {i} (counting from 0)", "prompt", PROMPT_FIX
+        )
+        for i, row in enumerate(rows)
+    ]
+
+
+def rows_of(dataset, what: str, default_prompt: bool = False) -> list[dict]:
     """Every row of a datasets.Dataset, a list of dicts or a .jsonl path (`what`: the argument's
-    name, for the error)."""
+    name, for the error), checked (`checked`)."""
     if isinstance(dataset, (str, Path)):
         from grpo.tasks.data import read_jsonl
 
-        return read_jsonl(dataset, "prompt")
+        return read_jsonl(dataset, "prompt")  # each line checked as it is read
     if hasattr(dataset, "to_list"):  # datasets.Dataset
-        return dataset.to_list()
+        return checked(dataset.to_list(), what, default_prompt)
     if isinstance(dataset, list) and all(isinstance(row, dict) for row in dataset):
-        return [dict(row) for row in dataset]
+        return checked([dict(row) for row in dataset], what, default_prompt)
     raise TypeError(
         f"GRPOTrainer: {what} must be a datasets.Dataset or IterableDataset, a list of dicts or a .jsonl path, got {type(dataset).__name__}"
     )
@@ -46,14 +69,14 @@ def is_iterable_dataset(dataset) -> bool:
     return datasets is not None and isinstance(dataset, datasets.IterableDataset)
 
 
-def take_rows(dataset, what: str, count: int) -> list[dict]:
-    """The first `count` rows of an IterableDataset (fewer when it ends sooner)."""
+def take_rows(dataset, what: str, count: int, default_prompt: bool = False) -> list[dict]:
+    """The first `count` rows of an IterableDataset (fewer when it ends sooner), checked (`checked`)."""
     import itertools
 
     rows = [dict(row) for row in itertools.islice(iter(dataset), count)]
     if not rows:
         raise ValueError(f"GRPOTrainer: {what} (an IterableDataset) yielded no rows")
-    return rows
+    return checked(rows, what, default_prompt)
 
 
 def eval_rows_of(dataset, cfg: Config) -> list[dict] | None:
@@ -104,12 +127,15 @@ def with_default_prompt(rows: list[dict]) -> list[dict]:
     return [{"prompt": [{"role": "user", "content": ""}], **row} for row in rows]
 
 
-def config_and_train_rows(args: GRPOConfig, train_dataset, keys: dict) -> tuple[Config, list[dict]]:
+def config_and_train_rows(
+    args: GRPOConfig, train_dataset, keys: dict, default_prompt: bool = False
+) -> tuple[Config, list[dict]]:
     """grpo's Config of `args` (with `keys`, the grpo keys of GRPOTrainer's other arguments) and
-    the training rows: a dataset's every row (its size counts the epochs), or an IterableDataset's
-    first max_steps x prompts-per-step rows (max_steps is then required, as in TRL)."""
+    the training rows, checked: a dataset's every row (its size counts the epochs), or an
+    IterableDataset's first max_steps x prompts-per-step rows (max_steps is then required, as in
+    TRL). `default_prompt`: an environment sets each task (TRL's default prompt where a row has none)."""
     if not is_iterable_dataset(train_dataset):
-        rows = rows_of(train_dataset, "train_dataset")
+        rows = rows_of(train_dataset, "train_dataset", default_prompt)
         return args.to_config(len(rows), keys), rows
     if args.max_steps <= 0:
         raise ValueError(
@@ -118,7 +144,7 @@ def config_and_train_rows(args: GRPOConfig, train_dataset, keys: dict) -> tuple[
         )
     c = args.to_config(None, keys)
     count = c.training.max_steps * (c.generation_batch_size() // c.rollout.num_generations)
-    return c, take_rows(train_dataset, "train_dataset", count)
+    return c, take_rows(train_dataset, "train_dataset", count, default_prompt)
 
 
 def held_out_rows(eval_dataset, cfg: Config) -> list[dict] | None:

@@ -36,7 +36,6 @@ from grpo.trl.rows import (
     eval_rows_of,
     held_out_rows,
     is_dataset_dict,
-    with_default_prompt,
 )
 
 if TYPE_CHECKING:
@@ -86,9 +85,10 @@ class GRPOTrainer:
         model, keys, self._peft_model = model_and_lora_keys(model, peft_config)
         reward_funcs = [] if reward_funcs is None else reward_funcs
         keys = {**(keys or {}), "rewards.funcs": reward_specs(reward_funcs)}
-        self.config, train_rows = config_and_train_rows(self.args, train_dataset, keys)
-        if environment_factory is not None:
-            train_rows = with_default_prompt(train_rows)
+        # an environment sets each task: rows without a prompt get TRL's default before the check
+        self.config, train_rows = config_and_train_rows(
+            self.args, train_dataset, keys, default_prompt=environment_factory is not None
+        )
         self.eval_dataset = eval_dataset
         """The held-out data as passed: one dataset, or a dict (or DatasetDict) of named ones."""
         eval_rows = held_out_rows(eval_dataset, self.config)
