@@ -38,6 +38,7 @@ from grpo.algorithm import needs_values
 from grpo.backends import create_backend
 from grpo.config.errors import ConfigError
 from grpo.config.schema import Config
+from grpo.health.monitor import HealthMonitor
 from grpo.models.loading import context_length, load_model_and_tokenizer
 from grpo.models.lora import apply_lora
 from grpo.registry import ADVANTAGE_ESTIMATORS, MULTI_OBJECTIVE_AGGREGATIONS
@@ -106,6 +107,9 @@ class RunParts:
     """The last batch's episodes: each completion's environment (TRL's trainer.environments)."""
     caller: Any = None
     """What a rollout_func gets as its trainer: the Trainer that runs these parts (it sets this)."""
+    health: HealthMonitor | None = None
+    """The health checks across steps (grpo.health): health/* metrics, console, fail_on; continued
+    from a restored state's history (saved with each checkpoint: grpo.training.saving)."""
 
 
 def build_parts(
@@ -201,6 +205,13 @@ def _build(cfg: Config, backend, output_dir, resumed, restore, **given) -> RunPa
         num_prompts=num_prompts,
         shard=shard,
         sampling=_sampling_params(cfg),
+        health=HealthMonitor(
+            cfg,
+            is_main=backend.is_main,
+            world_size=backend.world_size,
+            # none in a checkpoint from before it was saved: the checks start afresh
+            state=restore.get("health") if restore else None,
+        ),
     )
     if _wants_eval(cfg):
         parts.evaluator = Evaluator.of(parts)

@@ -3,7 +3,8 @@
 `state_dict` is everything besides the policy's weights that continues the run exactly
 (`build_parts(restore=...)`, or a checkpoint's `train_state.pt` through `resume=`): the train
 state (each rank's own random streams under torchrun), the reward failures over every rank,
-the skipped updates, the reference (when it has moved from the starting model) and the critic.
+the skipped updates, the reference (when it has moved from the starting model), the critic and
+the health monitor's history.
 Rank 0 writes; every rank waits for the checkpoint to be whole and ends with rank 0's failure.
 """
 
@@ -33,6 +34,8 @@ def state_dict(run: RunParts) -> dict[str, Any]:
         "skips": {"consecutive": run.skips.consecutive, "total": run.skips.total},
         "reference": run.reference.state_dict(),
         "critic": run.critic.state_dict() if run.critic is not None else None,
+        # the health checks' history, so a resumed run's checks fire (and stop it) where they would have
+        "health": run.health.state_dict() if run.health is not None else None,
     }
 
 
