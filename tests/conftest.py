@@ -386,25 +386,7 @@ def save_tool_model():
 
 # ---------------------------------------------------------------- a generation server (grpo serve)
 
-SERVE_KEY = "a-test-secret"
-"""The shared secret of the tests' generation servers (GRPO_SERVE_API_KEY)."""
-
-SERVED_TINY = {
-    "model": {"name": "tiny", "tiny_hidden_size": 32, "tiny_num_layers": 1},
-    "data": {
-        "chat_template": "never",
-        "arithmetic": {
-            "operands": [[1, 4], [1, 4]],
-            "operators": ["+"],
-            "instruction": "{expression}=",
-            "num_train": 200,
-            "num_eval": 4,
-        },
-    },
-    "rollout": {"num_generations": 4, "max_completion_length": 3, "temperature": 0.9},
-    "rewards": {"isolation": "thread"},
-}
-"""The config a served run and its server share (the tests add rewards, steps and output_dir)."""
+from serve_settings import SERVE_KEY, SERVED_TINY  # noqa: E402
 
 
 @pytest.fixture

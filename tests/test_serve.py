@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SERVE_KEY, SERVED_TINY
+from serve_settings import SERVE_KEY, SERVED_TINY
 from safetensors.torch import load_file
 
 from grpo.cli import main

@@ -13,7 +13,7 @@ import threading
 
 import pytest
 import torch
-from conftest import SERVED_TINY
+from serve_settings import SERVED_TINY
 from safetensors.torch import load_file
 
 from grpo.config import loading

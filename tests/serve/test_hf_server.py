@@ -8,7 +8,7 @@ import json
 from urllib.parse import urlsplit
 
 import pytest
-from conftest import SERVE_KEY
+from serve_settings import SERVE_KEY
 
 from grpo.rollout import wire
 from grpo.rollout.types import SamplingParams
