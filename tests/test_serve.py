@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from serve_settings import SERVE_KEY, SERVED_TINY
 from safetensors.torch import load_file
+from serve_settings import SERVE_KEY, SERVED_TINY
 
 from grpo.cli import main
 from grpo.config import loading

@@ -13,8 +13,8 @@ import threading
 
 import pytest
 import torch
-from serve_settings import SERVED_TINY
 from safetensors.torch import load_file
+from serve_settings import SERVED_TINY
 
 from grpo.config import loading
 from grpo.config.errors import ConfigError
