@@ -91,7 +91,7 @@ def test_a_run_stopped_by_fail_on_stays_stopped_unless_the_check_is_dropped(hist
     assert HealthMonitor(dropped, state=state).stopped is None
 
 
-def test_a_state_kept_under_another_window_starts_afresh(history, caplog):
+def test_a_state_kept_under_another_window_or_unreadable_starts_afresh(history, caplog):
     cfg = loading.from_dict({}, OVERRIDES)
     monitor = HealthMonitor(cfg)
     _observe(monitor, _rows(history)[:5], [])
@@ -100,6 +100,11 @@ def test_a_state_kept_under_another_window_starts_afresh(history, caplog):
         restarted = HealthMonitor(wider, state=monitor.state_dict())
     assert list(restarted.rows) == [] and restarted.episodes == []
     assert "kept under health.window=10; the checks start afresh" in caplog.text
+    # a checkpoint's train state is untrusted: a history that does not parse is not one
+    broken = {**monitor.state_dict(), "rows": 5, "firing": {"x": 99}}
+    with caplog.at_level(logging.WARNING, logger="grpo.health.monitor"):
+        assert list(HealthMonitor(cfg, state=broken).rows) == []
+    assert "in a form this grpo cannot read" in caplog.text
 
 
 def test_the_train_state_carries_the_history_and_an_old_one_resumes_afresh(

@@ -352,32 +352,42 @@ class HealthMonitor:
         }
 
     def _restore(self, state: Mapping[str, Any]) -> None:
-        """Continues from `state_dict()`'s; one of another version, or kept under another
-        health.window (the run's first `window` steps are its trend baseline), starts afresh."""
-        if state.get("version") != STATE_VERSION or state.get("window") != self.limits.window:
-            log.warning(
-                "%s: the checkpoint's health history was kept %s; the checks start afresh from here",
-                PREFIX,
-                "by another version"
-                if state.get("version") != STATE_VERSION
-                else f"under health.window={state.get('window')}",
-            )
-            return
-        self.rows.extend(dict(r) for r in state["rows"])
-        self.early = [dict(r) for r in state["early"]]
-        self.rewards = [(int(step), float(reward)) for step, reward in state["rewards"]]
-        self.evaluations = [EvalPoint(*p) for p in state["evaluations"]]
-        self._carried = {d: [EvalPoint(*p) for p in ps] for d, ps in state["found"].items()}
-        self._found = {d: list(points) for d, points in self._carried.items()}
-        self.episodes = [_unepisode(e) for e in state["episodes"]]
-        self.firing = {name: self.episodes[i] for name, i in state["firing"].items()}
-        self._misses = dict(state["misses"])
-        self._broken = set(state["broken"])
+        """Continues from `state_dict()`'s; one of another version, kept under another
+        health.window (the run's first `window` steps are its trend baseline) or unreadable (a
+        checkpoint's train state is untrusted) starts afresh, said once."""
+        if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
+            return self._afresh("by another version of grpo")
+        if state.get("window") != self.limits.window:
+            return self._afresh(f"under health.window={state.get('window')!r}")
+        try:
+            rows = [dict(r) for r in state["rows"]]
+            early = [dict(r) for r in state["early"]][: self.limits.window]
+            rewards = [(int(step), float(reward)) for step, reward in state["rewards"]]
+            evaluations = [EvalPoint(*p) for p in state["evaluations"]]
+            carried = {str(d): [EvalPoint(*p) for p in ps] for d, ps in state["found"].items()}
+            episodes = [_unepisode(e) for e in state["episodes"]]
+            firing = {str(name): episodes[i] for name, i in state["firing"].items()}
+            misses = {str(name): int(n) for name, n in state["misses"].items()}
+            broken = {str(name) for name in state["broken"]}
+            stopped = state.get("stopped")
+            stopped = None if stopped is None else _unfinding(stopped)
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError):
+            return self._afresh("in a form this grpo cannot read")
+        self.rows.extend(rows)
+        self.early, self.rewards, self.evaluations = early, rewards, evaluations
+        self._carried, self._found = carried, {d: list(ps) for d, ps in carried.items()}
+        self.episodes, self.firing, self._misses, self._broken = episodes, firing, misses, broken
         # a run stopped by health.fail_on stays stopped while that check is in it (resumed with the
         # check dropped from fail_on, it trains on)
-        stopped = state.get("stopped")
-        if stopped is not None and stopped["check"] in self.limits.fail_on:
-            self.stopped = _unfinding(stopped)
+        if stopped is not None and stopped.check in self.limits.fail_on:
+            self.stopped = stopped
+
+    def _afresh(self, why: str) -> None:
+        log.warning(
+            "%s: the checkpoint's health history was kept %s; the checks start afresh from here",
+            PREFIX,
+            why,
+        )
 
     def _say(self, line: str) -> None:
         if self.speaks:
