@@ -40,7 +40,10 @@ class HealthConfig:
     fail_on: list[str] = field(default_factory=list)
     """Checks that stop the run when they fire, with a checkpoint of that step (as a
     callback's should_training_stop does: final/ is written and `grpo train` exits with
-    status 5), for unattended runs; e.g. [no_learning_signal, nonfinite_updates]."""
+    status 5), for unattended runs; e.g. [no_learning_signal, nonfinite_updates]. A check that
+    can never stop this run is refused: a note (zero_loss), or one the run's settings keep from
+    firing (kl_runaway without beta, all_truncated without mask_truncated_completions,
+    heldout_not_improving without two evaluations during training `window` steps apart)."""
     window: int = 10
     """Steps a trend is judged over: the run's first `window` steps against its last
     `window` (the reward-hacking checks, the entropy baseline, the gradient-norm median)."""
@@ -70,7 +73,7 @@ class HealthConfig:
     """kl_runaway: KL to the reference (nats per token) above which the policy has run away."""
     clip_ratio_max: float = 0.3
     """clip_ratio_high: the share of tokens whose ratio is clipped (clip_ratio/region_mean)
-    above which the update is pinned at the trust region."""
+    above which the update is pinned at the trust region (below 1)."""
     grad_norm_spike_ratio: float = 50.0
     """grad_norm_spike: a gradient norm this many times the median of the `window` steps before."""
     reward_rise: float = 0.1
@@ -84,11 +87,11 @@ class HealthConfig:
     length_growth: float = 1.5
     """length_hacking: and at least this multiple of the run's early mean length."""
     weight_scale: float = 0.02
-    """The learning-rate checks: a typical weight's magnitude (transformers' initializer_range);
-    AdamW moves each weight by about the learning rate per step."""
+    """The learning-rate checks: a typical weight's magnitude (transformers' initializer_range;
+    in [1e-6, 100]); AdamW moves each weight by about the learning rate per step."""
     max_relative_update: float = 5.0
     """lr_too_large: a learning rate above this multiple of weight_scale (each step would move
-    a typical weight by five times its size)."""
+    a typical weight by five times its size; at least 0.01)."""
 
     def check(self, cfg=None, world_size: int = 1) -> None:
         """Each key's range, and `fail_on` against the registered checks and (with the run's `cfg`)
