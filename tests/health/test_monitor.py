@@ -68,7 +68,7 @@ def test_fail_on_asks_the_loop_to_save_and_stop_once(history, caplog):
     assert control.should_save and control.should_training_stop
     assert (monitor.stopped.check, monitor.stopped.step) == ("no_learning_signal", 5)
     assert "health.fail_on names no_learning_signal" in caplog.records[-1].getMessage()
-    other = _monitor("health.fail_on=[kl_runaway]")
+    other = _monitor("health.fail_on=[kl_runaway]", "algorithm.beta=0.04")
     control = Control()
     for row in history(5, frac_reward_zero_std=1.0):
         other.observe(row, control=control)
@@ -152,7 +152,9 @@ def test_the_log_history_is_read_as_it_grows(history):
 def test_under_torchrun_the_held_out_check_never_stops_the_run(history):
     from grpo.health.checks import EvalPoint
 
-    cfg = loading.from_dict({}, ["health.fail_on=[heldout_not_improving]"])
+    cfg = loading.from_dict(
+        {}, ["health.fail_on=[heldout_not_improving]", "eval.every=20", "eval.before=true"]
+    )
     flat = [EvalPoint(0, 0.25), EvalPoint(20, 0.25)]
     for world_size, stops in ((1, True), (2, False)):
         # rank 0 holds the evaluations, the others none: only a decision no evaluation takes is alike

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_fail_on_is_checked_against_the_registered_checks():
     assert loading.from_dict(
-        {}, ["health.fail_on=[no_learning_signal,kl_runaway]"]
+        {}, ["health.fail_on=[no_learning_signal,kl_runaway]", "algorithm.beta=0.04"]
     ).health.fail_on == [
         "no_learning_signal",
         "kl_runaway",

@@ -136,13 +136,14 @@ class HealthMonitor:
         world_size: int = 1,
         limits: HealthConfig | None = None,
         console: bool = True,
+        state: Mapping[str, Any] | None = None,
     ):
         """`cfg`: the run's Config (or a config as a dict, e.g. a run's config.yaml as read);
         `limits`: the health section to use (default: the config's). `is_main`: this process
         speaks (under torchrun every rank runs the checks on the same gathered metrics, rank 0
         prints; `world_size`: how many, for health.fail_on's decision, which every rank must
         take alike). `console`: print the transitions (False: keep them only, as `grpo doctor`
-        does)."""
+        does). `state`: a checkpoint's `state_dict()`, continued from (see there)."""
         data = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg or {})
         self.limits = (
             limits if limits is not None else getattr(cfg, "health", None) or HealthConfig()
@@ -167,6 +168,10 @@ class HealthMonitor:
         self._found: dict[str, list[EvalPoint]] = {}
         self.stopped: Finding | None = None
         """The health.fail_on finding that stopped the run, if one did."""
+        self._carried: dict[str, list[EvalPoint]] = {}
+        """The held-out scores of a resumed run's earlier log_history (the checkpoint's)."""
+        if state is not None:
+            self._restore(state)
 
     # -------------------------------------------------------------- the trainer's call
 
@@ -198,7 +203,8 @@ class HealthMonitor:
         """The held-out scores of the callbacks' log_history, read from where the last call
         stopped (it only grows; a shorter or other list is read again from its start)."""
         if log_history is not self._history or len(log_history) < self._scanned:
-            self._history, self._scanned, self._found = log_history, 0, {}
+            self._history, self._scanned = log_history, 0
+            self._found = {d: list(points) for d, points in self._carried.items()}
         _scan(log_history[self._scanned :], self.facts.num_iterations, self._found)
         self._scanned = len(log_history)
         return one_decoding(self._found)
@@ -208,7 +214,9 @@ class HealthMonitor:
         out = {f"health/{name}": float(name in self.firing) for name, _ in self.checks}
         lr = self.rows[-1].get("learning_rate") if self.rows else None
         if isinstance(lr, (int, float)) and math.isfinite(lr):
-            out["health/update_to_weight"] = lr / self.limits.weight_scale
+            ratio = lr / self.limits.weight_scale
+            if math.isfinite(ratio):  # a learning rate of 1e300 is no ratio to log
+                out["health/update_to_weight"] = ratio
         return out
 
     # -------------------------------------------------------------- the checks, step by step
@@ -299,9 +307,12 @@ class HealthMonitor:
                 self.episodes.append(episode)
                 if finding.severity != "note":  # a note answers a question; the console stays quiet
                     lines.append(finding.line())
-                # every rank decides alike: only rank 0 holds the held-out results
-                stops = self.world_size == 1 or name not in READS_EVALUATIONS
-                if name in self.limits.fail_on and self.stopped is None and stops:
+            # a fail_on check found at a step stops the run: where it fires, or at a resumed run's
+            # first step while it still holds (a note never stops one); every rank decides alike,
+            # and only rank 0 holds the held-out results
+            stops = self.world_size == 1 or name not in READS_EVALUATIONS
+            if name in self.limits.fail_on and self.stopped is None and stops:
+                if finding.severity != "note":
                     self.stopped = finding
             episode.last = finding
             episode.held.append(step)
@@ -314,6 +325,118 @@ class HealthMonitor:
                 lines.append(f"{name} cleared at step {step} (fired at step {episode.fired_at})")
         return lines
 
+    # -------------------------------------------------------------- saved with a checkpoint
+
+    def state_dict(self) -> dict[str, Any]:
+        """The history the checks read and what has fired, as plain lists and dicts (a checkpoint's
+        train state loads with weights_only=True), so that a resumed run's checks find what the
+        uninterrupted run's find, at the same steps (health.fail_on included). The held-out
+        scores of the log_history rows not yet read (an evaluation after this step) are in it."""
+        found = {d: list(points) for d, points in self._found.items()}
+        if self._history is not None:
+            _scan(self._history[self._scanned :], self.facts.num_iterations, found)
+        episodes = {id(e): i for i, e in enumerate(self.episodes)}
+        return {
+            "version": STATE_VERSION,
+            "window": self.limits.window,
+            "rows": [dict(r) for r in self.rows],
+            "early": [dict(r) for r in self.early],
+            "rewards": [[step, reward] for step, reward in self.rewards],
+            "evaluations": [_point(p) for p in self.evaluations],
+            "found": {d: [_point(p) for p in points] for d, points in found.items()},
+            "episodes": [_episode(e) for e in self.episodes],
+            "firing": {name: episodes[id(e)] for name, e in self.firing.items()},
+            "misses": dict(self._misses),
+            "broken": sorted(self._broken),
+            "stopped": None if self.stopped is None else _finding(self.stopped),
+        }
+
+    def _restore(self, state: Mapping[str, Any]) -> None:
+        """Continues from `state_dict()`'s; one of another version, kept under another
+        health.window (the run's first `window` steps are its trend baseline) or unreadable (a
+        checkpoint's train state is untrusted) starts afresh, said once."""
+        if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
+            return self._afresh("by another version of grpo")
+        if state.get("window") != self.limits.window:
+            return self._afresh(f"under health.window={state.get('window')!r}")
+        try:
+            rows = [dict(r) for r in state["rows"]]
+            early = [dict(r) for r in state["early"]][: self.limits.window]
+            rewards = [(int(step), float(reward)) for step, reward in state["rewards"]]
+            evaluations = [EvalPoint(*p) for p in state["evaluations"]]
+            carried = {str(d): [EvalPoint(*p) for p in ps] for d, ps in state["found"].items()}
+            episodes = [_unepisode(e) for e in state["episodes"]]
+            firing = {str(name): episodes[i] for name, i in state["firing"].items()}
+            misses = {str(name): int(n) for name, n in state["misses"].items()}
+            broken = {str(name) for name in state["broken"]}
+            stopped = state.get("stopped")
+            stopped = None if stopped is None else _unfinding(stopped)
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError):
+            return self._afresh("in a form this grpo cannot read")
+        self.rows.extend(rows)
+        self.early, self.rewards, self.evaluations = early, rewards, evaluations
+        self._carried, self._found = carried, {d: list(ps) for d, ps in carried.items()}
+        self.episodes, self.firing, self._misses, self._broken = episodes, firing, misses, broken
+        # a run stopped by health.fail_on stays stopped while that check is in it (resumed with the
+        # check dropped from fail_on, it trains on)
+        if stopped is not None and stopped.check in self.limits.fail_on:
+            self.stopped = stopped
+
+    def _afresh(self, why: str) -> None:
+        log.warning(
+            "%s: the checkpoint's health history was kept %s; the checks start afresh from here",
+            PREFIX,
+            why,
+        )
+
     def _say(self, line: str) -> None:
         if self.speaks:
             log.warning("%s: %s", PREFIX, line)
+
+
+STATE_VERSION = 1
+"""The layout of `HealthMonitor.state_dict()`."""
+
+
+def _point(p: EvalPoint) -> list:
+    return [p.step, p.score, p.decoding]
+
+
+def _finding(f: Finding) -> dict[str, Any]:
+    return {
+        "severity": f.severity,
+        "message": f.message,
+        "evidence": f.evidence,
+        "fix": f.fix,
+        "explains": list(f.explains),
+        "check": f.check,
+        "step": f.step,
+    }
+
+
+def _unfinding(d: Mapping[str, Any]) -> Finding:
+    return Finding(**{**d, "explains": tuple(d["explains"])})
+
+
+def _episode(e: Episode) -> dict[str, Any]:
+    return {
+        "check": e.check,
+        "severity": e.severity,
+        "first": _finding(e.first),
+        "last": _finding(e.last),
+        "fired_at": e.fired_at,
+        "cleared_at": e.cleared_at,
+        "held": list(e.held),
+        "at_end": e.at_end,
+    }
+
+
+def _unepisode(d: Mapping[str, Any]) -> Episode:
+    return Episode(
+        **{
+            **d,
+            "first": _unfinding(d["first"]),
+            "last": _unfinding(d["last"]),
+            "held": list(d["held"]),
+        }
+    )

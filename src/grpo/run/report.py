@@ -719,7 +719,8 @@ def build_report(run_dir: str | Path, plots_apart: bool = False) -> Path:
         else None
     )
     lines = [f"# GRPO run report: {title or run_dir.name}", ""]
-    if metrics and not any(math.isfinite(m.get("reward", math.nan)) for m in metrics):
+    # a step's missing reward is null in metrics.jsonl (NaN in a run's from before)
+    if metrics and not _has(metrics, "reward"):
         lines += [
             "**No reward was computed in any step: every reward call failed or returned None, so nothing "
             "was learned.** See `rewards/<name>/errors` and `/timeouts` in metrics.jsonl, and the first "

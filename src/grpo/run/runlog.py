@@ -106,6 +106,22 @@ def _json_float(value: float) -> float | None:
     return None if math.isnan(value) else value
 
 
+def json_row(row: dict) -> str:
+    """A metrics row as one line of JSON: NaN and inf, which are not JSON, as null (a missing
+    number, as samples.jsonl writes a missing reward and the readers take it)."""
+
+    def finite(value):
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, dict):
+            return {k: finite(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [finite(v) for v in value]
+        return value
+
+    return json.dumps(finite(row), allow_nan=False)
+
+
 class RunLog:
     def __init__(
         self, cfg: Config, is_main: bool = True, resume: "checkpoint.Checkpoint | None" = None
@@ -184,7 +200,7 @@ class RunLog:
         if not self.is_main:
             return
         try:
-            self._metrics.write(json.dumps(metrics) + "\n")
+            self._metrics.write(json_row(metrics) + "\n")
             self._metrics.flush()
         except (
             OSError

@@ -39,6 +39,7 @@ from grpo.algorithm import needs_values
 from grpo.backends import create_backend
 from grpo.config.errors import ConfigError
 from grpo.config.schema import Config
+from grpo.health.monitor import HealthMonitor
 from grpo.models.loading import context_length, load_model_and_tokenizer
 from grpo.models.lora import apply_lora
 from grpo.registry import ADVANTAGE_ESTIMATORS, MULTI_OBJECTIVE_AGGREGATIONS
@@ -106,6 +107,9 @@ class RunParts:
     saver: Saver
     evaluator: Evaluator | None
     """The held-out evaluation when the config schedules one (else made on first use)."""
+    health: HealthMonitor
+    """The health checks across steps (grpo.health): health/* metrics, console, fail_on; continued
+    from a restored state's history (saved with each checkpoint)."""
     num_prompts: int
     """Groups per step, over all ranks."""
 
@@ -184,6 +188,13 @@ def _build(cfg: Config, backend, output_dir, resumed, restore, **given) -> RunPa
     sampler = sampling.Sampler(
         engine, prompts, tokenizer, model, environments, given["rollout_func"]
     )
+    health = HealthMonitor(
+        cfg,
+        is_main=backend.is_main,
+        world_size=backend.world_size,
+        # none in a checkpoint from before it was saved: the checks start afresh
+        state=restore.get("health") if restore else None,
+    )
     phases = build_phases(
         cfg, backend, task, model, state, rewards, reference, critic, sampler, estimator, skips
     )
@@ -214,9 +225,20 @@ def _build(cfg: Config, backend, output_dir, resumed, restore, **given) -> RunPa
             cfg.algorithm.dynamic_sampling,
         ),
         saver=Saver(
-            cfg, backend, run_log.dir, model, tokenizer, state, rewards, skips, reference, critic
+            cfg,
+            backend,
+            run_log.dir,
+            model,
+            tokenizer,
+            state,
+            rewards,
+            skips,
+            reference,
+            critic,
+            health,
         ),
         evaluator=None,
+        health=health,
         num_prompts=phases.collect.num_prompts,
     )
     if _wants_eval(cfg):

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 from grpo.config.schema import Config
-from grpo.health.monitor import HealthMonitor
 from grpo.run import checkpoint, faults
 from grpo.run.eval_results import EvalResult
 from grpo.run.stop_signals import StopSignals
@@ -58,6 +57,9 @@ class Trainer:
     resumed = _part("resumed", "The checkpoint this run continues, or None.")
     sampler = _part("sampler", "The generate phase (grpo.training.sampling.Sampler).")
     phases = _part("phases", "The step's phases (grpo.training.step.Phases).")
+    health = _part(
+        "health", "The health checks across steps (grpo.health): metrics, console, fail_on."
+    )
     tool_functions = _part(
         "tool_functions", "The tools passed in (rollout.tools' are the engine's)."
     )
@@ -110,9 +112,6 @@ class Trainer:
             """The last checkpoint this trainer wrote."""
             self.trained_steps = self.rewarded_steps = 0
             """Steps `train` ran, and those in which some completion got a reward."""
-            b = parts.backend
-            self.health = HealthMonitor(parts.cfg, is_main=b.is_main, world_size=b.world_size)
-            """The health checks across steps (grpo.health): health/* metrics, console, fail_on."""
             self.callbacks.configure(
                 parts.cfg, parts.num_prompts, len(parts.task.train_rows), parts.backend.is_main
             )
@@ -229,10 +228,12 @@ class Trainer:
         epoch = self.state.sampler.epoch
         callbacks.fire("on_epoch_begin")
         signum = None
-        # asked again after each step's checkpoint: a signal during the save stops the loop there
+        # asked again after each step's checkpoint: a signal during the save stops the loop there;
+        # a run resumed from the checkpoint of a health.fail_on stop is stopped there
         while (
             self.state.step < cfg.training.max_steps
             and not callbacks.control.should_training_stop
+            and self.health.stopped is None
             and not (signum := self._stop_signal(stop))
         ):
             callbacks.fire("on_step_begin")
