@@ -912,3 +912,39 @@ def test_vllm_fields_map_onto_the_vllm_engine_and_trls_correction():
     assert served.algorithm.rollout_correction == "sequence_mask"  # TRL corrects there too
     with pytest.raises(ConfigError, match="vllm_importance_sampling_clip_min"):
         GRPOConfig(use_vllm=True, vllm_importance_sampling_clip_min=0.5).to_config(num_rows=100)
+
+
+def test_a_trl_field_of_grpos_meaning_and_default_is_declared_once():
+    """A TRL field that sets a grpo key as it is, with the same default, is a SAME_MEANING row,
+    its type and default taken from grpo's config; no such field is declared again by hand."""
+    import dataclasses
+
+    from grpo.config.schema import Config
+    from grpo.trl.config import MAPPING, SAME_MEANING, GRPOConfig, _Fields
+
+    defaults, mine = Config(), {f.name: f for f in _Fields.__dataclass_fields__.values()}
+    hand_declared = {
+        f.name for f in dataclasses.fields(_Fields) if f.name in _Fields.__annotations__
+    }
+
+    def grpo_default(key):
+        value = defaults
+        for part in key.split("."):
+            value = getattr(value, part)
+        return value
+
+    args = GRPOConfig()
+    for name, key in SAME_MEANING.items():
+        assert getattr(args, name) == grpo_default(key), name
+        assert name not in hand_declared, f"{name} is declared by hand and in SAME_MEANING"
+    twice = [
+        name
+        for name, (key, how) in MAPPING.items()
+        if how is None
+        and name in hand_declared
+        and mine[name].default is not dataclasses.MISSING
+        and mine[name].default == grpo_default(key)
+    ]
+    assert not twice, (
+        f"declared again by hand with grpo's default: {twice} (make them SAME_MEANING rows)"
+    )

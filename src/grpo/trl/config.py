@@ -3,7 +3,9 @@
 TRL 1.16's defaults differ from grpo's own in places: bf16 and gradient
 checkpointing on, logging every 10 steps, a checkpoint every 500, three
 epochs. `MAPPING` is the one table of which TRL field sets which grpo key
-(`DERIVED`: the keys no single field sets). A TRL field outside the table is
+(`DERIVED`: the keys no single field sets). A field that means what a grpo key means, with
+its default, is one row of `SAME_MEANING` and nothing more: its type, default and docs are the
+grpo key's, declared once in grpo's config. A TRL field outside the table is
 either listed in `NO_EFFECT` (accepted, named in a warning) or refused by
 name with what to use instead: a setting is never dropped silently.
 
@@ -26,26 +28,86 @@ from grpo.config.errors import ConfigError
 from grpo.config.loading import from_dict, set_dotted
 from grpo.config.schema import Config
 
+SAME_MEANING: dict[str, str] = {
+    # TRL field: the grpo key of the same meaning and default (types, defaults and docs are grpo's)
+    "overwrite_output_dir": "overwrite_output_dir",
+    "num_generations": "rollout.num_generations",
+    "max_completion_length": "rollout.max_completion_length",
+    "max_prompt_length": "rollout.max_prompt_length",
+    "temperature": "rollout.temperature",
+    "top_p": "rollout.top_p",
+    "top_k": "rollout.top_k",
+    "repetition_penalty": "rollout.repetition_penalty",
+    "beta": "algorithm.beta",
+    "epsilon": "algorithm.epsilon",
+    "epsilon_high": "algorithm.epsilon_high",
+    "delta": "algorithm.delta",
+    "sapo_temperature_pos": "algorithm.sapo_temperature_pos",
+    "sapo_temperature_neg": "algorithm.sapo_temperature_neg",
+    "vespo_k_pos": "algorithm.vespo_k_pos",
+    "vespo_lambda_pos": "algorithm.vespo_lambda_pos",
+    "vespo_k_neg": "algorithm.vespo_k_neg",
+    "vespo_lambda_neg": "algorithm.vespo_lambda_neg",
+    "off_policy_mask_threshold": "algorithm.off_policy_mask_threshold",
+    "multi_objective_aggregation": "algorithm.multi_objective_aggregation",
+    "entropy_coef": "algorithm.entropy_coef",
+    "use_adaptive_entropy": "algorithm.use_adaptive_entropy",
+    "entropy_target": "algorithm.entropy_target",
+    "entropy_coef_delta": "algorithm.entropy_coef_delta",
+    "entropy_coef_min": "algorithm.entropy_coef_min",
+    "entropy_coef_max": "algorithm.entropy_coef_max",
+    "top_entropy_quantile": "algorithm.top_entropy_quantile",
+    "importance_sampling_level": "algorithm.importance_sampling_level",
+    "num_iterations": "algorithm.num_iterations",
+    "mask_truncated_completions": "algorithm.mask_truncated_completions",
+    "reward_weights": "rewards.weights",
+    "learning_rate": "training.learning_rate",
+    "lr_scheduler_type": "training.lr_scheduler_type",
+    "weight_decay": "training.weight_decay",
+    "adam_beta1": "training.adam_beta1",
+    "adam_beta2": "training.adam_beta2",
+    "adam_epsilon": "training.adam_epsilon",
+    "max_grad_norm": "training.max_grad_norm",
+    "per_device_train_batch_size": "training.per_device_train_batch_size",
+    "gradient_accumulation_steps": "training.gradient_accumulation_steps",
+    "seed": "training.seed",
+    "trust_remote_code": "model.trust_remote_code",
+    "run_name": "logging.run_name",
+    "eval_on_start": "eval.before",
+}
+
+
+def _shared_fields() -> list[tuple[str, Any, Any]]:
+    """SAME_MEANING's fields as dataclass fields: each grpo key's own type and default."""
+    sections = {f.name: f for f in dataclasses.fields(Config)}
+    fields = []
+    for name, key in SAME_MEANING.items():
+        section, _, leaf = key.rpartition(".")
+        owner = sections[section].default_factory if section else Config
+        declared = {f.name: f for f in dataclasses.fields(owner)}[leaf]
+        default = (
+            field(default_factory=declared.default_factory)
+            if declared.default is dataclasses.MISSING
+            else field(default=declared.default)
+        )
+        fields.append((name, declared.type, default))
+    return fields
+
+
+_Shared = dataclasses.make_dataclass("_Shared", _shared_fields())
+"""TRL's fields that mean what a grpo key means, with its default: declared once, in grpo's config."""
+
 
 @dataclass
-class _Fields:
-    """TRL's GRPOConfig fields that grpo implements, with TRL 1.16's defaults."""
+class _Fields(_Shared):
+    """TRL's GRPOConfig fields that grpo implements, with TRL 1.16's defaults, besides those of
+    SAME_MEANING (`_Shared`): the fields whose default or meaning is TRL's own."""
 
     output_dir: str | None = None
     """None: `trainer_output`, as in transformers."""
-    overwrite_output_dir: bool = False
-    """(transformers < 5) Train into a directory that already holds a run, deleting its checkpoints."""
     # generation
-    num_generations: int = 8
-    max_completion_length: int = 512
-    max_prompt_length: int | None = None
-    """(TRL < 1.0; gone from 1.16) Prompts longer than this keep their last tokens."""
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
     min_p: float | None = None
     """None: off (rollout.min_p 0)."""
-    repetition_penalty: float = 1.0
     generation_kwargs: dict | str | None = None
     """Sampling settings by the names transformers' GenerationConfig and vLLM's SamplingParams
     give them (a dict, or its JSON text); each overrides the field of the same meaning.
@@ -57,31 +119,12 @@ class _Fields:
     steps_per_generation: int | None = None
     """Only gradient_accumulation_steps (grpo generates once per step)."""
     # algorithm
-    beta: float = 0.0
-    epsilon: float = 0.2
-    epsilon_high: float | None = None
-    delta: float | None = None
     loss_type: str = "dapo"
     """TRL's one name for grpo's two choices: cispo and sapo set algorithm.policy_loss (with the
     aggregation TRL uses with each, dapo and grpo); the others are aggregations of `clipped`."""
-    sapo_temperature_pos: float = 1.0
-    sapo_temperature_neg: float = 1.05
-    vespo_k_pos: float = 2.0
-    vespo_lambda_pos: float = 3.0
-    vespo_k_neg: float = 3.0
-    vespo_lambda_neg: float = 2.0
-    off_policy_mask_threshold: float | None = None
     use_bias_correction_kl: bool = True
     """TRL 1.16's default, True: the KL term weighted by the importance ratio
     (algorithm.kl_bias_correction, whose own default in grpo's YAML is false)."""
-    multi_objective_aggregation: str = "sum_then_normalize"
-    entropy_coef: float = 0.0
-    use_adaptive_entropy: bool = False
-    entropy_target: float = 0.2
-    entropy_coef_delta: float = 0.005
-    entropy_coef_min: float = 0.0
-    entropy_coef_max: float = 1.0
-    top_entropy_quantile: float = 1.0
     max_tool_calling_iterations: int | None = None
     """Most turns with tool calls per completion (rollout.max_tool_calls). None (TRL's "no limit"):
     rollout.max_tool_calls' default, 5; rollout.max_completion_length bounds a completion either way."""
@@ -109,22 +152,12 @@ class _Fields:
     """The weight-transfer group's port (rollout.server.group_port)."""
     """Taken over the tokens of one forward pass, as TRL does (algorithm.entropy_mask_scope=batch)."""
     scale_rewards: str | bool = "group"
-    importance_sampling_level: str = "token"
-    num_iterations: int = 1
-    mask_truncated_completions: bool = False
-    reward_weights: list[float] | None = None
     sync_ref_model: bool = False
     ref_model_sync_steps: int = 512
     ref_model_mixup_alpha: float = 0.6
     # optimisation
-    learning_rate: float = 1e-6
-    lr_scheduler_type: str = "linear"
     warmup_steps: float = 0
     """An int counts optimizer steps; a float below 1 is a fraction of them (as in transformers)."""
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
     shuffle_dataset: bool = True
     """Draw the prompts in a shuffled order, reshuffled every epoch (data_seed); False: in the
     dataset's order (data.shuffle)."""
@@ -132,14 +165,9 @@ class _Fields:
     """Only False: the update runs the model in training mode, with whatever dropout it was built with."""
     optim: str = "adamw_torch_fused"
     """AdamW only: adamw_torch_fused or adamw_torch (grpo picks the fused kernel where it exists)."""
-    max_grad_norm: float = 1.0
-    per_device_train_batch_size: int = 8
-    """Completions (not prompts) per device and micro-step, as in TRL."""
-    gradient_accumulation_steps: int = 1
     max_steps: int = -1
     """Optimizer steps; -1: from num_train_epochs and the dataset's size."""
     num_train_epochs: float = 3.0
-    seed: int = 42
     data_seed: int | None = None
     """Seed of the prompt order; None: `seed`."""
     bf16: bool | None = None
@@ -147,7 +175,6 @@ class _Fields:
     gradient_checkpointing: bool = True
     activation_checkpointing: bool | None = None
     """transformers 5's name for gradient_checkpointing; wins when set."""
-    trust_remote_code: bool = False
     use_cpu: bool = False
     # logging, saving, evaluation
     logging_steps: float = 10
@@ -156,7 +183,6 @@ class _Fields:
     log_completions: bool = False
     """Sample completions (one per group, four groups) to the console, samples.jsonl and the
     wandb/trackio/TensorBoard completions table every logging_steps (grpo's logging.sample_every)."""
-    run_name: str | None = None
     save_strategy: str = "steps"
     """no, steps or epoch (final/ is always written at the end)."""
     save_steps: float = 500
@@ -165,8 +191,6 @@ class _Fields:
     """no, steps or epoch: held-out evaluation of eval_dataset during training."""
     eval_steps: float | None = None
     """None: logging_steps."""
-    eval_on_start: bool = False
-    """Evaluate before the first step (grpo's eval.before); needs eval_dataset."""
     num_generations_eval: int | None = None
     """Completions per held-out prompt in the loss-and-rewards part of an evaluation (TRL's);
     None: num_generations."""
@@ -372,44 +396,18 @@ DERIVED: dict[str, Callable[[GRPOConfig], Any]] = {
 
 MAPPING: dict[str, tuple[str, Callable[[GRPOConfig, int | None], Any] | None]] = {
     # TRL field: (grpo key, how its value is computed; None: the field's value as it is)
+    **{name: (key, None) for name, key in SAME_MEANING.items()},
     "output_dir": ("output_dir", lambda a, n: a.output_dir or "trainer_output"),
-    "overwrite_output_dir": ("overwrite_output_dir", None),
-    "num_generations": ("rollout.num_generations", None),
-    "max_completion_length": ("rollout.max_completion_length", None),
-    "max_prompt_length": ("rollout.max_prompt_length", None),
-    "temperature": ("rollout.temperature", None),
-    "top_p": ("rollout.top_p", None),
-    "top_k": ("rollout.top_k", None),
     "min_p": ("rollout.min_p", lambda a, n: 0.0 if a.min_p is None else a.min_p),
-    "repetition_penalty": ("rollout.repetition_penalty", None),
     "chat_template_kwargs": (
         "data.chat_template_kwargs",
         lambda a, n: _json_dict(a.chat_template_kwargs, "chat_template_kwargs"),
     ),
-    "beta": ("algorithm.beta", None),
-    "epsilon": ("algorithm.epsilon", None),
-    "epsilon_high": ("algorithm.epsilon_high", None),
-    "delta": ("algorithm.delta", None),
     "loss_type": (
         "algorithm.loss_type",
         lambda a, n: LOSS_TYPE_AGGREGATION.get(a.loss_type, a.loss_type),
     ),
-    "sapo_temperature_pos": ("algorithm.sapo_temperature_pos", None),
-    "sapo_temperature_neg": ("algorithm.sapo_temperature_neg", None),
-    "vespo_k_pos": ("algorithm.vespo_k_pos", None),
-    "vespo_lambda_pos": ("algorithm.vespo_lambda_pos", None),
-    "vespo_k_neg": ("algorithm.vespo_k_neg", None),
-    "vespo_lambda_neg": ("algorithm.vespo_lambda_neg", None),
-    "off_policy_mask_threshold": ("algorithm.off_policy_mask_threshold", None),
     "use_bias_correction_kl": ("algorithm.kl_bias_correction", None),
-    "multi_objective_aggregation": ("algorithm.multi_objective_aggregation", None),
-    "entropy_coef": ("algorithm.entropy_coef", None),
-    "use_adaptive_entropy": ("algorithm.use_adaptive_entropy", None),
-    "entropy_target": ("algorithm.entropy_target", None),
-    "entropy_coef_delta": ("algorithm.entropy_coef_delta", None),
-    "entropy_coef_min": ("algorithm.entropy_coef_min", None),
-    "entropy_coef_max": ("algorithm.entropy_coef_max", None),
-    "top_entropy_quantile": ("algorithm.top_entropy_quantile", None),
     "max_tool_calling_iterations": (
         "rollout.max_tool_calls",
         lambda a, n: (
@@ -454,29 +452,15 @@ MAPPING: dict[str, tuple[str, Callable[[GRPOConfig, int | None], Any] | None]] =
         "algorithm.scale_rewards",
         lambda a, n: {True: "group", False: "none"}.get(a.scale_rewards, a.scale_rewards),
     ),
-    "importance_sampling_level": ("algorithm.importance_sampling_level", None),
-    "num_iterations": ("algorithm.num_iterations", None),
-    "mask_truncated_completions": ("algorithm.mask_truncated_completions", None),
-    "reward_weights": ("rewards.weights", None),
     "sync_ref_model": ("algorithm.ref_sync_steps", _ref_sync),
     "ref_model_sync_steps": ("algorithm.ref_sync_steps", _ref_sync),
     "ref_model_mixup_alpha": (
         "algorithm.ref_sync_alpha",
         lambda a, n: a.ref_model_mixup_alpha if a.sync_ref_model else _UNSET,
     ),
-    "learning_rate": ("training.learning_rate", None),
-    "lr_scheduler_type": ("training.lr_scheduler_type", None),
     "warmup_steps": ("training.warmup_steps", _warmup),
-    "weight_decay": ("training.weight_decay", None),
-    "adam_beta1": ("training.adam_beta1", None),
-    "adam_beta2": ("training.adam_beta2", None),
-    "adam_epsilon": ("training.adam_epsilon", None),
-    "max_grad_norm": ("training.max_grad_norm", None),
-    "per_device_train_batch_size": ("training.per_device_train_batch_size", None),
-    "gradient_accumulation_steps": ("training.gradient_accumulation_steps", None),
     "max_steps": ("training.max_steps", lambda a, n: a.steps(n)),
     "num_train_epochs": ("training.max_steps", lambda a, n: a.steps(n)),
-    "seed": ("training.seed", None),
     "data_seed": ("data.seed", lambda a, n: a.seed if a.data_seed is None else a.data_seed),
     "shuffle_dataset": ("data.shuffle", lambda a, n: a.shuffle_dataset),
     "bf16": ("training.bf16", lambda a, n: True if a.bf16 is None else a.bf16),
@@ -496,7 +480,6 @@ MAPPING: dict[str, tuple[str, Callable[[GRPOConfig, int | None], Any] | None]] =
             else a.activation_checkpointing
         ),
     ),
-    "trust_remote_code": ("model.trust_remote_code", None),
     "use_cpu": ("training.device", lambda a, n: "cpu" if a.use_cpu else "auto"),
     "logging_steps": (
         "logging.log_every",
@@ -510,7 +493,6 @@ MAPPING: dict[str, tuple[str, Callable[[GRPOConfig, int | None], Any] | None]] =
             a._in_steps(a.logging_steps, n, "steps", "logging_steps") if a.log_completions else 0
         ),
     ),
-    "run_name": ("logging.run_name", None),
     "save_strategy": (
         "training.save_steps",
         lambda a, n: a._in_steps(a.save_steps, n, a.save_strategy, "save_steps"),
@@ -529,7 +511,6 @@ MAPPING: dict[str, tuple[str, Callable[[GRPOConfig, int | None], Any] | None]] =
         lambda a, n: a._in_steps(a.eval_steps or a.logging_steps, n, a.eval_strategy, "eval_steps"),
     ),
     "per_device_eval_batch_size": ("eval.batch_size", None),
-    "eval_on_start": ("eval.before", None),
 }
 """Every GRPOConfig field, and the grpo key it sets, but CHECKED_ONLY's."""
 
