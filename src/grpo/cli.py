@@ -491,7 +491,8 @@ def main(argv: list[str] | None = None) -> int:
         "serve",
         help="a generation server for rollout.engine: server (docs/scaling.md)",
         description="Serves a model for trainers with rollout.engine: server: prompts in, completions "
-        "out, weights streamed in after each step. Every endpoint but /health takes the shared secret "
+        "out, weights streamed in after each step. Every endpoint but /health and /version takes the "
+        "shared secret "
         "(GRPO_SERVE_API_KEY, or --api-key).",
     )
     serve.add_argument(

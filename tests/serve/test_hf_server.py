@@ -146,3 +146,18 @@ def test_generation_is_refused_for_other_weights_and_out_of_bounds(server):
     response = connection.getresponse()
     assert response.status == 413
     connection.close()
+
+
+def test_a_taken_port_or_no_secret_is_one_line(server, capsys, monkeypatch):
+    from grpo.cli import main
+
+    monkeypatch.setenv("GRPO_SERVE_API_KEY", SERVE_KEY)
+    assert main(["serve", "tiny", "--port", str(server.port)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"cannot listen on 127.0.0.1:{server.port}" in err
+    monkeypatch.delenv("GRPO_SERVE_API_KEY")
+    assert main(["serve", "tiny", "--port", "0"]) == 2
+    assert "needs a shared secret" in capsys.readouterr().err
+    monkeypatch.setenv("GRPO_SERVE_API_KEY", SERVE_KEY)
+    assert main(["serve", "tiny", "--engine", "vllm"]) == 2
+    assert "only hf is built" in capsys.readouterr().err

@@ -17,6 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
+from grpo.config.errors import ConfigError
 from grpo.rollout import wire
 
 log = logging.getLogger(__name__)
@@ -145,7 +146,14 @@ class Serving:
 
 
 def listen(host: str, port: int, handler: type) -> Serving:
-    """A threading HTTP server bound to (host, port) (port 0: a free one)."""
-    httpd = ThreadingHTTPServer((host, port), handler)
+    """A threading HTTP server bound to (host, port) (port 0: a free one); a ConfigError naming
+    --host/--port when the address cannot be taken."""
+    try:
+        httpd = ThreadingHTTPServer((host, port), handler)
+    except OSError as error:
+        raise ConfigError(
+            f"grpo serve: cannot listen on {host}:{port} ({error.strerror or error}); choose another "
+            "--port (0: a free one) or --host"
+        ) from None
     httpd.daemon_threads = True
     return Serving(httpd)
