@@ -98,6 +98,7 @@ def test_a_request_round_trips_and_its_bounds_hold():
         ({"prompt": [[1]], "seeds": [1, 2]}, "2 for 1 prompts"),
         ({"prompt": [[1]], "seeds": [SEED_BOUND]}, "seeds"),
         ({"prompt": [[1]], "stop": ["x" * 300]}, "stop must hold strings"),
+        ({"prompt": [[1]], "ignore_eos": "false"}, "ignore_eos must be true or false"),
         ({"prompt": [[1]] * (wire.MAX_PROMPTS + 1)}, "at most"),
         ("x", "JSON object"),
     ]

@@ -71,6 +71,12 @@ def _float(value, name: str, low: float, high: float) -> float:
     return value
 
 
+def _bool(value, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise WireError(f"{name} must be true or false, got {str(value)[:40]}")
+    return value
+
+
 def _list(value, name: str, most: int) -> list:
     if not isinstance(value, list) or len(value) > most:
         raise WireError(f"{name} must be a list of at most {most} items")
@@ -159,7 +165,7 @@ def parse_completion_request(body: Any, vocab: int, max_model_len: int) -> Compl
         temperature=_float(body.get("temperature", 1.0), "temperature", 0.0, 1e4),
         top_p=_float(body.get("top_p", 1.0), "top_p", 1e-9, 1.0),
         top_k=0 if top_k == -1 else _int(top_k, "top_k", 0, vocab + 1),
-        ignore_eos=bool(body.get("ignore_eos", False)),
+        ignore_eos=_bool(body.get("ignore_eos", False), "ignore_eos"),
         min_p=_float(body.get("min_p", 0.0), "min_p", 0.0, 1.0),
         repetition_penalty=_float(
             body.get("repetition_penalty", 1.0), "repetition_penalty", 1e-6, 1e6

@@ -88,6 +88,8 @@ def make_handler(routes: dict[tuple[str, str], Route], api_key: str) -> type:
                 raise HTTPFailure(400, str(error)) from None
 
         def _serve(self, method: str) -> None:
+            # one request a connection: a refused request's body may be left unread
+            self.close_connection = True
             path = urlsplit(self.path).path.rstrip("/") or "/"
             route = routes.get((method, path))
             try:
@@ -95,8 +97,6 @@ def make_handler(routes: dict[tuple[str, str], Route], api_key: str) -> type:
                     known = any(p == path for _, p in routes)
                     raise HTTPFailure(405 if known else 404, f"no route {method} {path}")
                 if path not in OPEN_ROUTES and not self._authorized():
-                    # the body is not read: the connection closes after this answer
-                    self.close_connection = True
                     raise HTTPFailure(401, "this endpoint takes the server's shared secret")
                 body = self._body() if method == "POST" else None
                 status, value = route(body, dict(self.headers))
