@@ -161,7 +161,7 @@ def test_nan_loss_skips_the_update_and_changes_nothing(tokenizer, tmp_path, monk
         for k in old:
             assert torch.equal(old[k], new[k]), k
     assert trainer.state.scheduler.get_last_lr() == lr
-    assert trainer.skips.consecutive == 1
+    assert trainer.parts.skips.consecutive == 1
 
 
 def test_consecutive_skips_stop_the_run_and_only_finite_weights_are_saved(

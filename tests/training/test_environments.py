@@ -86,7 +86,7 @@ def test_each_completion_calls_its_own_environment_which_scores_it(
     forced = ForcedCalls(trainer.engine.inner, tool_tokenizer, INCREMENT)
     trainer.engine.inner = forced
     rows = trainer.task.train_rows[:2]
-    generated = trainer.sample(rows, 2, trainer.sampling, [5, 6])
+    generated = trainer.sampler(rows, 2, trainer.sampling, [5, 6])
     rollout, episodes = generated.rollout, generated.episodes
     # one instance per completion, each reset with its row, and each called once
     instances = [e.environment for e in episodes]
@@ -126,7 +126,7 @@ def test_environments_by_name_offer_only_their_own_tools(
     assert trainer.rewards.names == ["correct", "Counter"]
     forced = ForcedCalls(trainer.engine.inner, tool_tokenizer, INCREMENT)
     trainer.engine.inner = forced
-    generated = trainer.sample(rows, 2, trainer.sampling, [1, 2])
+    generated = trainer.sampler(rows, 2, trainer.sampling, [1, 2])
     rollout, episodes = generated.rollout, generated.episodes
     prompts = [tool_tokenizer.decode(ids) for ids in forced.asked[0]]
     assert prompts[0].startswith("T:increment;") and prompts[1].startswith("T:shout;")
@@ -169,7 +169,7 @@ def test_different_observations_in_a_group_are_sampled_one_by_one(
 
     def run():
         Dealer.dealt = 0
-        generated = trainer.sample(rows, 2, trainer.sampling, [8, 9])
+        generated = trainer.sampler(rows, 2, trainer.sampling, [8, 9])
         return generated.rollout, [e.observation for e in generated.episodes]
 
     first, observations = run()
@@ -212,7 +212,7 @@ def test_a_reset_that_returns_what_cannot_be_a_prompt_is_refused(
 
     trainer = _trainer(make_trainer, tool_tokenizer, tmp_path, Bad)
     with pytest.raises(ConfigError, match=message):
-        trainer.sample(trainer.task.train_rows[:1], 2, trainer.sampling, [1])
+        trainer.sampler(trainer.task.train_rows[:1], 2, trainer.sampling, [1])
 
 
 def test_no_reward_function_and_no_environment_reward_is_refused(tool_tokenizer, tmp_path):
@@ -533,7 +533,7 @@ def test_a_reset_that_hangs_stops_the_run_within_the_timeout(
     started = time.monotonic()
     try:
         with pytest.raises(ConfigError, match=r"Stuck.reset did not return within 0.5 s"):
-            trainer.sample(trainer.task.train_rows[:1], 2, trainer.sampling, [1])
+            trainer.sampler(trainer.task.train_rows[:1], 2, trainer.sampling, [1])
     finally:
         release.set()
     assert time.monotonic() - started < 5

@@ -54,7 +54,7 @@ def test_the_loss_and_its_gradient_ignore_tool_result_logits(
 ):
     trainer = _tool_trainer(make_trainer, tool_tokenizer, tmp_path, ForcedCalls)
     rows = trainer.task.train_rows[:2]
-    batch = trainer.phases.collect.scoring(trainer.sample(rows, 2, trainer.sampling, [3, 4]))
+    batch = trainer.phases.collect.scoring(trainer.sampler(rows, 2, trainer.sampling, [3, 4]))
     rollout = batch.rollout
     tool = rollout.tool_mask.bool()
     assert tool.any() and not batch.loss_mask[tool].any()
@@ -332,7 +332,7 @@ def test_tools_with_dynamic_sampling_lora_and_evaluation(
     assert len(history) == 2 and all(m["tools/call_frequency"] == 1.0 for m in history)
     # the held-out completions are generated with the tools too (one turn each here: a random
     # model's greedy completions make no call), and the evaluation ran to its row
-    assert trainer.evaluator.engine is trainer.engine
+    assert trainer.parts.evaluator.engine is trainer.engine
     assert trainer.engine.take_counts()["completions"] > 0
     assert (tmp_path / "run" / "eval.jsonl").read_text().strip()
 

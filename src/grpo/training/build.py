@@ -115,7 +115,28 @@ class RunParts:
 
     @property
     def source(self):
+        """Where the step's completions come from (grpo.training.source)."""
         return self.phases.source
+
+    @property
+    def engine(self):
+        """The rollout engine the run generates with."""
+        return self.sampler.engine
+
+    @property
+    def sampling(self):
+        """The training rollouts' sampling settings (grpo.rollout.SamplingParams)."""
+        return self.source.params
+
+    @property
+    def episodes(self) -> list:
+        """The last batch's episodes: each completion's environment (TRL's trainer.environments)."""
+        return self.sampler.episodes
+
+    @property
+    def skips(self):
+        """Skipped non-finite updates, in a row and in all (grpo.training.update.Skips)."""
+        return self.phases.update.skips
 
 
 def build_parts(
@@ -131,15 +152,17 @@ def build_parts(
     tools: list | None = None,
     environment_factory=None,
     rollout_func=None,
+    check_rows: bool = False,
 ) -> RunParts:
     """The run's parts (see the module's docstring); every bad input fails here, output_dir
-    claimed first and given up again when the start fails."""
+    claimed first and given up again when the start fails. `check_rows`: with several
+    environments, that every training row names one (`check_environment_rows`)."""
     backend = create_backend(cfg)
     output_dir = OutputDir(cfg, backend)
     output_dir.claim()
     try:
         resumed = checkpoint.load_checkpoint(Path(resume), cfg) if resume is not None else None
-        return _build(
+        parts = _build(
             cfg,
             backend,
             output_dir,
@@ -154,6 +177,9 @@ def build_parts(
             environment_factory=environment_factory,
             rollout_func=rollout_func,
         )
+        if check_rows:  # the Trainer's start does (TRL's API: when train() starts)
+            check_environment_rows(parts)
+        return parts
     except BaseException:
         output_dir.abandon()
         raise
@@ -188,16 +214,15 @@ def _build(cfg: Config, backend, output_dir, resumed, restore, **given) -> RunPa
     sampler = sampling.Sampler(
         engine, prompts, tokenizer, model, environments, given["rollout_func"]
     )
+    # its history restored (none in a checkpoint from before it was saved: the checks start afresh)
+    health_state = restore.get("health") if restore else None
     health = HealthMonitor(
-        cfg,
-        is_main=backend.is_main,
-        world_size=backend.world_size,
-        # none in a checkpoint from before it was saved: the checks start afresh
-        state=restore.get("health") if restore else None,
+        cfg, is_main=backend.is_main, world_size=backend.world_size, state=health_state
     )
     phases = build_phases(
         cfg, backend, task, model, state, rewards, reference, critic, sampler, estimator, skips
     )
+    kept = (rewards, skips, reference, critic, health)
     parts = RunParts(
         cfg=cfg,
         backend=backend,
@@ -215,28 +240,8 @@ def _build(cfg: Config, backend, output_dir, resumed, restore, **given) -> RunPa
         tool_functions=given["tools"],
         sampler=sampler,
         phases=phases,
-        metrics=StepMetrics(
-            backend,
-            rewards,
-            engine,
-            prompts,
-            state,
-            cfg.rollout.num_generations,
-            cfg.algorithm.dynamic_sampling,
-        ),
-        saver=Saver(
-            cfg,
-            backend,
-            run_log.dir,
-            model,
-            tokenizer,
-            state,
-            rewards,
-            skips,
-            reference,
-            critic,
-            health,
-        ),
+        metrics=_step_metrics(cfg, backend, rewards, engine, prompts, state),
+        saver=Saver(cfg, backend, run_log.dir, model, tokenizer, state, *kept),
         evaluator=None,
         health=health,
         num_prompts=phases.collect.num_prompts,
@@ -244,6 +249,23 @@ def _build(cfg: Config, backend, output_dir, resumed, restore, **given) -> RunPa
     if _wants_eval(cfg):
         parts.evaluator = evaluator_of(parts)
     return parts
+
+
+def _step_metrics(cfg: Config, backend, rewards, engine, prompts, state) -> StepMetrics:
+    """The step's metrics and the closing row's, with the settings they read."""
+    a = cfg.algorithm
+    return StepMetrics(
+        backend,
+        rewards,
+        engine,
+        prompts,
+        state,
+        cfg.rollout.num_generations,
+        a.dynamic_sampling,
+        num_iterations=a.num_iterations,
+        samples_per_step=cfg.generation_batch_size(backend.world_size),
+        log_every=cfg.logging.log_every,
+    )
 
 
 def build_phases(

@@ -143,7 +143,8 @@ class StepMetrics:
     """A step's metrics, from what it reads: the backend (every rank's counts), the reward set
     (names, failures, what the functions logged), the engine (its tools' counts, if it has tools),
     the prompt encoder (truncated prompts), the train state (step, tokens, learning rate), G and
-    whether dynamic sampling runs."""
+    whether dynamic sampling runs; and the closing row's (`summary`) optimizer steps per step,
+    completions per step and logging interval."""
 
     backend: Any
     rewards: Any
@@ -152,6 +153,15 @@ class StepMetrics:
     state: Any
     num_generations: int
     dynamic_sampling: bool
+    num_iterations: int = 1
+    samples_per_step: int = 1
+    log_every: int = 1
+
+    def summary(self, history: list[dict], runtime: float, steps: int) -> dict[str, Any]:
+        """The run's closing row (`summary_row`) over this train() call's `steps` steps."""
+        return summary_row(
+            history, runtime, steps, self.num_iterations, self.samples_per_step, self.log_every
+        )
 
     def start(self) -> None:
         """The step's sandbox and reward-failure counts are its own, not those of the set-up's
@@ -240,7 +250,6 @@ def summary_row(
     history: list[dict],
     runtime: float,
     steps: int,
-    *,
     num_iterations: int,
     samples_per_step: int,
     log_every: int,

@@ -21,69 +21,42 @@ from grpo.run.eval_results import EvalResult
 from grpo.run.stop_signals import StopSignals
 from grpo.training import step
 from grpo.training.batching import GenerationBatch
-from grpo.training.build import RunParts, build_parts, check_environment_rows, evaluator_of
+from grpo.training.build import RunParts, build_parts, evaluator_of
 from grpo.training.callbacks import Callbacks
 from grpo.training.evaluate import eval_metrics, held_out_evaluation
-from grpo.training.metrics import PhaseTimer, summary_row
+from grpo.training.metrics import PhaseTimer
 from grpo.training.samples import log_samples
-from grpo.training.sampling import Generated
 from grpo.training.state import trainer_state
 from grpo.training.update import TrainingDiverged
 
 __all__ = ["Trainer", "eval_metrics"]
 
 
-def _part(name: str, doc: str) -> property:
-    """A run part the trainer shows under its own name (read-only: parts are built, not swapped)."""
-    return property(lambda self: getattr(self.parts, name), doc=doc)
+def _part(name: str) -> property:
+    """A run part shown as the trainer's own attribute, read-only (RunParts says what each is)."""
+    return property(lambda self: getattr(self.parts, name), doc=f"RunParts.{name}")
 
 
 class Trainer:
     """Runs a run's parts: the loop, its evaluations and checkpoints. The parts most code reads
     are shown as the trainer's own attributes (below); the rest are `trainer.parts`'."""
 
-    cfg = _part("cfg", "The run's config.")
-    backend = _part("backend", "The device and processes (grpo.backends).")
-    model = _part("model", "The policy, as the backend prepared it.")
-    tokenizer = _part("tokenizer", "The policy's tokenizer.")
-    state = _part("state", "The train state: step, optimizer, scheduler, random streams.")
-    task = _part("task", "The task: training and held-out rows, the scorer.")
-    log = _part("log", "The run directory's log (grpo.run.runlog.RunLog).")
-    rewards = _part("rewards", "The reward set (grpo.rewards.reward_set.RewardSet).")
-    reference = _part("reference", "The KL reference (grpo.training.reference).")
-    critic = _part("critic", "PPO's critic, or None.")
-    environments = _part("environments", "The rollouts' environments, or None.")
-    output_dir = _part("output_dir", "The claim on output_dir.")
-    resumed = _part("resumed", "The checkpoint this run continues, or None.")
-    sampler = _part("sampler", "The generate phase (grpo.training.sampling.Sampler).")
-    phases = _part("phases", "The step's phases (grpo.training.step.Phases).")
-    health = _part(
-        "health", "The health checks across steps (grpo.health): metrics, console, fail_on."
-    )
-    tool_functions = _part(
-        "tool_functions", "The tools passed in (rollout.tools' are the engine's)."
-    )
-    evaluator = _part("evaluator", "The held-out evaluation, or None before its first use.")
-
-    @property
-    def skips(self):
-        """Skipped non-finite updates, in a row and in all (grpo.training.update.Skips)."""
-        return self.phases.update.skips
-
-    @property
-    def engine(self):
-        """The rollout engine the run generates with."""
-        return self.parts.sampler.engine
-
-    @property
-    def sampling(self):
-        """The training rollouts' sampling settings (grpo.rollout.SamplingParams)."""
-        return self.parts.source.params
-
-    @property
-    def episodes(self) -> list:
-        """The last batch's episodes: each completion's environment (TRL's trainer.environments)."""
-        return self.parts.sampler.episodes
+    cfg = _part("cfg")
+    backend = _part("backend")
+    model = _part("model")
+    tokenizer = _part("tokenizer")
+    state = _part("state")
+    task = _part("task")
+    log = _part("log")
+    rewards = _part("rewards")
+    reference = _part("reference")
+    critic = _part("critic")
+    environments = _part("environments")
+    sampler = _part("sampler")
+    phases = _part("phases")
+    health = _part("health")
+    engine = _part("engine")
+    sampling = _part("sampling")
 
     def __init__(
         self,
@@ -139,12 +112,7 @@ class Trainer:
         """The trainer of `cfg`'s run, its parts built by grpo.training.build.build_parts(cfg,
         **inputs) and its rows checked to name an environment when there are several: every bad
         input fails here, before any generation."""
-        parts = build_parts(cfg, **inputs)
-        try:
-            check_environment_rows(parts)
-        except BaseException:
-            parts.output_dir.abandon()
-            raise
+        parts = build_parts(cfg, check_rows=True, **inputs)
         return cls(parts, callbacks=callbacks, extra_evaluation=extra_evaluation)
 
     def train_step(self) -> tuple[dict[str, float], GenerationBatch]:
@@ -163,25 +131,16 @@ class Trainer:
         """The update half of a step on `batch` (grpo.training.step.update), without the sync."""
         return step.update(self.phases, batch, timer or PhaseTimer())
 
-    def sample(self, rows: list, G: int, params, seeds) -> Generated:
-        """G completions of each row's prompt, decoded (grpo.training.sampling.Sampler)."""
-        return self.sampler(rows, G, params, seeds)
-
-    def check_environment_rows(self) -> None:
-        """With several environments, that every training row names one (grpo.training.build)."""
-        check_environment_rows(self.parts)
-
     def train(self) -> list[dict[str, float]]:
-        """The loop to max_steps, then final/. SIGINT or SIGTERM stops it at the next step's end
-        with a checkpoint (`stopped_by` says which); a second one stops it at once (Interrupted).
-        output_dir is this run's until it returns (grpo.run.run_lock); a checkpoint the disk cannot
-        take ends it with checkpoint.SaveFailed."""
-        if not self.output_dir.held:  # trained before: claimed again
-            self.output_dir.claim()
+        """The loop to max_steps, then final/. SIGINT or SIGTERM stops it at the next step's end with
+        a checkpoint (`stopped_by`), a second one at once (Interrupted); output_dir is the run's
+        until it returns; a checkpoint the disk cannot take ends it (checkpoint.SaveFailed)."""
+        if not self.parts.output_dir.held:  # trained before: claimed again
+            self.parts.output_dir.claim()
         try:
             return self._train()
         finally:
-            self.output_dir.release()  # the run is over (the report written): the directory is free
+            self.parts.output_dir.release()  # the run is over (the report written): the directory is free
 
     def _train(self) -> list[dict[str, float]]:
         cfg, log, callbacks = self.cfg, self.log, self.callbacks
@@ -193,7 +152,7 @@ class Trainer:
                 self.sync_run_state()
                 callbacks.fire("on_train_begin")
                 # a resumed run's "before" evaluation is its first run's (eval.jsonl keeps it)
-                fresh = cfg.eval.before and self.resumed is None
+                fresh = cfg.eval.before and self.parts.resumed is None
                 before = self._evaluate_and_log("before") if fresh else None
                 log.start_training(self.state.step)
                 signum, epoch = self._steps(history, stop)
@@ -203,16 +162,7 @@ class Trainer:
                 if not self._finish(before, epoch, stop):
                     return history
                 runtime, steps = time.monotonic() - started, self.state.step - first_step
-                self.log_row(
-                    summary_row(
-                        history,
-                        runtime,
-                        steps,
-                        num_iterations=cfg.algorithm.num_iterations,
-                        samples_per_step=cfg.generation_batch_size(self.backend.world_size),
-                        log_every=cfg.logging.log_every,
-                    )
-                )
+                self.log_row(self.parts.metrics.summary(history, runtime, steps))
                 callbacks.fire("on_train_end")
         finally:
             self.rewards.close()  # no reward worker process outlives training

@@ -206,7 +206,7 @@ class GRPOTrainer:
         instance), as TRL lists them."""
         if "trainer" not in vars(self):
             return vars(self).get("_assembled_tools")
-        tools = list(self.trainer.tool_functions)
+        tools = list(self.trainer.parts.tool_functions)
         environments = self.trainer.environments
         for functions in (environments.tool_functions if environments else {}).values():
             tools += [f for f in functions if f not in tools]
@@ -230,7 +230,7 @@ class GRPOTrainer:
         environment_factory."""
         if self.trainer.environments is None:
             return None
-        return [episode.environment for episode in self.trainer.episodes]
+        return [episode.environment for episode in self.trainer.parts.episodes]
 
     @property
     def _env_tools(self) -> dict:
@@ -295,7 +295,9 @@ class GRPOTrainer:
     def train(self, resume_from_checkpoint: str | bool | None = None):
         """Trains to max_steps; `resume_from_checkpoint`: a checkpoint directory, or True for the
         latest one in output_dir. Returns TRL's TrainOutput-like (global_step, training_loss, metrics)."""
-        self.trainer.check_environment_rows()
+        from grpo.training.build import check_environment_rows
+
+        check_environment_rows(self.trainer.parts)
         if resume_from_checkpoint:
             self._resume(resume_from_checkpoint)
         elif self._holds_run:
