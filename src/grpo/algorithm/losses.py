@@ -49,7 +49,7 @@ import torch
 
 from grpo.algorithm.correction import RolloutCorrection, correction_weights, mismatch_stats
 from grpo.algorithm.entropy import entropy_bonus
-from grpo.config.algorithm import AlgorithmConfig
+from grpo.config.algorithm import AlgorithmConfig, resolved_rollout_correction
 from grpo.registry import IMPORTANCE_LEVELS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
 
 ENTROPY_MASK_SCOPES = ("completion", "batch")
@@ -714,12 +714,13 @@ class LossSettings:
     off_policy_mask_threshold: float | None = None
 
     @classmethod
-    def of(cls, a: AlgorithmConfig) -> "LossSettings":
+    def of(cls, a: AlgorithmConfig, max_staleness: int = 0) -> "LossSettings":
         """The `algorithm:` section's loss settings (rollout_correction `token_truncate` is level
-        token, mode truncate; none: no correction)."""
+        token, mode truncate; none: no correction; auto: by rollout.max_staleness, `max_staleness`)."""
         correction = None
-        if a.rollout_correction != "none":
-            level, mode = a.rollout_correction.split("_")
+        mode_name = resolved_rollout_correction(a.rollout_correction, max_staleness)
+        if mode_name != "none":
+            level, mode = mode_name.split("_")
             correction = RolloutCorrection(level=level, mode=mode, cap=a.rollout_correction_cap)
         return cls(
             objective=a.policy_loss,

@@ -11,7 +11,22 @@ from grpo.config.checks import WholeConfig, one_of, positive
 from grpo.config.errors import ConfigError
 from grpo.config.presets import PRESETS
 
-ROLLOUT_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+ROLLOUT_CORRECTIONS = (
+    "none",
+    "token_truncate",
+    "token_mask",
+    "sequence_truncate",
+    "sequence_mask",
+    "auto",
+)
+
+
+def resolved_rollout_correction(correction: str, max_staleness: int) -> str:
+    """algorithm.rollout_correction as a run applies it: `auto` is none in a synchronous run and
+    token_truncate when generation runs ahead of training (rollout.max_staleness > 0)."""
+    if correction != "auto":
+        return correction
+    return "token_truncate" if max_staleness > 0 else "none"
 
 
 @dataclass
@@ -95,11 +110,13 @@ class AlgorithmConfig:
     entropy_mask_scope: str = "completion"
     """Where `top_entropy_quantile`'s threshold is taken: `completion` (each completion's own
     tokens; independent of how the batch is split) or `batch` (the tokens of one forward pass, as TRL)."""
-    rollout_correction: str = "none"
+    rollout_correction: str = "auto"
     """Truncated importance sampling between the engine that sampled and the policy the update
-    starts from (a different precision or engine gives slightly different logprobs):
-    none, token_truncate, token_mask, sequence_truncate or sequence_mask (TRL's modes). The
-    mismatch is logged either way (rollout/logprob_diff_mean, _max, rollout/is_ratio)."""
+    starts from (a different precision or engine gives slightly different logprobs; generating
+    ahead, older weights): none, token_truncate, token_mask, sequence_truncate or sequence_mask
+    (TRL's modes), or auto: none in a synchronous run, token_truncate when generation runs ahead
+    of training (rollout.max_staleness > 0). The mismatch is logged either way
+    (rollout/logprob_diff_mean, _max, rollout/is_ratio)."""
     rollout_correction_cap: float = 3.0
     """Upper bound of the correction's ratio: truncate modes cap at it, mask modes drop what exceeds it."""
     gamma: float = 1.0

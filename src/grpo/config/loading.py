@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from grpo.config import safe_yaml
+from grpo.config.algorithm import resolved_rollout_correction
 from grpo.config.errors import ConfigError
 from grpo.config.presets import apply_preset, apply_task_rewards
 from grpo.config.schema import Config, validate
@@ -121,6 +122,19 @@ MOVED_KEYS = {
     "rollout.decoding": "cpu.decoding",
 }
 """Keys of earlier versions and where they live now."""
+ADDED_KEYS = {"rollout.max_staleness": 0, "rollout.weight_sync_steps": 1}
+"""Keys added after checkpoints were first written, and what a saved config without them meant."""
+
+
+def as_applied(flat: dict[str, Any]) -> dict[str, Any]:
+    """A flattened config (dotted keys) as a run applies it: the keys added since filled with what
+    their absence meant, and algorithm.rollout_correction `auto` resolved (so a checkpoint saved
+    with `none` before `auto` existed is the same run as one with `auto` today)."""
+    out = {**ADDED_KEYS, **flat}
+    key, staleness = "algorithm.rollout_correction", out["rollout.max_staleness"]
+    if isinstance(out.get(key), str) and isinstance(staleness, int):
+        out[key] = resolved_rollout_correction(out[key], staleness)
+    return out
 
 
 def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:

@@ -23,6 +23,9 @@ from grpo.config.errors import ConfigError
 
 MAX_WORKERS_PER_CORE = 4
 """rewards.workers above this many per core only adds processes that wait for a core."""
+MAX_STALENESS = 32
+"""rollout.max_staleness's bound: up to max_staleness + 1 generated batches are held in memory and
+in every checkpoint (grpo.training.ahead)."""
 
 
 @dataclass
@@ -147,6 +150,19 @@ class RolloutConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     """The `server` engine's settings (read only when rollout.engine is server): where
     `grpo serve` listens and how long each exchange with it may take."""
+    max_staleness: int = 0
+    """Asynchronous GRPO: generation runs up to this many steps ahead of training, on a generation
+    server (rollout.engine: server), while the trainer trains. The batch of step s (counted from 1)
+    is sampled from the weights after step max(0, s - 1 - max_staleness): a fixed schedule, so the
+    same run twice, or one killed and resumed, takes the same steps, and a batch is never more than
+    max_staleness steps stale. The update weights each token by its importance ratio against the
+    sampler's logprobs (algorithm.rollout_correction: auto). 0: synchronous, each batch sampled from
+    the weights of the step before (TRL's max_staleness; docs/async.md). At most 32."""
+    weight_sync_steps: int = 1
+    """With max_staleness > 0: push the weights to the generation server every this many steps
+    (TRL's weight_sync_steps), at most max_staleness + 1, so that no batch is more than
+    max_staleness steps stale; the batch of step s is then sampled from the oldest pushed weights
+    within the bound."""
     cuda_decoding: str = "auto"
     """How the `hf` engine decodes on a CUDA device (grpo.cuda): `graphs`, a loop of fixed shape
     from a bf16 copy of the weights (LoRA merged in), each token step one replayed CUDA graph;
@@ -206,6 +222,7 @@ class RolloutConfig:
                 "set rollout.cuda_decoding=auto, or rollout.engine=hf and training.sharding=none"
             )
         self._check_tools()
+        self._check_ahead(cfg, world_size)
         if self.engine == "vllm" and cfg.model.lora.quantize != "none":
             raise ConfigError(
                 f"rollout.engine: vllm pushes the policy's merged weights into vLLM, which cannot be done for "
@@ -241,6 +258,44 @@ class RolloutConfig:
                 f"rollout.min_p: must be in [0, 1) (0 turns it off), got {self.min_p}"
             )
         positive("rollout.repetition_penalty", self.repetition_penalty)
+
+    def _check_ahead(self, cfg: WholeConfig, world_size: int) -> None:
+        """max_staleness and weight_sync_steps: their ranges, and what generating ahead runs with."""
+        k, every = self.max_staleness, self.weight_sync_steps
+        if not 0 <= k <= MAX_STALENESS:
+            raise ConfigError(
+                f"rollout.max_staleness: steps in [0, {MAX_STALENESS}] (0: synchronous), got {k}"
+            )
+        if not 1 <= every <= k + 1:
+            raise ConfigError(
+                f"rollout.weight_sync_steps: must be in [1, rollout.max_staleness + 1 = {k + 1}] (a push every "
+                f"N steps keeps batches within max_staleness steps of training only when N <= max_staleness + 1), "
+                f"got {every}; raise rollout.max_staleness or lower weight_sync_steps"
+            )
+        if k == 0:
+            return
+        ahead = f"rollout.max_staleness={k}"
+        if self.engine != "server":
+            raise ConfigError(
+                f"{ahead}: generating ahead of training needs a generation server in another process, and "
+                f"rollout.engine: {self.engine} generates in the trainer's; set rollout.engine: server and start "
+                "`grpo serve` (or set rollout.max_staleness: 0)"
+            )
+        if self.tools or self.environment is not None:
+            raise ConfigError(
+                f"{ahead}: tools and environments run in the trainer's process and are not generated ahead "
+                "yet; set rollout.max_staleness: 0 for a run with rollout.tools or rollout.environment"
+            )
+        if cfg.algorithm.dynamic_sampling:
+            raise ConfigError(
+                f"{ahead} with algorithm.dynamic_sampling: a step's extra rounds are drawn when the step "
+                "finds too few groups with spread, which a schedule fixed ahead cannot hold; turn one of them off"
+            )
+        if world_size > 1:
+            raise ConfigError(
+                f"{ahead}: generating ahead runs in one training process yet ({world_size} here); run it "
+                "without torchrun, or set rollout.max_staleness: 0"
+            )
 
     def _check_tools(self) -> None:
         specs = (

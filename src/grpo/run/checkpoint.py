@@ -858,8 +858,9 @@ def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def config_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[tuple[str, Any, Any]]:
-    """(key, saved value, current value) of each key outside RESUMABLE_CHANGES that differs."""
-    a, b = _flatten(saved), _flatten(now)
+    """(key, saved value, current value) of each key outside RESUMABLE_CHANGES that differs in
+    meaning (grpo.config.loading.as_applied)."""
+    a, b = (config_module.as_applied(_flatten(c)) for c in (saved, now))
     return [
         (key, a.get(key), b.get(key))
         for key in sorted(set(a) | set(b))

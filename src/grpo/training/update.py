@@ -106,10 +106,11 @@ def check_finite_weights(model, what: str) -> None:
             )
 
 
-def loss_settings(a: AlgorithmConfig) -> algorithm.LossSettings:
-    """algorithm.* as the policy loss takes it (grpo.algorithm.LossSettings.of), built once per
-    run; a registered loss's or aggregation's `caveat` about these settings is logged once."""
-    settings = algorithm.LossSettings.of(a)
+def loss_settings(a: AlgorithmConfig, max_staleness: int = 0) -> algorithm.LossSettings:
+    """algorithm.* as the policy loss takes it (grpo.algorithm.LossSettings.of; rollout_correction
+    `auto` by rollout.max_staleness), built once per run; a registered loss's or aggregation's
+    `caveat` about these settings is logged once."""
+    settings = algorithm.LossSettings.of(a, max_staleness)
     for part in (LOSS_AGGREGATIONS.get(a.loss_type), POLICY_LOSSES.get(a.policy_loss)):
         caveat = getattr(part, "caveat", None)
         message = caveat(settings.params) if caveat is not None else None
