@@ -20,6 +20,7 @@ from typing import Callable
 from grpo.config.schema import Config
 from grpo.rollout import Rollout, SamplingParams, create_engine
 from grpo.tasks.data import PromptEncoder, Row
+from grpo.training.state import DrawnAt
 
 
 def configured_tools(cfg: Config, passed: list) -> dict:
@@ -96,6 +97,14 @@ class Generated:
     texts: list[str]
     episodes: list | None = None
     columns: dict[str, list] | None = None
+    drawn: DrawnAt | None = None
+    """Where its prompts were drawn (the rollout source's; its reward seed is derived from it),
+    or None outside training (the train state's position is read then)."""
+    sampled_from: int | None = None
+    """The step whose weights sampled it (0: the initial ones), when generated ahead of training
+    (grpo.training.ahead); None: the weights of the step before."""
+    generate_seconds: float | None = None
+    """The generator's seconds for it, when generated ahead (the trainer's wait is not this)."""
 
 
 def decode_completions(rollout: Rollout, tokenizer) -> tuple[list[list[int]], list[str]]:

@@ -28,16 +28,19 @@ from grpo.training.sampling import Generated
 class Scoring:
     """The rewards phase: `rewards` (the run's reward functions and weights) on a generated
     batch's decoded completions, with `progress()` (what TRL gives reward functions as
-    `trainer_state`), and the loss mask (`mask_truncated`: algorithm.mask_truncated_completions;
+    `trainer_state`) and `reward_seed()`, both from where the batch was drawn, and the loss mask (`mask_truncated`: algorithm.mask_truncated_completions;
     `with_critic`: a completion without any reward leaves the loss)."""
 
     rewards: RewardSet
     num_generations: int
     mask_truncated: bool
     with_critic: bool
-    progress: Callable[[], object]
-    reward_seed: Callable[[], int]
-    """The seed the batch's reward calls draw from (grpo.training.state.reward_seed)."""
+    progress: Callable[..., object]
+    """progress(drawn): what reward functions get as `trainer_state` for a batch drawn at `drawn`
+    (grpo.training.state.trainer_state; None: the train state's position now)."""
+    reward_seed: Callable[..., int]
+    """reward_seed(drawn): the seed the batch's reward calls draw from
+    (grpo.training.state.reward_seed)."""
 
     def __call__(self, generated: Generated, num_generations: int | None = None) -> GenerationBatch:
         """The rewards of `generated` (one group of G per row, G = `num_generations` or the
@@ -60,9 +63,9 @@ class Scoring:
             completions,
             generated.ids,
             group_rows,
-            self.progress(),
+            self.progress(generated.drawn),
             environments,
-            seed=self.reward_seed(),  # reproducible draws
+            seed=self.reward_seed(generated.drawn),  # reproducible draws, whenever it is scored
         )
         rewards = algorithm.combine_rewards(rewards_per_func, self.rewards.weights)
         return GenerationBatch(

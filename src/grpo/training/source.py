@@ -7,10 +7,14 @@ it does not know which source it has:
     pause()                the update runs now: free what generation holds
     policy_changed(model)  the optimizer stepped: generate from the new weights from now on
 
+and, for the loop around the step: `take_metrics()` (the source's own metrics of the step),
+`state_dict()` (what a checkpoint holds of it), `evaluation_engine` (the engine held-out
+evaluation generates with) and `close()` (at the end of training).
+
 `InProcessSource` generates in the training process with the run's engine (`hf`, or vLLM
-colocated), its tools, environments or rollout_func (grpo.training.sampling.Sampler). A
-source that generates elsewhere (a server, or ahead of training) implements the same three
-methods; docs/architecture.md says where it plugs in.
+colocated, or the `server` engine), its tools, environments or rollout_func
+(grpo.training.sampling.Sampler). `grpo.training.ahead.AheadSource` generates ahead of training
+on a server (rollout.max_staleness > 0); grpo.training.build.build_phases chooses.
 
 Every rank draws the same prompts and per-prompt seeds from the train state's sampler and
 generator (so a checkpoint carries where the draw is), and keeps its own share of the groups.
@@ -27,6 +31,7 @@ from grpo.rollout.hf import NonFiniteProbabilities
 from grpo.rollout.types import SamplingParams, prompt_seeds
 from grpo.tasks.data import PromptSampler, Row
 from grpo.training.sampling import Generated, Sampler
+from grpo.training.state import DrawnAt
 from grpo.training.update import TrainingDiverged
 
 
@@ -45,6 +50,19 @@ class RolloutSource(Protocol):
     def policy_changed(self, model: torch.nn.Module) -> None:
         """The policy's weights changed: the batches after this one come from them."""
 
+    def take_metrics(self) -> dict[str, float]:
+        """The source's metrics since the last call (the step's); {} for none."""
+
+    def state_dict(self) -> dict | None:
+        """What a checkpoint holds of the source (plain types and tensors), or None."""
+
+    @property
+    def evaluation_engine(self):
+        """The engine held-out evaluation generates with (the trainer's weights)."""
+
+    def close(self) -> None:
+        """Training is over: stop what the source runs."""
+
 
 @dataclass
 class PromptDraw:
@@ -58,9 +76,14 @@ class PromptDraw:
     shard: slice
 
     def __call__(self) -> tuple[list[Row], list[int]]:
-        rows = self.sampler.take(self.rows, self.num_prompts)[self.shard]
-        seeds = prompt_seeds(self.generator, self.num_prompts)[self.shard]
-        return rows, seeds
+        """This rank's share of the next prompts, and their seeds."""
+        indices, seeds = self.indices()
+        return [self.rows[i] for i in indices][self.shard], seeds[self.shard]
+
+    def indices(self) -> tuple[list[int], list[int]]:
+        """The next prompts of every rank, as indices into `rows`, and their seeds."""
+        indices = [self.sampler.next_index() for _ in range(self.num_prompts)]
+        return indices, prompt_seeds(self.generator, self.num_prompts)
 
 
 @dataclass
@@ -82,13 +105,16 @@ class InProcessSource:
 
     def next_batch(self, step: int) -> Generated:
         rows, seeds = self.draw()
+        drawn = DrawnAt.of(step, self.draw.sampler)
         with self.backend.generation(self.model):
             try:
-                return self.sample(rows, self.num_generations, self.params, seeds)
+                generated = self.sample(rows, self.num_generations, self.params, seeds)
             except (
                 NonFiniteProbabilities
             ) as error:  # e.g. a learning rate so high the weights blew up
                 raise TrainingDiverged(f"generation at step {step}: {error}") from error
+        generated.drawn = drawn
+        return generated
 
     def pause(self) -> None:
         # the engine's memory (vLLM's weights and KV cache on CUDA) is the update's now
@@ -96,3 +122,16 @@ class InProcessSource:
 
     def policy_changed(self, model: torch.nn.Module) -> None:
         self.sample.engine.sync_weights(model)  # waking it if asleep
+
+    def take_metrics(self) -> dict[str, float]:
+        return {}
+
+    def state_dict(self) -> None:
+        return None  # the train state holds where the draw is: nothing is generated ahead
+
+    @property
+    def evaluation_engine(self):
+        return self.sample.engine
+
+    def close(self) -> None:
+        pass

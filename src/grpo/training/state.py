@@ -83,14 +83,32 @@ def seed_global_streams(seed: int) -> None:
     torch.manual_seed(seed)  # every CUDA device's too
 
 
-def reward_seed(state: "TrainState", cfg: Config, rank: int = 0) -> int:
+@dataclass(frozen=True)
+class DrawnAt:
+    """Where a batch's prompts were drawn: the step it is for, and the prompt order's epoch and
+    position right after its draw. A batch's reward seed and `trainer_state` are derived from it,
+    so they do not depend on when the batch is scored (a source that generates ahead has drawn
+    later batches by then)."""
+
+    step: int
+    epoch: int
+    position: int
+
+    @classmethod
+    def of(cls, step: int, sampler: PromptSampler) -> "DrawnAt":
+        return cls(int(step), int(sampler.epoch), int(sampler.position))
+
+
+def reward_seed(
+    state: "TrainState", cfg: Config, rank: int = 0, drawn: DrawnAt | None = None
+) -> int:
     """The seed a batch's reward calls draw from (grpo.rewards.reward_set.RewardSet.score): derived
-    from training.seed, the step, the prompt order's position (which moves with each round of a
-    step's dynamic sampling) and the rank, all of which a resumed run restores, so a reward that
-    draws from `random` or `numpy.random` draws the same numbers in a fresh run, a resumed one and
-    the uninterrupted one."""
-    sampler = state.sampler
-    key = f"grpo-rewards:{cfg.training.seed}:{state.step}:{sampler.epoch}:{sampler.position}:{rank}"
+    from training.seed, the step, the prompt order's position after the batch's draw (which moves
+    with each round of a step's dynamic sampling; `drawn`, or the state's now) and the rank, all of
+    which a resumed run restores, so a reward that draws from `random` or `numpy.random` draws the
+    same numbers in a fresh run, a resumed one and the uninterrupted one."""
+    at = drawn if drawn is not None else DrawnAt.of(state.step, state.sampler)
+    key = f"grpo-rewards:{cfg.training.seed}:{at.step}:{at.epoch}:{at.position}:{rank}"
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
 
 
@@ -183,13 +201,17 @@ class TrainState:
         }
 
 
-def trainer_state(state: TrainState, num_iterations: int, max_steps: int) -> SimpleNamespace:
+def trainer_state(
+    state: TrainState, num_iterations: int, max_steps: int, drawn: DrawnAt | None = None
+) -> SimpleNamespace:
     """What TRL passes reward functions as `trainer_state`, under its attribute names: optimizer
-    steps (a grpo step is num_iterations of them) and the fractional epoch. A SimpleNamespace,
+    steps (a grpo step is num_iterations of them) and the fractional epoch (where the scored
+    batch's prompts were drawn, `drawn`, or the prompt order's position now). A SimpleNamespace,
     so it pickles to reward functions in worker processes."""
     mu, sampler = num_iterations, state.sampler
+    epoch, position = (drawn.epoch, drawn.position) if drawn else (sampler.epoch, sampler.position)
     return SimpleNamespace(
         global_step=state.step * mu,
         max_steps=max_steps * mu,
-        epoch=sampler.epoch + sampler.position / sampler.num_rows,
+        epoch=epoch + position / sampler.num_rows,
     )
