@@ -256,6 +256,8 @@ HEALTH_CHECKS = Registry(
             "entropy_blowup",
             "kl_runaway",
             "clip_ratio_high",
+            "rollout_wait",
+            "stale_ratio_drift",
             "grad_norm_spike",
             "nonfinite_updates",
             "heldout_not_improving",

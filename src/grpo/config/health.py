@@ -74,6 +74,14 @@ class HealthConfig:
     clip_ratio_max: float = 0.3
     """clip_ratio_high: the share of tokens whose ratio is clipped (clip_ratio/region_mean)
     above which the update is pinned at the trust region (below 1)."""
+    rollout_wait_share: float = 0.5
+    """rollout_wait (rollout.max_staleness > 0): the share of a step's time the trainer waits for the
+    generation server (time/wait_for_rollout over time/step) above which generating ahead is not
+    overlapping with training."""
+    capped_share_max: float = 0.2
+    """stale_ratio_drift (rollout.max_staleness > 0): the share of tokens whose importance weight
+    against the sampler the correction's cap cut (rollout/is_capped_ratio) above which the policy
+    has drifted too far from the weights that sampled the batch."""
     grad_norm_spike_ratio: float = 50.0
     """grad_norm_spike: a gradient norm this many times the median of the `window` steps before."""
     reward_rise: float = 0.1
@@ -130,6 +138,10 @@ class HealthConfig:
                 raise ConfigError(
                     f"health.{key}: a share of the batch, must be in (0, 1], got {value}"
                 )
+        for key in ("rollout_wait_share", "capped_share_max"):
+            value = getattr(self, key)
+            if not 0.0 < value < 1.0:  # a share that must be exceeded: 1 never is
+                raise ConfigError(f"health.{key}: a share, must be in (0, 1), got {value}")
         if not 0.0 < self.clip_ratio_max < 1.0:  # a share that must be exceeded: 1 never is
             raise ConfigError(
                 f"health.clip_ratio_max: a share of the tokens that clip_ratio_high fires above, must be "
@@ -180,6 +192,11 @@ def _cannot_stop(name: str, health: HealthConfig, cfg, world_size: int) -> str |
         return (
             "reads kl, which a run logs only with algorithm.beta > 0 (a KL reference), and beta is "
             f"{a.beta}; set algorithm.beta, or {drop}"
+        )
+    if name in ("rollout_wait", "stale_ratio_drift") and not cfg.rollout.max_staleness:
+        return (
+            "reads what generating ahead of training logs, which this run does not do "
+            f"(rollout.max_staleness 0); set rollout.max_staleness, or {drop}"
         )
     if name == "heldout_not_improving":
         problem = _heldout_cannot_stop(health, cfg, world_size)

@@ -608,6 +608,69 @@ def clip_ratio_high(view: View) -> Finding | None:
     )
 
 
+def rollout_wait(view: View) -> Finding | None:
+    """Generating ahead of training (rollout.max_staleness > 0) that does not overlap: the trainer
+    waited for the generator (time/wait_for_rollout) for more than health.rollout_wait_share of
+    its step's time (time/step) for health.patience steps."""
+    limits = view.limits
+
+    def waits(row: Row) -> bool:
+        wait, total = num(row, "time/wait_for_rollout"), num(row, "time/step")
+        return wait is not None and total is not None and wait > limits.rollout_wait_share * total
+
+    run = view.trailing(waits)
+    if len(run) < view.needs(limits.patience):
+        return None
+    generate, step = num(view.row, "time/generate"), num(view.row, "time/step")
+    return Finding(
+        "warning",
+        "generating ahead does not overlap: the trainer waits for the generation server most of each step",
+        f"time/wait_for_rollout {g(num(view.row, 'time/wait_for_rollout'))} s of time/step {g(step)} s "
+        f"(> {limits.rollout_wait_share:.0%}) over {_span(run)}, time/generate {g(generate)} s a batch",
+        "generation is slower than the update, so overlapping them cannot hide it: give the server more "
+        "compute (a GPU, `grpo serve --engine vllm`, a server of its own), or generate less per step "
+        "(rollout.num_generations, rollout.max_completion_length); if the server is slowed by other work, "
+        "free it; a larger rollout.max_staleness only absorbs uneven steps",
+    )
+
+
+def stale_ratio_drift(view: View) -> Finding | None:
+    """Generating ahead of training (async/staleness_max logged and above 0): the sampler's policy
+    drifts too far from the trained one for its batches to be trusted. The share of tokens whose
+    importance weight against the sampler was cut (rollout/is_capped_ratio) above
+    health.capped_share_max, or the clip ratio (clip_ratio/region_mean) above
+    health.clip_ratio_max, for health.patience steps."""
+    limits = view.limits
+
+    def drifts(row: Row) -> bool:
+        stale = num(row, "async/staleness_max")
+        capped, clipped = num(row, "rollout/is_capped_ratio"), num(row, "clip_ratio/region_mean")
+        return (
+            stale is not None
+            and stale > 0
+            and (
+                (capped is not None and capped > limits.capped_share_max)
+                or (clipped is not None and clipped > limits.clip_ratio_max)
+            )
+        )
+
+    run = view.trailing(drifts)
+    if len(run) < view.needs(limits.patience):
+        return None
+    row = view.row
+    return Finding(
+        "warning",
+        "the policy moves too far between the weights that sampled a batch and the trained ones: "
+        "its importance ratios drift out of bounds",
+        f"rollout/is_capped_ratio {g(num(row, 'rollout/is_capped_ratio'))} (> {g(limits.capped_share_max)}), "
+        f"clip_ratio/region_mean {g(num(row, 'clip_ratio/region_mean'))} (> {g(limits.clip_ratio_max)}), "
+        f"async/staleness_max {g(num(row, 'async/staleness_max'))} over {_span(run)}",
+        "lower rollout.max_staleness (each step of staleness lets the policy move further from the sampler) "
+        "or training.learning_rate; keep algorithm.rollout_correction on (auto)",
+        explains=("clip_ratio_high",),
+    )
+
+
 def grad_norm_spike(view: View) -> Finding | None:
     """This step's gradient norm above health.grad_norm_spike_ratio times the median of the
     health.window steps before it (steps with a zero norm, which trained nothing, left out; at
@@ -811,6 +874,10 @@ def lr_too_large(view: View) -> Finding | None:
         ),
     )
 
+
+READS_TIMES = frozenset({"time/step", "time/wait_for_rollout"})
+"""The only timings a check reads (rollout_wait): a check that reads them fires by how long things
+took, so its health/* metric may differ between two runs of the same config."""
 
 READS_EVALUATIONS = ("heldout_not_improving",)
 """The checks that read the held-out evaluations: judged once more after the last step, with every

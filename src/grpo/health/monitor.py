@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
 from grpo.config.health import HealthConfig
-from grpo.health.checks import READS_EVALUATIONS, EvalPoint, Finding, RunFacts, View
+from grpo.health.checks import READS_EVALUATIONS, READS_TIMES, EvalPoint, Finding, RunFacts, View
 from grpo.registry import HEALTH_CHECKS
 
 log = logging.getLogger(__name__)
@@ -80,12 +80,14 @@ def ranges(numbers: Sequence[int]) -> str:
 
 
 def _kept(metrics: Mapping[str, Any]) -> dict[str, Any]:
-    """The numbers a check may read (times and counts of tokens left out): what the history holds."""
+    """The numbers a check may read (times but READS_TIMES, and counts of tokens, left out): what
+    the history holds."""
     return {
         k: v
         for k, v in metrics.items()
         if (v is None or isinstance(v, (int, float)))
-        and not k.startswith(("time/", "health/"))
+        and not k.startswith("health/")
+        and (not k.startswith("time/") or k in READS_TIMES)
         and k != "tokens_per_second"
     }
 

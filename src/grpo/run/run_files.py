@@ -58,8 +58,9 @@ CHUNK_BYTES = 2**16
 """What each read asks for: a read's lines are split at once, so this bounds what they hold
 (3M rows of `{}` read with 1 MiB reads grew the process by 57 MB, with 64 KiB by 4 MB)."""
 
-KEPT_TIMES = frozenset({"time/step", "time/generate"})
-"""The phase times the report reads (the other time/* and health/* are passed over when kept)."""
+KEPT_TIMES = frozenset({"time/step", "time/generate", "time/wait_for_rollout"})
+"""The phase times the report and the health checks' replay read (the other time/* and health/*
+are passed over when kept)."""
 
 
 class RunFileError(ValueError):
