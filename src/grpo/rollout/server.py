@@ -135,6 +135,10 @@ class ServerEngine:
         self.metas = [weight_transfer.TensorMeta.of(n, t) for n, t in _weights(model)]
         self.version = 0
         """The version of the weights the server holds for this run (0: none pushed yet)."""
+        self.recovers = True
+        """Whether a generation request that finds the server lost or restarted waits for it and
+        gives it the step's weights again; False (a source generating ahead of training, whose
+        weights the trainer no longer holds): the request fails with ServerError instead."""
         self.group = self.store = self.instance = None
         self.scratch = weight_transfer.Scratch()  # one bucket, kept from push to push
         self.metrics: dict[str, float] = {}
@@ -467,7 +471,14 @@ class ServerEngine:
 
     def _recover(self, during: str) -> None:
         """After a lost or restarted server: once it is back, the weights of this step on it again
-        (rank 0 pushes them; the other ranks wait until the server holds them)."""
+        (rank 0 pushes them; the other ranks wait until the server holds them). Without
+        `recovers`, ServerError."""
+        if not self.recovers:
+            raise ServerError(
+                f"the generation server at {self.settings.url} was lost or restarted during {during}, and "
+                "the weights that generation was sampling from are no longer the trainer's; start it again "
+                f"(`{self.command}`), then continue the run with --resume"
+            )
         self._wait_for_server(during)
         if self.rank == 0:
             self._drop_group()

@@ -118,6 +118,14 @@ class RunParts:
         """Where the step's completions come from (grpo.training.source)."""
         return self.phases.source
 
+    def close(self) -> None:
+        """Training is over: no reward worker process, environment's process or generator of the
+        rollout source outlives it."""
+        self.rewards.close()
+        if self.environments is not None:
+            self.environments.close()
+        self.phases.source.close()
+
     @property
     def engine(self):
         """The rollout engine the run generates with."""
@@ -219,10 +227,10 @@ def _build(cfg: Config, backend, output_dir, resumed, restore, **given) -> RunPa
     health = HealthMonitor(
         cfg, is_main=backend.is_main, world_size=backend.world_size, state=health_state
     )
-    phases = build_phases(
-        cfg, backend, task, model, state, rewards, reference, critic, sampler, estimator, skips
-    )
-    kept = (rewards, skips, reference, critic, health)
+    ahead = restore.get("rollout_source") if restore else None  # batches generated ahead
+    parts_of_phases = (rewards, reference, critic, sampler, estimator, skips, ahead)
+    phases = build_phases(cfg, backend, task, model, state, *parts_of_phases)
+    kept = (rewards, skips, reference, critic, health, phases.source)
     parts = RunParts(
         cfg=cfg,
         backend=backend,
@@ -240,7 +248,7 @@ def _build(cfg: Config, backend, output_dir, resumed, restore, **given) -> RunPa
         tool_functions=given["tools"],
         sampler=sampler,
         phases=phases,
-        metrics=_step_metrics(cfg, backend, rewards, engine, prompts, state),
+        metrics=_step_metrics(cfg, backend, rewards, engine, prompts, state, phases.source),
         saver=Saver(cfg, backend, run_log.dir, model, tokenizer, state, *kept),
         evaluator=None,
         health=health,
@@ -251,7 +259,7 @@ def _build(cfg: Config, backend, output_dir, resumed, restore, **given) -> RunPa
     return parts
 
 
-def _step_metrics(cfg: Config, backend, rewards, engine, prompts, state) -> StepMetrics:
+def _step_metrics(cfg: Config, backend, rewards, engine, prompts, state, source) -> StepMetrics:
     """The step's metrics and the closing row's, with the settings they read."""
     a = cfg.algorithm
     return StepMetrics(
@@ -265,13 +273,26 @@ def _step_metrics(cfg: Config, backend, rewards, engine, prompts, state) -> Step
         num_iterations=a.num_iterations,
         samples_per_step=cfg.generation_batch_size(backend.world_size),
         log_every=cfg.logging.log_every,
+        source=source,
     )
 
 
 def build_phases(
-    cfg: Config, backend, task, model, state, rewards, reference, critic, sampler, estimator, skips
+    cfg: Config,
+    backend,
+    task,
+    model,
+    state,
+    rewards,
+    reference,
+    critic,
+    sampler,
+    estimator,
+    skips,
+    restored_source=None,
 ) -> Phases:
-    """The step's phases, each holding the settings it reads, resolved here once."""
+    """The step's phases, each holding the settings it reads, resolved here once; the rollout
+    source continued from `restored_source` (its `state_dict`) when it keeps one."""
     a, r, t = cfg.algorithm, cfg.rollout, cfg.training
     G = r.num_generations
     forward = Forward(
@@ -282,7 +303,7 @@ def build_phases(
     )
     num_prompts, shard = _groups(cfg, backend)
     draw = PromptDraw(task.train_rows, state.sampler, state.generator, num_prompts, shard)
-    source = InProcessSource(draw, sampler, _sampling_params(cfg), G, backend, model)
+    source = _rollout_source(cfg, backend, model, state, sampler, draw, restored_source)
     progress = functools.partial(trainer_state, state, a.num_iterations, t.max_steps)
     seed = functools.partial(reward_seed, state, cfg, backend.rank)
     scoring = Scoring(rewards, G, a.mask_truncated_completions, critic is not None, progress, seed)
@@ -315,7 +336,7 @@ def build_phases(
         state.entropy,
         forward,
         a,
-        loss_settings(a),
+        loss_settings(a, r.max_staleness),
         t.max_grad_norm,
         r.max_completion_length,
         r.engine,
@@ -331,12 +352,47 @@ def build_phases(
     return Phases(source, collect, reference_phase, advantages, update, critic_phase)
 
 
+def _rollout_source(cfg: Config, backend, model, state, sampler, draw, restored):
+    """The one place the rollout source is chosen: generation in the trainer's process (or by the
+    `server` engine, step by step), or ahead of training on a server (rollout.max_staleness > 0:
+    grpo.training.ahead)."""
+    r, G, params = cfg.rollout, cfg.rollout.num_generations, _sampling_params(cfg)
+    if not r.max_staleness:
+        return InProcessSource(draw, sampler, params, G, backend, model)
+    from grpo.rollout.server import ServerEngine
+    from grpo.training.ahead import AheadSource
+
+    if not isinstance(sampler.engine, ServerEngine) or sampler.rollout_func is not None:
+        raise ConfigError(
+            f"rollout.max_staleness={r.max_staleness}: tools, environments and a rollout_func run in the "
+            "trainer's process and are not generated ahead yet; pass none of them, or set rollout.max_staleness: 0"
+        )
+    if restored is None and state.step > 0:
+        raise ConfigError(
+            f"rollout.max_staleness={r.max_staleness}: the state resumed from (step {state.step}) holds no "
+            "batches generated ahead; resume from a checkpoint of this run"
+        )
+    return AheadSource(
+        draw,
+        sampler,
+        params,
+        G,
+        model,
+        max_staleness=r.max_staleness,
+        sync_every=r.weight_sync_steps,
+        max_steps=cfg.training.max_steps,
+        request_timeout=r.server.request_timeout,
+        step=state.step,
+        restored=restored,
+    )
+
+
 def evaluator_of(parts: RunParts) -> Evaluator:
-    """The held-out evaluation of a run: its engine, the task's held-out rows and scorer, the
-    run's rewards."""
+    """The held-out evaluation of a run: its engine (the rollout source's for the trainer's
+    weights), the task's held-out rows and scorer, the run's rewards."""
     return Evaluator(
         parts.cfg,
-        parts.sampler.engine,
+        parts.source.evaluation_engine,
         parts.tokenizer,
         parts.task.eval_rows,
         parts.task.scorer,

@@ -156,6 +156,8 @@ class StepMetrics:
     num_iterations: int = 1
     samples_per_step: int = 1
     log_every: int = 1
+    source: Any = None
+    """The rollout source, whose own metrics (`take_metrics`: generating ahead's) the row takes last."""
 
     def summary(self, history: list[dict], runtime: float, steps: int) -> dict[str, Any]:
         """The run's closing row (`summary_row`) over this train() call's `steps` steps."""
@@ -216,6 +218,7 @@ class StepMetrics:
             "num_tokens": state.tokens_seen,
             **timer.metrics(tokens),
             **self._engine_metrics(),
+            **(self.source.take_metrics() if self.source is not None else {}),
         }
         # what the reward functions logged (log_metric); a name of grpo's own metrics keeps grpo's
         return {**metrics, **{name: v for name, v in logged.items() if name not in metrics}}

@@ -3,8 +3,8 @@
 `Saver.state_dict` is everything besides the policy's weights that continues the run exactly
 (`build_parts(restore=...)`, or a checkpoint's `train_state.pt` through `resume=`): the train
 state (each rank's own random streams under torchrun), the reward failures over every rank,
-the skipped updates, the reference (when it has moved from the starting model), the critic and
-the health monitor's history.
+the skipped updates, the reference (when it has moved from the starting model), the critic,
+the health monitor's history and the batches generated ahead of training.
 Rank 0 writes; every rank waits for the checkpoint to be whole and ends with rank 0's failure.
 """
 
@@ -41,6 +41,8 @@ class Saver:
     critic: Any
     health: Any = None
     """The health monitor (grpo.health.monitor), whose history a checkpoint carries."""
+    source: Any = None
+    """The rollout source (grpo.training.source), whose batches generated ahead a checkpoint carries."""
 
     def state_dict(self) -> dict[str, Any]:
         """Everything besides the policy's weights that continues this run exactly (`restore=`)."""
@@ -59,6 +61,8 @@ class Saver:
             "critic": self.critic.state_dict() if self.critic is not None else None,
             # the health checks' history, so a resumed run's checks fire (and stop it) where they would have
             "health": self.health.state_dict() if self.health is not None else None,
+            # the batches generated ahead of training (rollout.max_staleness), once generated
+            "rollout_source": self.source.state_dict() if self.source is not None else None,
         }
 
     def save(self, directory: Path) -> Path:

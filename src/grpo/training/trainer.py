@@ -20,6 +20,7 @@ from grpo.run import checkpoint, faults
 from grpo.run.eval_results import EvalResult
 from grpo.run.stop_signals import StopSignals
 from grpo.training import step
+from grpo.training.ahead import GeneratorStopped
 from grpo.training.batching import GenerationBatch
 from grpo.training.build import RunParts, build_parts, evaluator_of
 from grpo.training.callbacks import Callbacks
@@ -165,9 +166,7 @@ class Trainer:
                 self.log_row(self.parts.metrics.summary(history, runtime, steps))
                 callbacks.fire("on_train_end")
         finally:
-            self.rewards.close()  # no reward worker process outlives training
-            if self.environments is not None:
-                self.environments.close()  # nor a process an environment started
+            self.parts.close()  # no reward worker, environment's process or generator outlives it
             log.close()
         log.report()
         return history
@@ -189,10 +188,10 @@ class Trainer:
             callbacks.fire("on_step_begin")
             try:
                 metrics, batch = self.train_step()
-            except TrainingDiverged as error:  # the last good state saved, if it can be
+            except (TrainingDiverged, GeneratorStopped) as error:  # the state saved, if it can be
                 saved, done = self.parts.saver.save_last_good()
                 self.saved = saved or self.saved
-                raise TrainingDiverged(f"{error}; {done}") from error
+                raise type(error)(f"{error}; {done}") from error
             control = self._log_step(metrics, batch, history)
             step_done = self.state.step
             if (
