@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import sys
+import weakref
 
 import pytest
 import torch
@@ -431,6 +432,106 @@ def test_trainer_with_vllm_learns_the_toy_task(tokenizer, tmp_path, toy_config, 
     assert last > 0.6, last  # the hf engine's run of the same: 0.02 -> 0.85 (another random stream)
     # the engine's logprobs are the update's (float32 on both sides): the mismatch metric reads ~0
     assert history[-1]["rollout/logprob_diff_max"] < 1e-4
+
+
+@pytest.fixture
+def not_the_first_engine(tokenizer):
+    """An engine built in this process before the test's: the process's first one is pinned for
+    good (the tracebacks vLLM's lazy imports keep reach back into its constructor's frame), so a
+    test of how engines are collected starts after it."""
+    from grpo.rollout.vllm import VLLMEngine
+
+    VLLMEngine(llama(tokenizer), tokenizer, make_cfg())
+
+
+@pytest.mark.vllm
+@requires_vllm
+def test_an_engine_built_after_an_unclosed_one_generates(
+    tokenizer, assert_same_greedy, not_the_first_engine
+):
+    """An engine left in a reference cycle (as a finished run leaves its own) is closed by the next
+    engine before that one starts. It used to be shut down whenever the garbage collector reached
+    it, which vLLM's start does (load_model's gc.collect) once the new engine's parallel state is
+    up, and its shutdown tore that state down (`pipeline model parallel group is not initialized`
+    at the first generation). vLLM's start freezes the collector's heap, which pins an engine
+    until some engine's shutdown thaws it; the test thaws it itself, and collects only where
+    vLLM does, so the collection happens where it did in the suite."""
+    import gc
+
+    from grpo.rollout.vllm import EngineClosed, VLLMEngine
+
+    model = llama(tokenizer)
+    greedy = SamplingParams(max_new_tokens=6, temperature=0)
+    first = VLLMEngine(model, tokenizer, make_cfg())
+    first.generate(prompts_of(tokenizer), 1, greedy)
+    cycle = {"engine": first}
+    cycle["self"] = cycle  # reachable only by the garbage collector once the names are gone
+    old = weakref.ref(first)
+    del first, cycle
+    gc.unfreeze()
+    gc.disable()
+    try:
+        fast, reference = engines(model, tokenizer, make_cfg())
+    finally:
+        gc.enable()
+    gc.collect()
+    assert_same_rollout(
+        fast.generate(prompts_of(tokenizer), 2, greedy),
+        reference.generate(prompts_of(tokenizer), 2, greedy),
+        model,
+        assert_same_greedy,
+    )
+    assert old() is None or old().closed
+    fast.close()
+    fast.close()  # idempotent
+    with pytest.raises(EngineClosed, match=r"rollout\.engine: vllm: this engine was closed"):
+        fast.generate(prompts_of(tokenizer), 1, greedy)
+
+
+@pytest.mark.vllm
+@requires_vllm
+def test_training_twice_in_one_process(
+    tokenizer, tmp_path, toy_config, first_char_correct, not_the_first_engine
+):
+    """Two runs one after the other in one process (a notebook's two trainings): the second one's
+    engine finds vLLM's parallel state whole; the first run's engine is closed by it. The first
+    run's garbage thawed and collected where vLLM's start collects, as in the test above."""
+    import gc
+
+    from grpo.training.trainer import Trainer
+
+    def build(name):
+        cfg = config.from_dict(
+            {**toy_config, "output_dir": str(tmp_path / name)},
+            [
+                "rollout.engine=vllm",
+                "rollout.vllm.kv_cache_gb=0.0625",
+                "rollout.vllm.enforce_eager=true",
+                "training.max_steps=2",
+            ],
+        )
+        return Trainer.from_config(
+            cfg,
+            model=llama(tokenizer),
+            tokenizer=tokenizer,
+            reward_funcs={"correct": first_char_correct},
+        )
+
+    first = build("one")
+    one = first.train()
+    engine = weakref.ref(first.engine)
+    del first  # as `trainer = ...` in a notebook's next cell: the finished run is garbage
+    gc.unfreeze()
+    gc.disable()
+    try:
+        second = build("two")
+    finally:
+        gc.enable()
+    two = second.train()
+    assert (engine() is None or engine().closed) and not second.engine.closed
+    # the same seeds and starting weights: the second run is the first
+    assert [h["reward"] for h in two] == [h["reward"] for h in one]
+    assert two[-1]["rollout/logprob_diff_max"] < 1e-4
 
 
 # ------------------------------------------------------------------ multi-turn rollouts with tools

