@@ -12,6 +12,7 @@ import time
 import pytest
 
 from grpo.rewards.worker import kill_tree, process_start
+from grpo.rollout import tool_memory
 from grpo.rollout.tools import Tool, ToolCall, ToolRunner
 
 pytestmark = pytest.mark.skipif(
@@ -124,6 +125,34 @@ def test_a_forked_tools_daemon_ends_when_its_call_times_out(tmp_path):
         (result,) = tool_runner(start, timeout=1.5).run([ToolCall("start", {})])
         assert result.timed_out
         (pid,) = daemons(pid_dir)
+        assert not alive(pid)
+    finally:
+        kill_all(daemons(pid_dir))
+
+
+def test_a_daemon_of_a_forked_call_that_dies_without_a_result_ends_with_its_cgroup(tmp_path):
+    """A daemon in a session of its own, left by a tool whose process then exits at once
+    (os._exit): neither the call's process nor the trainer can reach it by its tree or session
+    any more (it is init's), but it is in the call's cgroup, which is emptied when the call
+    ends (here at the timeout: the daemon holds the result's pipe open)."""
+    if not tool_memory.cgroups_usable():
+        if os.environ.get("GRPO_REQUIRE_SANDBOX"):
+            pytest.fail("a forked call gets no cgroup here (GRPO_REQUIRE_SANDBOX is set)")
+        pytest.skip("a forked call gets a cgroup as root with a writable cgroup hierarchy only")
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+
+    def start() -> str:
+        daemonize(pid_dir)
+        os._exit(0)
+
+    try:
+        (result,) = tool_runner(start, timeout=1.5).run([ToolCall("start", {})])
+        assert result.timed_out
+        (pid,) = daemons(pid_dir)
+        deadline = time.monotonic() + 5  # killed; init reaps it
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert not alive(pid)
     finally:
         kill_all(daemons(pid_dir))

@@ -3,6 +3,7 @@ trainer, its process group or any process that existed before the call (grpo.san
 signal_guard's filter), or take memory past rollout.tool_memory_mb (an error as the call's
 result, the run going on)."""
 
+import ctypes
 import errno
 import fcntl
 import json
@@ -16,6 +17,7 @@ import threading
 import pytest
 
 from grpo.config import loading as config
+from grpo.rollout import tool_memory
 from grpo.rollout.tools import ToolCall, ToolRunner, as_tool
 from grpo.run import runlog
 
@@ -102,18 +104,113 @@ def hog(mib: int) -> str:
     return f"held {len(held)} MiB"
 
 
+def grab(mib: int) -> str:
+    """Holds `mib` MiB, written to, in one allocation.
+
+    Args:
+        mib: How many MiB.
+    """
+    return f"held {len(bytearray(mib << 20)) >> 20} MiB"
+
+
 def test_a_forked_call_past_its_memory_limit_gets_an_error_and_the_next_call_runs():
-    runner = ToolRunner({"hog": as_tool(hog)}, 20.0, 1000, "process", memory_mb=32)
+    """One allocation of 256 MiB with a limit of 32: glibc maps it on its own (no free block of
+    the trainer's heap is that large), so it grows the call's data size and RLIMIT_DATA refuses
+    it, with or without the call's cgroup."""
+    runner = ToolRunner({"grab": as_tool(grab)}, 20.0, 1000, "process", memory_mb=32)
     small, large, again = runner.run(
-        [ToolCall("hog", {"mib": 8}), ToolCall("hog", {"mib": 256}), ToolCall("hog", {"mib": 8})]
+        [ToolCall("grab", {"mib": 8}), ToolCall("grab", {"mib": 256}), ToolCall("grab", {"mib": 8})]
     )
     assert (small.content, small.failed) == ("held 8 MiB", False)
     assert large.failed and not large.timed_out
-    assert large.content.startswith("error: MemoryError:")
+    assert large.content.startswith(
+        "error: MemoryError: the call went past its memory limit, 32 MiB beyond what it shares"
+    ), large.content
     assert "rollout.tool_memory_mb" in large.content
     assert (again.content, again.failed) == ("held 8 MiB", False)
     # and the limit is the call's, not the trainer's
     assert resource.getrlimit(resource.RLIMIT_DATA)[0] == resource.RLIM_INFINITY
+
+
+def _require_call_cgroups() -> None:
+    if not tool_memory.cgroups_usable():
+        if os.environ.get("GRPO_REQUIRE_SANDBOX"):
+            pytest.fail("a forked call gets no cgroup here (GRPO_REQUIRE_SANDBOX is set)")
+        pytest.skip("a forked call gets a cgroup as root with a writable cgroup hierarchy only")
+
+
+class _MallInfo2(ctypes.Structure):
+    """glibc's struct mallinfo2 (glibc 2.33 and later)."""
+
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd",
+            "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost",
+        )
+    ]  # fmt: skip
+
+
+FREED_CHUNKS = 160
+"""Chunks of 1.25 MiB a long-lived trainer has freed, each between two it holds."""
+
+
+def _calls_beside_a_freed_heap(calls: list[ToolCall], memory_mb: int) -> dict:
+    """`calls` run by a ToolRunner in a fork of this process whose heap first holds what a
+    long-lived trainer's does: memory it freed that glibc keeps mapped for reuse (1.25 MiB chunks
+    from the heap, each between two still held, so that none is returned), which a call's 1 MiB
+    allocations take without growing its data size; and how much such memory the heap holds
+    (glibc's mallinfo2: free bytes in its heaps). The fork, so that this process's heap and
+    glibc's thresholds stay as they were."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read)
+            libc = ctypes.CDLL(None)
+            libc.malloc.restype = ctypes.c_void_p
+            libc.malloc.argtypes, libc.free.argtypes = [ctypes.c_size_t], [ctypes.c_void_p]
+            libc.mallinfo2.restype = _MallInfo2
+            # freeing a mapped 16 MiB block raises glibc's mmap threshold past it, so that the
+            # chunks below come from the heap
+            libc.free(libc.malloc(16 << 20))
+            chunks = [libc.malloc(5 << 18) for _ in range(2 * FREED_CHUNKS)]
+            for chunk in chunks[::2]:
+                libc.free(chunk)
+            free_mib = libc.mallinfo2().fordblks >> 20
+            runner = ToolRunner({"hog": as_tool(hog)}, 20.0, 1000, "process", memory_mb=memory_mb)
+            results = [r.__dict__ for r in runner.run(calls)]
+            os.write(write, json.dumps({"free_mib": free_mib, "results": results}).encode())
+        except BaseException as error:
+            os.write(write, json.dumps({"error": repr(error)}).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        text = f.read()
+    os.waitpid(pid, 0)
+    return json.loads(text)
+
+
+def test_a_forked_call_is_held_to_its_limit_whatever_the_trainer_freed_before_it():
+    """A call that writes 128 MiB in 1 MiB pieces with a limit of 32, forked from a trainer whose
+    heap holds 200 MiB it freed: RLIMIT_DATA alone let it through (those pieces reuse the
+    trainer's freed chunks, and its data size does not grow); its cgroup counts every page it
+    writes and ends it at the limit."""
+    _require_call_cgroups()
+    seen = _calls_beside_a_freed_heap(
+        [ToolCall("hog", {"mib": 128}), ToolCall("hog", {"mib": 8})], memory_mb=32
+    )
+    assert "error" not in seen, seen
+    # the freed chunks are still the heap's: room for the call's 128 MiB
+    assert seen["free_mib"] >= FREED_CHUNKS * 1.25, seen["free_mib"]
+    large, again = seen["results"]
+    assert large["failed"] and not large["timed_out"]
+    assert large["content"].startswith(
+        "error: MemoryError: the call went past its memory limit, 32 MiB of memory written "
+        "(rollout.tool_memory_mb)"
+    ), large["content"]
+    assert (again["content"], again["failed"]) == ("held 8 MiB", False)
 
 
 def test_the_memory_limit_is_a_checked_key():
@@ -122,7 +219,7 @@ def test_the_memory_limit_is_a_checked_key():
     assert config.from_dict({"output_dir": "x"}).rollout.tool_memory_mb == 1024
 
 
-HOG_CALL = '<tool_call>{"name": "hog", "arguments": {"mib": 256}}</tool_call>'
+GRAB_CALL = '<tool_call>{"name": "grab", "arguments": {"mib": 256}}</tool_call>'
 
 
 def test_a_tool_past_its_memory_limit_fails_its_calls_and_the_run_goes_on(
@@ -139,15 +236,15 @@ def test_a_tool_past_its_memory_limit_fails_its_calls_and_the_run_goes_on(
         "training.per_device_train_batch_size=4",
         "training.max_steps=2",
     ]
-    trainer = make_trainer(tool_tokenizer, tmp_path, overrides, hidden=32, tools=[hog])
-    trainer.engine.inner = ForcedCalls(trainer.engine.inner, tool_tokenizer, HOG_CALL)
+    trainer = make_trainer(tool_tokenizer, tmp_path, overrides, hidden=32, tools=[grab])
+    trainer.engine.inner = ForcedCalls(trainer.engine.inner, tool_tokenizer, GRAB_CALL)
     history = trainer.train()
     assert len(history) == 2
     for metrics in history:
         assert metrics["tools/call_frequency"] == 1.0  # each completion's first turn calls it
         assert metrics["tools/failure_frequency"] == 1.0  # and every call failed
     rows = trainer.task.train_rows[:2]
-    rollout = trainer.engine.generate(trainer.prompts(rows), 2, trainer.sampling, [3, 4])
+    rollout = trainer.engine.generate(trainer.sampler.prompts(rows), 2, trainer.sampling, [3, 4])
     for turns in rollout.messages:
         assert turns[1]["role"] == "tool"
         assert turns[1]["content"].startswith("error: MemoryError:"), turns[1]["content"]

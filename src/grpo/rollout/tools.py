@@ -34,10 +34,12 @@ threads and process group, what started it, what it started): a tool's SIGTERM t
 fails in the tool (PermissionError) instead of stopping the run. A batch's calls that run in
 threads start before its forks, so that no thread the trainer starts escapes the filter. Where
 there is no filter (not Linux, an unknown architecture, no seccomp) calls run without it, and
-a warning says so once. Its memory: RLIMIT_DATA (grpo.rewards.worker.limit_memory, as a
-reward worker's) at the data the child shares with the trainer when it forks plus
-`rollout.tool_memory_mb` MiB, so that an allocation past that fails in the tool (MemoryError,
-the call's error result) whatever the trainer's own size.
+a warning says so once. Its memory, `rollout.tool_memory_mb` MiB (grpo.rollout.tool_memory):
+a cgroup of its own, made before the fork and entered before the tool runs, counts every page
+the call writes, copy-on-write copies of the trainer's included, and the kernel ends the call
+at the limit (root with writable cgroups); RLIMIT_DATA at the data it shares with the trainer
+plus that many MiB fails an allocation that grows its data past that (MemoryError), and is all
+that holds without a cgroup. Either way the call's result is an error naming the limit.
 
 What a forked call starts ends with it: the child leads a session of its own and is a child
 subreaper (grpo.rewards.worker's helpers, as a reward worker's keeper), so whatever the tool
@@ -46,8 +48,9 @@ once the tool has returned, the child kills its descendants and its session befo
 the result (a daemon holding the result's pipe no longer keeps the call waiting to its
 timeout). A call past its timeout is stopped (SIGSTOP: it forks no more), its descendants
 killed while it still holds them, then it and what remains of its session. A setsid'd
-daemon of a tool whose process dies without a result (a crash, os._exit) is init's and
-escapes. With `thread`, what a tool starts is the trainer's and is not tracked.
+daemon of a tool whose process dies without a result (a crash, os._exit) is init's: killed
+with the call's cgroup where it has one, escaping otherwise. With `thread`, what a tool starts
+is the trainer's and is not tracked.
 
 A forked call and CUDA: the child is forked from the trainer, which may have initialised CUDA,
 and CUDA cannot be used again in a process forked after that. grpo's own part of the child
@@ -70,7 +73,6 @@ import inspect
 import json
 import os
 import re
-import resource  # imported before any fork: a forked call limits its memory with it
 import sys
 import threading
 import time
@@ -83,10 +85,10 @@ from grpo.registry import load_callable
 from grpo.rewards.worker import (
     can_reap_orphans,
     kill_tree,
-    limit_memory,
     reap_children,
     set_child_subreaper,
 )
+from grpo.rollout.tool_memory import CallMemory
 from grpo.sandbox.signal_guard import SignalGuard
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -388,47 +390,16 @@ def _touched_cuda(exc: BaseException) -> bool:
     return False
 
 
-def _forked_error(exc: BaseException, limit: int, memory_mb: int = 0) -> dict:
+def _forked_error(exc: BaseException, limit: int, memory: CallMemory | None = None) -> dict:
     """A forked call's error payload; torch's forked-CUDA error with its fix first (so that the
     output cap keeps it) and flagged for the trainer's warning; a MemoryError under the call's
     memory limit names the limit."""
     if _touched_cuda(exc):
         text = f"error: {type(exc).__name__}: {FORKED_CUDA_FIX}: {exc}"
         return {"error": _as_text(text, limit), "cuda": True}
-    if isinstance(exc, MemoryError) and memory_mb:
-        text = (
-            f"error: MemoryError: the call went past its memory limit, {memory_mb} MiB beyond what "
-            f"it shares with the trainer (rollout.tool_memory_mb) {exc}"
-        )
-        return {"error": _as_text(text.rstrip(), limit)}
+    if isinstance(exc, MemoryError) and memory is not None:
+        return {"error": _as_text(memory.error_text(False, str(exc)), limit)}
     return {"error": _error(exc, limit)}
-
-
-def _limit_forked_memory(memory_mb: int) -> None:
-    """In a forked call: RLIMIT_DATA (grpo.rewards.worker.limit_memory, a reward worker's limit)
-    at the data this process holds now, the trainer's as the fork copied it, plus `memory_mb`
-    MiB, so that the limit counts what the call allocates, whatever the trainer's size. Left as
-    it is where /proc cannot say that size, or a lower limit is already set."""
-    held = _data_bytes()
-    if held is None:
-        return
-    limit = held + (memory_mb << 20)
-    hard = resource.getrlimit(resource.RLIMIT_DATA)[1]
-    if hard != resource.RLIM_INFINITY and hard < limit:
-        return
-    limit_memory(limit)
-
-
-def _data_bytes() -> int | None:
-    """This process's data size (VmData in /proc/self/status: what RLIMIT_DATA counts), or None."""
-    try:
-        with open("/proc/self/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"VmData:"):
-                    return int(line.split()[1]) << 10  # kB
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 _unguarded_warned = False
@@ -574,10 +545,19 @@ class ToolRunner:
         # torch, and no collection of the trainer's garbage, so a trainer that initialised CUDA
         # may fork it (the module docstring says more).
         can_reap_orphans()  # prctl looked up here, not by the child (a lookup after a fork may hang)
-        memory_mb = self.memory_mb
-        read, write = os.pipe()
         started = time.monotonic()
-        pid = os.fork()
+        try:  # the call's cgroup (grpo.rollout.tool_memory), made before the fork
+            memory = CallMemory.prepare(self.memory_mb) if self.memory_mb else None
+        except OSError as error:
+            text = f"error: the call's memory cgroup could not be made ({error})"
+            return lambda name: ToolResult(name, text, True, False, time.monotonic() - started)
+        try:
+            read, write = os.pipe()
+            pid = os.fork()
+        except BaseException:
+            if memory is not None:
+                memory.finish()  # the cgroup made for it goes
+            raise
         if pid == 0:  # the child: run, write one JSON line, exit without running any cleanup
             # what the trainer left for the collector (a cycle holding a CUDA tensor, say) is never
             # collected here: freeing it would call into CUDA from the fork
@@ -595,15 +575,21 @@ class ToolRunner:
                     os.dup2(devnull, fd)
                 # Python-level streams may not write to those descriptors (a captured console)
                 sys.stdout = sys.stderr = open(os.devnull, "w")
-                if memory_mb:
-                    _limit_forked_memory(memory_mb)
                 # from here on no process of the call can signal or trace one that existed before
                 # it (grpo.sandbox.signal_guard): the trainer, its workers, what started it
                 unguarded = None if guard.install() else guard.reason
-                try:
-                    payload = {"result": _as_text(_invoke(function, arguments), self.max_chars)}
-                except BaseException as error:
-                    payload = _forked_error(error, self.max_chars, memory_mb)
+                try:  # the tool runs only under its memory limit (grpo.rollout.tool_memory)
+                    if memory is not None:
+                        memory.enter()
+                except OSError as error:
+                    payload = {
+                        "error": f"error: the call's memory limit could not be set ({error})"
+                    }
+                else:
+                    try:
+                        payload = {"result": _as_text(_invoke(function, arguments), self.max_chars)}
+                    except BaseException as error:
+                        payload = _forked_error(error, self.max_chars, memory)
                 if unguarded:
                     payload["unguarded"] = unguarded
                 data = json.dumps(payload).encode()
@@ -643,11 +629,16 @@ class ToolRunner:
             if payload is None:  # timed out or died: the child did not end what it started
                 _end_call(pid)
             status = _reap(pid)
+            # the kernel's kill at the cgroup's limit; what the call left in its cgroup is killed
+            killed_at_limit = memory is not None and memory.finish()
             seconds = time.monotonic() - started
             if payload is not None and payload.get("unguarded"):
                 _warn_unguarded(payload["unguarded"])
             if timed_out:
                 return ToolResult(name, self._timeout_text(), True, True, seconds)
+            if payload is None and killed_at_limit:
+                text = _as_text(memory.error_text(True), self.max_chars)
+                return ToolResult(name, text, True, False, seconds)
             if payload is None:
                 return ToolResult(
                     name,

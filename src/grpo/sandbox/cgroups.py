@@ -1,4 +1,5 @@
-"""Hard memory and process-count limits for one sandboxed run, through cgroups.
+"""Hard memory and process-count limits for one sandboxed run, through cgroups (and the
+memory limit of a process-isolated tool call: grpo.rollout.tool_memory, without a count).
 
 Resource limits (rlimits) bound each process; a cgroup bounds all the
 processes of a run together, whatever they do (a hundred processes of
@@ -69,9 +70,10 @@ def _parents() -> list[Path] | None:
 
 class RunCgroup:
     """The cgroup(s) of one run: made with limits, entered by the run's first process
-    (`enter_paths`: write its pid to each), checked for an OOM kill, then emptied and removed."""
+    (`enter_paths`: write its pid to each), checked for an OOM kill, then emptied and removed.
+    `processes` None: no process-count limit (a forked tool call's cgroup, grpo.rollout.tool_memory)."""
 
-    def __init__(self, parents: list[Path], memory: int, processes: int):
+    def __init__(self, parents: list[Path], memory: int, processes: int | None):
         name = f"run-{os.getpid()}-{next(_serial)}"
         self.dirs = [p / name for p in parents]
         self.v2 = len(parents) == 1
@@ -86,17 +88,16 @@ class RunCgroup:
                 _remove(d, parent_too=True)
             raise
 
-    def _limit(self, memory: int, processes: int) -> None:
+    def _limit(self, memory: int, processes: int | None) -> None:
         if self.v2:
             (self.dirs[0] / "memory.max").write_text(str(memory))
             _try_write(self.dirs[0] / "memory.swap.max", "0")
-            (self.dirs[0] / "pids.max").write_text(str(processes))
         else:
-            memory_dir, pids_dir = self.dirs
-            (memory_dir / "memory.limit_in_bytes").write_text(str(memory))
+            (self.dirs[0] / "memory.limit_in_bytes").write_text(str(memory))
             # no escape into swap
-            _try_write(memory_dir / "memory.memsw.limit_in_bytes", str(memory))
-            (pids_dir / "pids.max").write_text(str(processes))
+            _try_write(self.dirs[0] / "memory.memsw.limit_in_bytes", str(memory))
+        if processes is not None:  # a new cgroup's pids.max is "max"
+            (self.dirs[-1] / "pids.max").write_text(str(processes))
 
     @property
     def enter_paths(self) -> list[str]:
