@@ -13,7 +13,6 @@ import socket
 import struct
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -29,7 +28,6 @@ from grpo.sandbox.signal_guard import (
     SYSCALLS,
     SignalGuard,
     build,
-    protected_ids,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -45,14 +43,21 @@ def test_the_most_ids_fit_one_filter_and_more_are_refused(arch):
         build(arch, range(1, MAX_PROTECTED + 400))
 
 
-def _daemon() -> int:
-    """A process in a session of its own that is not this one's descendant (fork, setsid, fork,
-    the middle one exits); its pid. It sleeps 30 s."""
+PAST_THE_LIMIT = r"""
+import json, os, subprocess, sys, time
+from grpo.sandbox import signal_guard
+from grpo.sandbox.signal_guard import protected_ids
+
+
+def orphan(new_session):
+    # fork, fork, the middle one exits: a process that is not this one's descendant, in this
+    # session or (new_session) in one of its own; its pid. It sleeps 30 s.
     read, write = os.pipe()
     middle = os.fork()
     if middle == 0:
         try:
-            os.setsid()
+            if new_session:
+                os.setsid()
             if os.fork() == 0:
                 os.write(write, f"{os.getpid()}\n".encode())
                 time.sleep(30)
@@ -64,23 +69,75 @@ def _daemon() -> int:
         return int(f.readline())
 
 
+# this process leads a session of its own. Started first, so that its pid sorts before the
+# child's among the session's members (pids wrap only past pid_max): a member of the session
+# that is not a descendant; then a child (a descendant, and in the session too), and a daemon
+# (neither)
+member = orphan(new_session=False)
+child = subprocess.Popen(["sleep", "30"])
+daemon = orphan(new_session=True)
+try:
+    table = signal_guard._processes()
+    # one reading of /proc for every call below, so that they cut the same list of ids
+    signal_guard._processes = lambda: table
+    every = protected_ids()
+
+    def admitted(pid):
+        # the least limit under len(every) whose ids hold `pid` (None: none): the ids past the
+        # limit are a prefix of one order, so this is the pid's place in it
+        low, high = 1, len(every) - 1
+        if pid not in protected_ids(high):
+            return None
+        while low < high:
+            middle = (low + high) // 2
+            low, high = (low, middle) if pid in protected_ids(middle) else (middle + 1, high)
+        return low
+
+    mine = len(os.listdir(f"/proc/{os.getpid()}/task"))
+    few = protected_ids(limit=mine + 40)
+    print(json.dumps({
+        "every": len(every),
+        "in_every": all(p in every for p in (1, os.getpid(), os.getppid(), member, child.pid, daemon)),
+        "few": len(few),
+        "limit_few": mine + 40,
+        "few_hold_own": all(p in few for p in (1, os.getpid(), os.getppid(), os.getpgid(0), os.getsid(0))),
+        "daemon_in_few": daemon in few,
+        "places": {name: admitted(pid) for name, pid in (
+            ("itself", os.getpid()), ("parent", os.getppid()), ("child", child.pid),
+            ("member", member), ("daemon", daemon),
+        )},
+    }))
+finally:
+    child.kill()
+    child.wait()
+    for pid in (member, daemon):
+        os.kill(pid, 9)
+"""
+
+
 def test_past_the_limit_only_the_process_its_ancestors_descendants_and_session_are_protected():
-    child = subprocess.Popen(["sleep", "30"])
-    daemon = _daemon()
-    try:
-        every = protected_ids()
-        assert {1, os.getpid(), os.getppid(), child.pid, daemon} <= every
-        mine = len(os.listdir(f"/proc/{os.getpid()}/task"))
-        own = protected_ids(limit=mine + 40)
-        assert len(own) <= mine + 40
-        assert {1, os.getpid(), os.getppid(), os.getpgid(0), os.getsid(0)} <= own
-        assert daemon not in own
-        own = protected_ids(limit=len(every) - 1)  # the descendants come before the session
-        assert child.pid in own and daemon not in own
-    finally:
-        child.kill()
-        child.wait()
-        os.kill(daemon, signal.SIGKILL)
+    """Past the limit the ids kept are, in order: the process's own and its ancestors', its
+    descendants', then its session's members'; never another session's process that is not its
+    descendant. Seen from a fresh process that leads a session of its own (this test process
+    may have descendants and session members of earlier tests), with a child, a member of its
+    session that is not its descendant, started before the child (so that its pid sorts first
+    among the session's members: only the descendants coming first puts the child before it),
+    and a daemon in a session of its own."""
+    done = subprocess.run(
+        [sys.executable, "-c", PAST_THE_LIMIT],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        start_new_session=True,
+    )
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    assert seen["in_every"]
+    assert seen["few"] <= seen["limit_few"] and seen["few_hold_own"]
+    assert not seen["daemon_in_few"]
+    places = seen["places"]
+    assert places["daemon"] is None  # no limit under all of them takes it
+    assert places["itself"] < places["parent"] < places["child"] < places["member"], places
 
 
 def _in_guarded_fork(guard: SignalGuard, attempts) -> dict:
