@@ -97,10 +97,14 @@ try:
     few = protected_ids(limit=mine + 40)
     print(json.dumps({
         "every": len(every),
-        "in_every": all(p in every for p in (1, os.getpid(), os.getppid(), member, child.pid, daemon)),
+        "in_every": all(
+            p in every for p in (1, os.getpid(), os.getppid(), member, child.pid, daemon)
+        ),
         "few": len(few),
         "limit_few": mine + 40,
-        "few_hold_own": all(p in few for p in (1, os.getpid(), os.getppid(), os.getpgid(0), os.getsid(0))),
+        "few_hold_own": all(
+            p in few for p in (1, os.getpid(), os.getppid(), os.getpgid(0), os.getsid(0))
+        ),
         "daemon_in_few": daemon in few,
         "places": {name: admitted(pid) for name, pid in (
             ("itself", os.getpid()), ("parent", os.getppid()), ("child", child.pid),

@@ -6,16 +6,16 @@ Two limits are set in the call's process before the tool runs:
 
 - a cgroup of its own (grpo.sandbox.cgroups), made by the trainer right before the fork and
   entered by the call's process before the tool runs: its memory limit, N MiB, counts every
-  page a process of the call writes from then on, whatever the trainer's heap holds: its allocations, the
-  copy-on-write copies of pages it shares with the trainer, files it writes to a tmpfs (pages
-  charged before it entered stay the trainer's). At the limit the kernel kills the process that
-  holds the most (an OOM kill in the cgroup); `CallMemory.finish` says so, so that the call's
-  result names the limit, kills whatever of the call is left in the cgroup and removes it. Made
-  where grpo.sandbox.cgroups.available() as root, the code sandbox's own condition; not
-  swapped out where the kernel accounts swap.
+  page a process of the call writes from then on, whatever the trainer's heap holds: its
+  allocations, the copy-on-write copies of pages it shares with the trainer, files it writes
+  to a tmpfs (pages charged before it entered stay the trainer's). At the limit the kernel
+  kills the process of the call that holds the most (an OOM kill in the cgroup);
+  `CallMemory.finish` says so, so that the call's result names the limit, then kills whatever
+  of the call is left in the cgroup and removes it. Made where grpo.sandbox.cgroups.available()
+  as root, the code sandbox's own condition; swap is kept out where the kernel accounts it.
 - RLIMIT_DATA (grpo.rewards.worker.limit_memory) at the data size the process shares with the
-  trainer when it forks plus N MiB, so that an allocation that grows its data past that fails
-  in the tool (MemoryError, which the tool may catch) before the kernel has to kill it.
+  trainer when it forks plus N MiB: an allocation that grows its data past that fails in the
+  tool (MemoryError, which the tool may catch), where the cgroup's limit is not reached first.
 
 Without a cgroup (not root, no writable hierarchy) only the second holds, and it bounds how far
 the call's data size grows, not the memory it writes: what the trainer freed and its allocator

@@ -71,7 +71,7 @@ def _parents() -> list[Path] | None:
 class RunCgroup:
     """The cgroup(s) of one run: made with limits, entered by the run's first process
     (`enter_paths`: write its pid to each), checked for an OOM kill, then emptied and removed.
-    `processes` None: no process-count limit (a forked tool call's cgroup, grpo.rollout.tool_memory)."""
+    `processes` None: no process-count limit (a forked tool call's: grpo.rollout.tool_memory)."""
 
     def __init__(self, parents: list[Path], memory: int, processes: int | None):
         name = f"run-{os.getpid()}-{next(_serial)}"
