@@ -198,10 +198,12 @@ class RolloutConfig:
     os._exit costs only its call); thread: in a thread of the training process (cheaper; a hung
     call's thread is left running, a tool that ends the process ends the run)."""
     tool_memory_mb: int = 1024
-    """Memory limit of each process-isolated tool call, in MiB past what its process shares with
-    the trainer when it forks (RLIMIT_DATA, as rewards.worker_memory_mb: each process of the
-    call); a tool that allocates past it gets an error as that call's result (MemoryError),
-    counted in tools/failure_frequency; 0 = no limit. Calls in threads have none."""
+    """Memory each process-isolated tool call may write, in MiB: its own cgroup's limit where the
+    trainer runs as root with writable cgroups (every page the call writes counts, copies of the
+    trainer's included), else RLIMIT_DATA past the trainer's data size at the fork, which a call
+    beside a long-lived trainer can exceed by reusing its freed heap (docs/agents.md); a call past
+    it gets an error as its result (MemoryError), counted in tools/failure_frequency; 0 = no
+    limit. Calls in threads have none."""
     environment: str | dict[str, str] | None = None
     """TRL's environment_factory: 'module:Factory' or 'path/to/file.py:Factory' (a class or a
     function returning an environment: an object with reset(**row) whose public methods are the
