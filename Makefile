@@ -118,7 +118,7 @@ $(VLLM_VENV)/.dev: pyproject.toml $(VLLM_VENV)/.vllm
 	touch $@
 
 test-vllm: $(VLLM_VENV)/.dev
-	$(VLLM_BIN)/python -m pytest -q -m 'vllm or not slow' tests/rollout/test_vllm.py
+	$(VLLM_BIN)/python -m pytest -q -m 'vllm or not slow' tests/rollout/test_vllm.py tests/serve/test_vllm_server.py
 
 # TRL's tests/test_grpo_trainer.py, fetched and adapted to run offline, run once on
 # TRL and once with its import changed to grpo; TRL_SUITE_ARGS='-k EXPR' for a subset

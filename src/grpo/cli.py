@@ -399,7 +399,10 @@ def _serve(args: argparse.Namespace) -> int:
     cfg = command.config_of(args.model, args.overrides)
     _before_torch(cfg)
     _quiet_transformers()
-    return command.run(cfg, args.engine, args.host, args.port, key, say)
+    options = {name: getattr(args, name) for name in command.VLLM_OPTIONS}
+    return command.run(
+        cfg, args.engine, args.host, args.port, key, say, options, args.vllm_arguments
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -499,7 +502,12 @@ def main(argv: list[str] | None = None) -> int:
         "model", help="a grpo config file (its model section is served) or what model.name takes"
     )
     serve.add_argument("overrides", nargs="*", help="section.key=value, e.g. training.bf16=false")
-    serve.add_argument("--engine", default="hf", help="hf: grpo's own engine (the one built)")
+    serve.add_argument(
+        "--engine",
+        default="hf",
+        help="hf: grpo's own engine (CPUs, any model grpo loads); vllm: vLLM's own server, weight "
+        "transfer on (NCCL on CUDA, gloo on CPUs); options after -- go to vLLM's server",
+    )
     serve.add_argument(
         "--host", default="127.0.0.1", help="the address to bind (default 127.0.0.1)"
     )
@@ -509,10 +517,24 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument(
         "--api-key", help="the shared secret (better: the environment variable GRPO_SERVE_API_KEY)"
     )
-    serve.set_defaults(run=_serve)
+    vllm_help = "(--engine vllm) vLLM's option of the same name"
+    serve.add_argument("--tensor-parallel-size", type=int, help=vllm_help)
+    serve.add_argument("--data-parallel-size", type=int, help=vllm_help)
+    serve.add_argument("--gpu-memory-utilization", type=float, help=vllm_help)
+    serve.add_argument("--max-model-len", type=int, help=vllm_help)
+    serve.add_argument("--dtype", help=vllm_help)
+    serve.set_defaults(run=_serve, vllm_arguments=[])
+    # `grpo serve ... -- OPTIONS`: what follows -- is vLLM's server's, passed on as it is
+    argv = list(sys.argv[1:] if argv is None else argv)
+    passed_on: list[str] = []
+    if argv[:1] == ["serve"] and "--" in argv:
+        cut = argv.index("--")
+        argv, passed_on = argv[:cut], argv[cut + 1 :]
     # overrides may come after an option too (`grpo eval CFG --checkpoint DIR key=val`): argparse's
     # intermixed parsing does not work with subcommands, so the key=value words it leaves are taken here
     args, extra = parser.parse_known_args(argv)
+    if passed_on:
+        args.vllm_arguments = passed_on
     if extra:
         if args.command not in ("train", "eval", "serve") or any(
             x.startswith("-") or "=" not in x for x in extra

@@ -173,3 +173,72 @@ def test_model_difference_names_what_differs():
     renamed = {**ours, "tensors": [["v", "float32", [2, 2]]]}
     assert "differ by name" in wire.model_difference(ours, renamed)
     assert "does not describe" in wire.model_difference(ours, None)
+
+
+# ------------------------------------------------------------------ vLLM's /inference/v1/generate
+
+
+def _vllm_choice(index, tokens, reason="stop", label="3", logprobs=True):
+    choice = {
+        "index": index,
+        "token_ids": tokens,
+        "finish_reason": reason,
+        "weight_versions": [{"version": label, "start": 0, "end": len(tokens)}],
+    }
+    if logprobs:
+        choice["logprobs"] = {"content": [{"token_id": t, "logprob": -0.5} for t in tokens]}
+    return choice
+
+
+def test_a_vllm_answer_is_read_and_its_labels_checked():
+    params = SamplingParams(max_new_tokens=3, temperature=1.0)
+    answer = {"choices": [_vllm_choice(1, [4, 5, 6], "length"), _vllm_choice(0, [7])]}
+    assert wire.stale_label(answer, "3") is None
+    done = wire.parse_generate_answer(answer, 2, 10, params)
+    assert done.token_ids == [[7], [4, 5, 6]] and done.truncated == [False, True]
+    assert done.logprobs == [[-0.5], [-0.5] * 3]
+    # a token sampled by other weights (a restarted server says "default") is named
+    answer["choices"][1]["weight_versions"].append({"version": "default", "start": 3, "end": 3})
+    assert wire.stale_label(answer, "3") == "default"
+    # greedy: one choice, repeated for the group, no logprobs
+    greedy = SamplingParams(max_new_tokens=3, temperature=0)
+    one = {"choices": [_vllm_choice(0, [2, 2], logprobs=False)]}
+    done = wire.parse_generate_answer(one, 3, 10, greedy)
+    assert done.token_ids == [[2, 2]] * 3 and done.logprobs is None
+
+
+@pytest.mark.parametrize(
+    "change, why",
+    [
+        (lambda a: a["choices"][0].pop("weight_versions"), "which weights sampled it"),
+        (lambda a: a["choices"][0]["token_ids"].append(99), "not a token id"),
+        (
+            lambda a: a["choices"][0]["logprobs"]["content"][0].update(token_id=5),
+            "another token than the one sampled",
+        ),
+        (
+            lambda a: a["choices"][0]["logprobs"]["content"][0].update(logprob=True),
+            "not a finite number",
+        ),
+        (lambda a: a["choices"].append(_vllm_choice(1, [1])), "2 choices for 1"),
+        (lambda a: a["choices"][0].update(finish_reason="abort"), "not stop or length"),
+    ],
+)
+def test_a_vllm_answer_that_breaks_the_request_is_refused(change, why):
+    answer = {"choices": [_vllm_choice(0, [4, 6])]}
+    change(answer)
+    with pytest.raises(wire.WireError, match=why):
+        wire.stale_label(answer, "3")
+        wire.parse_generate_answer(answer, 1, 10, SamplingParams(max_new_tokens=3, temperature=1))
+
+
+def test_a_vllm_answer_limit_covers_an_honest_answer():
+    """vLLM writes a sampled token's id and logprob twice (as itself and as its top candidate)."""
+    import json
+
+    tokens = list(range(100))
+    choice = _vllm_choice(0, tokens)
+    for entry in choice["logprobs"]["content"]:
+        entry.update(logprob=-1.2345678901234567, rank=123456, top_logprobs=[dict(entry)])
+    answer = {"request_id": "x" * 64, "choices": [choice] * 8, "usage": {"total_tokens": 10**6}}
+    assert len(json.dumps(answer)) < wire.generate_answer_limit(8, 100)

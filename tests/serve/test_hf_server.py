@@ -159,5 +159,13 @@ def test_a_taken_port_or_no_secret_is_one_line(server, capsys, monkeypatch):
     assert main(["serve", "tiny", "--port", "0"]) == 2
     assert "needs a shared secret" in capsys.readouterr().err
     monkeypatch.setenv("GRPO_SERVE_API_KEY", SERVE_KEY)
-    assert main(["serve", "tiny", "--engine", "vllm"]) == 2
-    assert "only hf is built" in capsys.readouterr().err
+    assert main(["serve", "tiny", "--engine", "vllm"]) == 2  # vllm is not installed here
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("grpo: config error: grpo serve --engine vllm:")
+    assert "vLLM is not importable here" in err and "--engine hf" in err
+    # vLLM's server's options are refused for grpo's own
+    assert main(["serve", "tiny", "--tensor-parallel-size", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--tensor-parallel-size are vLLM's server's" in err
+    assert main(["serve", "tiny", "--", "--enforce-eager"]) == 2
+    assert "options after -- are vLLM's server's" in capsys.readouterr().err

@@ -1,5 +1,7 @@
-"""The `server` rollout engine: generation by a server in another process (`grpo serve`), the
-trainer's weights streamed to it after every optimizer step.
+"""The `server` rollout engine: generation by a server in another process (`grpo serve --engine
+hf`, or vLLM's own server as `grpo serve --engine vllm` starts it), the trainer's weights streamed
+to it after every optimizer step. Where the two kinds of server differ (their description, how
+generation is asked, the group's size, what surrounds a push) is grpo.rollout.server_dialect's.
 
     rollout:
       engine: server
@@ -10,7 +12,8 @@ and the server's shared secret in the environment variable GRPO_SERVE_API_KEY.
 - At start, before the policy is loaded (`preflight`): the secret is set and the server answers
   within rollout.server.timeout, else one line naming the URL and the `grpo serve` command. Once
   the policy is built: the server's model is the policy's (architecture, vocabulary, every
-  tensor's name, dtype and shape), else refused; then the policy's weights are pushed (version 1).
+  tensor's name, dtype and shape; a vLLM server lists no tensors, and its refusal of the first
+  push is the refusal), else refused; then the policy's weights are pushed (version 1).
 - `generate` sends the prompts as token ids with one seed per prompt and the weights' version
   (grpo.rollout.wire); the completions, their sampler's logprobs and the version come back and are
   checked before they are trusted, and assembled into the Rollout the `hf` engine would give.
@@ -36,7 +39,7 @@ import time
 import torch
 
 from grpo.config.errors import ConfigError
-from grpo.rollout import weight_transfer, wire
+from grpo.rollout import server_dialect, weight_transfer, wire
 from grpo.rollout.hf import left_pad
 from grpo.rollout.server_http import HTTPClient, Refused, ServerError, TimedOut, Unreachable
 from grpo.rollout.types import Rollout, SamplingParams, Seeds, prompt_seeds
@@ -132,7 +135,7 @@ class ServerEngine:
         _check_lora(model)
         output = model.get_output_embeddings()
         self.vocab = int(output.weight.shape[0]) if output is not None else model.config.vocab_size
-        self.metas = [weight_transfer.TensorMeta.of(n, t) for n, t in _weights(model)]
+        self.cfg = cfg
         self.version = 0
         """The version of the weights the server holds for this run (0: none pushed yet)."""
         self.recovers = True
@@ -143,7 +146,16 @@ class ServerEngine:
         self.scratch = weight_transfer.Scratch()  # one bucket, kept from push to push
         self.metrics: dict[str, float] = {}
         self.model_id = self._check_model()
-        self._push_and_wait()
+        try:
+            self._push_and_wait()
+        except ServerError as error:
+            if isinstance(self.dialect, server_dialect.GrpoServer):
+                raise
+            raise ConfigError(  # a vLLM server's model is checked by the first push
+                f"rollout.engine: server: the server at {s.url} did not take the policy's weights, so it "
+                f"serves another model than the policy: {str(error)[:400]}; start it with the run's own "
+                "model"
+            ) from None
         self.metrics.clear()  # the first push is the start's, not a step's
 
     @property
@@ -157,18 +169,35 @@ class ServerEngine:
         return wire.describe_model(self.model.config, tensors, self.vocab)
 
     def _check_model(self) -> str:
-        """The served model's id, once its model is known to be the policy's (else ConfigError)."""
-        info = self._ask("GET", "/server_info", what="its description")
-        grpo = info.get("grpo") if isinstance(info, dict) else None
-        why = wire.model_difference(
-            self._describe(), grpo.get("model") if isinstance(grpo, dict) else None
+        """The server's kind (`self.dialect`) and the tensors a push sends (`self.metas`, in the
+        server's dtype where it names one); the served model's id, once its model is known to be
+        the policy's as far as the server tells (else ConfigError)."""
+        info = self._ask("GET", "/server_info?config_format=json", what="its description")
+        try:
+            self.dialect = server_dialect.dialect_of(info if isinstance(info, dict) else {})
+        except wire.WireError as error:
+            raise ConfigError(
+                f"rollout.engine: server: the server at {self.settings.url} is not a generation server grpo "
+                f"speaks to ({error}); start one with `{self.command}`"
+            ) from None
+        self.push_dtype = (
+            weight_transfer.DTYPES.get(self.dialect.push_dtype) if self.dialect.push_dtype else None
         )
+        self.metas = [weight_transfer.TensorMeta.of(n, t) for n, t in self._weights()]
+        why = self.dialect.model_difference(self._describe(), info)
         if why is not None:
             raise ConfigError(
                 f"rollout.engine: server: the server at {self.settings.url} serves another model than the "
                 f"policy: {why}; start it with the run's own model (`{self.command}`)"
             )
-        return str(grpo.get("model_id", ""))[:512]
+        if isinstance(self.dialect, server_dialect.VLLMServer):
+            self.dialect.check_logprobs(self.cfg.rollout, self.settings.url)
+        return self.dialect.model_id(info)
+
+    def _weights(self):
+        """What a push sends: the policy's weights (grpo.rollout.vllm's policy_weights), in the
+        server's dtype where it keeps its own."""
+        return _weights(self.model, self.push_dtype)
 
     def _ask(self, method: str, path: str, body=None, *, what: str, limit: int = 64 << 20):
         """A control exchange (health, description, checksum) that costs the server nothing."""
@@ -197,42 +226,19 @@ class ServerEngine:
         G = num_generations
         # drawn as the hf engine draws them: only when sampling
         seeds = prompt_seeds(seeds, len(prompts)) if params.temperature > 0 else None
-        body = wire.completion_request(
-            self.model_id,
-            prompts,
-            G,
-            params,
-            seeds,
-            self.eos_token_ids,
-            self.stop_strings,
-            self.version,
-        )
-        limit = wire.answer_limit(prompts, G, params.max_new_tokens)
-        answer = self._exchange("/v1/completions", body, limit)
-        try:
-            done = wire.parse_completion_answer(
-                answer, len(prompts), G, self.vocab, params, self.version
-            )
-        except wire.WireError as error:
-            raise ServerError(
-                f"the generation server at {self.settings.url} sent an answer grpo cannot trust: {error}"
-            ) from None
-        return self._rollout(prompts, G, done)
+        return self._rollout(prompts, G, self._exchange(prompts, G, params, seeds))
 
-    def _exchange(self, path: str, body: dict, limit: int):
-        """A generation request's answer, repeated once the server is back when it was lost or
-        restarted (and, on rank 0, given the step's weights again)."""
+    def _exchange(self, prompts, G: int, params: SamplingParams, seeds) -> wire.Completions:
+        """The server's completions, checked; asked again once the server is back when it was
+        lost or restarted (and, on rank 0, given the step's weights again)."""
         s = self.settings
         for attempt in range(3):
             try:
-                return self.client.call(
-                    "POST",
-                    path,
-                    body,
-                    timeout=s.request_timeout,
-                    key="rollout.server.request_timeout",
-                    limit=limit,
-                )
+                return self.dialect.generate(self, prompts, G, params, seeds)
+            except wire.WireError as error:
+                raise ServerError(
+                    f"the generation server at {s.url} sent an answer grpo cannot trust: {error}"
+                ) from None
             except TimedOut as error:
                 raise ServerError(
                     f"rollout.server.request_timeout: the generation server at {s.url} did not finish a "
@@ -350,6 +356,7 @@ class ServerEngine:
         s = self.settings
         if self.group is None or self._server_instance() != self.instance:
             self._open_group()
+        self.dialect.before_push(self.client, version, self._post)
         self._post("/start_weight_update", {"is_checkpoint_format": True})
         sent: list[int] = []
         failed: list[BaseException] = []
@@ -359,7 +366,7 @@ class ServerEngine:
                 sent.append(
                     weight_transfer.send(
                         self.group,
-                        _weights(self.model),
+                        self._weights(),
                         self.metas,
                         self.bucket_bytes,
                         self.scratch,
@@ -384,7 +391,11 @@ class ServerEngine:
                 f"the weights' transfer failed within {s.weight_sync_timeout:g} s ({str(cause)[:300]})",
                 "rollout.server.weight_sync_timeout",
             )
-        self._post("/finish_weight_update", {"weights_version": version})
+        # vLLM's name and type for the version, and grpo's
+        self._post(
+            "/finish_weight_update", {"weight_version": str(version), "weights_version": version}
+        )
+        self.dialect.after_push(self.client, version, self._post)
         return sent[0]
 
     def _post(self, path: str, body: dict):
@@ -398,28 +409,27 @@ class ServerEngine:
 
     def _server_instance(self) -> str | None:
         """The server process's id: a restarted server has another, and none of this trainer's group."""
-        info = self.client.call(
-            "GET",
-            "/server_info",
-            timeout=CONTROL_SECONDS,
-            key="rollout.server.timeout",
-            limit=64 << 20,
-        )
-        grpo = info.get("grpo") if isinstance(info, dict) else None
-        return grpo.get("instance") if isinstance(grpo, dict) else None
+        try:
+            return self.dialect.instance(server_dialect.describe(self.client))
+        except wire.WireError:
+            return None
 
     def _open_group(self) -> None:
         """The weight-transfer group with the server: this trainer hosts the store, the server joins."""
         s = self.settings
         self._drop_group()
         self.instance = self._server_instance()
+        try:
+            world = 1 + self.dialect.world_size(self.client)
+        except wire.WireError as error:
+            raise ServerError(f"the generation server at {s.url}: {error}") from None
         address = self.client.local_address(CONTROL_SECONDS)
-        self.store = weight_transfer.open_store(address, s.group_port, s.weight_sync_timeout)
+        self.store = weight_transfer.open_store(address, s.group_port, s.weight_sync_timeout, world)
         init_info = {
             "master_address": address,
             "master_port": self.store.port,
             "rank_offset": 1,
-            "world_size": 2,
+            "world_size": world,
             "timeout": s.weight_sync_timeout,
         }
         joined: list = []
@@ -427,7 +437,9 @@ class ServerEngine:
 
         def join():
             try:
-                joined.append(weight_transfer.open_group(self.store, 0, s.weight_sync_timeout))
+                joined.append(
+                    weight_transfer.open_group(self.store, 0, s.weight_sync_timeout, world)
+                )
             except BaseException as error:  # noqa: BLE001 (re-raised below)
                 failed.append(error)
 
@@ -486,10 +498,11 @@ class ServerEngine:
             return
         deadline = time.monotonic() + self.settings.timeout
         while time.monotonic() < deadline:
-            info = self._ask("GET", "/server_info", what="its description")
-            grpo = info.get("grpo") if isinstance(info, dict) else {}
-            if isinstance(grpo, dict) and grpo.get("weights_version") == self.version:
-                return
+            try:
+                if self.dialect.held_version(self.client) == self.version:
+                    return
+            except (wire.WireError, Refused):
+                pass
             time.sleep(POLL_SECONDS)
         raise ServerError(
             f"the generation server at {self.settings.url} was restarted and rank 0 did not push the step's "
@@ -503,12 +516,13 @@ class ServerEngine:
         pass
 
 
-def _weights(model):
+def _weights(model, dtype: torch.dtype | None = None):
     """The policy's weights as the server loads them: grpo.rollout.vllm's policy_weights (a LoRA
-    policy merged, the adapters left out), one tensor at a time."""
+    policy merged, the adapters left out; floating-point ones in `dtype` when given), one tensor
+    at a time."""
     from grpo.rollout.vllm import policy_weights
 
-    return policy_weights(model)
+    return policy_weights(model, dtype)
 
 
 def _check_lora(model) -> None:

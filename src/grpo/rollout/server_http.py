@@ -104,6 +104,8 @@ class HTTPClient:
                 f"{what} to {self.url} was refused: HTTP {response.status} {_message(payload)}",
                 response.status,
             )
+        if not payload:  # vLLM's /health answers 200 with no body
+            return None
         try:
             return wire.loads(payload, f"the answer to {what}")
         except wire.WireError as error:

@@ -1,6 +1,7 @@
-"""Weights streamed from the trainer to a generation server: a two-process gloo group, buckets.
+"""Weights streamed from the trainer to a generation server: a gloo group, buckets.
 
-The trainer (rank 0 of the group) opens a TCP store; the server joins it as rank 1 when told to
+The trainer (rank 0 of the group) opens a TCP store; the server joins it (as rank 1; a vLLM server's
+workers as ranks 1 .. its world size, grpo.serve.vllm_gloo) when told to
 (`init_weight_transfer_engine`, the same handshake as vLLM's NCCL engine: `master_address`,
 `master_port`, `rank_offset`, `world_size`). A push is announced by its metadata (`names`,
 `dtype_names`, `shapes`: vLLM's update_info) and sent as a sequence of broadcasts of packed
@@ -195,7 +196,7 @@ def receive(
     return received
 
 
-def open_store(host: str, port: int, timeout: float):
+def open_store(host: str, port: int, timeout: float, world_size: int = 2):
     """The trainer's side of the rendezvous: a TCP store it hosts on `port` (0: a free one);
     its port is `store.port`."""
     from torch.distributed import TCPStore
@@ -203,29 +204,34 @@ def open_store(host: str, port: int, timeout: float):
     return TCPStore(
         host,
         port,
-        world_size=2,
+        world_size=world_size,
         is_master=True,
         wait_for_workers=False,
         timeout=datetime.timedelta(seconds=timeout),
     )
 
 
-def join_store(host: str, port: int, timeout: float):
-    """The server's side of the rendezvous: the trainer's store, reached within `timeout`."""
+def join_store(host: str, port: int, timeout: float, world_size: int = 2):
+    """A server's side of the rendezvous: the trainer's store, reached within `timeout`."""
     from torch.distributed import TCPStore
 
     return TCPStore(
-        host, port, world_size=2, is_master=False, timeout=datetime.timedelta(seconds=timeout)
+        host,
+        port,
+        world_size=world_size,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout),
     )
 
 
-def open_group(store, rank: int, timeout: float):
-    """The two-process gloo group over `store` (this process is `rank`), each collective bounded
-    by `timeout` seconds. It returns once both ranks have joined."""
+def open_group(store, rank: int, timeout: float, world_size: int = 2):
+    """The gloo group of the trainer (rank 0) and a server's `world_size - 1` processes over
+    `store` (this process is `rank`), each collective bounded by `timeout` seconds. It returns
+    once every rank has joined."""
     import torch.distributed as dist
 
     prefixed = dist.PrefixStore("grpo-weights", store)
-    return dist.ProcessGroupGloo(prefixed, rank, 2, datetime.timedelta(seconds=timeout))
+    return dist.ProcessGroupGloo(prefixed, rank, world_size, datetime.timedelta(seconds=timeout))
 
 
 def checksum(weights: Iterable[tuple[str, torch.Tensor]]) -> dict:

@@ -314,6 +314,93 @@ def _token_logprobs(choice: dict, i: int, length: int) -> list[float]:
     return [float(v) for v in values]
 
 
+# ---------------------------------------------------------------------------------- vLLM's generation
+
+# vLLM's /inference/v1/generate (its server's token-in, token-out route) takes one prompt a request:
+# {"token_ids": [...], "sampling_params": {...}}; each choice comes back with its `token_ids`, its
+# `logprobs.content` (one {"token_id", "logprob"} a token) and its `weight_versions`: spans of its
+# tokens, each with the label of the weights that sampled them.
+
+
+def generate_answer_limit(n: int, max_tokens: int) -> int:
+    """Bytes an honest answer of vLLM's to one prompt's request fits in: per token an id, its
+    logprob and the same again as its own top candidate (about 150 bytes as vLLM writes them)."""
+    return (1 << 20) + n * (max_tokens * 400 + 2048)
+
+
+def stale_label(answer: Any, label: str) -> str | None:
+    """The label of weights other than `label` that sampled some of the answer's tokens, or None
+    when every span of every choice is `label`'s. An answer without the spans is WireError."""
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    if not isinstance(choices, list):
+        raise WireError("the answer holds no list of choices")
+    for choice in choices:
+        spans = choice.get("weight_versions") if isinstance(choice, dict) else None
+        if not isinstance(spans, list) or not spans:
+            raise WireError("a choice does not say which weights sampled it (weight_versions)")
+        for span in spans:
+            version = span.get("version") if isinstance(span, dict) else None
+            if not isinstance(version, str):
+                raise WireError("a choice's weight_versions holds a span without a version")
+            if version != label:
+                return version
+    return None
+
+
+def parse_generate_answer(answer: Any, n: int, vocab: int, params: SamplingParams) -> Completions:
+    """vLLM's answer to one prompt's request as Completions (its n completions, or the greedy
+    one repeated n times, as the colocated engine repeats it), or WireError naming what is wrong."""
+    greedy = params.temperature == 0
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    want = 1 if greedy else n
+    if not isinstance(choices, list) or len(choices) != want:
+        count = len(choices) if isinstance(choices, list) else "no"
+        raise WireError(f"the answer holds {count} choices for {want}")
+    ids, truncated, logprobs = [], [], None if greedy else []
+    for i, choice in enumerate(sorted(choices, key=_index)):
+        if _index(choice) != i:
+            raise WireError("the answer's choice indexes are not 0 .. n-1")
+        tokens = token_ids(choice.get("token_ids"), f"choices[{i}].token_ids", vocab, 1 << 30)
+        _finished(choice, i, len(tokens), params.max_new_tokens)
+        ids.append(tokens)
+        truncated.append(choice.get("finish_reason") == "length")
+        if not greedy:
+            logprobs.append(_content_logprobs(choice, i, tokens))
+    if greedy:
+        ids, truncated = ids * n, truncated * n
+    return Completions(ids, truncated, logprobs)
+
+
+def _finished(choice: dict, i: int, length: int, max_tokens: int) -> None:
+    if not 1 <= length <= max_tokens:
+        raise WireError(f"choices[{i}] holds {length} tokens, not 1 to max_tokens={max_tokens}")
+    reason = choice.get("finish_reason")
+    if reason not in ("stop", "length"):
+        raise WireError(f"choices[{i}].finish_reason is {str(reason)[:40]}, not stop or length")
+    if reason == "length" and length != max_tokens:
+        raise WireError(f"choices[{i}] stopped for length after {length} tokens")
+
+
+def _content_logprobs(choice: dict, i: int, tokens: list[int]) -> list[float]:
+    logprobs = choice.get("logprobs")
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    if not isinstance(content, list) or len(content) != len(tokens):
+        raise WireError(f"choices[{i}] needs one logprob per token")
+    values = []
+    for token, entry in zip(tokens, content):
+        if not isinstance(entry, dict) or entry.get("token_id") != token:
+            raise WireError(f"choices[{i}] has a logprob for another token than the one sampled")
+        value = entry.get("logprob")
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+        ):
+            raise WireError(f"choices[{i}] has a token logprob that is not a finite number")
+        values.append(float(value))
+    return values
+
+
 # ---------------------------------------------------------------------------------- weights
 
 
