@@ -177,6 +177,7 @@ def test_a_lost_server_saves_the_step_and_stops_with_one_line(tmp_path, serve_in
     serving = serve_in_thread()
     port = int(serving.url.rsplit(":", 1)[1])
     data = _data(tmp_path, serving.url, "run", 2, training={"max_steps": 6})
+    data["rollout"]["server"]["timeout"] = 1  # the push that finds the server gone waits this long
     path = tmp_path / "run.yaml"
     loading.save(loading.from_dict(data), path)
 
@@ -234,3 +235,31 @@ def test_a_slow_generator_fires_rollout_wait_and_is_said_once(
     rows = _train(_data(tmp_path, url, "healthy", 1, "slow_third", health={"patience": 2}))
     assert all(r["health/rollout_wait"] == 0 for r in rows)
     assert all(r["health/stale_ratio_drift"] == 0 for r in rows)
+
+
+def test_weight_sync_steps_2_keeps_the_bound_and_evaluates_the_trained_weights(
+    tmp_path, serve_in_thread
+):
+    from grpo.rollout.server import weights_checksum
+
+    serving = serve_in_thread()
+    data = _data(
+        tmp_path,
+        serving.url,
+        "every2",
+        2,
+        rollout={"weight_sync_steps": 2},
+        eval={"every": 1, "after": True},
+    )
+    trainer = Trainer.from_config(loading.from_dict(data))
+    trainer.train()
+    rows = _rows(tmp_path / "every2" / "metrics.jsonl")
+    # step s from the weights after step 2 * ceil(max(0, s - 3) / 2): 0, 0, 0, 2, 2
+    assert [r["async/staleness_max"] for r in rows] == [0.0, 1.0, 2.0, 1.0, 2.0]
+    # every evaluation is of the trained weights: the last one left the server holding step 5's,
+    # which the schedule never pushes (it pushes after steps 2 and 4)
+    status, held = serving.app.weights_checksum(None, None)
+    assert status == 200 and held["digest"] == weights_checksum(trainer.model)["digest"]
+    assert (
+        len(_rows(tmp_path / "every2" / "eval.jsonl")) == 2 * 5
+    )  # greedy and sampled, steps 1-4 and after

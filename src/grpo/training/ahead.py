@@ -262,7 +262,10 @@ class AheadSource:
             return
         with self.cond:
             self._wait(self._all_generated, "the batches drawn")
-        if scheduled_step(self.next_index, self.max_staleness, self.sync_every) <= self.trained:
+        if (
+            self.next_index < self.max_steps
+            and scheduled_step(self.next_index, self.max_staleness, self.sync_every) <= self.trained
+        ):
             raise RuntimeError(
                 "an evaluation's push would change the weights the schedule samples from"
             )
