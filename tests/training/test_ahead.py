@@ -90,7 +90,7 @@ def _train(data: dict) -> list[dict]:
 
 def test_two_runs_with_max_staleness_2_are_the_same_and_keep_the_bound(tmp_path, serve_in_thread):
     url = serve_in_thread().url
-    first = _train(_data(tmp_path, url, "first", 2))
+    first = _train(_data(tmp_path, url, "first", 2, training={"save_steps": 2}))
     second = _train(_data(tmp_path, url, "second", 2))
     assert _untimed(first) == _untimed(second)
     wa = load_file(tmp_path / "first" / "final" / "model.safetensors")
@@ -263,3 +263,23 @@ def test_weight_sync_steps_2_keeps_the_bound_and_evaluates_the_trained_weights(
     assert (
         len(_rows(tmp_path / "every2" / "eval.jsonl")) == 2 * 5
     )  # greedy and sampled, steps 1-4 and after
+
+
+def test_a_checkpoints_batches_are_checked_as_untrusted_input(tmp_path, serve_in_thread):
+    from grpo.training.build import build_parts
+
+    url = serve_in_thread().url
+    _train(_data(tmp_path, url, "run", 2, training={"max_steps": 6, "save_steps": 2}))
+    state = torch.load(tmp_path / "run" / "checkpoint-2" / "train_state.pt", weights_only=True)
+    queue = state["rollout_source"]
+    assert [b["index"] for b in queue["batches"]] == [2, 3, 4]  # k + 1 drawn, all generated
+    assert all(b["rollout"] is not None for b in queue["batches"])
+    cfg = loading.from_dict(_data(tmp_path, url, "again", 2, training={"max_steps": 6}))
+    queue["batches"][1]["rollout"]["completion_ids"][0, 0] = 10**6
+    with pytest.raises(
+        ConfigError, match="do not fit this run: ValueError: rollout completion_ids"
+    ):
+        build_parts(cfg, restore=state)
+    queue["batches"].pop()
+    with pytest.raises(ConfigError, match="next batch 5 after 2 batches from step 2"):
+        build_parts(cfg, restore=state)
