@@ -39,7 +39,7 @@ import time
 import torch
 
 from grpo.config.errors import ConfigError
-from grpo.rollout import server_dialect, weight_transfer, wire
+from grpo.rollout import server_dialect, server_nccl, weight_transfer, wire
 from grpo.rollout.hf import left_pad
 from grpo.rollout.server_http import HTTPClient, Refused, ServerError, TimedOut, Unreachable
 from grpo.rollout.types import Rollout, SamplingParams, Seeds, prompt_seeds
@@ -192,6 +192,8 @@ class ServerEngine:
             )
         if isinstance(self.dialect, server_dialect.VLLMServer):
             self.dialect.check_logprobs(self.cfg.rollout, self.settings.url)
+            if self.dialect.backend == "nccl" and self.rank == 0:
+                server_nccl.check_available(self.model)
         return self.dialect.model_id(info)
 
     def _weights(self):
@@ -357,6 +359,14 @@ class ServerEngine:
         if self.group is None or self._server_instance() != self.instance:
             self._open_group()
         self.dialect.before_push(self.client, version, self._post)
+        if isinstance(self.group, server_nccl.NCCLPush):  # vLLM's trainer engine runs the sequence
+            try:
+                sent = self.group.push(version, sum(m.nbytes for m in self.metas))
+            except BaseException:
+                self._drop_group()
+                raise
+            self.dialect.after_push(self.client, version, self._post)
+            return sent
         self._post("/start_weight_update", {"is_checkpoint_format": True})
         sent: list[int] = []
         failed: list[BaseException] = []
@@ -424,6 +434,9 @@ class ServerEngine:
         except wire.WireError as error:
             raise ServerError(f"the generation server at {s.url}: {error}") from None
         address = self.client.local_address(CONTROL_SECONDS)
+        if getattr(self.dialect, "backend", None) == "nccl":
+            self.group = server_nccl.NCCLPush(self, world, address)
+            return
         self.store = weight_transfer.open_store(address, s.group_port, s.weight_sync_timeout, world)
         init_info = {
             "master_address": address,
@@ -460,6 +473,8 @@ class ServerEngine:
         self.group = joined[0]
 
     def _drop_group(self) -> None:
+        if isinstance(self.group, server_nccl.NCCLPush):
+            self.group.close()
         self.group = self.store = None
 
     # ------------------------------------------------------------------ faults

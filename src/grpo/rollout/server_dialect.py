@@ -17,7 +17,8 @@ grpo's gloo weight-transfer engine on CPUs) share vLLM's weight-transfer routes 
   colocated engine sends them) and labels every token with the weights' version it was sampled
   from, which is checked: an answer with another label (a restarted server says `default`) is
   treated as grpo's 409;
-- the group: grpo's server is one process (a group of 2), vLLM's is its world size + 1;
+- the group: grpo's server is one process (a group of 2), vLLM's is its world size + 1, over
+  gloo (grpo's engine on CPUs) or NCCL (vLLM's own on GPUs, grpo.rollout.server_nccl);
 - around a push: vLLM's server is paused (waiting for what runs) and its version label set to
   `pushing-N` until the push finishes, so nothing sampled from half-pushed weights passes.
 """
@@ -145,11 +146,10 @@ class VLLMServer:
     def model_difference(self, ours: dict, info: dict) -> str | None:
         """What can be told before a push: none of the tensors (vLLM does not list them); the
         first push checks them."""
-        if self.backend != "gloo":
+        if self.backend not in ("gloo", "nccl"):
             return (
                 f"it transfers weights with {self.backend!r}, and grpo's server engine pushes over gloo "
-                "only; start it with `grpo serve MODEL --engine vllm` on CPUs (an NCCL server on GPUs is "
-                "not supported by rollout.engine: server yet)"
+                "or NCCL; start it with `grpo serve MODEL --engine vllm`"
             )
         from grpo.rollout.weight_transfer import DTYPES
 
