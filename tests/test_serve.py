@@ -8,9 +8,10 @@ and training against it through `rollout.engine: server`:
   checksum is the final weights';
 - `grpo train` with no server there ends with one `grpo:` line naming the URL and `grpo serve`;
 - the server killed mid-run: the run stops with one `grpo:` line (exit 6), and `--resume` against
-  a new server continues it to the uninterrupted run's end, bitwise;
-- under torchrun, 2 gloo ranks generating through one server are the 2-rank in-process run,
-  bitwise (make test-slow).
+  a new server continues it to the uninterrupted run's end, bitwise.
+
+Under torchrun, 2 gloo ranks generating through one server are the 2-rank in-process run, bitwise:
+tests/backends/test_distributed.py, inside its one torchrun launch.
 """
 
 import copy
@@ -20,7 +21,6 @@ import re
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -217,47 +217,6 @@ def test_a_killed_server_stops_the_run_and_resume_continues_it(
         assert _rows(tmp_path / "killed" / log) == _rows(expected / log), log
     got, want = _weights(tmp_path / "killed"), _weights(expected)
     assert all(torch.equal(got[name], want[name]) for name in want)
-
-
-@pytest.mark.slow  # a torchrun launch: about half a minute of imports on 2 cores (make test-slow)
-def test_two_ranks_and_one_server_are_two_ranks_in_process(serve_in_thread, tmp_path):
-    """`torchrun --nproc_per_node 2` (gloo) with both ranks generating through one server (in a
-    thread of this process, which the ranks reach over HTTP and rank 0's pushes over the group):
-    the 2-rank run of the in-process engine, bitwise; rank 0 pushes once a step, rank 1 waits."""
-    served = serve_in_thread()
-    two_ranks = ["training.per_device_train_batch_size=8"]
-    paths = [
-        _write_config(tmp_path, "in_process", two_ranks),
-        _write_config(
-            tmp_path,
-            "served",
-            [*two_ranks, "rollout.engine=server", f"rollout.server.url={served.url}"],
-        ),
-    ]
-    driver = Path(__file__).resolve().parent / "backends" / "distributed_driver.py"
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GRPO_SERVE_API_KEY": SERVE_KEY}
-    done = subprocess.run(
-        [*command, str(driver), *paths], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    one, two = tmp_path / "in_process", tmp_path / "served"
-    assert _untimed(two / "metrics.jsonl") == _untimed(one / "metrics.jsonl")
-    for log in ("samples.jsonl", "eval.jsonl"):
-        assert _rows(two / log) == _rows(one / log), log
-    expected, got = _weights(one), _weights(two)
-    assert all(torch.equal(got[name], expected[name]) for name in expected)
-    # the start's push and one a step: the server holds version 5, the final weights
-    assert served.app.version == 5
-    digest = weight_transfer.checksum(served.app.tensors.items())["digest"]
-    assert digest == weight_transfer.checksum(expected.items())["digest"]
 
 
 def test_trls_server_mode_trains_through_grpo_serve(serve_in_thread, tmp_path):

@@ -2,7 +2,8 @@
 computes on the same global batch and seed: the same completions, rewards, metrics and
 evaluation, and weights equal to float tolerance, for the grpo and dapo losses, with and
 without dynamic sampling; a distributed run killed mid-run and resumed ends exactly where the
-uninterrupted one does.
+uninterrupted one does; both ranks generating through one generation server (`grpo serve
+--engine hf`, in a thread of the test process) compute the 2-rank in-process run bitwise.
 
 The 2-process runs are one torchrun launch of tests/backends/distributed_driver.py for every case (a
 launch costs seconds of imports), plus a killed and a resumed `torchrun -m grpo train`."""
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from serve_settings import SERVE_KEY
 
 from grpo.config import loading as config
 from grpo.config.errors import ConfigError
@@ -170,15 +172,32 @@ def _torchrun(args: list[str], env: dict | None = None) -> subprocess.CompletedP
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory, save_tool_model):
-    """Every case trained on 2 ranks (and the resume case's uninterrupted run), and the run with
-    tools: name -> run dir."""
+    """Every case trained on 2 ranks (and the resume case's uninterrupted run), the run with
+    tools, and the `grpo` case generated through a server: name -> run dir; "server" -> what
+    that server held at the end (its weights' version and checksum)."""
+    from grpo.rollout import weight_transfer
+    from grpo.serve import hf
+
     tmp = tmp_path_factory.mktemp("two_ranks")
     paths = [_config(tmp, name, _two_ranks(name)) for name in CASES]
     tools = [*TOOLS, *TWO_RANKS, f"model.name={save_tool_model(tmp)}"]
     paths.append(_config(tmp, "tools", tools))
-    done = _torchrun([str(HERE / "distributed_driver.py"), *map(str, paths)])
-    assert done.returncode == 0, done.stderr[-3000:]
-    return {name: tmp / name for name in [*CASES, "tools"]}
+    # the server the ranks reach over HTTP, and rank 0's pushes over the weight-transfer group
+    server = hf.start(config.from_dict(BASE), "127.0.0.1", 0, SERVE_KEY).start_thread()
+    try:
+        served = [*_two_ranks("grpo"), "rollout.engine=server", f"rollout.server.url={server.url}"]
+        paths.append(_config(tmp, "grpo_served", served))
+        done = _torchrun(
+            [str(HERE / "distributed_driver.py"), *map(str, paths)],
+            env={"GRPO_SERVE_API_KEY": SERVE_KEY},
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        with server.app.lock:
+            held = server.app.version, weight_transfer.checksum(server.app.tensors.items())
+    finally:
+        server.shutdown()
+    runs = {name: tmp / name for name in [*CASES, "tools", "grpo_served"]}
+    return {**runs, "server": held}
 
 
 def _rows(path: Path) -> list[dict]:
@@ -232,6 +251,40 @@ def test_two_ranks_compute_one_process_run(name, two_ranks, tmp_path):
     assert any(h["reward_std"] > 0 for h in history) and history[-1]["grad_norm"] > 0
     if "dynamic" in name:  # dynamic sampling drew more than one round at least once
         assert max(h["sampling/rounds"] for h in history) > 1
+
+
+def test_two_ranks_through_one_server_are_two_ranks_in_process(two_ranks):
+    """Both ranks generate their share through one `grpo serve --engine hf` (rank 0 pushes once a
+    step, rank 1 waits for the push to land): the 2-rank in-process run, bitwise (the server
+    builds the engine as the trainer does and holds the trainer's weights bitwise)."""
+    from grpo.rollout import weight_transfer
+
+    served, in_process = two_ranks["grpo_served"], two_ranks["grpo"]
+    untimed = ("time/", "tokens_per_second", "weight_sync/")
+
+    def rows(run):
+        metrics = _rows(run / "metrics.jsonl")
+        return [{k: v for k, v in r.items() if not k.startswith(untimed)} for r in metrics]
+
+    assert rows(served) == rows(in_process)
+    for log in ("samples.jsonl", "eval.jsonl"):
+        assert _rows(served / log) == _rows(in_process / log), log
+    got, expected = (
+        {
+            n: t
+            for f in sorted((run / "final").glob("*.safetensors"))
+            for n, t in load_file(f).items()
+        }
+        for run in (served, in_process)
+    )
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[name], expected[name]) for name in expected)
+    # the start's push and one a step: the server holds version 5, the final weights
+    version, checksum = two_ranks["server"]
+    assert version == 5
+    assert checksum["digest"] == weight_transfer.checksum(expected.items())["digest"]
+    history = _rows(served / "metrics.jsonl")
+    assert all(h["weight_sync/bytes"] > 0 for h in history)
 
 
 def test_two_ranks_with_tools_compute_one_process_run(two_ranks, save_tool_model, tmp_path):
