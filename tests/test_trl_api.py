@@ -900,7 +900,11 @@ def test_vllm_fields_map_onto_the_vllm_engine_and_trls_correction():
         3.0,
     )
     plain = GRPOConfig().to_config(num_rows=100)
-    assert (plain.rollout.engine, plain.algorithm.rollout_correction) == ("hf", "none")
+    # no vLLM: grpo's default, no correction in a synchronous run (as TRL)
+    from grpo.config.algorithm import resolved_rollout_correction
+
+    correction = resolved_rollout_correction(plain.algorithm.rollout_correction, 0)
+    assert (plain.rollout.engine, correction) == ("hf", "none")
     with pytest.raises(ConfigError, match="vllm_mode='remote': colocate .* or server"):
         GRPOConfig(vllm_mode="remote").to_config(num_rows=100)
     # TRL's server mode is grpo's server engine, at vllm_server_base_url or host and port

@@ -356,12 +356,12 @@ def _ref_sync(a: GRPOConfig, n):
     return math.ceil(a.ref_model_sync_steps / a._mu) if a.sync_ref_model else _UNSET
 
 
-def _correction(a: GRPOConfig) -> str:
-    return (
-        a.vllm_importance_sampling_mode
-        if a.use_vllm and a.vllm_importance_sampling_correction
-        else "none"
-    )
+def _correction(a: GRPOConfig):
+    """TRL corrects for vLLM's sampling only when it generates with vLLM; otherwise grpo's own
+    default stands (`auto`: none for a synchronous run, as TRL)."""
+    if not a.use_vllm:
+        return _UNSET
+    return a.vllm_importance_sampling_mode if a.vllm_importance_sampling_correction else "none"
 
 
 def _served(a: GRPOConfig) -> bool:
