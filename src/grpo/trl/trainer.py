@@ -387,9 +387,8 @@ class GRPOTrainer:
             else eval_rows_of(dataset, self.config)
         )
         scorer = AnswerScorer() if has_integer_answers(rows) else RewardScorer()
-        evaluator = Evaluator(
-            self.config, t.engine, t.tokenizer, rows, scorer, t.rewards, t.backend
-        )
+        engine = t.parts.source.evaluation_engine  # the trained weights, also when generating ahead
+        evaluator = Evaluator(self.config, engine, t.tokenizer, rows, scorer, t.rewards, t.backend)
         step = t.state.step
         with t.backend.generation(t.model):
             results = t.log.evaluation(
