@@ -20,6 +20,7 @@ from typing import Callable, Protocol
 
 import torch
 
+from grpo.backends.launcher import launcher_settings
 from grpo.config.errors import ConfigError
 from grpo.config.schema import Config
 from grpo.models.logprobs import OutputLayerKernels
@@ -113,8 +114,13 @@ def world_size() -> int:
 
 
 def create_backend(cfg: Config) -> Backend:
-    """The backend for this process, chosen at start-up: data parallel under torchrun
-    (WORLD_SIZE > 1), else one process."""
+    """The backend for this process, chosen at start-up: data parallel under torchrun or
+    `accelerate launch` (WORLD_SIZE > 1), else one process. Under `accelerate launch` its
+    config's distributed type sets training.sharding (grpo.backends.launcher), in `cfg` itself,
+    so the run directory's config says how the run trained."""
+    for key, value in launcher_settings().items():
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, value)
     if world_size() > 1:
         from grpo.backends.distributed import DataParallel
 
@@ -122,7 +128,8 @@ def create_backend(cfg: Config) -> Backend:
     if cfg.training.sharding != "none":
         raise ConfigError(
             f"training.sharding={cfg.training.sharding} shards over torchrun's processes: start with "
-            "`torchrun --nproc_per_node N -m grpo train CONFIG`, or set training.sharding=none"
+            "`torchrun --nproc_per_node N -m grpo train CONFIG` (or `accelerate launch` with "
+            "num_processes N > 1), or set training.sharding=none"
         )
     from grpo.backends.single import SingleProcess
 
