@@ -19,8 +19,8 @@ import pytest
 from grpo.rollout import tools
 from grpo.rollout.tools import ToolCall, ToolRunner, as_tool
 from grpo.sandbox import seccomp
+from grpo.sandbox.seccomp import AUDIT_ARCH
 from grpo.sandbox.signal_guard import (
-    AUDIT_ARCH,
     CLONE_PARENT,
     F_SETSIG,
     FIOSETOWN,

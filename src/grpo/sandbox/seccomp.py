@@ -227,6 +227,20 @@ def machine() -> str | None:
     return name if name in AUDIT_ARCH and sys.byteorder == "little" else None
 
 
+def emit_arch_check(emit, arch: str) -> None:
+    """A filter's first instructions: a call from another ABI than `arch`'s kills the process,
+    on x86_64 x32's calls too; then the call's number is loaded for the rules after it."""
+    emit(LD_W_ABS, OFFSET_ARCH)
+    emit(JEQ, AUDIT_ARCH[arch], jt=1)
+    emit(RET, RET_KILL_PROCESS)
+    emit(LD_W_ABS, OFFSET_NR)
+    if arch == "x86_64":
+        # nr -1 is no call at all (the kernel answers ENOSYS); anything else from the bit up is x32
+        emit(JGE, X32_SYSCALL_BIT, jf=2)
+        emit(JEQ, 0xFFFFFFFF, jt=1)
+        emit(RET, RET_KILL_PROCESS)
+
+
 def build(arch: str) -> bytes:
     """The filter for `arch` (a key of AUDIT_ARCH), as bwrap's --seccomp expects it."""
     numbers = SYSCALLS[arch]
@@ -237,15 +251,7 @@ def build(arch: str) -> bytes:
     def emit(op, k=0, jt=0, jf=0):
         code.append((op, jt, jf, k))
 
-    emit(LD_W_ABS, OFFSET_ARCH)
-    emit(JEQ, AUDIT_ARCH[arch], jt=1)
-    emit(RET, RET_KILL_PROCESS)
-    emit(LD_W_ABS, OFFSET_NR)
-    if arch == "x86_64":
-        # nr -1 is no call at all (the kernel answers ENOSYS); anything else from the bit up is x32
-        emit(JGE, X32_SYSCALL_BIT, jf=2)
-        emit(JEQ, 0xFFFFFFFF, jt=1)
-        emit(RET, RET_KILL_PROCESS)
+    emit_arch_check(emit, arch)
     for name in DENIED:
         if name in numbers:
             emit(JEQ, numbers[name], jt="deny")

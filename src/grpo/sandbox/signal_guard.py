@@ -52,20 +52,14 @@ from dataclasses import dataclass
 
 from grpo.sandbox import seccomp
 from grpo.sandbox.seccomp import (
-    AUDIT_ARCH,
     INSTRUCTION,
     JEQ,
-    JGE,
     JSET,
     LD_W_ABS,
-    OFFSET_ARCH,
     OFFSET_ARG0_LOW,
-    OFFSET_NR,
     RET,
     RET_ALLOW,
     RET_ERRNO,
-    RET_KILL_PROCESS,
-    X32_SYSCALL_BIT,
 )
 
 JA = 0x05 | 0x00  # BPF_JMP | BPF_JA: pc += k
@@ -131,15 +125,7 @@ def build(arch: str, protected) -> bytes:
         code.append((op, jt, jf, k))
 
     deny = RET_ERRNO | errno.EPERM
-    emit(LD_W_ABS, OFFSET_ARCH)
-    emit(JEQ, AUDIT_ARCH[arch], jt=1)
-    emit(RET, RET_KILL_PROCESS)
-    emit(LD_W_ABS, OFFSET_NR)
-    if arch == "x86_64":
-        # nr -1 is no call at all (the kernel answers ENOSYS); anything else from the bit up is x32
-        emit(JGE, X32_SYSCALL_BIT, jf=2)
-        emit(JEQ, 0xFFFFFFFF, jt=1)
-        emit(RET, RET_KILL_PROCESS)
+    seccomp.emit_arch_check(emit, arch)
     for name in REFUSED:
         emit(JEQ, numbers[name], jt="deny")
     emit(JEQ, numbers["clone3"], jt="nosys")
