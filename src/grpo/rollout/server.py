@@ -264,20 +264,14 @@ class ServerEngine:
         completed_rollout): prompts left-padded and repeated per group, completions right-padded
         with the pad token, logprobs 0 past each completion's end."""
         prompt_ids, prompt_mask = left_pad(prompts, self.pad_token_id)
-        N = len(done.token_ids)
         width = max((len(c) for c in done.token_ids), default=0)
-        ids = torch.full((N, width), self.pad_token_id, dtype=torch.long, device="cpu")
-        mask = torch.zeros((N, width), dtype=torch.long, device="cpu")
+        # one tensor from padded lists, not one per completion: generating ahead, this runs
+        # beside the update, on its core, and costs it what it takes
+        ids = _padded(done.token_ids, width, self.pad_token_id, torch.long)
+        mask = _padded([[1] * len(c) for c in done.token_ids], width, 0, torch.long)
         logprobs = None
         if done.logprobs is not None:
-            logprobs = torch.zeros((N, width), dtype=torch.float32, device="cpu")
-        for i, tokens in enumerate(done.token_ids):
-            ids[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long, device="cpu")
-            mask[i, : len(tokens)] = 1
-            if logprobs is not None:
-                logprobs[i, : len(tokens)] = torch.tensor(
-                    done.logprobs[i], dtype=torch.float32, device="cpu"
-                )
+            logprobs = _padded(done.logprobs, width, 0.0, torch.float32)
         device = self.device
         return Rollout(
             prompt_ids=prompt_ids.repeat_interleave(G, 0).to(device),
@@ -557,3 +551,10 @@ def weights_checksum(model) -> dict:
     """The checksum of what a push sends (grpo.rollout.weight_transfer.checksum), to compare with
     the server's /weights_checksum."""
     return weight_transfer.checksum(_weights(model))
+
+
+def _padded(rows: list[list], width: int, pad, dtype: torch.dtype) -> torch.Tensor:
+    """`rows` right-padded with `pad` to `width`, as one (len(rows), width) tensor on the CPU."""
+    return torch.tensor([row + [pad] * (width - len(row)) for row in rows], dtype=dtype).view(
+        len(rows), width
+    )
