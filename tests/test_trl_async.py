@@ -122,3 +122,7 @@ def test_what_would_differ_is_refused_by_name():
     said = [str(w.message) for w in caught if "without effect" in str(w.message)]
     assert len(said) == 1 and "max_inflight_tasks" in said[0] and "queue_maxsize" not in said[0]
     assert set(THROUGHPUT) <= ACCEPTED
+    # grpo's own way to its keys, which the refusals above point to, is taken as GRPOConfig takes it
+    args = grpo.AsyncGRPOConfig(grpo_overrides=["rollout.max_staleness=1", "algorithm.beta=0.04"])
+    cfg = args.to_config(10)
+    assert (cfg.rollout.max_staleness, cfg.algorithm.beta) == (1, 0.04)

@@ -118,6 +118,9 @@ THROUGHPUT = {
 CHECKED = ("model_init_kwargs", "router_aux_loss_coef")
 """Fields refused unless left at TRL's default (None; router_aux_loss_coef 0.0 too)."""
 ACCEPTED = TRAINING_ARGUMENTS | SAMPLING | set(ASYNC_KEYS) | set(THROUGHPUT) | set(CHECKED)
+GRPO_OWN = frozenset({"grpo_overrides"})
+"""grpo's own field, as GRPOConfig has it: grpo keys set directly (['section.key=value']), the
+way to every setting TRL's fields do not reach."""
 
 
 @dataclass(init=True, repr=False, eq=False)
@@ -149,7 +152,7 @@ class AsyncGRPOConfig(_AsyncFields):
     """TRL's AsyncGRPOConfig (see the module's docstring): `AsyncGRPOConfig(output_dir, **fields)`."""
 
     def __init__(self, output_dir: str | None = None, **kwargs):
-        refused = [n for n in kwargs if n not in ACCEPTED and n not in NO_EFFECT]
+        refused = [n for n in kwargs if n not in ACCEPTED | GRPO_OWN and n not in NO_EFFECT]
         if refused:
             raise TypeError("; ".join(_refusal(name) for name in refused))
         ignored = {n: kwargs.pop(n) for n in list(kwargs) if n in NO_EFFECT}
