@@ -8,6 +8,8 @@ sizes of 32 or more: grpo.models.tiny's has 16). The `server` engine speaks to i
 - after a push, greedy completions (and seeded samples, with their logprobs) are the colocated
   `vllm` engine's with the same weights, and again after the next push;
 - TRL's script with use_vllm=True, vllm_mode="server" trains through it;
+- TRL's asynchronous script (max_staleness 2) trains through it within its staleness bound, and
+  samples the same completions when run again;
 - a policy whose tensors the served model does not have is refused at start, and the server
   takes the right model's push after that refusal.
 """
@@ -259,6 +261,66 @@ def test_trls_server_mode_trains_through_it(server, tokenizer, tmp_path, monkeyp
     assert _call(url, "GET", "/weight_info") == {"weight_version": "3"}
     rows = [r for r in trainer.state.log_history if "rollout/logprob_diff_max" in r]
     assert rows and all(r["rollout/logprob_diff_max"] < 1e-4 for r in rows)
+
+
+def _async_run(url, tokenizer, output_dir) -> list[dict]:
+    """TRL's asynchronous script (AsyncGRPOConfig, max_staleness 2) for 5 steps against the server."""
+    from grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    def first_digit(completions, **kwargs):
+        return [float(c[:1].isdigit()) for c in completions]
+
+    args = AsyncGRPOConfig(
+        output_dir=str(output_dir),
+        vllm_server_base_url=url,
+        max_staleness=2,
+        num_generations=4,
+        per_device_train_batch_size=8,
+        max_completion_length=3,
+        learning_rate=0.05,  # the weights move enough for stale batches to differ
+        max_steps=5,
+        seed=7,
+        bf16=False,
+        use_cpu=True,
+        report_to="none",
+        # the first run's trainer keeps its weight-transfer group: the second takes a free port
+        grpo_overrides=[
+            "rewards.isolation=thread",
+            "cpu.decoding=plain",
+            "rollout.server.group_port=0",
+        ],
+    )
+    trainer = AsyncGRPOTrainer(
+        model=llama(tokenizer, seed=4),
+        processing_class=tokenizer,
+        args=args,
+        train_dataset=[{"prompt": f"{a}+{b}="} for a in range(1, 5) for b in range(1, 5)],
+        reward_funcs=first_digit,
+    )
+    assert trainer.train().global_step == 5
+    return [r for r in trainer.state.log_history if "async/staleness_max" in r]
+
+
+def test_an_async_run_trains_within_its_staleness_bound(server, tokenizer, tmp_path, monkeypatch):
+    """max_staleness 2 against vLLM's server: each step's batch is sampled from the weights the
+    schedule names (staleness 0, 1, 2, 2, 2), the first from the trainer's own (its logprobs are
+    the trainer's), the later ones from older weights (the correction weighs them); the same
+    script again samples the same completions (vLLM's per-request seeds, the same weights)."""
+    url, _ = server
+    monkeypatch.setenv("GRPO_SERVE_API_KEY", SERVE_KEY)
+    rows = _async_run(url, tokenizer, tmp_path / "first")
+    assert [r["async/staleness_max"] for r in rows] == [0, 1, 2, 2, 2]
+    assert rows[0]["rollout/logprob_diff_max"] < 1e-4  # sampled from the weights trained
+    assert max(r["rollout/logprob_diff_max"] for r in rows[1:]) > 1e-3  # from older ones
+    assert all(0 < r["rollout/is_weight"] <= 3.0 for r in rows)  # the cap, 3
+    # one push at the start, one after each of steps 1-4 (step 5's weights sample nothing)
+    assert int(_call(url, "GET", "/weight_info")["weight_version"]) >= 5
+    again = _async_run(url, tokenizer, tmp_path / "again")
+    # the same tokens, so the same rewards; logprobs equal to rounding (vLLM may batch the
+    # requests apart differently), so the losses to a tolerance
+    assert [r["reward"] for r in again] == [r["reward"] for r in rows]
+    for a, b in zip(again, rows, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
 
 
 def test_another_model_is_refused_at_start_and_the_server_goes_on(server, tokenizer, monkeypatch):
