@@ -1,14 +1,15 @@
-"""Does learning hold when generation runs ahead? examples/tiny.yaml trained to its end against
-one `grpo serve --engine hf`, synchronously and with rollout.max_staleness 1, 2 and 4 (corrected:
-algorithm.rollout_correction auto), and 4 without the correction.
+"""Does learning hold when generation runs ahead? examples/tiny.yaml trained against one
+`grpo serve --engine hf`, synchronously and with rollout.max_staleness 1, 2 and 4 (corrected:
+algorithm.rollout_correction auto), and 4 without the correction, each with several seeds.
 
     python benchmarks/async_learning.py                  # the runs docs/async.md reports
-    python benchmarks/async_learning.py --steps 100 --seeds 0
-    python benchmarks/async_learning.py --seeds 2 3 --only synchronous "max_staleness 4"
+    python benchmarks/async_learning.py --steps 100 --seeds 0 1 --only synchronous "max_staleness 2"
 
-For each run: the mean training reward over its last `--tail` steps, and its difference from the
-synchronous run of the same seed. The synchronous run is repeated with each of `--seeds`, so the
-spread between seeds (what a different seed alone changes) is printed beside the differences.
+For each run, the mean training reward over the `--tail` steps before each of `--at` (default:
+examples/tiny.yaml's own end, step 300, and twice as far, 600; one run gives both: the learning
+rate is constant and nothing before a step depends on where the run ends). Per variant and
+point: the mean over the seeds, its difference from the synchronous mean, and twice the standard
+error of that difference (what the seeds alone move it by, at about 95%).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -26,6 +26,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "examples" / "tiny.yaml"
 KEY = "benchmark-secret"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serving import served  # noqa: E402  (the benchmarks' grpo serve)
+
 VARIANTS = {
     "synchronous": ["rollout.max_staleness=0"],
     "max_staleness 1": ["rollout.max_staleness=1"],
@@ -49,54 +52,55 @@ def _train(out: Path, url: str, steps: int, seed: int, overrides: list[str]) -> 
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def _spread(values: list[float]) -> float:
+    """The standard error of the mean of `values` (0 for one value)."""
+    return statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else 0.0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--at", type=int, nargs="+", default=[300, 600])
+    parser.add_argument("--steps", type=int, default=None, help="default: the last of --at")
     parser.add_argument("--tail", type=int, default=50)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(range(8)))
     parser.add_argument("--only", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     args = parser.parse_args()
+    steps = args.steps or max(args.at)
+    points = [a for a in args.at if a <= steps]
     variants = {name: VARIANTS[name] for name in args.only}
     if "synchronous" not in variants:
         raise SystemExit("--only: the synchronous run is what the others are compared with")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "grpo", "serve", str(CONFIG), "--engine", "hf", "--port", "0"],
-        env={**os.environ, "GRPO_SERVE_API_KEY": KEY},
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    found = re.search(r"at (http://127\.0\.0\.1:\d+);", server.stdout.readline())
-    if not found:
-        server.kill()
-        raise SystemExit("grpo serve did not start")
-    final: dict[tuple[str, int], float] = {}
-    try:
-        # report.md's plots are drawn by a process of their own, which may outlive its run
-        with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
-            for seed in args.seeds:
-                for name, overrides in variants.items():
-                    out = Path(tmp) / f"{len(final)}"
-                    rows = _train(out, found.group(1), args.steps, seed, overrides)
-                    rewards = [r["reward"] for r in rows if r.get("reward") is not None]
-                    final[name, seed] = statistics.mean(rewards[-args.tail :])
-                    print(f"seed {seed}, {name}: {final[name, seed]:.3f}", flush=True)
-    finally:
-        server.terminate()
-        server.wait()
-    sync = [final["synchronous", s] for s in args.seeds]
-    print(
-        f"\n{CONFIG.name}, {args.steps} steps; mean training reward over the last {args.tail} steps"
-    )
-    print("| run | " + " | ".join(f"seed {s}" for s in args.seeds) + " | - synchronous |")
-    print("|---|" + "--:|" * (len(args.seeds) + 1))
-    for name in variants:
-        values = [final[name, s] for s in args.seeds]
-        diffs = [v - final["synchronous", s] for v, s in zip(values, args.seeds)]
-        shown = " | ".join(f"{v:.3f}" for v in values)
-        print(f"| {name} | {shown} | {', '.join(f'{d:+.3f}' for d in diffs)} |")
-    if len(sync) > 1:
-        print(f"spread of the synchronous run between seeds: {max(sync) - min(sync):.3f}")
+    final: dict[tuple[str, int, int], float] = {}
+    env = {**os.environ, "GRPO_SERVE_API_KEY": KEY}
+    # report.md's plots are drawn by a process of their own, which may outlive its run
+    with (
+        served(CONFIG, ["--engine", "hf"], env) as url,
+        tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp,
+    ):
+        for seed in args.seeds:
+            for name, overrides in variants.items():
+                out = Path(tmp) / f"{len(final)}"
+                rows = _train(out, url, steps, seed, overrides)
+                reward = {r["step"]: r["reward"] for r in rows if r.get("reward") is not None}
+                for at in points:
+                    tail = [reward[s] for s in range(at - args.tail + 1, at + 1) if s in reward]
+                    final[name, seed, at] = statistics.mean(tail)
+                shown = ", ".join(f"{final[name, seed, at]:.3f} at {at}" for at in points)
+                print(f"seed {seed}, {name}: {shown}", flush=True)
+    print(f"\n{CONFIG.name}; mean training reward over the {args.tail} steps before each point")
+    for at in points:
+        sync = [final["synchronous", s, at] for s in args.seeds]
+        print(f"\nstep {at}, seeds {' '.join(map(str, args.seeds))}")
+        print("| run | per seed | mean | - synchronous | 2 x its standard error |")
+        print("|---|---|--:|--:|--:|")
+        for name in variants:
+            values = [final[name, s, at] for s in args.seeds]
+            gap = statistics.mean(values) - statistics.mean(sync)
+            bound = 2 * (_spread(values) ** 2 + _spread(sync) ** 2) ** 0.5
+            shown = " ".join(f"{v:.3f}" for v in values)
+            print(
+                f"| {name} | {shown} | {statistics.mean(values):.3f} | {gap:+.3f} | {bound:.3f} |"
+            )
 
 
 if __name__ == "__main__":

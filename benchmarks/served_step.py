@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "examples" / "tiny.yaml"
 KEY = "benchmark-secret"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serving import served  # noqa: E402  (the benchmarks' grpo serve)
+
 PHASES = ("time/step", "time/generate", "time/sync", "time/weight_sync")
 
 
@@ -46,28 +48,12 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=2)
     args = parser.parse_args()
     env = {**os.environ, "GRPO_SERVE_API_KEY": KEY}
-    server = subprocess.Popen(
-        [sys.executable, "-m", "grpo", "serve", str(CONFIG), "--port", "0"],
-        env=env,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    found = re.search(r"at (http://127\.0\.0\.1:\d+);", server.stdout.readline())
-    if not found:
-        server.kill()
-        raise SystemExit("grpo serve did not start")
-    served = ["rollout.engine=server", f"rollout.server.url={found.group(1)}"]
     rows: dict[str, list[dict]] = {"in-process": [], "served": []}
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            order = ["in-process", "served", "served", "in-process"] * args.pairs
-            for i, side in enumerate(order[: 2 * args.pairs]):
-                extra = served if side == "served" else []
-                rows[side] += _train(Path(tmp) / f"{i}", args.steps, extra)
-    finally:
-        server.terminate()
-        server.wait()
+    with served(CONFIG, [], env) as url, tempfile.TemporaryDirectory() as tmp:
+        extra = ["rollout.engine=server", f"rollout.server.url={url}"]
+        order = ["in-process", "served", "served", "in-process"] * args.pairs
+        for i, side in enumerate(order[: 2 * args.pairs]):
+            rows[side] += _train(Path(tmp) / f"{i}", args.steps, extra if side == "served" else [])
     medians = {
         side: {p: statistics.median(r.get(p, 0.0) for r in got) for p in PHASES}
         for side, got in rows.items()

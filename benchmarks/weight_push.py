@@ -18,13 +18,14 @@ import datetime
 import json
 import multiprocessing
 import os
-import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serving import served  # noqa: E402  (the benchmarks' grpo serve)
 
 KEY = "benchmark-secret"
 
@@ -45,22 +46,6 @@ def _config(directory: Path, hidden: int, layers: int, port: int, bucket_mb: int
     return path
 
 
-def _serve(config: Path) -> tuple[subprocess.Popen, str]:
-    env = {**os.environ, "GRPO_SERVE_API_KEY": KEY}
-    server = subprocess.Popen(
-        [sys.executable, "-m", "grpo", "serve", str(config), "--port", "0"],
-        env=env,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    line = server.stdout.readline()
-    found = re.search(r"at (http://127\.0\.0\.1:(\d+));", line)
-    if not found:
-        server.kill()
-        raise SystemExit(f"grpo serve did not start: {line!r}")
-    return server, found.group(2)
-
-
 def _policy(cfg):
     from grpo.backends.single import SingleProcess
     from grpo.models.loading import load_model_and_tokenizer
@@ -76,8 +61,9 @@ def measure_push(hidden: int, layers: int, rounds: int, bucket_mb: int) -> dict:
     from grpo.rollout.server_http import HTTPClient
 
     with tempfile.TemporaryDirectory() as tmp:
-        server, port = _serve(_config(Path(tmp), hidden, layers, 0, bucket_mb))
-        try:
+        env = {**os.environ, "GRPO_SERVE_API_KEY": KEY}
+        with served(_config(Path(tmp), hidden, layers, 0, bucket_mb), [], env) as url:
+            port = url.rsplit(":", 1)[1]
             os.environ["GRPO_SERVE_API_KEY"] = KEY
             cfg = loading.load(_config(Path(tmp), hidden, layers, int(port), bucket_mb))
             model, tokenizer = _policy(cfg)
@@ -88,13 +74,10 @@ def measure_push(hidden: int, layers: int, rounds: int, bucket_mb: int) -> dict:
                 engine.sync_weights(model)
                 seconds.append(time.perf_counter() - start)
                 size = engine.take_metrics()["weight_sync/bytes"]
-            answer = HTTPClient(f"http://127.0.0.1:{port}", KEY).call(
+            answer = HTTPClient(url, KEY).call(
                 "GET", "/weights_checksum", timeout=600, key="benchmark"
             )
             assert answer["digest"] == weights_checksum(model)["digest"], "push not bitwise"
-        finally:
-            server.terminate()
-            server.wait()
     return {"bytes": size, "seconds": seconds, "tensors": len(engine.metas)}
 
 
