@@ -309,6 +309,47 @@ def test_top_k_samples_from_the_top_k_and_reports_unfiltered_logprobs(tokenizer)
 
 @pytest.mark.vllm
 @requires_vllm
+@pytest.mark.parametrize(
+    "filters",
+    # the random model's distributions are flat: min_p cuts only when large
+    [{"top_k": 5}, {"top_p": 0.8}, {"min_p": 0.6}, {"top_k": 8, "top_p": 0.9, "min_p": 0.3}],
+    ids=str,
+)
+def test_filtered_logprobs_with_the_kept_mass_are_the_whole_vocabularys(tokenizer, filters):
+    """At temperature 0.7 with top-k/top-p/min-p vLLM reports logprobs over the kept tokens only
+    (processed_logprobs): with the kept mass the update adds (grpo.models.kept_mass, under the
+    same weights), they are the update's own over the whole vocabulary; without, they are not."""
+    from grpo.models.kept_mass import KeptFilters, kept_logmass
+    from grpo.models.logprobs import completion_hidden_states
+    from grpo.rollout.vllm import VLLMEngine
+
+    model = llama(tokenizer)
+    fast = VLLMEngine(model, tokenizer, make_cfg(temperature=0.7, **filters))
+    assert fast.logprobs_mode == "processed_logprobs" and fast.logprobs_over_kept
+    params = SamplingParams(max_new_tokens=10, temperature=0.7, **filters)
+    rollout = fast.generate(prompts_of(tokenizer), 8, params, torch.Generator().manual_seed(0))
+    r = rollout
+    keep = r.completion_mask.bool()
+    with torch.no_grad():
+        logp, _ = completion_logprobs(
+            model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, temperature=0.7
+        )
+        hidden = completion_hidden_states(
+            model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask
+        )
+        mass = kept_logmass(
+            hidden[keep],
+            model.get_output_embeddings(),
+            r.completion_ids[keep],
+            KeptFilters(0.7, **filters),
+        )
+    assert int(keep.sum()) > 200 and float(mass.min()) < -0.05  # the filters cut some mass
+    torch.testing.assert_close(r.sampling_logprobs[keep] + mass, logp[keep], atol=2e-5, rtol=1e-5)
+    assert float((r.sampling_logprobs[keep] - logp[keep]).abs().max()) > 0.05
+
+
+@pytest.mark.vllm
+@requires_vllm
 def test_sync_weights_updates_vllm_in_place(tokenizer, assert_same_greedy):
     model = llama(tokenizer)
     fast, reference = engines(model, tokenizer, make_cfg())

@@ -277,6 +277,9 @@ def _async_run(url, tokenizer, output_dir) -> list[dict]:
         num_generations=4,
         per_device_train_batch_size=8,
         max_completion_length=3,
+        # filtered: the server reports logprobs over the kept tokens, the update adds the kept mass
+        temperature=0.7,
+        top_p=0.9,
         learning_rate=0.05,  # the weights move enough for stale batches to differ
         max_steps=5,
         seed=7,
@@ -302,9 +305,10 @@ def _async_run(url, tokenizer, output_dir) -> list[dict]:
 
 
 def test_an_async_run_trains_within_its_staleness_bound(server, tokenizer, tmp_path, monkeypatch):
-    """max_staleness 2 against vLLM's server: each step's batch is sampled from the weights the
-    schedule names (staleness 0, 1, 2, 2, 2), the first from the trainer's own (its logprobs are
-    the trainer's), the later ones from older weights (the correction weighs them); the same
+    """max_staleness 2 against vLLM's server, sampling at temperature 0.7 with top_p 0.9: each
+    step's batch is sampled from the weights the schedule names (staleness 0, 1, 2, 2, 2), the
+    first from the trainer's own (its logprobs, over the kept tokens, are the trainer's once the
+    kept mass is added), the later ones from older weights (the correction weighs them); the same
     script again samples the same completions (vLLM's per-request seeds, the same weights)."""
     url, _ = server
     monkeypatch.setenv("GRPO_SERVE_API_KEY", SERVE_KEY)

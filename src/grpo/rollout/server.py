@@ -142,6 +142,9 @@ class ServerEngine:
         """Whether a generation request that finds the server lost or restarted waits for it and
         gives it the step's weights again; False (a source generating ahead of training, whose
         weights the trainer no longer holds): the request fails with ServerError instead."""
+        self.logprobs_over_kept = False
+        """Whether the sampler's logprobs are over the top-k/top-p/min-p kept tokens only (a
+        vLLM server reporting processed_logprobs while the run filters): set by `_check_model`."""
         self.group = self.store = self.instance = None
         self.scratch = weight_transfer.Scratch()  # one bucket, kept from push to push
         self.metrics: dict[str, float] = {}
@@ -191,7 +194,9 @@ class ServerEngine:
                 f"policy: {why}; start it with the run's own model (`{self.command}`)"
             )
         if isinstance(self.dialect, server_dialect.VLLMServer):
-            self.dialect.check_logprobs(self.cfg.rollout, self.settings.url)
+            self.logprobs_over_kept = self.dialect.check_logprobs(
+                self.cfg.rollout, self.settings.url
+            )
             if self.dialect.backend == "nccl" and self.rank == 0:
                 server_nccl.check_available(self.model)
         return self.dialect.model_id(info)

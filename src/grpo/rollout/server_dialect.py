@@ -160,19 +160,20 @@ class VLLMServer:
     def model_id(self, info: dict) -> str:
         return str(self.served or "")[:512]
 
-    def check_logprobs(self, rollout, url: str) -> None:
+    def check_logprobs(self, rollout, url: str) -> bool:
         """The server's logprobs mode gives the sampler's logprobs the update compares with
-        (grpo.rollout.vllm's sampling_logprob_mode for the run's settings), else ConfigError; a
-        warning where vLLM has no mode that gives them exactly, as the colocated engine warns."""
-        from grpo.rollout.vllm import sampling_logprob_mode
+        (grpo.rollout.vllm's sampling_logprob_mode for the run's settings), else ConfigError;
+        whether they are over the filters' kept tokens only (the update then adds the kept
+        mass: grpo.rollout.vllm's logprobs_over_kept), with the colocated engine's warning
+        where a repetition penalty makes that mass not the sampler's."""
+        from grpo.rollout.vllm import PENALISED_KEPT_MASS, logprobs_over_kept, sampling_logprob_mode
 
         r = rollout
-        wanted, exact = sampling_logprob_mode(
+        wanted, _ = sampling_logprob_mode(
             r.temperature, r.top_p, r.top_k, r.min_p, r.repetition_penalty
         )
         held = self.logprobs_mode
-        filtered_only = held == "processed_logprobs" and wanted == "raw_logprobs"
-        if held != wanted and not filtered_only:
+        if held != wanted and not (held == "processed_logprobs" and wanted == "raw_logprobs"):
             from grpo.config.errors import ConfigError
 
             raise ConfigError(
@@ -180,16 +181,10 @@ class VLLMServer:
                 f"not the sampler's at rollout.temperature={r.temperature}; start it with `--logprobs-mode "
                 f"{wanted}` (grpo serve --engine vllm starts it with processed_logprobs)"
             )
-        if filtered_only or not exact:
-            log.warning(
-                "rollout.engine: server: the vLLM server reports each sampled token's logprob under the "
-                "top-k/top-p/min-p filtered distribution at rollout.temperature=%s, "
-                "rollout.repetition_penalty=%s, so the rollout/logprob_diff metrics and "
-                "algorithm.rollout_correction see a gap of log(kept probability mass)%s",
-                r.temperature,
-                r.repetition_penalty,
-                f" (`--logprobs-mode {wanted}` would give them exactly)" if filtered_only else "",
-            )
+        over_kept = logprobs_over_kept(held, r)
+        if over_kept and r.repetition_penalty != 1.0:
+            log.warning(PENALISED_KEPT_MASS, "rollout.engine: server", r.repetition_penalty)
+        return over_kept
 
     def world_size(self, client: HTTPClient) -> int:
         answer = client.call(

@@ -17,8 +17,11 @@ tensors directly.
   engine picks vLLM's `logprobs_mode` so that they are softmax(logits /
   temperature) before top-k/top-p, the quantity the `hf` engine reports and the
   update computes (`sampling_logprob_mode`). vLLM has no mode for that one with
-  top-k/top-p at a temperature other than 1: there the filtered distribution's
-  logprobs are reported, and a warning at start says so.
+  top-k/top-p/min-p at a temperature other than 1: there the filtered
+  distribution's logprobs are reported (`logprobs_over_kept`), and the update
+  puts them back on the whole vocabulary with the mass the filters keep under
+  its own policy (grpo.models.kept_mass). With a repetition penalty as well,
+  that mass is not the one vLLM's filters saw, and a warning at start says so.
 - `sync_weights(policy)` copies the policy's weights into vLLM's in place
   (the worker's `reload_weights` from an iterator of tensors) and resets the
   prefix cache, whose entries were computed with the old weights. A LoRA
@@ -109,6 +112,23 @@ def sampling_logprob_mode(
     if temperature == 1.0 and repetition_penalty == 1.0:
         return "raw_logprobs", True
     return "processed_logprobs", False
+
+
+def logprobs_over_kept(mode: str, rollout) -> bool:
+    """Whether vLLM's logprobs in `mode` are over the tokens the run's top-k/top-p/min-p filters
+    (rollout.*) kept only, renormalised there: the update then adds the log of the kept mass."""
+    filtered = bool(rollout.top_k) or rollout.top_p < 1.0 or rollout.min_p > 0.0
+    return mode == "processed_logprobs" and filtered
+
+
+PENALISED_KEPT_MASS = (
+    "%s: the sampler's logprobs are over the tokens top-k/top-p/min-p kept, which the update "
+    "puts back on the whole vocabulary with the kept mass under its own policy; with "
+    "rollout.repetition_penalty=%s the sampler filtered penalised logits, which the update does "
+    "not penalise, so the rollout/logprob_diff metrics and algorithm.rollout_correction see a gap "
+    "where the two kept sets differ"
+)
+"""The one case where the kept mass is not the sampler's (a warning at start)."""
 
 
 def policy_weights(
@@ -271,18 +291,12 @@ class VLLMEngine:
                 )
         self.sleep_enabled = device.type == "cuda" and settings.sleep_mode
         self.asleep = False
-        self.logprobs_mode, self.logprobs_exact = sampling_logprob_mode(
+        self.logprobs_mode, _ = sampling_logprob_mode(
             r.temperature, r.top_p, r.top_k, r.min_p, r.repetition_penalty
         )
-        if not self.logprobs_exact:
-            log.warning(
-                "rollout.engine: vllm reports each sampled token's logprob under the top-k/top-p/min-p filtered "
-                "distribution at rollout.temperature=%s, rollout.repetition_penalty=%s (vLLM has no mode for the "
-                "unfiltered one there), so the rollout/logprob_diff metrics and algorithm.rollout_correction see a "
-                "gap of log(kept probability mass)",
-                r.temperature,
-                r.repetition_penalty,
-            )
+        self.logprobs_over_kept = logprobs_over_kept(self.logprobs_mode, r)
+        if self.logprobs_over_kept and r.repetition_penalty != 1.0:
+            log.warning(PENALISED_KEPT_MASS, "rollout.engine: vllm", r.repetition_penalty)
         # vLLM reads the config and the tokenizer from a directory; its weights start as
         # placeholders (load_format dummy) and are replaced by the policy's below
         for engine in list(_OPEN):  # vLLM's parallel state is the process's: one engine at a time

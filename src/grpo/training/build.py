@@ -40,7 +40,9 @@ from grpo.backends import create_backend
 from grpo.config.errors import ConfigError
 from grpo.config.schema import Config
 from grpo.health.monitor import HealthMonitor
+from grpo.models.kept_mass import KeptFilters
 from grpo.models.loading import context_length, load_model_and_tokenizer
+from grpo.models.logprobs import sharded_by_fsdp
 from grpo.models.lora import apply_lora
 from grpo.registry import ADVANTAGE_ESTIMATORS, MULTI_OBJECTIVE_AGGREGATIONS
 from grpo.rewards.reward_set import RewardSet
@@ -277,6 +279,23 @@ def _step_metrics(cfg: Config, backend, rewards, engine, prompts, state, source)
     )
 
 
+def _kept_filters(cfg: Config, engine, model) -> KeptFilters | None:
+    """The sampling filters when the engine's logprobs are over the tokens they kept only (the
+    update adds the kept mass, grpo.models.kept_mass); None otherwise, and under FSDP, whose
+    sharded weights that extra pass cannot read (said once: the gap stays)."""
+    if not getattr(engine, "logprobs_over_kept", False):
+        return None
+    if sharded_by_fsdp(model):
+        log.warning(
+            "training.sharding=fsdp: the engine's logprobs are over the tokens top-k/top-p/min-p kept, and "
+            "the kept mass that puts them on the whole vocabulary is not computed on sharded weights; the "
+            "rollout/logprob_diff metrics and algorithm.rollout_correction see a gap of log(kept mass)"
+        )
+        return None
+    r = cfg.rollout
+    return KeptFilters(r.temperature, r.top_k, r.top_p, r.min_p)
+
+
 def build_phases(
     cfg: Config,
     backend,
@@ -340,6 +359,7 @@ def build_phases(
         t.max_grad_norm,
         r.max_completion_length,
         r.engine,
+        _kept_filters(cfg, sampler.engine, model),
     )
     critic_phase = None
     if critic is not None:

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo.models.logprobs import completion_logprobs
+from grpo.models.kept_mass import KeptFilters, kept_logmass
+from grpo.models.logprobs import completion_hidden_states, completion_logprobs
 from grpo.training.batching import GenerationBatch, microbatches, minibatches
 
 NO_ROWS = torch.zeros(0, dtype=torch.long, device="cpu")
@@ -100,6 +101,33 @@ class Forward:
                         continue
                     logp, _ = self.rows(model, batch, rows, grad=False)
                     out[rows, : logp.shape[1]] = logp
+        finally:
+            model.train(was_training)
+        return out
+
+    def kept_logmass(self, model, batch: GenerationBatch, filters: KeptFilters) -> torch.Tensor:
+        """log M [N, T]: per completion token, the log of the probability mass the sampling
+        filters keep under `model` (grpo.models.kept_mass), 0 at padding; without gradients, in
+        eval mode, as `batch` scores the policy the update starts from. Not under FSDP, whose
+        shards are whole only inside its own forward passes (the caller leaves it out there)."""
+        was_training = model.training
+        model.eval()
+        ro = batch.rollout
+        out = torch.zeros(ro.completion_ids.shape, device=self.backend.device)
+        softcap = getattr(model.config, "final_logit_softcapping", None)
+        try:
+            for rows in (r for pieces in self.split(batch) for r in pieces):
+                prompt_ids, prompt_mask = trim_left(ro.prompt_ids[rows], ro.prompt_mask[rows])
+                width = max(1, int(ro.completion_mask[rows].sum(-1).max()))
+                ids, mask = ro.completion_ids[rows, :width], ro.completion_mask[rows, :width]
+                with torch.no_grad(), self.backend.autocast():
+                    hidden = completion_hidden_states(model, prompt_ids, prompt_mask, ids, mask)
+                    keep = mask.bool()
+                    mass = kept_logmass(
+                        hidden[keep], model.get_output_embeddings(), ids[keep], filters, softcap
+                    )
+                block = torch.zeros(ids.shape, device=out.device).masked_scatter(keep, mass)
+                out[rows, :width] = block
         finally:
             model.train(was_training)
         return out

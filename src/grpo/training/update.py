@@ -40,6 +40,7 @@ import torch
 from grpo import algorithm
 from grpo.config.algorithm import AlgorithmConfig
 from grpo.config.errors import ConfigError
+from grpo.models.kept_mass import KeptFilters
 from grpo.registry import LOSS_AGGREGATIONS, POLICY_LOSSES
 from grpo.training.batching import GenerationBatch
 from grpo.training.forward import Forward, evened
@@ -181,6 +182,8 @@ class UpdatePlan:
     norms: list[algorithm.LossNormalisers]
     num_tokens: float
     num_sequences: int
+    sampling_logp: torch.Tensor | None = None
+    """The engine's logprobs over the whole vocabulary (see PolicyUpdate.kept), or None."""
 
 
 @dataclass
@@ -209,7 +212,10 @@ class PolicyUpdate:
     checkpoint carries it), the forward passes (`Forward`), the algorithm's settings
     (`algorithm`: the section the losses' parameters are derived from, by name), the loss's
     settings derived from them once (`settings`), the gradient clip, the completion length the
-    dr_grpo normaliser divides by, and the engine's name (for the one error it can meet)."""
+    dr_grpo normaliser divides by, and the engine's name (for the one error it can meet).
+    `kept`: the sampling filters, when the engine reports its logprobs over the tokens they kept
+    only (vLLM's processed_logprobs with top-k/top-p/min-p): the update puts them back on the
+    whole vocabulary with the kept mass under the policy it starts from (grpo.models.kept_mass)."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -222,6 +228,7 @@ class PolicyUpdate:
     max_grad_norm: float
     max_completion_length: int
     engine_name: str
+    kept: KeptFilters | None = None
 
     @property
     def backend(self):
@@ -266,8 +273,19 @@ class PolicyUpdate:
             )
             for minibatch in pieces
         ]
+        sampling_logp = batch.rollout.sampling_logprobs
+        if sampling_logp is not None and self.kept is not None:
+            sampling_logp = sampling_logp + self.forward.kept_logmass(self.model, batch, self.kept)
         return UpdatePlan(
-            batch, advantages, old_logp, ref_logp, pieces, norms, num_tokens, num_sequences
+            batch,
+            advantages,
+            old_logp,
+            ref_logp,
+            pieces,
+            norms,
+            num_tokens,
+            num_sequences,
+            sampling_logp,
         )
 
     def micro_batch_loss(
@@ -287,7 +305,7 @@ class PolicyUpdate:
             if a.top_entropy_quantile < 1.0
             else None
         )
-        sampling_logp = batch.rollout.sampling_logprobs
+        sampling_logp = plan.sampling_logp
         loss, stats = algorithm.policy_loss(
             logp,
             plan.old_logp[rows, :width] if plan.old_logp is not None else None,
