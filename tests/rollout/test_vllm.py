@@ -319,7 +319,7 @@ def test_filtered_logprobs_with_the_kept_mass_are_the_whole_vocabularys(tokenize
     """At temperature 0.7 with top-k/top-p/min-p vLLM reports logprobs over the kept tokens only
     (processed_logprobs): with the kept mass the update adds (grpo.models.kept_mass, under the
     same weights), they are the update's own over the whole vocabulary; without, they are not."""
-    from grpo.models.kept_mass import KeptFilters, kept_logmass
+    from grpo.models.kept_mass import kept_logmass
     from grpo.models.logprobs import completion_hidden_states
     from grpo.rollout.vllm import VLLMEngine
 
@@ -341,7 +341,7 @@ def test_filtered_logprobs_with_the_kept_mass_are_the_whole_vocabularys(tokenize
             hidden[keep],
             model.get_output_embeddings(),
             r.completion_ids[keep],
-            KeptFilters(0.7, **filters),
+            params,
         )
     assert int(keep.sum()) > 200 and float(mass.min()) < -0.05  # the filters cut some mass
     torch.testing.assert_close(r.sampling_logprobs[keep] + mass, logp[keep], atol=2e-5, rtol=1e-5)

@@ -24,7 +24,7 @@ and the trainer's rounding may put it a hair outside.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -32,22 +32,18 @@ ROW_ELEMENTS = 1 << 24
 """Logits computed at once (rows x vocabulary): 64 MiB in float32, whatever the vocabulary."""
 
 
-@dataclass(frozen=True)
-class KeptFilters:
-    """The sampling filters, as rollout.* sets them (top_k 0 and top_p 1 and min_p 0: none)."""
+class Filters(Protocol):
+    """The sampling settings the filters read (grpo.rollout.SamplingParams has them): top_k 0,
+    top_p 1 and min_p 0 filter nothing."""
 
     temperature: float
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-
-    @property
-    def filtering(self) -> bool:
-        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+    top_k: int
+    top_p: float
+    min_p: float
 
 
 def kept_logmass_of_logits(
-    logits: torch.Tensor, tokens: torch.Tensor, filters: KeptFilters
+    logits: torch.Tensor, tokens: torch.Tensor, filters: Filters
 ) -> torch.Tensor:
     """log M for each row of `logits` [n, V] (float32 or wider), whose sampled token is
     `tokens` [n]: the log of the probability mass the filters keep (<= 0)."""
@@ -72,7 +68,7 @@ def kept_logmass(
     hidden: torch.Tensor,
     output_layer: torch.nn.Module,
     tokens: torch.Tensor,
-    filters: KeptFilters,
+    filters: Filters,
     softcap: float | None = None,
 ) -> torch.Tensor:
     """log M [n] for final hidden states `hidden` [n, H] predicting `tokens` [n], through the

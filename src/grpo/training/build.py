@@ -40,7 +40,6 @@ from grpo.backends import create_backend
 from grpo.config.errors import ConfigError
 from grpo.config.schema import Config
 from grpo.health.monitor import HealthMonitor
-from grpo.models.kept_mass import KeptFilters
 from grpo.models.loading import context_length, load_model_and_tokenizer
 from grpo.models.logprobs import sharded_by_fsdp
 from grpo.models.lora import apply_lora
@@ -279,8 +278,8 @@ def _step_metrics(cfg: Config, backend, rewards, engine, prompts, state, source)
     )
 
 
-def _kept_filters(cfg: Config, engine, model) -> KeptFilters | None:
-    """The sampling filters when the engine's logprobs are over the tokens they kept only (the
+def _kept_filters(cfg: Config, engine, model) -> SamplingParams | None:
+    """The run's sampling settings (their filters) when the engine's logprobs are over the tokens they kept only (the
     update adds the kept mass, grpo.models.kept_mass); None otherwise, and under FSDP, whose
     sharded weights that extra pass cannot read (said once: the gap stays)."""
     if not getattr(engine, "logprobs_over_kept", False):
@@ -292,8 +291,7 @@ def _kept_filters(cfg: Config, engine, model) -> KeptFilters | None:
             "rollout/logprob_diff metrics and algorithm.rollout_correction see a gap of log(kept mass)"
         )
         return None
-    r = cfg.rollout
-    return KeptFilters(r.temperature, r.top_k, r.top_p, r.min_p)
+    return _sampling_params(cfg)
 
 
 def build_phases(

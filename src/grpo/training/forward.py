@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo.models.kept_mass import KeptFilters, kept_logmass
+from grpo.models.kept_mass import Filters, kept_logmass
 from grpo.models.logprobs import completion_hidden_states, completion_logprobs
 from grpo.training.batching import GenerationBatch, microbatches, minibatches
 
@@ -105,7 +105,7 @@ class Forward:
             model.train(was_training)
         return out
 
-    def kept_logmass(self, model, batch: GenerationBatch, filters: KeptFilters) -> torch.Tensor:
+    def kept_logmass(self, model, batch: GenerationBatch, filters: Filters) -> torch.Tensor:
         """log M [N, T]: per completion token, the log of the probability mass the sampling
         filters keep under `model` (grpo.models.kept_mass), 0 at padding; without gradients, in
         eval mode, as `batch` scores the policy the update starts from. Not under FSDP, whose

@@ -40,8 +40,8 @@ import torch
 from grpo import algorithm
 from grpo.config.algorithm import AlgorithmConfig
 from grpo.config.errors import ConfigError
-from grpo.models.kept_mass import KeptFilters
 from grpo.registry import LOSS_AGGREGATIONS, POLICY_LOSSES
+from grpo.rollout.types import SamplingParams
 from grpo.training.batching import GenerationBatch
 from grpo.training.forward import Forward, evened
 from grpo.training.state import EntropyControl
@@ -228,7 +228,7 @@ class PolicyUpdate:
     max_grad_norm: float
     max_completion_length: int
     engine_name: str
-    kept: KeptFilters | None = None
+    kept: SamplingParams | None = None
 
     @property
     def backend(self):
