@@ -560,6 +560,5 @@ def weights_checksum(model) -> dict:
 
 def _padded(rows: list[list], width: int, pad, dtype: torch.dtype) -> torch.Tensor:
     """`rows` right-padded with `pad` to `width`, as one (len(rows), width) tensor on the CPU."""
-    return torch.tensor([row + [pad] * (width - len(row)) for row in rows], dtype=dtype).view(
-        len(rows), width
-    )
+    padded = [row + [pad] * (width - len(row)) for row in rows]
+    return torch.tensor(padded, dtype=dtype, device="cpu").view(len(rows), width)
