@@ -279,9 +279,10 @@ def _step_metrics(cfg: Config, backend, rewards, engine, prompts, state, source)
 
 
 def _kept_filters(cfg: Config, engine, model) -> SamplingParams | None:
-    """The run's sampling settings (their filters) when the engine's logprobs are over the tokens they kept only (the
-    update adds the kept mass, grpo.models.kept_mass); None otherwise, and under FSDP, whose
-    sharded weights that extra pass cannot read (said once: the gap stays)."""
+    """The run's sampling settings (their filters) when the engine's logprobs are over the
+    tokens they kept only (the update adds the kept mass, grpo.models.kept_mass); None
+    otherwise, and under FSDP, whose sharded weights that extra pass cannot read (said once:
+    the gap stays)."""
     if not getattr(engine, "logprobs_over_kept", False):
         return None
     if sharded_by_fsdp(model):
