@@ -5,7 +5,8 @@ algorithm.rollout_correction auto), and 4 without the correction, each with seve
     python benchmarks/async_learning.py                  # the runs docs/async.md reports
     python benchmarks/async_learning.py --steps 100 --seeds 0 1 --only synchronous "max_staleness 2"
 
-For each run, the mean training reward over the `--tail` steps before each of `--at` (default:
+For each run, the health checks that fired (`grpo doctor`'s replay of its metrics), and the
+mean training reward over the `--tail` steps before each of `--at` (default:
 examples/tiny.yaml's own end, step 300, and twice as far, 600; one run gives both: the learning
 rate is constant and nothing before a step depends on where the run ends). Per variant and
 point: the mean over the seeds, its difference from the synchronous mean, and twice the standard
@@ -22,6 +23,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "examples" / "tiny.yaml"
@@ -50,6 +53,15 @@ def _train(out: Path, url: str, steps: int, seed: int, overrides: list[str]) -> 
     if done.returncode != 0:
         raise SystemExit(f"grpo train failed: {done.stderr[-2000:]}")
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _fired(out: Path, rows: list[dict]) -> str:
+    """The health checks that fired over the run (as `grpo doctor` replays them), or none."""
+    from grpo.health.diagnosis import diagnose
+
+    config = yaml.safe_load((out / "config.yaml").read_text())
+    fired = sorted({e.check for e in diagnose(rows, config=config).problems})
+    return f"health checks fired: {', '.join(fired) or 'none'}"
 
 
 def _spread(values: list[float]) -> float:
@@ -86,7 +98,7 @@ def main() -> None:
                     tail = [reward[s] for s in range(at - args.tail + 1, at + 1) if s in reward]
                     final[name, seed, at] = statistics.mean(tail)
                 shown = ", ".join(f"{final[name, seed, at]:.3f} at {at}" for at in points)
-                print(f"seed {seed}, {name}: {shown}", flush=True)
+                print(f"seed {seed}, {name}: {shown}; {_fired(out, rows)}", flush=True)
     print(f"\n{CONFIG.name}; mean training reward over the {args.tail} steps before each point")
     for at in points:
         sync = [final["synchronous", s, at] for s in args.seeds]
