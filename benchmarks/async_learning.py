@@ -1,6 +1,7 @@
 """Does learning hold when generation runs ahead? examples/tiny.yaml trained against one
 `grpo serve --engine hf`, synchronously and with rollout.max_staleness 1, 2 and 4 (corrected:
-algorithm.rollout_correction auto), and 4 without the correction, each with several seeds.
+algorithm.rollout_correction auto), and 4 without the correction (and, with --only, 4 with the
+correction masking the tokens past its cap), each with several seeds.
 
     python benchmarks/async_learning.py                  # the runs docs/async.md reports
     python benchmarks/async_learning.py --steps 100 --seeds 0 1 --only synchronous "max_staleness 2"
@@ -41,7 +42,13 @@ VARIANTS = {
         "rollout.max_staleness=4",
         "algorithm.rollout_correction=none",
     ],
+    # tokens whose ratio passed the cap dropped rather than weighted by the cap
+    "max_staleness 4, token_mask": [
+        "rollout.max_staleness=4",
+        "algorithm.rollout_correction=token_mask",
+    ],
 }
+DEFAULT_VARIANTS = [name for name in VARIANTS if name != "max_staleness 4, token_mask"]
 
 
 def _train(out: Path, url: str, steps: int, seed: int, overrides: list[str]) -> list[dict]:
@@ -75,7 +82,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="default: the last of --at")
     parser.add_argument("--tail", type=int, default=50)
     parser.add_argument("--seeds", type=int, nargs="+", default=list(range(8)))
-    parser.add_argument("--only", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--only", nargs="+", choices=list(VARIANTS), default=DEFAULT_VARIANTS)
     args = parser.parse_args()
     steps = args.steps or max(args.at)
     points = [a for a in args.at if a <= steps]
