@@ -15,6 +15,7 @@ import weakref
 
 import pytest
 import torch
+from vllm_llama import llama
 
 from grpo.config import loading as config
 from grpo.config.errors import ConfigError
@@ -38,28 +39,6 @@ SETTINGS = {
     "kv_cache_gb": 0.0625,
     "enforce_eager": True,
 }
-
-
-def llama(tokenizer, seed=0, hidden=64):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config_ = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=2,
-        num_attention_heads=hidden // 32,
-        num_key_value_heads=1,
-        head_dim=32,
-        max_position_embeddings=256,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return LlamaForCausalLM(config_).eval()
 
 
 def make_cfg(*overrides, **rollout):

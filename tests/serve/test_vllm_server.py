@@ -26,6 +26,7 @@ import time
 import pytest
 import torch
 from serve_settings import SERVE_KEY
+from vllm_llama import llama
 
 from grpo.config import loading
 from grpo.config.errors import ConfigError
@@ -48,29 +49,6 @@ START_SECONDS = 600
 """How long the server may take to come up (about 40 s on 2 cores)."""
 # vLLM's own options: no compilation, a small KV cache
 VLLM_OPTIONS = ["--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20)]
-
-
-def llama(tokenizer, seed=0, hidden=64):
-    """A tiny random Llama with vLLM's smallest CPU head size (32)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=2,
-        num_attention_heads=hidden // 32,
-        num_key_value_heads=1,
-        head_dim=32,
-        max_position_embeddings=256,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return LlamaForCausalLM(config).eval()
 
 
 def _free_port() -> int:
