@@ -126,3 +126,6 @@ def test_what_would_differ_is_refused_by_name():
     args = grpo.AsyncGRPOConfig(grpo_overrides=["rollout.max_staleness=1", "algorithm.beta=0.04"])
     cfg = args.to_config(10)
     assert (cfg.rollout.max_staleness, cfg.algorithm.beta) == (1, 0.04)
+    for wrong in ("rollout.max_staleness=1", [3]):  # a string would be read letter by letter
+        with pytest.raises(ConfigError, match="grpo_overrides: a list of 'section.key=value'"):
+            grpo.AsyncGRPOConfig(grpo_overrides=wrong).to_config(10)

@@ -285,8 +285,16 @@ class GRPOConfig(_Fields):
                 set_dotted(data, key, value)
         for key, value in (extra or {}).items():
             set_dotted(data, key, value)
+        overrides = self.grpo_overrides
+        if not isinstance(overrides, (list, tuple)) or not all(
+            isinstance(o, str) for o in overrides
+        ):
+            raise ConfigError(
+                f"grpo_overrides: a list of 'section.key=value' strings, got {str(overrides)[:80]!r}; "
+                "e.g. grpo_overrides=['rollout.max_staleness=2']"
+            )
         try:
-            return from_dict(data, self.grpo_overrides)
+            return from_dict(data, overrides)
         except ConfigError as error:
             raise ConfigError(_with_fields(str(error))) from None
 
