@@ -108,7 +108,13 @@ def make_handler(routes: dict[tuple[str, str], Route], api_key: str) -> type:
             except Exception as error:  # a bug or a failed model call: said, never a traceback sent
                 log.exception("grpo serve: %s %s failed", method, path)
                 status, value = 500, _failure(500, f"{type(error).__name__}: {str(error)[:300]}")
-            _answer(self, status, value)
+            try:
+                _answer(self, status, value)
+            except (
+                ConnectionError
+            ):  # the client gave up (its timeout, a killed trainer): no traceback
+                log.info("grpo serve: %s %s: the client left before its answer", method, path)
+                self.close_connection = True
 
         def do_GET(self) -> None:  # noqa: N802 (the base class's name)
             self._serve("GET")
