@@ -206,6 +206,13 @@ def _rows(path):
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def _finished_rows(path):
+    """The rows of a .jsonl file another process is still writing: a last line without its
+    newline is being written and is not read (the strict `_rows` would fail on it)."""
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line) for line in text.splitlines(keepends=True) if line.endswith("\n")]
+
+
 def _untimed(rows):
     return [{k: v for k, v in row.items() if not k.startswith(TIMING)} for row in rows]
 
@@ -255,6 +262,13 @@ def run_grpo():
 def read_rows():
     """read_rows(path): a .jsonl file's rows ([] if there is no file)."""
     return _rows
+
+
+@pytest.fixture
+def finished_rows():
+    """finished_rows(path): the rows of a .jsonl file a live run is writing, its unfinished
+    last line left out; for waiting on a run, where read_rows could catch a half-written row."""
+    return _finished_rows
 
 
 @pytest.fixture

@@ -144,7 +144,14 @@ def test_a_changed_config_is_refused_naming_the_keys(tmp_path, capsys, read_rows
 
 
 def test_sigterm_saves_a_checkpoint_and_the_resumed_run_is_exact(
-    tmp_path, write_config, run_grpo, start_grpo, read_rows, train_to, assert_same_run
+    tmp_path,
+    write_config,
+    run_grpo,
+    start_grpo,
+    read_rows,
+    finished_rows,
+    train_to,
+    assert_same_run,
 ):
     overrides = [
         "training.max_steps=40",
@@ -156,7 +163,7 @@ def test_sigterm_saves_a_checkpoint_and_the_resumed_run_is_exact(
     run = tmp_path / "run"
     process = start_grpo(["train", str(path)])
     deadline = time.monotonic() + 60
-    while len(read_rows(run / "metrics.jsonl")) < 2 and time.monotonic() < deadline:
+    while len(finished_rows(run / "metrics.jsonl")) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
     os.kill(process.pid, signal.SIGTERM)
     process.join(60)
@@ -173,7 +180,9 @@ def test_sigterm_saves_a_checkpoint_and_the_resumed_run_is_exact(
     assert_same_run(run, expected)
 
 
-def test_a_second_signal_stops_at_once(tmp_path, write_config, start_grpo, read_rows):
+def test_a_second_signal_stops_at_once(
+    tmp_path, write_config, start_grpo, read_rows, finished_rows
+):
     path = write_config(
         tmp_path, "run", ["training.max_steps=50", "training.save_steps=0", "eval.every=0"]
     )
@@ -183,7 +192,7 @@ def test_a_second_signal_stops_at_once(tmp_path, write_config, start_grpo, read_
     run = tmp_path / "run"
     process = start_grpo(["train", str(path)])
     deadline = time.monotonic() + 60
-    while not read_rows(run / "metrics.jsonl") and time.monotonic() < deadline:
+    while not finished_rows(run / "metrics.jsonl") and time.monotonic() < deadline:
         time.sleep(0.01)
     time.sleep(0.3)  # past step 1's end (where a first signal would save checkpoint-1), into step 2
     os.kill(process.pid, signal.SIGINT)
