@@ -15,6 +15,7 @@ Three ways, set up from the config and the Python API's arguments:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import compress
 from typing import Callable
 
 from grpo.config.schema import Config
@@ -110,10 +111,10 @@ class Generated:
 def decode_completions(rollout: Rollout, tokenizer) -> tuple[list[list[int]], list[str]]:
     """Each completion's token ids (its mask's) and its text, special tokens left out: what the
     reward functions, the scorers and TRL's generation step read."""
-    ids = [
-        c[m.bool()].tolist()
-        for c, m in zip(rollout.completion_ids.cpu(), rollout.completion_mask.cpu())
-    ]
+    # as lists once (one copy from the device), not a tensor op per completion: this runs every
+    # step, and generating ahead it runs on the trainer's side
+    rows, masks = rollout.completion_ids.tolist(), rollout.completion_mask.tolist()
+    ids = [list(compress(row, mask)) for row, mask in zip(rows, masks)]
     return ids, tokenizer.batch_decode(ids, skip_special_tokens=True)
 
 
