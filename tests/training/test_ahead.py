@@ -11,7 +11,9 @@
   and --resume against a new server finishes the run;
 - rollout_wait fires on a generator slowed on purpose, and the trainer says once that it waits;
   it stays silent when the update is the longer part;
-- TRL's asynchronous trainer by its import: a TRL-style script trains against the server.
+- TRL's asynchronous trainer by its import: a TRL-style script trains against the server;
+- the push of step t's weights runs beside step t + 1's first phases and sends step t's weights,
+  however late it reads them (the update waits for it); its metrics are step t + 1's row.
 """
 
 from __future__ import annotations
@@ -181,11 +183,14 @@ def test_a_lost_server_saves_the_step_and_stops_with_one_line(tmp_path, serve_in
     path = tmp_path / "run.yaml"
     loading.save(loading.from_dict(data), path)
 
-    # the server goes away while step 3 trains: its push fails, and the batch drawn then is never made
+    # the server goes away as step 3 ends: the push of its weights fails beside step 4 (whose batch
+    # was generated before), the batch drawn for those weights is never made, and step 5 stops
     original = ahead.AheadSource.policy_changed
 
     def stop_server_at_3(source, model):
         if source.trained == 2:
+            with source.cond:  # no generation in flight: the push is what finds the server gone
+                source._wait(source._all_generated, "the batches drawn")
             serving.shutdown()
         original(source, model)
 
@@ -196,8 +201,8 @@ def test_a_lost_server_saves_the_step_and_stops_with_one_line(tmp_path, serve_in
     assert len(err) == 1 and err[0].startswith("grpo: training stopped: while generating ahead"), (
         err
     )
-    assert "checkpoint-3" in err[0] and "--resume" in err[0]
-    assert checkpoint.verify(tmp_path / "run" / "checkpoint-3") == ""
+    assert "checkpoint-4" in err[0] and "--resume" in err[0]
+    assert checkpoint.verify(tmp_path / "run" / "checkpoint-4") == ""
 
     serve_in_thread(port=port)  # started again where the config says
     assert main(["train", str(path), "--resume"]) == 0
@@ -283,3 +288,65 @@ def test_a_checkpoints_batches_are_checked_as_untrusted_input(tmp_path, serve_in
     queue["batches"].pop()
     with pytest.raises(ConfigError, match="next batch 5 after 2 batches from step 2"):
         build_parts(cfg, restore=state)
+
+    # the push not yet in a row: the one of step 2's weights, which step 3's row gives
+    state = torch.load(tmp_path / "run" / "checkpoint-2" / "train_state.pt", weights_only=True)
+    pushes = state["rollout_source"]["pushes"]
+    assert [version for version, _ in pushes] == [2] and pushes[0][1]["weight_sync/bytes"] > 0
+    for bad, why in (
+        ([[3, {}]], "a push of the weights after step 3, after step 2"),
+        ([[2, {"weight_sync/bytes": float("nan")}]], "not a few named finite numbers"),
+        ([[2, {"x" * 65: 1.0}]], "not a few named finite numbers"),
+        ([[2, {}]] * 5, "pushes: not a list of at most 4"),
+        ("pushes", "pushes: not a list"),
+    ):
+        state["rollout_source"]["pushes"] = bad
+        with pytest.raises(ConfigError, match=why):
+            build_parts(cfg, restore=state)
+
+
+def test_a_slow_push_sends_its_steps_weights_beside_the_next_steps_start(
+    tmp_path, serve_in_thread, monkeypatch
+):
+    import time
+
+    from grpo.rollout.server import ServerEngine, weights_checksum
+
+    serving = serve_in_thread()
+    after: dict[int, str] = {}  # the trainer's weights after each step
+    pushed: list[str] = []  # what the server held after each scheduled push
+    pushing: list[tuple[float, float]] = []
+    taken: list[float] = []
+    changed, sync, next_batch = (
+        ahead.AheadSource.policy_changed,
+        ServerEngine.sync_weights,
+        ahead.AheadSource.next_batch,
+    )
+
+    def record_changed(source, model):
+        after[source.trained + 1] = weights_checksum(model)["digest"]
+        changed(source, model)
+
+    def slow_sync(engine, policy):
+        start = time.monotonic()
+        time.sleep(0.3)  # a push that reads the weights late: the next step has begun by then
+        sync(engine, policy)
+        pushing.append((start, time.monotonic()))
+        pushed.append(serving.app.weights_checksum(None, None)[1]["digest"])
+
+    def record_next_batch(source, step):
+        generated = next_batch(source, step)
+        taken.append(time.monotonic())
+        return generated
+
+    monkeypatch.setattr(ahead.AheadSource, "policy_changed", record_changed)
+    monkeypatch.setattr(ServerEngine, "sync_weights", slow_sync)
+    monkeypatch.setattr(ahead.AheadSource, "next_batch", record_next_batch)
+    rows = _train(_data(tmp_path, serving.url, "slow_push", 1))
+    # k = 1, 5 steps: pushes after steps 1-3 (step 5's batch is the last one), each of its own
+    # step's weights, though the update that follows it was ready to change them
+    assert pushed == [after[1], after[2], after[3]]
+    # the next step took its batch while the push ran: it overlapped
+    assert any(start < t < end for start, end in pushing for t in taken)
+    # a push is the row of the step it ran beside
+    assert ["weight_sync/bytes" in r for r in rows] == [False, True, True, True, False]

@@ -610,8 +610,9 @@ def clip_ratio_high(view: View) -> Finding | None:
 
 def rollout_wait(view: View) -> Finding | None:
     """Generating ahead of training (rollout.max_staleness > 0) that does not overlap: the trainer
-    waited for the generator (time/wait_for_rollout) for more than health.rollout_wait_share of
-    its step's time (time/step) for health.patience steps."""
+    waited for the generator (time/wait_for_rollout: for a batch, or for the push the generator
+    makes before the batches it samples) for more than health.rollout_wait_share of its step's
+    time (time/step) for health.patience steps."""
     limits = view.limits
 
     def waits(row: Row) -> bool:
@@ -626,11 +627,13 @@ def rollout_wait(view: View) -> Finding | None:
         "warning",
         "generating ahead does not overlap: the trainer waits for the generation server most of each step",
         f"time/wait_for_rollout {g(num(view.row, 'time/wait_for_rollout'))} s of time/step {g(step)} s "
-        f"(> {limits.rollout_wait_share:.0%}) over {_span(run)}, time/generate {g(generate)} s a batch",
-        "generation is slower than the update, so overlapping them cannot hide it: give the server more "
-        "compute (a GPU, `grpo serve --engine vllm`, a server of its own), or generate less per step "
-        "(rollout.num_generations, rollout.max_completion_length); if the server is slowed by other work, "
-        "free it; a larger rollout.max_staleness only absorbs uneven steps",
+        f"(> {limits.rollout_wait_share:.0%}) over {_span(run)}, time/generate {g(generate)} s a batch, "
+        f"time/weight_sync {g(num(view.row, 'time/weight_sync'))} s a push",
+        "generation (with the push of the weights) is slower than the update, so overlapping them cannot "
+        "hide it: give the server more compute (a GPU, `grpo serve --engine vllm`, a server of its own), "
+        "or generate less per step (rollout.num_generations, rollout.max_completion_length); when the "
+        "push is most of it, push less often (rollout.weight_sync_steps); if the server is slowed by "
+        "other work, free it; a larger rollout.max_staleness only absorbs uneven steps",
     )
 
 

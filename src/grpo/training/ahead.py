@@ -10,27 +10,35 @@ the oldest weights pushed to the generation server that are at most k steps behi
 run twice, or killed and resumed, trains on the same batches.
 
     trainer thread                                      generator thread (`_generate_loop`)
-    next_batch(step): the oldest batch drawn,           generates the drawn batches in order,
-      waited for (time/wait_for_rollout)                each from the weights the server holds
-    policy_changed(model) after step t, if N divides t:
-      waits until every drawn batch is generated (they need the weights the server holds: it
-      holds one version at a time), pushes the weights after step t, then draws the batches
-      sampled from them and hands them to the generator
+    next_batch(step): the oldest batch drawn,           works through the drawn batches in order:
+      waited for (time/wait_for_rollout)                a batch sampled from newer weights than
+    policy_changed(model) after step t, if N divides t:   the server holds first has them pushed
+      draws the batches the weights after step t          (the trainer's, which have not changed
+      sample (none: no push)                               since), then each batch is generated
+    pause(), before the next update changes the           from the weights the server holds
+      weights: waits until that push has read them
+
+The push of step t's weights thus runs beside the first phases of step t + 1 (its batch taken,
+its rewards), which read the weights and change nothing; the server holds one version at a
+time, so it comes after every batch drawn before it is generated.
 
 Prompts and per-prompt seeds are drawn in batch order, in the trainer's thread, at those fixed
 points (the train state's sampler and generator), and encoded there; each batch keeps where it
 was drawn (its reward seed and trainer_state come from it, grpo.training.state.DrawnAt), the step
-whose weights sampled it and the generator's seconds for it. At most k + 1 batches are drawn and
-not yet trained.
+whose weights sample it and the generator's seconds for it. At most k + 1 batches are drawn and
+not yet trained. A push's time/weight_sync and weight_sync/bytes are the row of the step it ran
+beside (step t + 1's for step t's push; an evaluation's push, the next step's).
 
 A checkpoint (`state_dict`) first waits for the drawn batches to be generated, then holds them:
 row indices, seeds, where drawn, the weights' step, the rollouts' tensors (plain types and
-tensors: train_state.pt is read with weights_only=True); `restored` continues them, checked as
-untrusted input. Held-out evaluation generates through `evaluation_engine`, which first has the
-server hold the trainer's weights (pushing them when the schedule leaves the server older ones).
+tensors: train_state.pt is read with weights_only=True), and the metrics of a push not yet in a
+row; `restored` continues them, checked as untrusted input. Held-out evaluation generates through
+`evaluation_engine`, which first has the server hold the trainer's weights (pushing them when
+the schedule leaves the server older ones).
 
-Faults: every wait is bounded (rollout.server.request_timeout per batch); a generation that
-fails, or a push, is raised as `GeneratorStopped` (a ServerError) at the next `next_batch`, where
+Faults: every wait is bounded (rollout.server.request_timeout per batch, weight_sync_timeout per
+exchange of a push); a generation that fails, or a push, is raised as `GeneratorStopped` (a
+ServerError) at the next `next_batch`, where
 the step is whole: the trainer saves a checkpoint there and stops with one line. A batch left
 ungenerated is generated after --resume from the weights the run resumes with (its
 `sampled_from` says so). A generation slower than training: the trainer waits and says so once.
@@ -64,6 +72,11 @@ SAY_WAITING_AFTER = 30.0
 """Seconds of one wait for the generator after which the trainer says, once per run, that it waits."""
 POLL_SECONDS = 0.5
 """How often the idle generator looks whether it was closed."""
+PUSH_EXCHANGES = 4
+"""A push's exchanges, each bounded by rollout.server.weight_sync_timeout (the group opened, the
+push started, the buckets sent, the push finished)."""
+MAX_HELD_PUSHES = 4
+"""Most pushes whose metrics a checkpoint holds (one, by the schedule; an evaluation's besides)."""
 ROLLOUT_TENSORS = {
     "prompt_ids": torch.long,
     "prompt_mask": torch.long,
@@ -94,13 +107,15 @@ def last_drawable(pushed: int, max_staleness: int, sync_every: int) -> int:
 @dataclass
 class AheadBatch:
     """One batch of the schedule: the 0-based step it is for, its rows (indices into the training
-    rows), seeds and where drawn; its prompts encoded; once generated, its rollout, the step whose
-    weights sampled it and the generator's seconds."""
+    rows), seeds and where drawn, the step whose weights sample it (`version`); its prompts
+    encoded; once generated, its rollout, the step whose weights sampled it and the generator's
+    seconds."""
 
     index: int
     indices: list[int]
     seeds: list[int]
     drawn: DrawnAt
+    version: int
     prompts: list[list[int]] | None = None
     rollout: Rollout | None = None
     sampled_from: int | None = None
@@ -129,8 +144,8 @@ class AheadSource:
     """The rollout source that generates ahead of training (see the module's docstring): `draw`
     (the train state's prompt sampler and seed generator), `sample` (its `server` engine, prompt
     encoder and tokenizer), `params`, G, `max_staleness`, `sync_every` (weight_sync_steps),
-    `max_steps`, `request_timeout` (a batch's bound), and the trained steps so far (`step`);
-    `restored`: a `state_dict` to continue."""
+    `max_steps`, `request_timeout` (a batch's bound), `push_timeout` (a push exchange's), and the
+    trained steps so far (`step`); `restored`: a `state_dict` to continue."""
 
     def __init__(
         self,
@@ -144,17 +159,21 @@ class AheadSource:
         sync_every: int,
         max_steps: int,
         request_timeout: float,
+        push_timeout: float,
         step: int = 0,
         restored: dict | None = None,
     ):
         self.draw, self.sample, self.params = draw, sample, params
         self.num_generations, self.model = num_generations, model
         self.max_staleness, self.sync_every, self.max_steps = max_staleness, sync_every, max_steps
-        self.request_timeout = request_timeout
+        self.request_timeout, self.push_timeout = request_timeout, push_timeout
         self.engine.recovers = False  # its weights are not the trainer's: a lost server stops it
         self.trained = step
-        """Steps trained; the server holds the weights after step `held`."""
-        self.held = step  # the engine pushed the weights it starts with (the restored ones)
+        """Steps trained; the server holds the weights after step `held`, the newest batch drawn
+        needs those after step `wanted` (held < wanted: a push is due)."""
+        self.held = self.wanted = step  # the engine pushed the weights it starts with
+        self.pushes: list[tuple[int, dict[str, float]]] = []
+        """(the step whose weights were pushed, the push's metrics), not yet in a row."""
         self.queue: deque[AheadBatch] = deque()
         self.next_index = step
         if restored is not None:
@@ -212,14 +231,22 @@ class AheadSource:
         )
 
     def pause(self) -> None:
-        pass  # the server's memory is its own; generation goes on while the update runs
+        """Before the update changes the weights: a push due has read them (generation goes on
+        while the update runs: the server's memory is its own). A failure is left for the next
+        batch, where the step is whole."""
+        with self.cond:
+            self._wait(lambda: self.held == self.wanted, "the weights' push", raising=False)
 
     def policy_changed(self, model: torch.nn.Module) -> None:
-        """After a step: on every weight_sync_steps-th, the drawn batches generated, the new
-        weights pushed, the batches they sample drawn. A failure is raised by the next batch."""
+        """After a step: on every weight_sync_steps-th, the batches the new weights sample drawn;
+        the generator pushes the weights before it generates them."""
         self.trained += 1
-        if self.trained % self.sync_every == 0 and self.failure is None:
-            self._push(model)
+        if self.trained % self.sync_every or self.failure is not None:
+            return
+        with self.cond:
+            if self._draw_ready(self.trained):
+                self.wanted = self.trained
+                self.cond.notify_all()
 
     def take_metrics(self) -> dict[str, float]:
         """The step's: the batch's staleness (steps between the weights that sampled it and the
@@ -230,7 +257,13 @@ class AheadSource:
         with self.cond:
             busy, waited = self.busy, self.waited
             self.busy = self.waited = 0.0
-        metrics, self.metrics = self.metrics, {}
+            # the pushes before this step's end: done (the update waited for them); this step's
+            # own push is the next row's, whether or not it is done yet
+            done = [m for version, m in self.pushes if version < self.trained]
+            self.pushes = [(v, m) for v, m in self.pushes if v >= self.trained]
+        metrics = _summed(done)
+        metrics.update(self.metrics)
+        self.metrics = {}
         metrics["time/wait_for_rollout"] = waited
         metrics["time/overlap"] = max(0.0, busy - waited) / busy if busy > 0 else math.nan
         return metrics
@@ -245,6 +278,7 @@ class AheadSource:
                 "format": STATE_FORMAT,
                 "next_index": self.next_index,
                 "batches": [b.state_dict() for b in self.queue],
+                "pushes": [[v, dict(m)] for v, m in self.pushes],
             }
 
     def close(self) -> None:
@@ -258,10 +292,10 @@ class AheadSource:
     def hold_current_weights(self) -> None:
         """The server holds the trainer's weights (for an evaluation): pushed when it holds older
         ones, which the schedule never needs again then (it samples only from later pushes)."""
-        if self.held == self.trained:
-            return
         with self.cond:
             self._wait(self._all_generated, "the batches drawn")
+            if self.held == self.trained:
+                return
         if (
             self.next_index < self.max_steps
             and scheduled_step(self.next_index, self.max_staleness, self.sync_every) <= self.trained
@@ -269,46 +303,33 @@ class AheadSource:
             raise RuntimeError(
                 "an evaluation's push would change the weights the schedule samples from"
             )
-        self.engine.sync_weights(self.model)
+        self.engine.sync_weights(self.model)  # the generator idle: every batch drawn is generated
         with self.cond:
-            self.held = self.trained
+            self.held = self.wanted = self.trained
+            self.pushes.append((self.trained, self.engine.take_metrics()))
 
     # ------------------------------------------------------------------ scheduling
 
     def _start(self) -> None:
         with self.cond:
-            self._draw_ready()
+            self._draw_ready(self.held)
         self.thread = threading.Thread(target=self._generate_loop, name="grpo-ahead", daemon=True)
         self.thread.start()
 
-    def _push(self, model) -> None:
-        with self.cond:
-            self._wait(self._all_generated, "the batches drawn", raising=False)
-            if self.failure is not None:
-                return
-        try:
-            self.engine.sync_weights(model)
-        except ServerError as error:
-            with self.cond:
-                self.failure = error
-            return
-        with self.cond:
-            self.held = self.trained
-            self._draw_ready()
-            self.cond.notify_all()
-
-    def _draw_ready(self) -> None:
-        """Draws, in order, every batch the weights the server holds sample (under the lock)."""
-        last = min(
-            last_drawable(self.held, self.max_staleness, self.sync_every), self.max_steps - 1
-        )
+    def _draw_ready(self, version: int) -> int:
+        """Draws, in order, every batch the weights after step `version` sample (under the lock);
+        how many."""
+        last = min(last_drawable(version, self.max_staleness, self.sync_every), self.max_steps - 1)
+        drawn_now = 0
         while self.next_index <= last:
             indices, seeds = self.draw.indices()
             drawn = DrawnAt.of(self.next_index, self.draw.sampler)
-            batch = AheadBatch(self.next_index, indices, seeds, drawn)
+            batch = AheadBatch(self.next_index, indices, seeds, drawn, version)
             batch.prompts = self.sample.prompts([self.draw.rows[i] for i in indices])
             self.queue.append(batch)
             self.next_index += 1
+            drawn_now += 1
+        return drawn_now
 
     def _all_generated(self) -> bool:
         return all(b.rollout is not None for b in self.queue)
@@ -319,7 +340,9 @@ class AheadSource:
         is raised as GeneratorStopped (else left for the next batch)."""
         start = time.perf_counter()
         left = sum(b.rollout is None for b in self.queue)
-        bound = self.request_timeout * max(1, left) + 60.0
+        pushes = self.wanted != self.held
+        bound = self.request_timeout * max(1, left) + self.push_timeout * PUSH_EXCHANGES * pushes
+        bound += 60.0
         while not ready() and self.failure is None:
             waited = time.perf_counter() - start
             if waited > bound:
@@ -362,10 +385,14 @@ class AheadSource:
                     self.cond.wait(timeout=POLL_SECONDS)
                 if self.closed or self.failure is not None:
                     return
-                batch, version = self._next_to_generate(), self.held
-            faults.reached("ahead")  # a batch being generated ahead of training
-            start = time.perf_counter()
+                batch = self._next_to_generate()
+                version, held, trained = batch.version, self.held, self.trained
             try:
+                if version != held:
+                    self._push(version, trained)
+                    continue
+                faults.reached("ahead")  # a batch being generated ahead of training
+                start = time.perf_counter()
                 rollout = self.engine.generate(
                     batch.prompts, self.num_generations, self.params, batch.seeds
                 )
@@ -380,6 +407,20 @@ class AheadSource:
                 self.busy += seconds
                 self.cond.notify_all()
 
+    def _push(self, version: int, trained: int) -> None:
+        """The weights after step `version` to the server: the trainer's, which the update does
+        not change until the push has read them (`pause`)."""
+        if trained != version:
+            raise RuntimeError(
+                f"the weights after step {version} were to be pushed, but the trainer is past step {trained}"
+            )
+        self.engine.sync_weights(self.model)
+        metrics = self.engine.take_metrics()
+        with self.cond:
+            self.held = version
+            self.pushes.append((version, metrics))
+            self.cond.notify_all()
+
     def _next_to_generate(self) -> AheadBatch | None:
         return next((b for b in self.queue if b.rollout is None), None)
 
@@ -389,6 +430,7 @@ class AheadSource:
         """The queue of a checkpoint (untrusted: checked, else ConfigError naming what is wrong)."""
         try:
             batches = _checked_batches(state, step, self)
+            pushes = _checked_pushes(state.get("pushes", []), step)
         except (KeyError, TypeError, ValueError, IndexError) as error:
             raise ConfigError(
                 f"--resume: the checkpoint's batches generated ahead (rollout.max_staleness) do not fit "
@@ -396,6 +438,7 @@ class AheadSource:
             ) from None
         self.queue.extend(batches)
         self.next_index = state["next_index"]
+        self.pushes = pushes
         for batch in self.queue:
             if (
                 batch.rollout is None
@@ -439,10 +482,33 @@ def _checked_batches(state: dict, step: int, source: AheadSource) -> list[AheadB
         rollout = _checked_rollout(item["rollout"], num_prompts * G, vocab, source)
         if (rollout is None) != (sampled_from is None):
             raise ValueError(f"batch {index}: a rollout without its weights' step, or the reverse")
+        # a batch a failure left ungenerated: sampled from the weights resumed
+        version = step if sampled_from is None else sampled_from
         batches.append(
-            AheadBatch(index, indices, seeds, drawn, None, rollout, sampled_from, seconds)
+            AheadBatch(index, indices, seeds, drawn, version, None, rollout, sampled_from, seconds)
         )
     return batches
+
+
+def _checked_pushes(raw: Any, step: int) -> list[tuple[int, dict[str, float]]]:
+    """A checkpoint's pushes not yet in a row (none in one written before they were kept): each
+    the step of its weights and a few named finite numbers."""
+    if not isinstance(raw, list) or len(raw) > MAX_HELD_PUSHES:
+        raise ValueError(f"pushes: not a list of at most {MAX_HELD_PUSHES}")
+    pushes = []
+    for item in raw:
+        version, metrics = item
+        if type(version) is not int or not 0 <= version <= step:
+            raise ValueError(f"a push of the weights after step {version!r}, after step {step}")
+        if (
+            not isinstance(metrics, dict)
+            or len(metrics) > 8
+            or not all(isinstance(k, str) and len(k) <= 64 for k in metrics)
+            or not all(type(v) in (int, float) and math.isfinite(v) for v in metrics.values())
+        ):
+            raise ValueError("a push's metrics are not a few named finite numbers")
+        pushes.append((version, {k: float(v) for k, v in metrics.items()}))
+    return pushes
 
 
 def _checked_rollout(raw, N: int, vocab: int, source: AheadSource) -> Rollout | None:
@@ -479,6 +545,15 @@ def _checked_rollout(raw, N: int, vocab: int, source: AheadSource) -> Rollout | 
         raise ValueError("rollout sampling_logprobs: not finite")
     device = next(source.model.parameters()).device
     return Rollout(**tensors).to(device)
+
+
+def _summed(metrics: list[dict[str, float]]) -> dict[str, float]:
+    """Several pushes' metrics as one row's: each name's values added up."""
+    total: dict[str, float] = {}
+    for m in metrics:
+        for name, value in m.items():
+            total[name] = total.get(name, 0.0) + value
+    return total
 
 
 class _CurrentWeights:

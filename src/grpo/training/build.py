@@ -401,6 +401,7 @@ def _rollout_source(cfg: Config, backend, model, state, sampler, draw, restored)
         sync_every=r.weight_sync_steps,
         max_steps=cfg.training.max_steps,
         request_timeout=r.server.request_timeout,
+        push_timeout=r.server.weight_sync_timeout,
         step=state.step,
         restored=restored,
     )

@@ -157,7 +157,8 @@ class StepMetrics:
     samples_per_step: int = 1
     log_every: int = 1
     source: Any = None
-    """The rollout source, whose own metrics (`take_metrics`: generating ahead's) the row takes last."""
+    """The rollout source, whose own metrics (`take_metrics`: its engine's pushes, generating
+    ahead's) the row takes last."""
 
     def summary(self, history: list[dict], runtime: float, steps: int) -> dict[str, Any]:
         """The run's closing row (`summary_row`) over this train() call's `steps` steps."""
@@ -217,17 +218,10 @@ class StepMetrics:
             "learning_rate": state.scheduler.get_last_lr()[0],
             "num_tokens": state.tokens_seen,
             **timer.metrics(tokens),
-            **self._engine_metrics(),
             **(self.source.take_metrics() if self.source is not None else {}),
         }
         # what the reward functions logged (log_metric); a name of grpo's own metrics keeps grpo's
         return {**metrics, **{name: v for name, v in logged.items() if name not in metrics}}
-
-    def _engine_metrics(self) -> dict[str, float]:
-        """What the engine measured since the last step (`take_metrics`: the server engine's
-        time/weight_sync and weight_sync/bytes); none for an engine without it."""
-        take = getattr(self.engine, "take_metrics", None)
-        return take() if take is not None else {}
 
     def _tool_metrics(self) -> dict[str, float]:
         """The tools' metrics since the last step (grpo.rollout.tools.tool_metrics), over every

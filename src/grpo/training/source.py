@@ -4,10 +4,12 @@ The step pulls each batch of completions from a source and tells it when the pol
 it does not know which source it has:
 
     next_batch(step)       the step's prompts drawn and their completions generated (Generated)
-    pause()                the update runs now: free what generation holds
+    pause()                the update runs now: the weights change from here on; free what
+                           generation holds
     policy_changed(model)  the optimizer stepped: generate from the new weights from now on
 
-and, for the loop around the step: `take_metrics()` (the source's own metrics of the step),
+and, for the loop around the step: `take_metrics()` (the source's own metrics of the step, its
+engine's among them: the server engine's pushes),
 `state_dict()` (what a checkpoint holds of it), `evaluation_engine` (the engine held-out
 evaluation generates with) and `close()` (at the end of training).
 
@@ -124,7 +126,10 @@ class InProcessSource:
         self.sample.engine.sync_weights(model)  # waking it if asleep
 
     def take_metrics(self) -> dict[str, float]:
-        return {}
+        """The engine's since the last step (the server engine's pushes: time/weight_sync,
+        weight_sync/bytes); none for an engine that measures nothing."""
+        take = getattr(self.sample.engine, "take_metrics", None)
+        return take() if take is not None else {}
 
     def state_dict(self) -> None:
         return None  # the train state holds where the draw is: nothing is generated ahead

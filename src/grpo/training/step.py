@@ -47,7 +47,6 @@ def train_step(p: Phases, step: int, timer: PhaseTimer) -> tuple[dict[str, float
     """Step `step` (0-based) of GRPO: the update's statistics and the step's generation batch."""
     batch = p.collect(step, timer)  # generate -> rewards (-> filter)
     faults.reached("step")
-    p.source.pause()
     stats = update(p, batch, timer)  # reference -> (values) -> advantages -> update (-> critic)
     with timer("sync"):
         p.source.policy_changed(p.update.model)
@@ -56,7 +55,9 @@ def train_step(p: Phases, step: int, timer: PhaseTimer) -> tuple[dict[str, float
 
 
 def update(p: Phases, batch: GenerationBatch, timer: PhaseTimer) -> dict[str, float]:
-    """The update half of a step on a scored batch, without the sync."""
+    """The update half of a step on a scored batch, without the sync. The source is paused
+    first: the weights change from here on (and what generation holds is the update's)."""
+    p.source.pause()
     with timer("reference"):
         old_logp, ref_logp = p.reference(batch)
     values = None
