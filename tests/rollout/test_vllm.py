@@ -112,18 +112,23 @@ def test_bad_vllm_settings_are_refused(override, message):
 
 
 def test_logprob_mode_follows_the_filters():
-    from grpo.rollout.vllm import sampling_logprob_mode
+    from types import SimpleNamespace
 
-    assert sampling_logprob_mode(0.7, 1.0, 0) == ("processed_logprobs", True)
-    assert sampling_logprob_mode(1.0, 0.9, 5) == ("raw_logprobs", True)
-    assert sampling_logprob_mode(0.7, 0.9, 0) == ("processed_logprobs", False)
+    from grpo.rollout.vllm import logprobs_over_kept, sampling_logprob_mode
+
+    def case(temperature, top_p, top_k, min_p=0.0, repetition_penalty=1.0):
+        """(the mode, whether its logprobs are over the kept tokens only: the kept mass added)"""
+        mode = sampling_logprob_mode(temperature, top_p, top_k, min_p, repetition_penalty)
+        rollout = SimpleNamespace(top_p=top_p, top_k=top_k, min_p=min_p)
+        return mode, logprobs_over_kept(mode, rollout)
+
+    assert case(0.7, 1.0, 0) == ("processed_logprobs", False)  # unfiltered: grpo's exactly
+    assert case(1.0, 0.9, 5) == ("raw_logprobs", False)  # filtered at temperature 1: the raw
+    assert case(0.7, 0.9, 0) == ("processed_logprobs", True)
     # min-p is a filter like top-k/top-p; a repetition penalty reshapes the logits as temperature does
-    assert sampling_logprob_mode(1.0, 1.0, 0, min_p=0.1) == ("raw_logprobs", True)
-    assert sampling_logprob_mode(1.3, 1.0, 0, repetition_penalty=1.2) == (
-        "processed_logprobs",
-        True,
-    )
-    assert sampling_logprob_mode(1.0, 1.0, 0, 0.1, 1.2) == ("processed_logprobs", False)
+    assert case(1.0, 1.0, 0, min_p=0.1) == ("raw_logprobs", False)
+    assert case(1.3, 1.0, 0, repetition_penalty=1.2) == ("processed_logprobs", False)
+    assert case(1.0, 1.0, 0, 0.1, 1.2) == ("processed_logprobs", True)
 
 
 # ------------------------------------------------------------------ with vllm

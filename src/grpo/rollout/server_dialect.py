@@ -169,7 +169,7 @@ class VLLMServer:
         from grpo.rollout.vllm import PENALISED_KEPT_MASS, logprobs_over_kept, sampling_logprob_mode
 
         r = rollout
-        wanted, _ = sampling_logprob_mode(
+        wanted = sampling_logprob_mode(
             r.temperature, r.top_p, r.top_k, r.min_p, r.repetition_penalty
         )
         held = self.logprobs_mode

@@ -94,9 +94,8 @@ def sampling_logprob_mode(
     top_k: int,
     min_p: float = 0.0,
     repetition_penalty: float = 1.0,
-) -> tuple[str, bool]:
-    """(vLLM's logprobs_mode, whether its logprobs are then exactly grpo's sampling logprobs)
-    for training's sampling settings.
+) -> str:
+    """vLLM's logprobs_mode for training's sampling settings.
 
     grpo's sampling logprob is log softmax(penalised logits / temperature) of the sampled token,
     before top-k/top-p/min-p. vLLM offers two: `raw_logprobs`, log softmax(logits) (no penalty,
@@ -104,14 +103,13 @@ def sampling_logprob_mode(
     penalty, temperature and the filters (the filtered distribution, renormalised). Without
     filtering, the processed ones are exactly grpo's at every temperature and penalty; with
     filtering at temperature 1 and no penalty, the raw ones are. Otherwise neither is: the
-    processed ones are used, and they exceed grpo's by log(mass of the kept tokens) >= 0.
+    processed ones are used, and they exceed grpo's by log(mass of the kept tokens) >= 0, which
+    the update adds back (`logprobs_over_kept`).
     """
     filtered = bool(top_k) or top_p < 1.0 or min_p > 0.0
-    if not filtered:
-        return "processed_logprobs", True
-    if temperature == 1.0 and repetition_penalty == 1.0:
-        return "raw_logprobs", True
-    return "processed_logprobs", False
+    if filtered and temperature == 1.0 and repetition_penalty == 1.0:
+        return "raw_logprobs"
+    return "processed_logprobs"
 
 
 def logprobs_over_kept(mode: str, rollout) -> bool:
@@ -291,7 +289,7 @@ class VLLMEngine:
                 )
         self.sleep_enabled = device.type == "cuda" and settings.sleep_mode
         self.asleep = False
-        self.logprobs_mode, _ = sampling_logprob_mode(
+        self.logprobs_mode = sampling_logprob_mode(
             r.temperature, r.top_p, r.top_k, r.min_p, r.repetition_penalty
         )
         self.logprobs_over_kept = logprobs_over_kept(self.logprobs_mode, r)
