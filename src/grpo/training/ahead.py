@@ -355,12 +355,14 @@ class AheadSource:
             if waited >= SAY_WAITING_AFTER and not self.said_waiting:
                 self.said_waiting = True
                 log.warning(
-                    "waiting for the generation server: %s not ready after %.0f s; generation is slower "
-                    "than training here (time/wait_for_rollout in metrics.jsonl; each request is bounded "
-                    "by rollout.server.request_timeout=%g s)",
+                    "waiting for the generation server: %s not ready after %.0f s; generating (and "
+                    "taking the weights) is slower than training here (time/wait_for_rollout in "
+                    "metrics.jsonl; each request is bounded by rollout.server.request_timeout=%g s, "
+                    "each exchange of a push by rollout.server.weight_sync_timeout=%g s)",
                     what,
                     waited,
                     self.request_timeout,
+                    self.push_timeout,
                 )
             until_said = SAY_WAITING_AFTER - waited if not self.said_waiting else POLL_SECONDS
             self.cond.wait(timeout=max(0.001, min(POLL_SECONDS, bound - waited, until_said)))
