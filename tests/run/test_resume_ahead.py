@@ -1,5 +1,5 @@
 """Exact resume of a run generating ahead of training (rollout.max_staleness 2): SIGKILLed while a
-batch is being generated ahead, and at other moments, and resumed with --resume, it ends with the
+batch is being generated ahead, while a push runs beside the next step, and at other moments, and resumed with --resume, it ends with the
 uninterrupted run's metrics (timings aside), samples, evaluations and final weights: each
 checkpoint holds the batches generated ahead (and waits for the one being generated).
 
@@ -46,6 +46,10 @@ def test_killed_while_a_batch_is_generated_ahead_and_resumed_is_the_uninterrupte
     # trains; checkpoint-1 (with steps 2-4's batches) and maybe -2 are written
     assert run_grpo(["train", str(cfg)], kill_at="ahead:5") == -signal.SIGKILL
     assert checkpoint.latest_checkpoint(tmp_path / "killed") is not None
+    # the resumed run's first push (after step 2 or 3, whichever checkpoint it resumed from),
+    # which runs beside the step after it: the server holds the new weights, the trainer has
+    # not counted them yet
+    assert run_grpo(["train", str(cfg), "--resume"], kill_at="push:1") == -signal.SIGKILL
     # the second step of the resumed run logged, its checkpoint not yet written
     assert run_grpo(["train", str(cfg), "--resume"], kill_at="logged:2") == -signal.SIGKILL
     assert run_grpo(["train", str(cfg), "--resume"]) == 0
@@ -60,7 +64,7 @@ def test_killed_five_times_at_random_moments_and_resumed_is_the_uninterrupted_ru
     expected = _expected(tmp_path, overrides, write_config, run_grpo, read_rows)
     cfg = write_config(tmp_path, "killed", overrides)
     rng = random.Random(49)
-    points = ["ahead", "step", "logged", "save", "manifest"]
+    points = ["ahead", "push", "step", "logged", "save", "manifest"]
     kills = [(rng.choice(points), rng.randint(1, 3)) for _ in range(3)]
     kills.insert(
         rng.randint(0, 3), ("ahead", rng.randint(2, 4))

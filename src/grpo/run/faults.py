@@ -5,8 +5,10 @@
 The points (`reached(name)` calls) are where a crash is hardest to recover from:
 "step" (mid-step, after generation), "logged" (a step's metrics written, its
 checkpoint not yet), "save" (a checkpoint's files half written), "manifest"
-(its manifest written, not yet renamed into place). Unset, `reached` costs a
-dictionary lookup.
+(its manifest written, not yet renamed into place); generating ahead of
+training, "ahead" (a batch being generated ahead) and "push" (the server given
+the weights of a step while the next one runs, the trainer not yet told).
+Unset, `reached` costs a dictionary lookup.
 """
 
 from __future__ import annotations

@@ -417,6 +417,7 @@ class AheadSource:
                 f"the weights after step {version} were to be pushed, but the trainer is past step {trained}"
             )
         self.engine.sync_weights(self.model)
+        faults.reached("push")  # the server holds them, the trainer does not know yet
         metrics = self.engine.take_metrics()
         with self.cond:
             self.held = version
