@@ -1,7 +1,8 @@
 """Exact resume of a run generating ahead of training (rollout.max_staleness 2): SIGKILLed while a
-batch is being generated ahead, while a push runs beside the next step, and at other moments, and resumed with --resume, it ends with the
-uninterrupted run's metrics (timings aside), samples, evaluations and final weights: each
-checkpoint holds the batches generated ahead (and waits for the one being generated).
+batch is being generated ahead, while a push runs beside the next step, and at other moments,
+and resumed with --resume, it ends with the uninterrupted run's metrics (timings aside),
+samples, evaluations and final weights: each checkpoint holds the batches generated ahead (and
+waits for the one being generated).
 
 `grpo train` runs in forked children (tests/run/conftest.py) against one `grpo serve --engine hf`
 in a thread of the test process (tests/conftest.py's serve_in_thread); a killed child's server
