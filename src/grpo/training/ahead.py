@@ -251,9 +251,10 @@ class AheadSource:
     def take_metrics(self) -> dict[str, float]:
         """The step's: the batch's staleness (steps between the weights that sampled it and the
         trained ones), time/generate (the generator's seconds for it), time/wait_for_rollout (the
-        trainer idle, waiting for the generator) and time/overlap (the share of the step's
-        generating that the trainer did not wait for; null when nothing was generated: a timing,
-        named under time/ as the others are)."""
+        trainer idle, waiting for the generator), time/overlap (the share of the generator's work
+        during the step, generating and pushing, that the trainer did not wait for; null when it
+        did none: a timing, named under time/ as the others are) and the pushes done before the
+        step's end (time/weight_sync, weight_sync/bytes)."""
         with self.cond:
             busy, waited = self.busy, self.waited
             self.busy = self.waited = 0.0
@@ -416,11 +417,13 @@ class AheadSource:
             raise RuntimeError(
                 f"the weights after step {version} were to be pushed, but the trainer is past step {trained}"
             )
+        start = time.perf_counter()
         self.engine.sync_weights(self.model)
         faults.reached("push")  # the server holds them, the trainer does not know yet
         metrics = self.engine.take_metrics()
         with self.cond:
             self.held = version
+            self.busy += time.perf_counter() - start
             self.pushes.append((version, metrics))
             self.cond.notify_all()
 
