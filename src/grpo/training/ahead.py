@@ -9,14 +9,17 @@ the oldest weights pushed to the generation server that are at most k steps behi
 (after step 0: the initial weights). The schedule does not depend on timing, so the same config
 run twice, or killed and resumed, trains on the same batches.
 
-    trainer thread                                      generator thread (`_generate_loop`)
-    next_batch(step): the oldest batch drawn,           works through the drawn batches in order:
-      waited for (time/wait_for_rollout)                a batch sampled from newer weights than
-    policy_changed(model) after step t, if N divides t:   the server holds first has them pushed
-      draws the batches the weights after step t          (the trainer's, which have not changed
-      sample (none: no push)                               since), then each batch is generated
-    pause(), before the next update changes the           from the weights the server holds
-      weights: waits until that push has read them
+In the trainer's thread:
+
+    next_batch(step)       the oldest batch drawn, waited for (time/wait_for_rollout)
+    pause()                before the update changes the weights: waits until a push due has
+                           read them
+    policy_changed(model)  after step t, if N divides t: draws the batches the weights after
+                           step t sample (none drawn: no push)
+
+In the generator thread (`_generate_loop`), the drawn batches in order: a batch sampled from
+newer weights than the server holds first has them pushed (the trainer's, unchanged since step
+t), then each batch is generated from the weights the server holds.
 
 The push of step t's weights thus runs beside the first phases of step t + 1 (its batch taken,
 its rewards), which read the weights and change nothing; the server holds one version at a
@@ -38,8 +41,8 @@ the schedule leaves the server older ones).
 
 Faults: every wait is bounded (rollout.server.request_timeout per batch, weight_sync_timeout per
 exchange of a push); a generation that fails, or a push, is raised as `GeneratorStopped` (a
-ServerError) at the next `next_batch`, where
-the step is whole: the trainer saves a checkpoint there and stops with one line. A batch left
+ServerError) at the next `next_batch`, where the step is whole: the trainer saves a checkpoint
+there and stops with one line. A batch left
 ungenerated is generated after --resume from the weights the run resumes with (its
 `sampled_from` says so). A generation slower than training: the trainer waits and says so once.
 """
