@@ -3,6 +3,7 @@
     generate    the rollout source's next batch                     grpo.training.source
     rewards     each completion scored; the loss mask               grpo.training.scoring
     filter      DAPO: more rounds until enough groups vary          grpo.training.collect
+    pause       the source told the weights change now              grpo.training.source
     reference   pi_old (num_iterations > 1) and pi_ref logprobs     grpo.training.reference
     values      the critic's values                                 grpo.training.critic (with a critic)
     advantages  once, over the final batch                          grpo.training.advantages
@@ -57,7 +58,8 @@ def train_step(p: Phases, step: int, timer: PhaseTimer) -> tuple[dict[str, float
 def update(p: Phases, batch: GenerationBatch, timer: PhaseTimer) -> dict[str, float]:
     """The update half of a step on a scored batch, without the sync. The source is paused
     first: the weights change from here on (and what generation holds is the update's)."""
-    p.source.pause()
+    with timer("pause"):  # generating ahead, the wait for the push; vLLM's sleep in-process
+        p.source.pause()
     with timer("reference"):
         old_logp, ref_logp = p.reference(batch)
     values = None
