@@ -35,9 +35,15 @@ def char_tokenizer():
 
 
 def tiny_model(
-    tokenizer, hidden_size: int = 64, num_layers: int = 2, seed: int = 0, dtype=torch.float32
+    tokenizer,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    seed: int = 0,
+    dtype=torch.float32,
+    head_size: int = 16,
 ):
-    """A small Llama-architecture model with random weights, deterministic in `seed`."""
+    """A small Llama-architecture model with random weights, deterministic in `seed`: attention
+    heads of `head_size`, a key/value head for every two query heads."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -45,8 +51,8 @@ def tiny_model(
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 2,
         num_hidden_layers=num_layers,
-        num_attention_heads=max(1, hidden_size // 16),
-        num_key_value_heads=max(1, hidden_size // 32),
+        num_attention_heads=max(1, hidden_size // head_size),
+        num_key_value_heads=max(1, hidden_size // (2 * head_size)),
         max_position_embeddings=1024,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,

@@ -110,11 +110,8 @@ def make_handler(routes: dict[tuple[str, str], Route], api_key: str) -> type:
                 status, value = 500, _failure(500, f"{type(error).__name__}: {str(error)[:300]}")
             try:
                 _answer(self, status, value)
-            except (
-                ConnectionError
-            ):  # the client gave up (its timeout, a killed trainer): no traceback
+            except ConnectionError:  # the client gave up (its timeout, a killed trainer)
                 log.info("grpo serve: %s %s: the client left before its answer", method, path)
-                self.close_connection = True
 
         def do_GET(self) -> None:  # noqa: N802 (the base class's name)
             self._serve("GET")

@@ -172,9 +172,9 @@ class AheadSource:
         self.request_timeout, self.push_timeout = request_timeout, push_timeout
         self.engine.recovers = False  # its weights are not the trainer's: a lost server stops it
         self.trained = step
-        """Steps trained; the server holds the weights after step `held`, the newest batch drawn
-        needs those after step `wanted` (held < wanted: a push is due)."""
-        self.held = self.wanted = step  # the engine pushed the weights it starts with
+        """Steps trained; the server holds the weights after step `held` (a batch drawn for newer
+        ones: a push is due)."""
+        self.held = step  # the engine pushed the weights it starts with
         self.pushes: list[tuple[int, dict[str, float]]] = []
         """(the step whose weights were pushed, the push's metrics), not yet in a row."""
         self.queue: deque[AheadBatch] = deque()
@@ -238,7 +238,7 @@ class AheadSource:
         while the update runs: the server's memory is its own). A failure is left for the next
         batch, where the step is whole."""
         with self.cond:
-            self._wait(lambda: self.held == self.wanted, "the weights' push", raising=False)
+            self._wait(lambda: not self._push_due(), "the weights' push", raising=False)
 
     def policy_changed(self, model: torch.nn.Module) -> None:
         """After a step: on every weight_sync_steps-th, the batches the new weights sample drawn;
@@ -248,7 +248,6 @@ class AheadSource:
             return
         with self.cond:
             if self._draw_ready(self.trained):
-                self.wanted = self.trained
                 self.cond.notify_all()
 
     def take_metrics(self) -> dict[str, float]:
@@ -309,7 +308,7 @@ class AheadSource:
             )
         self.engine.sync_weights(self.model)  # the generator idle: every batch drawn is generated
         with self.cond:
-            self.held = self.wanted = self.trained
+            self.held = self.trained
             self.pushes.append((self.trained, self.engine.take_metrics()))
 
     # ------------------------------------------------------------------ scheduling
@@ -335,6 +334,10 @@ class AheadSource:
             drawn_now += 1
         return drawn_now
 
+    def _push_due(self) -> bool:
+        """Whether a batch drawn is sampled from newer weights than the server holds."""
+        return any(b.version > self.held for b in self.queue)
+
     def _all_generated(self) -> bool:
         return all(b.rollout is not None for b in self.queue)
 
@@ -344,7 +347,7 @@ class AheadSource:
         is raised as GeneratorStopped (else left for the next batch)."""
         start = time.perf_counter()
         left = sum(b.rollout is None for b in self.queue)
-        pushes = self.wanted != self.held
+        pushes = self._push_due()
         bound = self.request_timeout * max(1, left) + self.push_timeout * PUSH_EXCHANGES * pushes
         bound += 60.0
         while not ready() and self.failure is None:
